@@ -1,0 +1,29 @@
+# One command to run locally, one to test. Each sets up what it needs first (a venv in .venv).
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup run test benchmark clean
+
+$(VENV)/.installed: setup.py constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0 -e '.[cpu,test]'
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA-linked and break `from vllm import LLM` on the
+	# CPU; triton (pulled by xgrammar) is of no use there.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(PY) -m pipeline --config configs/local.yaml
+
+test: setup
+	$(PY) -m pytest -q tests
+
+benchmark: setup
+	$(PY) -m pipeline.benchmark
+
+clean:
+	rm -rf out bench-results

@@ -1,0 +1,1 @@
+"""newsvec's pipelines: options and config, the graph, and the entry points (``python -m pipeline``)."""

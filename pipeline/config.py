@@ -1,0 +1,121 @@
+"""Config files: one YAML file per deployment (``configs/``), validated at start.
+
+A wrong key, a wrong value or an unfilled placeholder (``<PROJECT_ID>``) fails before anything runs,
+with a message that names it. The ``beam:`` section holds Beam pipeline options (runner, project,
+...); flags on the command line override them and the top-level ``input`` and ``output``.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from transforms.dedup import KEYS as DEDUP_KEYS
+from transforms.embed import ModelSettings
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "local.yaml"
+_PLACEHOLDER = re.compile(r"<[A-Z][A-Z0-9_]*>")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. The message names the file and the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ParseSettings(_Section):
+    max_payload_bytes: int = Field(1 << 20, gt=0, description="Larger payloads are dead-lettered")
+    max_future_skew_s: float = Field(
+        86400, ge=0, description="published_at further ahead of now is dead-lettered")
+
+
+class TextSettings(_Section):
+    max_text_chars: int = Field(200_000, gt=0, description="Longer title+body is dead-lettered")
+
+
+class DedupSettings(_Section):
+    key: str = Field("id", pattern="^(" + "|".join(DEDUP_KEYS) + ")$")
+
+
+class SinkSettings(_Section):
+    row_group_rows: int = Field(16384, gt=0, description="Rows per Parquet row group")
+    dead_letter_payload_bytes: int = Field(4096, gt=0, description="Raw payload kept per letter")
+
+
+class Config(_Section):
+    input: Optional[str] = Field(None, description="JSON Lines glob, local or gs://, .gz allowed")
+    output: str = Field(description="Output prefix, local or gs://")
+    model: ModelSettings
+    parse: ParseSettings = ParseSettings()
+    text: TextSettings = TextSettings()
+    dedup: DedupSettings = DedupSettings()
+    sink: SinkSettings = SinkSettings()
+    beam: dict[str, Any] = Field(default_factory=dict, description="Beam pipeline options")
+
+    def beam_flags(self) -> list[str]:
+        """The ``beam:`` section as command-line flags, for PipelineOptions."""
+        flags = []
+        for key, value in self.beam.items():
+            values = value if isinstance(value, list) else [value]
+            for item in values:
+                if isinstance(item, bool):
+                    if item:
+                        flags.append(f"--{key}")
+                else:
+                    flags.append(f"--{key}={item}")
+        return flags
+
+
+def _placeholders(node: Any, path: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _placeholders(v, f"{path}.{k}" if path else k)]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _placeholders(v, f"{path}[{i}]")]
+    if isinstance(node, str) and _PLACEHOLDER.search(node):
+        return [f"{path} = {node!r}"]
+    return []
+
+
+def _known_beam_options() -> set[str]:
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    return set(PipelineOptions([]).get_all_options(drop_default=False).keys())
+
+
+def validate(raw: Any, source: str = "config") -> Config:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the config must be a YAML mapping, got {type(raw).__name__}")
+    try:
+        config = Config.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+            for e in exc.errors(include_url=False))
+        raise ConfigError(f"{source}: {problems}") from None
+    unknown = sorted(set(config.beam) - _known_beam_options())
+    if unknown:
+        raise ConfigError(f"{source}: beam.{unknown[0]}: not a Beam pipeline option")
+    filled = _placeholders(raw)
+    if filled:
+        raise ConfigError(f"{source}: fill in the placeholder(s) before running: {', '.join(filled)}")
+    return config
+
+
+def load(path: str | Path, **overrides: Optional[str]) -> Config:
+    """Read and validate a config file; ``overrides`` (input=..., output=...) win when not None."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if isinstance(raw, dict):
+        raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
+    return validate(raw, str(path))

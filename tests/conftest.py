@@ -1,0 +1,38 @@
+"""Shared fixtures. The vLLM engine is loaded once per test session (transforms.embed caches it)."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from pipeline import config as config_lib
+
+# Beam leaves beam-temp* folders in TMPDIR on every run: give the session its own.
+_SESSION_TMP = tempfile.mkdtemp(prefix="newsvec-tests-")
+os.environ["TMPDIR"] = _SESSION_TMP
+tempfile.tempdir = None
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE_EVENTS = REPO / "pipeline" / "sample_data" / "news-events.jsonl"
+BBC = REPO.parent / "shared" / "data" / "bbc-news"
+
+
+def make_config(**changes) -> config_lib.Config:
+    """configs/local.yaml at float32 (exact parity with sentence-transformers), with changes."""
+    base = config_lib.load(config_lib.DEFAULT_CONFIG)
+    model = base.model.model_copy(update={"dtype": "float32"})
+    return base.model_copy(update={"model": model, **changes})
+
+
+@pytest.fixture(scope="session")
+def fp32_config() -> config_lib.Config:
+    return make_config()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(fp32_config):
+    from transforms.text import HeadTokenizer
+
+    return HeadTokenizer(fp32_config.model.path, fp32_config.model.max_tokens)

@@ -1,0 +1,116 @@
+"""Parse: the input contract, and hostile payloads that must become dead letters with a reason."""
+import datetime as dt
+import json
+
+import apache_beam as beam
+import pytest
+from apache_beam.testing.test_pipeline import TestPipeline
+from apache_beam.testing.util import assert_that, equal_to
+
+from transforms.parse import ParseError, ParseEvents, parse_event
+from transforms.schema import Reason
+
+NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
+LIMITS = dict(max_payload_bytes=1 << 20, max_future_skew=dt.timedelta(days=1), now=NOW)
+GOOD = {"id": "a-1", "title": "Rates held", "body": "The bank held rates.",
+        "url": "https://news.example.com/a-1", "source": "wire", "language": "en",
+        "published_at": "2026-11-30T09:15:00Z"}
+
+
+def payload(**changes) -> bytes:
+    event = {**GOOD, **changes}
+    return json.dumps({k: v for k, v in event.items() if v is not ...}).encode()
+
+
+def reason_of(raw: bytes) -> str:
+    with pytest.raises(ParseError) as info:
+        parse_event(raw, **LIMITS)
+    assert info.value.detail, "a dead letter needs a reason a person can act on"
+    return info.value.reason
+
+
+def test_valid_event_parses_all_fields():
+    event = parse_event(payload(), **LIMITS)
+    assert event.id == "a-1" and event.title == "Rates held" and event.language == "en"
+    assert event.published_at == dt.datetime(2026, 11, 30, 9, 15, tzinfo=dt.timezone.utc)
+
+
+def test_unknown_fields_are_ignored_and_optional_fields_may_be_missing():
+    event = parse_event(b'{"id": "x", "body": "text", "tags": ["a"], "extra": {"deep": 1}}', **LIMITS)
+    assert event.id == "x" and event.title is None and event.published_at is None
+
+
+def test_title_alone_or_body_alone_is_enough():
+    assert parse_event(payload(body=...), **LIMITS).body is None
+    assert parse_event(payload(title=...), **LIMITS).title is None
+
+
+def test_rfc3339_offsets_are_kept_as_aware_datetimes():
+    event = parse_event(payload(published_at="2026-11-30T10:15:00+01:00"), **LIMITS)
+    assert event.published_at == dt.datetime(2026, 11, 30, 9, 15, tzinfo=dt.timezone.utc)
+
+
+@pytest.mark.parametrize("raw, reason", [
+    (b'{"id": "a", "body": "cut in the mid', Reason.INVALID_JSON),
+    (b"", Reason.INVALID_JSON),
+    (b"not json at all", Reason.INVALID_JSON),
+    (b'{"id": "a", "body": "x"} trailing', Reason.INVALID_JSON),
+    (b"[1, 2, 3]", Reason.NOT_AN_OBJECT),
+    (b'"just a string"', Reason.NOT_AN_OBJECT),
+    (b"null", Reason.NOT_AN_OBJECT),
+    (b'{"title": "t", "body": "b"}', Reason.MISSING_ID),
+    (b'{"id": 12345, "body": "b"}', Reason.INVALID_ID),
+    (b'{"id": "", "body": "b"}', Reason.INVALID_ID),
+    (json.dumps({"id": "x" * 257, "body": "b"}).encode(), Reason.INVALID_ID),
+    (b'{"id": null, "body": "b"}', Reason.INVALID_ID),
+    (b'{"id": "a", "body": 42}', Reason.INVALID_FIELD),
+    (b'{"id": "a", "title": ["list"], "body": "b"}', Reason.INVALID_FIELD),
+    (b'{"id": "a", "body": {"nested": "object"}}', Reason.INVALID_FIELD),
+    (b'{"id": "a", "body": "b", "published_at": "yesterday"}', Reason.INVALID_FIELD),
+    (b'{"id": "a", "body": "b", "published_at": "2026-11-30T09:15:00"}', Reason.INVALID_FIELD),
+    (b'{"id": "a", "body": "b", "published_at": 1764000000}', Reason.INVALID_FIELD),
+    (b'{"id": "a", "title": "", "body": ""}', Reason.NO_TEXT),
+    (b'{"id": "a", "title": "  \\n\\t ", "body": null}', Reason.NO_TEXT),
+    (b'{"id": "a"}', Reason.NO_TEXT),
+    (b'\xff\xfe{"id": "a", "body": "b"}', Reason.INVALID_UTF8),
+    (b'{"id": "a", "body": "caf\xe9"}', Reason.INVALID_UTF8),
+    (b"[" * 100_000 + b"]" * 100_000, Reason.INVALID_JSON),
+])
+def test_hostile_payloads_get_specific_reasons(raw, reason):
+    assert reason_of(raw) == reason
+
+
+def test_oversized_payload_is_rejected_before_decoding():
+    body = "x" * (20 * 1024 * 1024)
+    assert reason_of(payload(body=body)) == Reason.PAYLOAD_TOO_LARGE
+
+
+def test_future_dates_beyond_the_allowed_skew_are_dead_lettered():
+    assert reason_of(payload(published_at="2031-01-01T00:00:00Z")) == Reason.PUBLISHED_IN_FUTURE
+    # Within the skew (clocks differ): accepted.
+    assert parse_event(payload(published_at="2026-12-01T18:00:00Z"), **LIMITS).id == "a-1"
+
+
+def test_nul_bytes_and_path_like_fields_are_just_data():
+    event = parse_event(payload(id="../../etc/passwd", source="../../x", body="a\u0000b"), **LIMITS)
+    assert event.id == "../../etc/passwd" and event.body == "a\x00b"
+
+
+def test_parse_transform_routes_every_payload_exactly_once():
+    raws = [payload(id="ok-1"), b"{broken", payload(id="ok-2"), b"[]", b"\xff"]
+    with TestPipeline(runner="FnApiRunner") as p:
+        out = p | beam.Create(raws) | ParseEvents(max_payload_bytes=1 << 20)
+        assert_that(out.events | beam.Map(lambda e: e.id), equal_to(["ok-1", "ok-2"]), label="ok")
+        assert_that(out.dead_letter | beam.Map(lambda d: (d.step, d.reason)),
+                    equal_to([("parse", Reason.INVALID_JSON), ("parse", Reason.NOT_AN_OBJECT),
+                              ("parse", Reason.INVALID_UTF8)]), label="dead")
+        assert_that(out.dead_letter | beam.Map(lambda d: d.payload_bytes > 0 and bool(d.payload)),
+                    equal_to([True] * 3), label="payload kept")
+
+
+def test_dead_letter_payload_is_truncated_to_its_bound():
+    big = b'{"id": "a", "body": "' + b"y" * 10_000
+    with TestPipeline(runner="FnApiRunner") as p:
+        out = p | beam.Create([big]) | ParseEvents(dead_letter_payload_bytes=100)
+        assert_that(out.dead_letter | beam.Map(lambda d: (len(d.payload), d.payload_bytes)),
+                    equal_to([(100, len(big))]))

@@ -1,0 +1,108 @@
+"""Parse: raw bytes (a JSON Lines line or a Pub/Sub message payload) -> NewsEvent, or a dead letter.
+
+Every payload leaves this step exactly once: on the main output as a ``NewsEvent``, or on the
+``dead_letter`` output with a reason from ``schema.Reason``.
+"""
+from __future__ import annotations
+
+import datetime as dt
+from typing import Iterator, Optional, Union
+
+import apache_beam as beam
+import pydantic
+from apache_beam import pvalue
+
+from transforms.metrics import EVENTS_IN
+from transforms.schema import DeadLetter, NewsEvent, Reason, Step, truncate_payload
+
+DEAD_LETTER = "dead_letter"
+
+
+class ParseError(ValueError):
+    def __init__(self, reason: str, detail: str, event_id: Optional[str] = None):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail, self.event_id = reason, detail, event_id
+
+
+def _describe(err: dict) -> str:
+    loc = ".".join(str(p) for p in err.get("loc", ())) or "(root)"
+    return f"{loc}: {err.get('msg', 'invalid')}"
+
+
+def _from_validation_error(exc: pydantic.ValidationError) -> ParseError:
+    errors = exc.errors(include_url=False, include_input=False)
+    first = errors[0]
+    kind, loc = first.get("type", ""), first.get("loc", ())
+    detail = "; ".join(_describe(e) for e in errors[:5])
+    if kind == "json_invalid":
+        return ParseError(Reason.INVALID_JSON, f"not valid JSON ({first.get('msg')})")
+    if kind in ("model_type", "model_attributes_type") and not loc:
+        return ParseError(Reason.NOT_AN_OBJECT, "the payload must be a JSON object")
+    if loc and loc[0] == "id":
+        reason = Reason.MISSING_ID if kind == "missing" else Reason.INVALID_ID
+        return ParseError(reason, detail)
+    return ParseError(Reason.INVALID_FIELD, detail)
+
+
+def parse_event(
+    payload: bytes,
+    *,
+    max_payload_bytes: int,
+    max_future_skew: dt.timedelta,
+    now: Optional[dt.datetime] = None,
+) -> NewsEvent:
+    """Validate one payload against the input contract. Raises ParseError with a reason code."""
+    if not isinstance(payload, (bytes, bytearray)):
+        raise ParseError(Reason.INVALID_FIELD, f"payload must be bytes, got {type(payload).__name__}")
+    if len(payload) > max_payload_bytes:
+        raise ParseError(Reason.PAYLOAD_TOO_LARGE,
+                         f"{len(payload)} bytes is over the limit of {max_payload_bytes} bytes")
+    try:
+        text = bytes(payload).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ParseError(Reason.INVALID_UTF8, f"not UTF-8 at byte {exc.start}: {exc.reason}") from None
+    try:
+        event = NewsEvent.model_validate_json(text)
+    except pydantic.ValidationError as exc:
+        raise _from_validation_error(exc) from None
+    if not (event.title or "").strip() and not (event.body or "").strip():
+        raise ParseError(Reason.NO_TEXT, "title and body are both missing or empty", event.id)
+    if event.published_at is not None:
+        now = now or dt.datetime.now(dt.timezone.utc)
+        if event.published_at - now > max_future_skew:
+            raise ParseError(
+                Reason.PUBLISHED_IN_FUTURE,
+                f"published_at {event.published_at.isoformat()} is more than "
+                f"{max_future_skew} after now ({now.isoformat(timespec='seconds')})", event.id)
+    return event
+
+
+class _ParseFn(beam.DoFn):
+    def __init__(self, max_payload_bytes: int, max_future_skew_s: float, dead_letter_payload_bytes: int):
+        self._max_payload_bytes = max_payload_bytes
+        self._max_future_skew = dt.timedelta(seconds=max_future_skew_s)
+        self._dl_bytes = dead_letter_payload_bytes
+
+    def process(self, payload: bytes) -> Iterator[Union[NewsEvent, pvalue.TaggedOutput]]:
+        EVENTS_IN.inc()
+        try:
+            yield parse_event(payload, max_payload_bytes=self._max_payload_bytes,
+                              max_future_skew=self._max_future_skew)
+        except ParseError as exc:
+            raw = bytes(payload) if isinstance(payload, (bytes, bytearray)) else repr(payload).encode()
+            yield pvalue.TaggedOutput(DEAD_LETTER, DeadLetter(
+                step=Step.PARSE, reason=exc.reason, detail=exc.detail,
+                payload=truncate_payload(raw, self._dl_bytes), payload_bytes=len(raw),
+                event_id=exc.event_id))
+
+
+class ParseEvents(beam.PTransform):
+    """bytes -> NewsEvent (main output) and DeadLetter (``dead_letter`` output)."""
+
+    def __init__(self, *, max_payload_bytes: int = 1 << 20, max_future_skew_s: float = 86400,
+                 dead_letter_payload_bytes: int = 4096):
+        super().__init__()
+        self._fn = _ParseFn(max_payload_bytes, max_future_skew_s, dead_letter_payload_bytes)
+
+    def expand(self, payloads):
+        return payloads | beam.ParDo(self._fn).with_outputs(DEAD_LETTER, main="events")

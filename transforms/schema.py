@@ -1,0 +1,133 @@
+"""The one home of newsvec's data types: every stage imports these, none redefines them.
+
+- ``NewsEvent``: a validated input event (the input contract, as a pydantic model).
+- ``PreparedDoc``: an event with its normalized text and model token ids.
+- ``EmbeddedDoc``: a prepared document with its vector.
+- ``DeadLetter``: an input that could not become a vector row, with the step and the reason.
+- ``vector_schema(dim)``: the Parquet schema of a vector row.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+from typing import Annotated, Any, Optional
+
+import pyarrow as pa
+from pydantic import AwareDatetime, BaseModel, ConfigDict, StringConstraints
+
+MAX_ID_CHARS = 256
+
+
+class NewsEvent(BaseModel):
+    """A news event as it arrives (JSON, UTF-8). Unknown fields are ignored.
+
+    Strict: a number where a string belongs is an error, not coerced; ``published_at`` must be
+    RFC 3339 with an offset.
+    """
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    id: Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
+    title: Optional[str] = None
+    body: Optional[str] = None
+    url: Optional[str] = None
+    source: Optional[str] = None
+    language: Optional[str] = None
+    published_at: Optional[AwareDatetime] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedDoc:
+    """An event ready for the model: normalized text and the head of its token ids."""
+
+    event: NewsEvent
+    text: str
+    text_sha256: str
+    token_ids: tuple[int, ...]
+    truncated: bool
+
+    @property
+    def token_count(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddedDoc:
+    """A prepared document and its vector: one row of ``vectors/`` once written."""
+
+    doc: PreparedDoc
+    embedding: Any  # numpy float32 array of shape (dim,)
+    model: str
+    embedded_at: dt.datetime
+
+
+class Step:
+    """Names of the steps that can dead-letter an input."""
+
+    PARSE = "parse"
+    PREPARE = "prepare_text"
+    EMBED = "embed"
+
+
+class Reason:
+    """Dead-letter reasons: stable codes, one per thing a person would fix differently."""
+
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    INVALID_UTF8 = "invalid_utf8"
+    INVALID_JSON = "invalid_json"
+    NOT_AN_OBJECT = "not_a_json_object"
+    MISSING_ID = "missing_id"
+    INVALID_ID = "invalid_id"
+    INVALID_FIELD = "invalid_field"
+    NO_TEXT = "no_text"
+    PUBLISHED_IN_FUTURE = "published_at_in_future"
+    TEXT_TOO_LONG = "text_too_long"
+    EMPTY_AFTER_NORMALIZATION = "empty_after_normalization"
+    EMBEDDING_FAILED = "embedding_failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadLetter:
+    """An input that did not become a vector row. Written as one JSON line in ``dead_letter/``."""
+
+    step: str
+    reason: str
+    detail: str
+    payload: str  # the raw payload, truncated to a bound, undecodable bytes backslash-escaped
+    payload_bytes: int  # the size of the whole raw payload
+    event_id: Optional[str] = None
+    failed_at: str = dataclasses.field(
+        default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+
+
+def truncate_payload(raw: bytes, limit: int) -> str:
+    """The head of a raw payload, as text a person can read in a dead letter."""
+    return raw[:limit].decode("utf-8", errors="backslashreplace")
+
+
+def event_payload(event: NewsEvent) -> bytes:
+    """A re-serialized event, for dead letters raised after parsing."""
+    return event.model_dump_json(exclude_none=True).encode("utf-8")
+
+
+def vector_schema(dim: int) -> pa.Schema:
+    """The Parquet schema of ``vectors/``: one row per article. Documented in README.md."""
+    return pa.schema([
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("url", pa.string()),
+        pa.field("source", pa.string()),
+        pa.field("title", pa.string()),
+        pa.field("published_at", pa.timestamp("us", tz="UTC")),
+        pa.field("language", pa.string()),
+        pa.field("model", pa.string(), nullable=False),
+        pa.field("dim", pa.int32(), nullable=False),
+        pa.field("embedding", pa.list_(pa.float32(), dim), nullable=False),
+        pa.field("text_sha256", pa.string(), nullable=False),
+        pa.field("token_count", pa.int32(), nullable=False),
+        pa.field("truncated", pa.bool_(), nullable=False),
+        pa.field("embedded_at", pa.timestamp("us", tz="UTC"), nullable=False),
+    ])

@@ -1,0 +1,158 @@
+"""Prepare text: NewsEvent -> PreparedDoc (normalized text + the head of its token ids), or a dead letter.
+
+Normalization: HTML tags dropped and entities decoded, mojibake repaired (ftfy), Unicode NFC, control
+characters removed, whitespace collapsed. Title and body are joined by a newline.
+
+Truncation keeps the HEAD of long articles: the text is tokenized here with the model's own tokenizer,
+truncated on the right to ``max_tokens`` (special tokens included), and the ids go to vLLM as they
+are. (vLLM's ``truncate_prompt_tokens`` would keep the tail, the wrong end for news.)
+"""
+from __future__ import annotations
+
+import hashlib
+import html.parser
+import re
+from typing import Iterator, Optional
+
+import apache_beam as beam
+import ftfy
+from apache_beam import pvalue
+
+from transforms.metrics import TRUNCATED
+from transforms.model_files import resolve_model_path
+from transforms.schema import (DeadLetter, NewsEvent, PreparedDoc, Reason, Step, event_payload,
+                               truncate_payload)
+
+DEAD_LETTER = "dead_letter"
+
+# Tokenizing more than this many characters per allowed token cannot change which tokens are kept.
+_CHARS_PER_TOKEN_BOUND = 32
+_TAG = re.compile(r"<[A-Za-z!/?]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b\ufeff]")
+_SPACE = re.compile(r"\s+")
+_BLOCK_TAGS = frozenset(
+    "address article aside blockquote br dd div dl dt figcaption figure footer h1 h2 h3 h4 h5 h6 "
+    "header hr li main nav ol p pre section table td th tr ul".split())
+_SKIP_TAGS = frozenset({"script", "style", "noscript", "template"})
+
+
+class _TextExtractor(html.parser.HTMLParser):
+    """Text content of an HTML fragment; block tags become spaces, scripts and styles are dropped."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self._skip = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag in _SKIP_TAGS:
+            self._skip += 1
+        elif tag in _BLOCK_TAGS:
+            self.parts.append(" ")
+
+    def handle_endtag(self, tag):
+        if tag in _SKIP_TAGS:
+            self._skip = max(0, self._skip - 1)
+        elif tag in _BLOCK_TAGS:
+            self.parts.append(" ")
+
+    def handle_data(self, data):
+        if not self._skip:
+            self.parts.append(data)
+
+
+def strip_html(text: str) -> str:
+    parser = _TextExtractor()
+    parser.feed(text)
+    parser.close()
+    return "".join(parser.parts)
+
+
+def normalize_text(text: Optional[str]) -> str:
+    """One field's text, cleaned for the model. Idempotent."""
+    if not text:
+        return ""
+    if _TAG.search(text):
+        text = strip_html(text)
+    elif "&" in text:
+        text = html.unescape(text)
+    text = ftfy.fix_text(text, unescape_html=False, normalization="NFC")
+    text = _CONTROL.sub(" ", text)
+    return _SPACE.sub(" ", text).strip()
+
+
+def compose_text(event: NewsEvent) -> str:
+    """The text that is embedded: normalized title, a newline, normalized body."""
+    return "\n".join(part for part in (normalize_text(event.title), normalize_text(event.body)) if part)
+
+
+class HeadTokenizer:
+    """The model's tokenizer, truncating on the right (keeping the head) to ``max_tokens``."""
+
+    def __init__(self, model_path: str, max_tokens: int, trust_remote_code: bool = False):
+        from transformers import AutoTokenizer  # heavy import, only where it is used
+
+        hf = AutoTokenizer.from_pretrained(resolve_model_path(model_path),
+                                           trust_remote_code=trust_remote_code)
+        self._tok = hf.backend_tokenizer  # the fast (Rust) tokenizer, without Python overhead
+        self._tok.no_padding()
+        self._tok.enable_truncation(max_length=max_tokens, direction="right")
+        self.max_tokens = max_tokens
+        self._max_chars = max_tokens * _CHARS_PER_TOKEN_BOUND
+
+    def __call__(self, text: str) -> tuple[tuple[int, ...], bool]:
+        """(token ids of the head, whether anything was cut)."""
+        cut = len(text) > self._max_chars
+        encoding = self._tok.encode(text[: self._max_chars] if cut else text)
+        return tuple(encoding.ids), cut or bool(encoding.overflowing)
+
+
+class _PrepareTextFn(beam.DoFn):
+    def __init__(self, model_path: str, max_tokens: int, max_text_chars: int,
+                 dead_letter_payload_bytes: int, trust_remote_code: bool):
+        self._model_path, self._max_tokens = model_path, max_tokens
+        self._max_text_chars, self._dl_bytes = max_text_chars, dead_letter_payload_bytes
+        self._trust_remote_code = trust_remote_code
+        self._tokenizer: Optional[HeadTokenizer] = None
+
+    def setup(self):
+        self._tokenizer = HeadTokenizer(self._model_path, self._max_tokens, self._trust_remote_code)
+
+    def _dead_letter(self, event: NewsEvent, reason: str, detail: str):
+        raw = event_payload(event)
+        return pvalue.TaggedOutput(DEAD_LETTER, DeadLetter(
+            step=Step.PREPARE, reason=reason, detail=detail, event_id=event.id,
+            payload=truncate_payload(raw, self._dl_bytes), payload_bytes=len(raw)))
+
+    def process(self, event: NewsEvent) -> Iterator:
+        length = len(event.title or "") + len(event.body or "")
+        if length > self._max_text_chars:
+            yield self._dead_letter(event, Reason.TEXT_TOO_LONG,
+                                    f"title and body hold {length} characters, over the limit of "
+                                    f"{self._max_text_chars}")
+            return
+        text = compose_text(event)
+        if not text:
+            yield self._dead_letter(event, Reason.EMPTY_AFTER_NORMALIZATION,
+                                    "no text is left once HTML, control characters and whitespace "
+                                    "are removed")
+            return
+        ids, truncated = self._tokenizer(text)
+        if truncated:
+            TRUNCATED.inc()
+        yield PreparedDoc(event=event, text=text,
+                          text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                          token_ids=ids, truncated=truncated)
+
+
+class PrepareText(beam.PTransform):
+    """NewsEvent -> PreparedDoc (main output) and DeadLetter (``dead_letter`` output)."""
+
+    def __init__(self, *, model_path: str, max_tokens: int, max_text_chars: int = 200_000,
+                 dead_letter_payload_bytes: int = 4096, trust_remote_code: bool = False):
+        super().__init__()
+        self._fn = _PrepareTextFn(model_path, max_tokens, max_text_chars,
+                                  dead_letter_payload_bytes, trust_remote_code)
+
+    def expand(self, events):
+        return events | beam.ParDo(self._fn).with_outputs(DEAD_LETTER, main="docs")
