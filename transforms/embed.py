@@ -66,6 +66,8 @@ class EmbedFailure:
 class LoadedModel:
     llm: Any
     label: str  # name@revision, or name@sha256:<first 16 hex of the content hash>
+    load_s: float = 0.0
+    load_reported: bool = False  # metrics cannot be recorded in DoFn.setup, where loading happens
 
 
 class ModelBrokenError(RuntimeError):
@@ -114,6 +116,9 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, LoadedMod
 
     def run_inference(self, batch: Sequence[PreparedDoc], model: LoadedModel,
                       inference_args: Optional[dict] = None) -> Iterable[PredictionResult]:
+        if not model.load_reported:
+            MODEL_LOAD_MS.update(int(model.load_s * 1000))
+            model.load_reported = True
         started = time.perf_counter()
         results = self._embed(model.llm, batch)
         EMBED_MS.update(int((time.perf_counter() - started) * 1000))
@@ -175,8 +180,7 @@ def _load(s: ModelSettings) -> LoadedModel:
     if hidden != s.dim:
         raise ValueError(f"model.dim is {s.dim} in the config but the model {s.path} "
                          f"gives {hidden}-dimensional embeddings")
-    MODEL_LOAD_MS.update(int((time.perf_counter() - started) * 1000))
-    return LoadedModel(llm=llm, label=model_label(s, path))
+    return LoadedModel(llm=llm, label=model_label(s, path), load_s=time.perf_counter() - started)
 
 
 def _shutdown(llm) -> None:

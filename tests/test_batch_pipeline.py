@@ -1,0 +1,144 @@
+"""The batch pipeline end to end, on the FnApiRunner with real vLLM (float32), over the repo's sample
+events: rows, Parquet types, parity with sentence-transformers, dead letters, the summary, DuckDB."""
+import gzip
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from pipeline.run import run, run_batch
+from tests.conftest import SAMPLE_EVENTS, make_config
+from transforms.schema import NewsEvent, vector_schema
+from transforms.text import compose_text
+
+# What the sample's deliberately bad lines must become (the sample file documents them).
+EXPECTED_DEAD = {"invalid_json": 1, "not_a_json_object": 1, "missing_id": 1, "invalid_id": 1,
+                 "no_text": 1, "invalid_field": 1, "published_at_in_future": 1}
+EXPECTED_DUPLICATES = 1
+PART = re.compile(r"^part-\d{8}T\d{6}Z-[0-9a-f]{8}-\d{5}-of-\d{5}\.(parquet|jsonl)$")
+
+
+def sample_lines() -> list[bytes]:
+    return SAMPLE_EVENTS.read_bytes().splitlines()
+
+
+def valid_events() -> dict[str, NewsEvent]:
+    """The sample's valid events by id, parsed here independently of the pipeline's parse step."""
+    events = {}
+    for line in sample_lines():
+        try:
+            raw = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(raw, dict) and isinstance(raw.get("id"), str):
+            events.setdefault(raw["id"], raw)
+    return events
+
+
+@pytest.fixture(scope="module")
+def batch_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("batch")
+    config = make_config(input=str(SAMPLE_EVENTS), output=str(out))
+    summary = run_batch(config, PipelineOptions(["--runner=FnApiRunner"]))
+    return summary, out
+
+
+def read_vectors(out: Path):
+    return pq.read_table(sorted((out / "vectors").glob("*.parquet")))
+
+
+def test_every_input_is_accounted_for(batch_run):
+    summary, out = batch_run
+    counts = summary["counts"]
+    assert counts["in"] == len(sample_lines())
+    assert counts["in"] == counts["written"] + counts["dead_lettered"] + counts["duplicates"]
+    assert counts["dead_lettered_by_reason"] == EXPECTED_DEAD
+    assert counts["duplicates"] == EXPECTED_DUPLICATES
+    assert read_vectors(out).num_rows == counts["written"]
+    letters = [json.loads(line) for f in (out / "dead_letter").glob("*.jsonl")
+               for line in f.read_text().splitlines()]
+    assert len(letters) == counts["dead_lettered"]
+    assert all(d["step"] == "parse" and d["detail"] and d["payload"] for d in letters)
+
+
+def test_rows_types_and_files(batch_run):
+    summary, out = batch_run
+    table = read_vectors(out)
+    assert table.schema.equals(vector_schema(384))
+    assert str(table.schema.field("embedding").type) == "fixed_size_list<item: float>[384]"
+    assert len(set(table["id"].to_pylist())) == table.num_rows, "one row per article id"
+    assert set(table["dim"].to_pylist()) == {384}
+    vectors = table["embedding"].combine_chunks().flatten().to_numpy().reshape(-1, 384)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-4), "normalize: true"
+    assert table["model"][0].as_py().startswith("sentence-transformers/all-MiniLM-L6-v2@sha256:")
+    assert any(table["truncated"].to_pylist()), "the sample's long articles are truncated"
+    assert max(table["token_count"].to_pylist()) == 256
+    for f in list((out / "vectors").iterdir()) + list((out / "dead_letter").iterdir()):
+        assert PART.match(f.name) and summary["run_id"] in f.name, f.name
+    meta = pq.ParquetFile(next((out / "vectors").glob("*.parquet"))).metadata
+    assert meta.row_group(0).column(0).compression == "ZSTD"
+
+
+def test_vectors_equal_sentence_transformers(batch_run):
+    from sentence_transformers import SentenceTransformer
+    from transforms.model_files import resolve_model_path
+
+    _, out = batch_run
+    table = read_vectors(out)
+    events = valid_events()
+    texts = [compose_text(NewsEvent(id=i, title=events[i].get("title"), body=events[i].get("body")))
+             for i in table["id"].to_pylist()]
+    model = SentenceTransformer(resolve_model_path(make_config().model.path), device="cpu")
+    expected = model.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
+    got = table["embedding"].combine_chunks().flatten().to_numpy().reshape(-1, 384)
+    cosine = (got * expected).sum(axis=1) / (
+        np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1))
+    assert cosine.min() >= 0.9999, f"min cosine {cosine.min()}"
+
+
+def test_summary_file_holds_counts_model_and_timings(batch_run):
+    summary, out = batch_run
+    written = json.loads((out / "_summary.json").read_text())
+    assert written["counts"] == summary["counts"] and written["invariant_holds"]
+    assert written["model"]["dtype"] == "float32" and len(written["model"]["content_sha256"]) == 64
+    timings = written["timings"]
+    assert timings["run_s"] > timings["embed_s"] > 0 and timings["total_s"] >= timings["run_s"]
+    assert 0 < written["batches"]["mean_tokens"] <= written["model"]["token_budget"]
+
+
+def test_duckdb_reads_the_output_as_a_user_would(batch_run):
+    import duckdb
+
+    _, out = batch_run
+    glob = str(out / "vectors" / "*.parquet")
+    con = duckdb.connect()
+    n, dims = con.execute(f"SELECT count(*), min(len(embedding)) FROM read_parquet('{glob}')").fetchone()
+    assert (n, dims) == (read_vectors(out).num_rows, 384)
+    # Nearest neighbour of an article is itself, with DuckDB's own array functions.
+    nearest = con.execute(f"""
+        WITH v AS (SELECT id, embedding::FLOAT[384] AS e FROM read_parquet('{glob}'))
+        SELECT b.id, array_cosine_similarity(a.e, b.e) AS s FROM v a, v b
+        WHERE a.id = 'sample-0002' ORDER BY s DESC LIMIT 1""").fetchone()
+    assert nearest[0] == "sample-0002" and nearest[1] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_command_line_with_gzip_input_and_overrides(tmp_path):
+    gz = tmp_path / "in" / "news.jsonl.gz"
+    gz.parent.mkdir()
+    with gzip.open(gz, "wb") as f:
+        f.write(SAMPLE_EVENTS.read_bytes())
+    config_path = tmp_path / "fp32.yaml"
+    config_path.write_text(yaml.safe_dump(
+        json.loads(make_config(input="ignored", output="ignored").model_dump_json())))
+    out = tmp_path / "out"
+    summary = run(["--config", str(config_path), "--input", str(tmp_path / "in" / "*.jsonl.gz"),
+                   "--output", str(out)])
+    assert summary["counts"]["in"] == len(sample_lines()) and summary["invariant_holds"]
+    assert read_vectors(out).num_rows == summary["counts"]["written"]
+    shutil.rmtree(out)

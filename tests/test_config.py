@@ -1,0 +1,85 @@
+"""Config files: the shipped ones load, and a wrong key, value or placeholder fails naming it."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import config as config_lib
+from pipeline.run import resolve
+
+CONFIGS = Path(config_lib.REPO_ROOT) / "configs"
+
+
+def write(tmp_path, data) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def local_raw() -> dict:
+    return yaml.safe_load((CONFIGS / "local.yaml").read_text())
+
+
+def test_local_config_is_valid_and_runs_on_the_cpu():
+    config = config_lib.load(CONFIGS / "local.yaml")
+    assert config.model.path.startswith("pypackage:") and config.model.dim == 384
+    assert config.model.engine_env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert not config.model.trust_remote_code
+
+
+@pytest.mark.parametrize("edit, named", [
+    (lambda c: c["model"].update(dtyp="float32"), "model.dtyp"),
+    (lambda c: c.update(outptu="x"), "outptu"),
+    (lambda c: c["model"].update(dtype="auto"), "model.dtype"),
+    (lambda c: c["model"].update(token_budget=0), "model.token_budget"),
+    (lambda c: c["dedup"].update(key="url"), "dedup.key"),
+    (lambda c: c["parse"].update(max_payload_bytes="big"), "parse.max_payload_bytes"),
+    (lambda c: c["beam"].update(runnr="DirectRunner"), "beam.runnr"),
+    (lambda c: c["model"].pop("dim"), "model.dim"),
+])
+def test_a_wrong_key_or_value_fails_naming_it(tmp_path, edit, named):
+    raw = local_raw()
+    edit(raw)
+    with pytest.raises(config_lib.ConfigError, match=named.replace(".", r"\.")):
+        config_lib.load(write(tmp_path, raw))
+
+
+def test_unfilled_placeholders_fail_at_start_and_are_listed():
+    with pytest.raises(config_lib.ConfigError) as info:
+        config_lib.load(CONFIGS / "dataflow-batch.yaml")
+    for name in ("beam.project", "beam.region", "output", "model.name"):
+        assert name in str(info.value)
+
+
+def test_dataflow_batch_config_is_valid_once_filled(tmp_path):
+    text = (CONFIGS / "dataflow-batch.yaml").read_text()
+    for key, value in {"<BUCKET>": "b", "<PROJECT_ID>": "p", "<REGION>": "europe-west4",
+                       "<MODEL_NAME>": "m", "<MODEL_DIR>": "m", "<MODEL_REVISION>": "r1"}.items():
+        text = text.replace(key, value)
+    path = tmp_path / "filled.yaml"
+    path.write_text(text)
+    config = config_lib.load(path)
+    assert config.beam["runner"] == "DataflowRunner"
+    flags = config.beam_flags()
+    assert ("--dataflow_service_options=worker_accelerator=type:nvidia-l4;count:1;"
+            "install-nvidia-driver") in flags
+    assert "--experiments=no_use_multiple_sdk_containers" in flags
+
+
+def test_flags_override_the_config(tmp_path):
+    path = write(tmp_path, local_raw())
+    config, options = resolve(["--config", str(path), "--input", "in/*.jsonl", "--output", "o",
+                               "--runner", "DirectRunner"])
+    assert (config.input, config.output) == ("in/*.jsonl", "o")
+    assert options.get_all_options()["runner"] == "DirectRunner"
+    config, options = resolve(["--config", str(path)])
+    assert config.output == "out/local" and options.get_all_options()["runner"] == "FnApiRunner"
+
+
+def test_missing_or_malformed_config_file_is_a_config_error(tmp_path):
+    with pytest.raises(config_lib.ConfigError, match="cannot read"):
+        config_lib.load(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    with pytest.raises(config_lib.ConfigError, match="not valid YAML"):
+        config_lib.load(bad)
