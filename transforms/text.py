@@ -27,6 +27,7 @@ DEAD_LETTER = "dead_letter"
 
 # Tokenizing more than this many characters per allowed token cannot change which tokens are kept.
 _CHARS_PER_TOKEN_BOUND = 32
+_TOKENIZE_BATCH = 128
 _TAG = re.compile(r"<[A-Za-z!/?]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b\ufeff]")
 _SPACE = re.compile(r"\s+")
@@ -102,9 +103,13 @@ class HeadTokenizer:
 
     def __call__(self, text: str) -> tuple[tuple[int, ...], bool]:
         """(token ids of the head, whether anything was cut)."""
-        cut = len(text) > self._max_chars
-        encoding = self._tok.encode(text[: self._max_chars] if cut else text)
-        return tuple(encoding.ids), cut or bool(encoding.overflowing)
+        return self.batch([text])[0]
+
+    def batch(self, texts: list[str]) -> list[tuple[tuple[int, ...], bool]]:
+        """``__call__`` for many texts at once: the Rust tokenizer spreads a batch over the cores."""
+        cut = [len(t) > self._max_chars for t in texts]
+        encodings = self._tok.encode_batch([t[: self._max_chars] for t in texts])
+        return [(tuple(e.ids), c or bool(e.overflowing)) for e, c in zip(encodings, cut)]
 
 
 class _PrepareTextFn(beam.DoFn):
@@ -124,25 +129,31 @@ class _PrepareTextFn(beam.DoFn):
             step=Step.PREPARE, reason=reason, detail=detail, event_id=event.id,
             payload=truncate_payload(raw, self._dl_bytes), payload_bytes=len(raw)))
 
-    def process(self, event: NewsEvent) -> Iterator:
+    def _check(self, event: NewsEvent):
+        """The composed text, or a dead letter."""
         length = len(event.title or "") + len(event.body or "")
         if length > self._max_text_chars:
-            yield self._dead_letter(event, Reason.TEXT_TOO_LONG,
-                                    f"title and body hold {length} characters, over the limit of "
-                                    f"{self._max_text_chars}")
-            return
+            return self._dead_letter(event, Reason.TEXT_TOO_LONG,
+                                     f"title and body hold {length} characters, over the limit of "
+                                     f"{self._max_text_chars}")
         text = compose_text(event)
         if not text:
-            yield self._dead_letter(event, Reason.EMPTY_AFTER_NORMALIZATION,
-                                    "no text is left once HTML, control characters and whitespace "
-                                    "are removed")
-            return
-        ids, truncated = self._tokenizer(text)
-        if truncated:
-            TRUNCATED.inc()
-        yield PreparedDoc(event=event, text=text,
-                          text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
-                          token_ids=ids, truncated=truncated)
+            return self._dead_letter(event, Reason.EMPTY_AFTER_NORMALIZATION,
+                                     "no text is left once HTML, control characters and whitespace "
+                                     "are removed")
+        return text
+
+    def process(self, events: list[NewsEvent]) -> Iterator:
+        checked = [(event, self._check(event)) for event in events]
+        ready = [(event, text) for event, text in checked if isinstance(text, str)]
+        yield from (text for _, text in checked if not isinstance(text, str))
+        for (event, text), (ids, truncated) in zip(
+                ready, self._tokenizer.batch([text for _, text in ready])):
+            if truncated:
+                TRUNCATED.inc()
+            yield PreparedDoc(event=event, text=text,
+                              text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                              token_ids=ids, truncated=truncated)
 
 
 class PrepareText(beam.PTransform):
@@ -155,4 +166,8 @@ class PrepareText(beam.PTransform):
                                   dead_letter_payload_bytes, trust_remote_code)
 
     def expand(self, events):
-        return events | beam.ParDo(self._fn).with_outputs(DEAD_LETTER, main="docs")
+        return (events
+                # Batches only so that the tokenizer works on many texts at once.
+                | "Batch" >> beam.BatchElements(min_batch_size=_TOKENIZE_BATCH,
+                                                max_batch_size=_TOKENIZE_BATCH)
+                | "Prepare" >> beam.ParDo(self._fn).with_outputs(DEAD_LETTER, main="docs"))
