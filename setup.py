@@ -15,11 +15,11 @@ setup(
     package_data={"pipeline": ["sample_data/*.jsonl"]},
     install_requires=[
         "apache-beam[gcp]==2.77.0",
-        "pyarrow>=14.0.1,<26",  # Beam 2.77's bound; tested with 25.0.1
+        "pyarrow==25.0.1",  # within Beam 2.77's bound (>=14.0.1,<26)
         "pydantic==2.14.4",
         "ftfy==6.3.1",
         "PyYAML==6.0.4",
-        "numpy>=1.26,<2.4",
+        "numpy==2.3.5",
         "google-cloud-pubsub==2.44.0",
         "google-cloud-storage==3.17.1",
     ],

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from pipeline.config import REPO_ROOT, load
-from transforms.model_files import resolve_model_path
+from transforms.model import resolve_model_path
 
 BBC = REPO_ROOT.parent / "shared" / "data" / "bbc-news"
 ST_BATCH_SIZES = (16, 32, 64, 128)

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from transforms.dedup import KEYS as DEDUP_KEYS
-from transforms.embed import ModelSettings
+from transforms.model import ModelSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local.yaml"
@@ -82,8 +82,11 @@ def _placeholders(node: Any, path: str = "") -> list[str]:
     return []
 
 
-def _known_beam_options() -> set[str]:
+def known_beam_options() -> set[str]:
+    """Every pipeline option Beam and newsvec define (PipelineOptions subclasses register on import)."""
     from apache_beam.options.pipeline_options import PipelineOptions
+
+    import pipeline.options  # noqa: F401  # registers --config, --input, --output
 
     return set(PipelineOptions([]).get_all_options(drop_default=False).keys())
 
@@ -98,7 +101,7 @@ def validate(raw: Any, source: str = "config") -> Config:
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
             for e in exc.errors(include_url=False))
         raise ConfigError(f"{source}: {problems}") from None
-    unknown = sorted(set(config.beam) - _known_beam_options())
+    unknown = sorted(set(config.beam) - known_beam_options())
     if unknown:
         raise ConfigError(f"{source}: beam.{unknown[0]}: not a Beam pipeline option")
     filled = _placeholders(raw)

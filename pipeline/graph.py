@@ -28,9 +28,8 @@ def embed_and_write(payloads, config: Config, run_id: str,
         max_future_skew_s=config.parse.max_future_skew_s,
         dead_letter_payload_bytes=dl_bytes)
     prepared = parsed.events | "PrepareText" >> PrepareText(
-        model_path=config.model.path, max_tokens=config.model.max_tokens,
-        max_text_chars=config.text.max_text_chars, dead_letter_payload_bytes=dl_bytes,
-        trust_remote_code=config.model.trust_remote_code)
+        config.model, max_text_chars=config.text.max_text_chars,
+        dead_letter_payload_bytes=dl_bytes)
     unique = prepared.docs | "DropDuplicates" >> DropDuplicates(config.dedup.key)
     embedded = unique | "Embed" >> EmbedWithVLLM(
         config.model, dead_letter_payload_bytes=dl_bytes, handler=handler)

@@ -1,7 +1,6 @@
 """Entry point: config + flags -> pipeline options -> graph -> run -> ``_summary.json``."""
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
@@ -21,16 +20,18 @@ _LOG = logging.getLogger("newsvec")
 
 
 def resolve(argv: Optional[Sequence[str]] = None) -> tuple[config_lib.Config, PipelineOptions]:
-    """The validated config and the Beam options. Command-line flags override the config file."""
+    """The validated config and the Beam options. Command-line flags override the config file;
+    a flag that neither newsvec nor Beam knows fails here (Beam alone would ignore it)."""
     argv = list(argv or [])
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG))
-    known, _ = pre.parse_known_args(argv)
-    base = config_lib.load(known.config)
+    ours = NewsvecOptions(argv)
+    path = ours.config or str(config_lib.DEFAULT_CONFIG)
+    config = config_lib.load(path, input=ours.input, output=ours.output)
     # Flags after the config's beam: section win, as argparse keeps the last value.
-    options = PipelineOptions(base.beam_flags() + argv)
-    ours = options.view_as(NewsvecOptions)
-    config = config_lib.load(known.config, input=ours.input, output=ours.output)
+    options = PipelineOptions(config.beam_flags() + argv)
+    unknown = sorted(set(options.get_all_options(retain_unknown_options=True))
+                     - config_lib.known_beam_options())
+    if unknown:
+        raise config_lib.ConfigError(f"command line: --{unknown[0]} is not a newsvec or Beam option")
     return config, options
 
 

@@ -14,7 +14,7 @@ from apache_beam.metrics.metric import MetricsFilter
 
 from pipeline.config import Config
 from transforms import metrics
-from transforms.model_files import model_content_hash, resolve_model_path
+from transforms.model import model_content_hash, resolve_model_path
 from transforms.sinks import SUMMARY_FILE, join_path
 
 

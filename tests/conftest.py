@@ -35,4 +35,4 @@ def fp32_config() -> config_lib.Config:
 def tokenizer(fp32_config):
     from transforms.text import HeadTokenizer
 
-    return HeadTokenizer(fp32_config.model.path, fp32_config.model.max_tokens)
+    return HeadTokenizer(fp32_config.model)

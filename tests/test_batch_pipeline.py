@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import yaml
@@ -87,7 +88,7 @@ def test_rows_types_and_files(batch_run):
 
 def test_vectors_equal_sentence_transformers(batch_run):
     from sentence_transformers import SentenceTransformer
-    from transforms.model_files import resolve_model_path
+    from transforms.model import resolve_model_path
 
     _, out = batch_run
     table = read_vectors(out)
@@ -110,6 +111,8 @@ def test_summary_file_holds_counts_model_and_timings(batch_run):
     timings = written["timings"]
     assert timings["run_s"] > timings["embed_s"] > 0 and timings["total_s"] >= timings["run_s"]
     assert 0 < written["batches"]["mean_tokens"] <= written["model"]["token_budget"]
+    assert written["batches"]["max_tokens"] <= written["model"]["token_budget"]
+    assert written["counts"]["truncated"] == int(pc.sum(read_vectors(out)["truncated"]).as_py())
 
 
 def test_duckdb_reads_the_output_as_a_user_would(batch_run):
@@ -142,3 +145,9 @@ def test_command_line_with_gzip_input_and_overrides(tmp_path):
     assert summary["counts"]["in"] == len(sample_lines()) and summary["invariant_holds"]
     assert read_vectors(out).num_rows == summary["counts"]["written"]
     shutil.rmtree(out)
+
+
+def test_the_engine_is_loaded_once_per_process():
+    from transforms import embed
+
+    assert len(embed._ENGINES) == 1, "every pipeline run of the session shared one vLLM engine"

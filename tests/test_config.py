@@ -36,6 +36,7 @@ def test_local_config_is_valid_and_runs_on_the_cpu():
     (lambda c: c["parse"].update(max_payload_bytes="big"), "parse.max_payload_bytes"),
     (lambda c: c["beam"].update(runnr="DirectRunner"), "beam.runnr"),
     (lambda c: c["model"].pop("dim"), "model.dim"),
+    (lambda c: c["model"].update(token_budget=100), "token_budget"),
 ])
 def test_a_wrong_key_or_value_fails_naming_it(tmp_path, edit, named):
     raw = local_raw()
@@ -54,7 +55,8 @@ def test_unfilled_placeholders_fail_at_start_and_are_listed():
 def test_dataflow_batch_config_is_valid_once_filled(tmp_path):
     text = (CONFIGS / "dataflow-batch.yaml").read_text()
     for key, value in {"<BUCKET>": "b", "<PROJECT_ID>": "p", "<REGION>": "europe-west4",
-                       "<MODEL_NAME>": "m", "<MODEL_DIR>": "m", "<MODEL_REVISION>": "r1"}.items():
+                       "<MODEL_NAME>": "m", "<MODEL_DIR>": "m", "<MODEL_REVISION>": "r1",
+                       "<IMAGE_TAG>": "v1"}.items():
         text = text.replace(key, value)
     path = tmp_path / "filled.yaml"
     path.write_text(text)
@@ -74,6 +76,18 @@ def test_flags_override_the_config(tmp_path):
     assert options.get_all_options()["runner"] == "DirectRunner"
     config, options = resolve(["--config", str(path)])
     assert config.output == "out/local" and options.get_all_options()["runner"] == "FnApiRunner"
+
+
+def test_flags_complete_a_config_and_unknown_flags_fail(tmp_path):
+    raw = local_raw()
+    del raw["output"]
+    path = write(tmp_path, raw)
+    with pytest.raises(config_lib.ConfigError, match="output"):
+        resolve(["--config", str(path)])
+    config, _ = resolve(["--config", str(path), "--output", "given"])
+    assert config.output == "given"
+    with pytest.raises(config_lib.ConfigError, match="--outptu"):
+        resolve(["--config", str(path), "--output", "o", "--outptu", "x"])
 
 
 def test_missing_or_malformed_config_file_is_a_config_error(tmp_path):

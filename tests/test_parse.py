@@ -48,6 +48,8 @@ def test_title_alone_or_body_alone_is_enough():
 def test_rfc3339_offsets_are_kept_as_aware_datetimes():
     event = parse_event(payload(published_at="2026-11-30T10:15:00+01:00"), **LIMITS)
     assert event.published_at == dt.datetime(2026, 11, 30, 9, 15, tzinfo=dt.timezone.utc)
+    event = parse_event(payload(published_at="2026-11-30t09:15:00.250z"), **LIMITS)
+    assert event.published_at == dt.datetime(2026, 11, 30, 9, 15, 0, 250000, tzinfo=dt.timezone.utc)
 
 
 @pytest.mark.parametrize("raw, reason", [
@@ -63,12 +65,17 @@ def test_rfc3339_offsets_are_kept_as_aware_datetimes():
     (b'{"id": "", "body": "b"}', Reason.INVALID_ID),
     (json.dumps({"id": "x" * 257, "body": "b"}).encode(), Reason.INVALID_ID),
     (b'{"id": null, "body": "b"}', Reason.INVALID_ID),
+    (b'{"id": "   ", "body": "b"}', Reason.INVALID_ID),
     (b'{"id": "a", "body": 42}', Reason.INVALID_FIELD),
     (b'{"id": "a", "title": ["list"], "body": "b"}', Reason.INVALID_FIELD),
     (b'{"id": "a", "body": {"nested": "object"}}', Reason.INVALID_FIELD),
     (b'{"id": "a", "body": "b", "published_at": "yesterday"}', Reason.INVALID_FIELD),
     (b'{"id": "a", "body": "b", "published_at": "2026-11-30T09:15:00"}', Reason.INVALID_FIELD),
     (b'{"id": "a", "body": "b", "published_at": 1764000000}', Reason.INVALID_FIELD),
+    (b'{"id": "a", "body": "b", "published_at": "1764000000"}', Reason.INVALID_FIELD),
+    (b'{"id": "a", "body": "b", "published_at": "2026-11-30 09:15:00Z"}', Reason.INVALID_FIELD),
+    (b'{"id": "a", "body": "b", "published_at": "2026-11-30T09:15Z"}', Reason.INVALID_FIELD),
+    (b'{"id": "a", "body": "b", "published_at": "2026-02-30T09:15:00Z"}', Reason.INVALID_FIELD),
     (b'{"id": "a", "title": "", "body": ""}', Reason.NO_TEXT),
     (b'{"id": "a", "title": "  \\n\\t ", "body": null}', Reason.NO_TEXT),
     (b'{"id": "a"}', Reason.NO_TEXT),

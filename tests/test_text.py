@@ -59,15 +59,15 @@ def test_head_tokenizer_keeps_the_head_and_flags_truncation(tokenizer):
 
 
 def test_head_tokenizer_bounds_the_work_on_huge_text(tokenizer):
-    ids, cut = tokenizer("a" * 5_000_000)
-    assert cut and len(ids) <= tokenizer.max_tokens
+    ids, cut = tokenizer("news " * 1_000_000)  # 5 MB of real words: only the head is tokenized
+    assert cut and len(ids) == tokenizer.max_tokens
+    assert len(set(ids[1:-1])) == 1, "all kept tokens are the repeated word"
 
 
-def _prepare(events, **kwargs):
+def _prepare(**kwargs):
     from tests.conftest import make_config
 
-    model = make_config().model
-    return PrepareText(model_path=model.path, max_tokens=model.max_tokens, **kwargs)
+    return PrepareText(make_config().model, **kwargs)
 
 
 def test_prepare_text_outputs_docs_and_dead_letters():
@@ -75,9 +75,10 @@ def test_prepare_text_outputs_docs_and_dead_letters():
         NewsEvent(id="ok", title="Rates", body="The bank held rates."),
         NewsEvent(id="html-only", body="<script>x()</script><p> </p>"),
         NewsEvent(id="long", body="z" * 1000),
+        NewsEvent(id="bad-markup", body="<p>x</p><![foo]> text"),  # html.parser raises on this
     ]
     with TestPipeline(runner="FnApiRunner") as p:
-        out = p | beam.Create(events) | _prepare(events, max_text_chars=500)
+        out = p | beam.Create(events) | _prepare(max_text_chars=500)
         assert_that(out.docs | beam.Map(lambda d: (d.event.id, d.text, d.text_sha256,
                                                    d.token_count, d.truncated)),
                     equal_to([("ok", "Rates\nThe bank held rates.",
@@ -85,4 +86,5 @@ def test_prepare_text_outputs_docs_and_dead_letters():
                                False)]), label="docs")
         assert_that(out.dead_letter | beam.Map(lambda d: (d.event_id, d.step, d.reason)),
                     equal_to([("html-only", "prepare_text", Reason.EMPTY_AFTER_NORMALIZATION),
-                              ("long", "prepare_text", Reason.TEXT_TOO_LONG)]), label="dead")
+                              ("long", "prepare_text", Reason.TEXT_TOO_LONG),
+                              ("bad-markup", "prepare_text", Reason.PREPARE_FAILED)]), label="dead")

@@ -13,8 +13,8 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime as dt
+import json
 import logging
-import os
 import threading
 import time
 from typing import Any, Iterable, Optional, Sequence
@@ -23,38 +23,14 @@ import apache_beam as beam
 import numpy as np
 from apache_beam import pvalue
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInference
-from pydantic import BaseModel, ConfigDict, Field
 
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
-from transforms.model_files import model_content_hash, resolve_model_path
+from transforms.model import ModelSettings, model_content_hash, resolve_model_path
 from transforms.schema import (DeadLetter, EmbeddedDoc, PreparedDoc, Reason, Step, event_payload,
                                truncate_payload)
 
 _LOG = logging.getLogger(__name__)
 DEAD_LETTER = "dead_letter"
-
-
-class ModelSettings(BaseModel):
-    """Every model setting newsvec uses: the ``model:`` section of a config file."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(description="Name recorded in the output's model column")
-    path: str = Field(description="Local folder, pypackage:MODULE, or a Hugging Face id")
-    revision: Optional[str] = Field(None, description="Model revision; else a content hash is used")
-    dim: int = Field(gt=0, description="Embedding dimension; checked against the model at load")
-    dtype: str = Field("bfloat16", pattern="^(bfloat16|float16|float32)$")
-    max_tokens: int = Field(gt=2, description="Longer texts keep their head")
-    token_budget: int = Field(gt=0, description="Maximum tokens in one micro-batch")
-    normalize: bool = True
-    trust_remote_code: bool = False
-    enforce_eager: bool = True
-    gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1)
-    max_num_seqs: Optional[int] = Field(None, gt=0)
-    max_consecutive_failures: int = Field(
-        64, gt=0, description="Inputs failing in a row before the job stops as a broken model")
-    engine_env: dict[str, str] = Field(
-        default_factory=dict, description="Environment set (if unset) before vLLM is imported")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +44,9 @@ class LoadedModel:
     label: str  # name@revision, or name@sha256:<first 16 hex of the content hash>
     load_s: float = 0.0
     load_reported: bool = False  # metrics cannot be recorded in DoFn.setup, where loading happens
+    # One engine serves every DoFn thread of a process; LLM.embed() collects all finished requests,
+    # so concurrent calls could take each other's outputs. Calls are serialized.
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
 
 class ModelBrokenError(RuntimeError):
@@ -98,21 +77,31 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, LoadedMod
     def load_model(self) -> LoadedModel:
         return load_engine(self._settings)
 
-    def _embed(self, llm, docs: Sequence[PreparedDoc]) -> list:
+    def _embed(self, model: LoadedModel, docs: Sequence[PreparedDoc]) -> list:
+        """A vector or an EmbedFailure per doc: a failing call is retried in halves (bisection)."""
         from vllm import PoolingParams
         from vllm.inputs import TokensPrompt
 
+        if not docs:
+            return []
         try:
-            outputs = llm.embed([TokensPrompt(prompt_token_ids=list(d.token_ids)) for d in docs],
-                                pooling_params=PoolingParams(use_activation=self._settings.normalize),
-                                use_tqdm=False)
+            with model.lock:
+                outputs = model.llm.embed(
+                    [TokensPrompt(prompt_token_ids=list(d.token_ids)) for d in docs],
+                    pooling_params=PoolingParams(use_activation=self._settings.normalize),
+                    use_tqdm=False)
+            if len(outputs) != len(docs):
+                raise RuntimeError(f"{len(outputs)} outputs for {len(docs)} inputs")
             return [np.asarray(o.outputs.embedding, dtype=np.float32) for o in outputs]
         except Exception as exc:  # pylint: disable=broad-except
+            if _engine_is_dead(exc):
+                evict_engine(self._settings)
+                raise  # no input is to blame: Beam retries the bundle on a fresh engine
             if len(docs) == 1:
                 return [EmbedFailure(f"{type(exc).__name__}: {exc}"[:2000])]
             half = len(docs) // 2
             _LOG.warning("Embedding a batch of %d failed (%s); retrying in halves", len(docs), exc)
-            return self._embed(llm, docs[:half]) + self._embed(llm, docs[half:])
+            return self._embed(model, docs[:half]) + self._embed(model, docs[half:])
 
     def run_inference(self, batch: Sequence[PreparedDoc], model: LoadedModel,
                       inference_args: Optional[dict] = None) -> Iterable[PredictionResult]:
@@ -120,7 +109,7 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, LoadedMod
             MODEL_LOAD_MS.update(int(model.load_s * 1000))
             model.load_reported = True
         started = time.perf_counter()
-        results = self._embed(model.llm, batch)
+        results = self._embed(model, batch)
         EMBED_MS.update(int((time.perf_counter() - started) * 1000))
         BATCH_DOCS.update(len(batch))
         BATCH_TOKENS.update(sum(d.token_count for d in batch))
@@ -147,13 +136,30 @@ _ENGINES: dict[str, LoadedModel] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
+def _engine_is_dead(exc: BaseException) -> bool:
+    """vLLM's engine core died: every later call fails too, whatever the input."""
+    return type(exc).__name__ == "EngineDeadError"
+
+
+def _engine_key(settings: ModelSettings) -> str:
+    """What the engine depends on; batching and failure settings may differ and share it."""
+    fields = ("name", "path", "revision", "dim", "dtype", "max_tokens", "trust_remote_code",
+              "enforce_eager", "gpu_memory_utilization", "max_num_seqs", "engine_env")
+    return json.dumps(settings.model_dump(include=set(fields)), sort_keys=True)
+
+
+def evict_engine(settings: ModelSettings) -> None:
+    with _ENGINES_LOCK:
+        _ENGINES.pop(_engine_key(settings), None)
+
+
 def load_engine(settings: ModelSettings) -> LoadedModel:
     """The process's one vLLM engine for these settings, loaded on first use.
 
     RunInference already keeps one model per DoFn; this cache also spans pipelines run one after
     another in a process (tests, a retried bundle's new DoFn), so a worker never holds two engines.
     """
-    key = settings.model_dump_json()
+    key = _engine_key(settings)
     with _ENGINES_LOCK:
         if key not in _ENGINES:
             _ENGINES[key] = _load(settings)
@@ -161,8 +167,7 @@ def load_engine(settings: ModelSettings) -> LoadedModel:
 
 
 def _load(s: ModelSettings) -> LoadedModel:
-    for key, value in s.engine_env.items():
-        os.environ.setdefault(key, value)
+    s.apply_engine_env()
     from vllm import LLM  # imported on the worker, after the engine environment is set
 
     path = resolve_model_path(s.path)
@@ -176,10 +181,11 @@ def _load(s: ModelSettings) -> LoadedModel:
         kwargs["max_num_seqs"] = s.max_num_seqs
     llm = LLM(**kwargs)
     atexit.register(_shutdown, llm)
-    hidden = llm.llm_engine.model_config.get_hidden_size()
-    if hidden != s.dim:
+    size = llm.llm_engine.model_config.embedding_size  # the pooler's output size
+    if size != s.dim:
+        _shutdown(llm)
         raise ValueError(f"model.dim is {s.dim} in the config but the model {s.path} "
-                         f"gives {hidden}-dimensional embeddings")
+                         f"gives {size}-dimensional embeddings")
     return LoadedModel(llm=llm, label=model_label(s, path), load_s=time.perf_counter() - started)
 
 

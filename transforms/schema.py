@@ -11,12 +11,23 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import re
 from typing import Annotated, Any, Optional
 
 import pyarrow as pa
-from pydantic import AwareDatetime, BaseModel, ConfigDict, StringConstraints
+from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, StringConstraints
 
 MAX_ID_CHARS = 256
+_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+
+
+def _require_rfc3339(value):
+    """pydantic alone also takes '2026-11-30 09:15Z' or epoch seconds in a string: not RFC 3339."""
+    if isinstance(value, str):
+        if not _RFC3339.fullmatch(value):
+            raise ValueError("must be an RFC 3339 date-time such as 2026-11-30T09:15:00Z")
+        return dt.datetime.fromisoformat(value.upper())
+    return value
 
 
 class NewsEvent(BaseModel):
@@ -28,13 +39,13 @@ class NewsEvent(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
-    id: Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
+    id: Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS, pattern=r"\S")]
     title: Optional[str] = None
     body: Optional[str] = None
     url: Optional[str] = None
     source: Optional[str] = None
     language: Optional[str] = None
-    published_at: Optional[AwareDatetime] = None
+    published_at: Annotated[Optional[AwareDatetime], BeforeValidator(_require_rfc3339)] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +95,7 @@ class Reason:
     PUBLISHED_IN_FUTURE = "published_at_in_future"
     TEXT_TOO_LONG = "text_too_long"
     EMPTY_AFTER_NORMALIZATION = "empty_after_normalization"
+    PREPARE_FAILED = "prepare_failed"
     EMBEDDING_FAILED = "embedding_failed"
 
 

@@ -13,7 +13,7 @@ import apache_beam as beam
 import numpy as np
 import pyarrow as pa
 
-from transforms.metrics import DEAD_LETTERED, ROWS_WRITTEN, dead_letter_counter
+from transforms.metrics import DEAD_LETTERED, ROWS_WRITTEN, TRUNCATED, dead_letter_counter
 from transforms.schema import DeadLetter, EmbeddedDoc, vector_schema
 
 VECTORS_DIR = "vectors"
@@ -55,6 +55,7 @@ def to_table(rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
         "embedded_at": [r.embedded_at for r in rows],
     }, schema=schema)
     ROWS_WRITTEN.inc(len(rows))
+    TRUNCATED.inc(sum(r.doc.truncated for r in rows))
     return table
 
 

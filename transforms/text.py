@@ -18,8 +18,7 @@ import apache_beam as beam
 import ftfy
 from apache_beam import pvalue
 
-from transforms.metrics import TRUNCATED
-from transforms.model_files import resolve_model_path
+from transforms.model import ModelSettings, resolve_model_path
 from transforms.schema import (DeadLetter, NewsEvent, PreparedDoc, Reason, Step, event_payload,
                                truncate_payload)
 
@@ -90,16 +89,17 @@ def compose_text(event: NewsEvent) -> str:
 class HeadTokenizer:
     """The model's tokenizer, truncating on the right (keeping the head) to ``max_tokens``."""
 
-    def __init__(self, model_path: str, max_tokens: int, trust_remote_code: bool = False):
+    def __init__(self, model: ModelSettings):
+        model.apply_engine_env()  # e.g. HF_HUB_OFFLINE, read when transformers is imported
         from transformers import AutoTokenizer  # heavy import, only where it is used
 
-        hf = AutoTokenizer.from_pretrained(resolve_model_path(model_path),
-                                           trust_remote_code=trust_remote_code)
+        hf = AutoTokenizer.from_pretrained(resolve_model_path(model.path), revision=model.revision,
+                                           trust_remote_code=model.trust_remote_code)
         self._tok = hf.backend_tokenizer  # the fast (Rust) tokenizer, without Python overhead
         self._tok.no_padding()
-        self._tok.enable_truncation(max_length=max_tokens, direction="right")
-        self.max_tokens = max_tokens
-        self._max_chars = max_tokens * _CHARS_PER_TOKEN_BOUND
+        self._tok.enable_truncation(max_length=model.max_tokens, direction="right")
+        self.max_tokens = model.max_tokens
+        self._max_chars = model.max_tokens * _CHARS_PER_TOKEN_BOUND
 
     def __call__(self, text: str) -> tuple[tuple[int, ...], bool]:
         """(token ids of the head, whether anything was cut)."""
@@ -113,15 +113,13 @@ class HeadTokenizer:
 
 
 class _PrepareTextFn(beam.DoFn):
-    def __init__(self, model_path: str, max_tokens: int, max_text_chars: int,
-                 dead_letter_payload_bytes: int, trust_remote_code: bool):
-        self._model_path, self._max_tokens = model_path, max_tokens
+    def __init__(self, model: ModelSettings, max_text_chars: int, dead_letter_payload_bytes: int):
+        self._model = model
         self._max_text_chars, self._dl_bytes = max_text_chars, dead_letter_payload_bytes
-        self._trust_remote_code = trust_remote_code
         self._tokenizer: Optional[HeadTokenizer] = None
 
     def setup(self):
-        self._tokenizer = HeadTokenizer(self._model_path, self._max_tokens, self._trust_remote_code)
+        self._tokenizer = HeadTokenizer(self._model)
 
     def _dead_letter(self, event: NewsEvent, reason: str, detail: str):
         raw = event_payload(event)
@@ -129,28 +127,46 @@ class _PrepareTextFn(beam.DoFn):
             step=Step.PREPARE, reason=reason, detail=detail, event_id=event.id,
             payload=truncate_payload(raw, self._dl_bytes), payload_bytes=len(raw)))
 
-    def _check(self, event: NewsEvent):
+    def _compose(self, event: NewsEvent):
         """The composed text, or a dead letter."""
         length = len(event.title or "") + len(event.body or "")
         if length > self._max_text_chars:
             return self._dead_letter(event, Reason.TEXT_TOO_LONG,
                                      f"title and body hold {length} characters, over the limit of "
                                      f"{self._max_text_chars}")
-        text = compose_text(event)
+        try:
+            text = compose_text(event)
+        except Exception as exc:  # pylint: disable=broad-except  # hostile markup must not crash
+            return self._dead_letter(event, Reason.PREPARE_FAILED,
+                                     f"text normalization failed: {type(exc).__name__}: {exc}"[:500])
         if not text:
             return self._dead_letter(event, Reason.EMPTY_AFTER_NORMALIZATION,
                                      "no text is left once HTML, control characters and whitespace "
                                      "are removed")
         return text
 
+    def _tokenize(self, texts: list[str]) -> list:
+        try:
+            return self._tokenizer.batch(texts)
+        except Exception:  # pylint: disable=broad-except  # find the text to blame, keep the rest
+            results = []
+            for text in texts:
+                try:
+                    results.append(self._tokenizer(text))
+                except Exception as exc:  # pylint: disable=broad-except
+                    results.append(exc)
+            return results
+
     def process(self, events: list[NewsEvent]) -> Iterator:
-        checked = [(event, self._check(event)) for event in events]
-        ready = [(event, text) for event, text in checked if isinstance(text, str)]
-        yield from (text for _, text in checked if not isinstance(text, str))
-        for (event, text), (ids, truncated) in zip(
-                ready, self._tokenizer.batch([text for _, text in ready])):
-            if truncated:
-                TRUNCATED.inc()
+        composed = [(event, self._compose(event)) for event in events]
+        yield from (text for _, text in composed if not isinstance(text, str))
+        ready = [(event, text) for event, text in composed if isinstance(text, str)]
+        for (event, text), tokens in zip(ready, self._tokenize([text for _, text in ready])):
+            if isinstance(tokens, Exception):
+                yield self._dead_letter(event, Reason.PREPARE_FAILED,
+                                        f"tokenization failed: {type(tokens).__name__}: {tokens}"[:500])
+                continue
+            ids, truncated = tokens
             yield PreparedDoc(event=event, text=text,
                               text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
                               token_ids=ids, truncated=truncated)
@@ -159,11 +175,10 @@ class _PrepareTextFn(beam.DoFn):
 class PrepareText(beam.PTransform):
     """NewsEvent -> PreparedDoc (main output) and DeadLetter (``dead_letter`` output)."""
 
-    def __init__(self, *, model_path: str, max_tokens: int, max_text_chars: int = 200_000,
-                 dead_letter_payload_bytes: int = 4096, trust_remote_code: bool = False):
+    def __init__(self, model: ModelSettings, *, max_text_chars: int = 200_000,
+                 dead_letter_payload_bytes: int = 4096):
         super().__init__()
-        self._fn = _PrepareTextFn(model_path, max_tokens, max_text_chars,
-                                  dead_letter_payload_bytes, trust_remote_code)
+        self._fn = _PrepareTextFn(model, max_text_chars, dead_letter_payload_bytes)
 
     def expand(self, events):
         return (events
