@@ -78,3 +78,37 @@ def test_embed_transform_routes_failures_to_dead_letters_and_keeps_the_rest():
         assert_that(out.dead_letter | beam.Map(lambda d: (d.event_id, d.step, d.reason,
                                                           "illegal memory" in d.detail)),
                     equal_to([("d2", "embed", Reason.EMBEDDING_FAILED, True)]), label="dead")
+
+
+class EngineDeadError(RuntimeError):
+    """Named like vLLM's: the engine core died, whatever the input."""
+
+
+def test_a_dead_engine_is_not_blamed_on_the_inputs_and_is_evicted(monkeypatch):
+    from transforms import embed
+
+    class DeadLLM(FakeLLM):
+        def embed(self, prompts, pooling_params=None, use_tqdm=False):
+            self.calls.append(len(prompts))
+            raise EngineDeadError("EngineCore encountered an issue")
+
+    settings = make_config().model
+    llm = DeadLLM()
+    key = embed._engine_key(settings)
+    monkeypatch.setitem(embed._ENGINES, key, LoadedModel(llm, "fake@0"))
+    with pytest.raises(EngineDeadError):
+        VLLMEmbeddingHandler(settings).run_inference([doc(i) for i in range(8)], embed._ENGINES[key])
+    assert llm.calls == [8], "no bisection: no input is to blame"
+    assert key not in embed._ENGINES, "the next bundle loads a fresh engine"
+
+
+def test_fewer_outputs_than_inputs_is_a_failure_not_a_silent_mismatch():
+    class ShortLLM(FakeLLM):
+        def embed(self, prompts, pooling_params=None, use_tqdm=False):
+            return super().embed(prompts)[:-1] if len(prompts) > 1 else super().embed(prompts)
+
+    results = list(handler().run_inference([doc(i) for i in range(4)],
+                                           LoadedModel(ShortLLM(), "fake@0")))
+    assert [r.example.event.id for r in results] == ["d0", "d1", "d2", "d3"]
+    assert all(isinstance(r.inference, np.ndarray) and r.inference[0] == i
+               for i, r in enumerate(results)), "each vector stays with its own document"
