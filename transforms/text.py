@@ -24,7 +24,8 @@ from transforms.schema import (DeadLetter, NewsEvent, PreparedDoc, Reason, Step,
 
 DEAD_LETTER = "dead_letter"
 
-# Tokenizing more than this many characters per allowed token cannot change which tokens are kept.
+# Text past this many characters per allowed token is cut before tokenizing: real text has far more
+# tokens than max_tokens by then, so that part would be truncated anyway (and ``truncated`` is set).
 _CHARS_PER_TOKEN_BOUND = 32
 _TOKENIZE_BATCH = 128
 _TAG = re.compile(r"<[A-Za-z!/?]")
