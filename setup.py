@@ -31,6 +31,7 @@ setup(
             "duckdb==2.0.1",
             "sentence-transformers==6.2.0",
             "gcp-storage-emulator==2026.7.19",
+            "hypothesis==6.170.17",
         ],
     },
 )
