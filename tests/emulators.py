@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -62,3 +63,63 @@ def gcs_emulator(bucket: str, log_dir: Path):
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+
+
+def _pubsub_emulator_installed(gcloud: str) -> bool:
+    """The gcloud component lives in the SDK's platform/ folder (asking gcloud itself is slow and
+    may try the network)."""
+    sdk_root = os.environ.get("CLOUDSDK_ROOT_DIR") or Path(os.path.realpath(gcloud)).parent.parent
+    return (Path(sdk_root) / "platform" / "pubsub-emulator").is_dir()
+
+
+@contextlib.contextmanager
+def pubsub_emulator(project: str, log_dir: Path):
+    """Google's Pub/Sub emulator (gcloud component, Java) on loopback. Yields the
+    PUBSUB_EMULATOR_HOST value ("127.0.0.1:PORT").
+
+    gcloud runs the emulator as a java child that outlives a plain terminate of gcloud, so it starts
+    in a session of its own and the whole process group is stopped."""
+    gcloud = shutil.which("gcloud")
+    if gcloud is None or not _pubsub_emulator_installed(gcloud):
+        skip_or_fail("the Pub/Sub emulator is not installed "
+                     "(gcloud components install pubsub-emulator beta)")
+    port = free_port()
+    data_dir = log_dir / "pubsub-data"  # gcloud writes env.yaml there (default: ~/.config/gcloud)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log = open(log_dir / "pubsub-emulator.log", "wb")
+    # No prompts (a missing component fails instead of waiting for an answer), no update check.
+    env = {**os.environ, "CLOUDSDK_CORE_DISABLE_PROMPTS": "1",
+           "CLOUDSDK_COMPONENT_MANAGER_DISABLE_UPDATE_CHECK": "1"}
+    process = subprocess.Popen(
+        [gcloud, "beta", "emulators", "pubsub", "start", f"--host-port=127.0.0.1:{port}",
+         f"--project={project}", f"--data-dir={data_dir}"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+        start_new_session=True)
+    try:
+        wait_for_port(port, process, timeout=90)
+        yield f"127.0.0.1:{port}"
+    finally:
+        _stop_process_group(process)
+        log.close()
+
+
+def _stop_process_group(process: subprocess.Popen, timeout: float = 10) -> None:
+    """SIGTERM to the group (gcloud and java), then SIGKILL to what is left after ``timeout``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _group_alive(process.pid):
+        process.poll()  # reap gcloud, so its own pid does not keep the group "alive" as a zombie
+        time.sleep(0.1)
+    if _group_alive(process.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
