@@ -121,3 +121,21 @@ def test_dead_letter_payload_is_truncated_to_its_bound():
         out = p | beam.Create([big]) | ParseEvents(dead_letter_payload_bytes=100)
         assert_that(out.dead_letter | beam.Map(lambda d: (len(d.payload), d.payload_bytes)),
                     equal_to([(100, len(big))]))
+
+
+def test_pubsub_messages_keep_their_lineage_and_payloads_cannot_forge_it():
+    from apache_beam.io.gcp.pubsub import PubsubMessage
+    from apache_beam.utils.timestamp import Timestamp
+
+    published = Timestamp.from_utc_datetime(NOW)
+    good = PubsubMessage(payload(id="m-1", lineage={"message_id": "forged"}), {"origin": "wire"},
+                         message_id="101", publish_time=published)
+    bad = PubsubMessage(b"{broken", {}, message_id="102", publish_time=published)
+    with TestPipeline(runner="FnApiRunner") as p:
+        out = p | beam.Create([good, bad]) | ParseEvents()
+        assert_that(out.events | beam.Map(lambda e: (e.id, e.lineage.message_id,
+                                                     e.lineage.publish_time,
+                                                     e.lineage.attributes)),
+                    equal_to([("m-1", "101", NOW, (("origin", "wire"),))]), label="lineage")
+        assert_that(out.dead_letter | beam.Map(lambda d: (d.message_id, d.reason)),
+                    equal_to([("102", Reason.INVALID_JSON)]), label="dead")

@@ -1,4 +1,7 @@
-"""Parse: raw bytes (a JSON Lines line or a Pub/Sub message payload) -> NewsEvent, or a dead letter.
+"""Parse: raw bytes (a JSON Lines line) or a Pub/Sub message -> NewsEvent, or a dead letter.
+
+A Pub/Sub message's data is parsed as the same bytes; its id, publish time and attributes are kept on
+the event as ``Lineage`` (and on its dead letter, the message id).
 
 Every payload leaves this step exactly once: on the main output as a ``NewsEvent``, or on the
 ``dead_letter`` output with a reason from ``schema.Reason``.
@@ -13,7 +16,7 @@ import pydantic
 from apache_beam import pvalue
 
 from transforms.metrics import EVENTS_IN
-from transforms.schema import DeadLetter, NewsEvent, Reason, Step, truncate_payload
+from transforms.schema import DeadLetter, Lineage, NewsEvent, Reason, Step, truncate_payload
 
 DEAD_LETTER = "dead_letter"
 
@@ -77,27 +80,41 @@ def parse_event(
     return event
 
 
+def split_message(element) -> tuple[bytes, Optional[Lineage]]:
+    """(payload, lineage) of raw bytes (no lineage) or a Pub/Sub message (``PubsubMessage``)."""
+    if isinstance(element, (bytes, bytearray)) or not hasattr(element, "attributes"):
+        return element, None
+    publish_time = getattr(element, "publish_time", None)
+    if publish_time is not None and not isinstance(publish_time, dt.datetime):
+        publish_time = publish_time.to_utc_datetime(has_tz=True)  # a Beam Timestamp
+    lineage = Lineage(message_id=element.message_id, publish_time=publish_time,
+                      attributes=tuple(sorted((element.attributes or {}).items())))
+    return element.data if element.data is not None else b"", lineage
+
+
 class _ParseFn(beam.DoFn):
     def __init__(self, max_payload_bytes: int, max_future_skew_s: float, dead_letter_payload_bytes: int):
         self._max_payload_bytes = max_payload_bytes
         self._max_future_skew = dt.timedelta(seconds=max_future_skew_s)
         self._dl_bytes = dead_letter_payload_bytes
 
-    def process(self, payload: bytes) -> Iterator[Union[NewsEvent, pvalue.TaggedOutput]]:
+    def process(self, element) -> Iterator[Union[NewsEvent, pvalue.TaggedOutput]]:
         EVENTS_IN.inc()
+        payload, lineage = split_message(element)
         try:
-            yield parse_event(payload, max_payload_bytes=self._max_payload_bytes,
-                              max_future_skew=self._max_future_skew)
+            event = parse_event(payload, max_payload_bytes=self._max_payload_bytes,
+                                max_future_skew=self._max_future_skew)
+            yield event if lineage is None else event.model_copy(update={"lineage": lineage})
         except ParseError as exc:
             raw = bytes(payload) if isinstance(payload, (bytes, bytearray)) else repr(payload).encode()
             yield pvalue.TaggedOutput(DEAD_LETTER, DeadLetter(
                 step=Step.PARSE, reason=exc.reason, detail=exc.detail,
                 payload=truncate_payload(raw, self._dl_bytes), payload_bytes=len(raw),
-                event_id=exc.event_id))
+                event_id=exc.event_id, message_id=lineage.message_id if lineage else None))
 
 
 class ParseEvents(beam.PTransform):
-    """bytes -> NewsEvent (main output) and DeadLetter (``dead_letter`` output)."""
+    """bytes or PubsubMessage -> NewsEvent (main output) and DeadLetter (``dead_letter`` output)."""
 
     def __init__(self, *, max_payload_bytes: int = 1 << 20, max_future_skew_s: float = 86400,
                  dead_letter_payload_bytes: int = 4096):

@@ -15,7 +15,8 @@ import re
 from typing import Annotated, Any, Optional
 
 import pyarrow as pa
-from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, StringConstraints
+from pydantic import (AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints,
+                      field_validator)
 
 MAX_ID_CHARS = 256
 _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
@@ -28,6 +29,15 @@ def _require_rfc3339(value):
             raise ValueError("must be an RFC 3339 date-time such as 2026-11-30T09:15:00Z")
         return dt.datetime.fromisoformat(value.upper())
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Lineage:
+    """Where a streamed event came from: its Pub/Sub message. None for events read from files."""
+
+    message_id: Optional[str]
+    publish_time: Optional[dt.datetime]
+    attributes: tuple[tuple[str, str], ...] = ()
 
 
 class NewsEvent(BaseModel):
@@ -46,6 +56,13 @@ class NewsEvent(BaseModel):
     source: Optional[str] = None
     language: Optional[str] = None
     published_at: Annotated[Optional[AwareDatetime], BeforeValidator(_require_rfc3339)] = None
+    # Set by the parse step from the Pub/Sub message, never from the payload (see _no_lineage_input).
+    lineage: Optional[Any] = Field(default=None, exclude=True)
+
+    @field_validator("lineage", mode="before")
+    @classmethod
+    def _no_lineage_input(cls, value):
+        return None  # a payload's own "lineage" field is ignored like any unknown field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +126,7 @@ class DeadLetter:
     payload: str  # the raw payload, truncated to a bound, undecodable bytes backslash-escaped
     payload_bytes: int  # the size of the whole raw payload
     event_id: Optional[str] = None
+    message_id: Optional[str] = None  # the Pub/Sub message id, when streaming
     failed_at: str = dataclasses.field(
         default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"))
 
