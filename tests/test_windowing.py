@@ -71,3 +71,21 @@ def test_with_no_lateness_late_data_is_windowed_by_publish_time_not_dropped():
     _panes(0, [(0, PaneInfoTiming.ON_TIME, ["a"]),         # b: published 65 s before publish
                (60, PaneInfoTiming.ON_TIME, ["b"]),
                (120, PaneInfoTiming.ON_TIME, ["late", "old"])])
+
+
+def test_max_wait_fires_a_batch_before_the_window_closes():
+    stream = (TestStream()
+              .advance_watermark_to(at(0))
+              .add_elements([TimestampedValue(ev("a"), at(10)), TimestampedValue(ev("b"), at(11))])
+              .advance_processing_time(6)            # past max_wait: the waiting batch fires
+              .add_elements([TimestampedValue(ev("c"), at(20))])
+              .advance_watermark_to_infinity())
+    with TestPipeline(runner="BundleBasedDirectRunner",
+                      options=PipelineOptions(streaming=True)) as p:
+        panes = (p | stream
+                 | WindowByEventTime(window_s=60, allowed_lateness_s=600, max_wait_s=5)
+                 | beam.Map(lambda e: ("k", e.id))
+                 | beam.GroupByKey()
+                 | beam.ParDo(_WindowAndPane()))
+        assert_that(panes, equal_to([(0, PaneInfoTiming.EARLY, ["a", "b"]),
+                                     (0, PaneInfoTiming.ON_TIME, ["c"])]))

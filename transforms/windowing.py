@@ -39,21 +39,47 @@ class _AssignEventTimeFn(beam.DoFn):
         yield window.TimestampedValue(event, event_time(event, publish_time, self._lateness))
 
 
-class WindowByEventTime(beam.PTransform):
-    """Fixed event-time windows (default 60 s) that fire when the watermark passes their end, then
-    once per late event within ``allowed_lateness_s``."""
+class AssignEventTime(beam.PTransform):
+    """NewsEvent timestamped by publish time -> the same, timestamped by event time."""
 
-    def __init__(self, window_s: float = 60, allowed_lateness_s: float = 600):
+    def __init__(self, allowed_lateness_s: float = 600):
         super().__init__()
-        if window_s <= 0 or allowed_lateness_s < 0:
-            raise ValueError("window_s must be > 0 and allowed_lateness_s >= 0")
-        self._window_s, self._lateness = window_s, allowed_lateness_s
+        self._lateness = allowed_lateness_s
 
     def expand(self, events):
-        return (events
-                | "AssignEventTime" >> beam.ParDo(_AssignEventTimeFn(self._lateness))
-                | "FixedWindows" >> beam.WindowInto(
-                    window.FixedWindows(self._window_s),
-                    trigger=trigger.AfterWatermark(late=trigger.AfterCount(1)),
-                    accumulation_mode=trigger.AccumulationMode.DISCARDING,
-                    allowed_lateness=Duration(seconds=self._lateness)))
+        return events | beam.ParDo(_AssignEventTimeFn(self._lateness))
+
+
+class FixedEventTimeWindows(beam.PTransform):
+    """Fixed windows (default 60 s) whose groupings fire every ``max_wait_s`` of processing time
+    while the window is open (so a batch waits at most that long when traffic is light), when the
+    watermark passes the window's end, then once per late element within ``allowed_lateness_s``.
+    Panes discard what they fired, so each element goes downstream once."""
+
+    def __init__(self, window_s: float = 60, allowed_lateness_s: float = 600,
+                 max_wait_s: float | None = None):
+        super().__init__()
+        if window_s <= 0 or allowed_lateness_s < 0 or (max_wait_s is not None and max_wait_s <= 0):
+            raise ValueError("window_s and max_wait_s must be > 0 and allowed_lateness_s >= 0")
+        self._window_s, self._lateness, self._max_wait = window_s, allowed_lateness_s, max_wait_s
+
+    def expand(self, pcoll):
+        early = trigger.AfterProcessingTime(self._max_wait) if self._max_wait else None
+        return pcoll | beam.WindowInto(
+            window.FixedWindows(self._window_s),
+            trigger=trigger.AfterWatermark(early=early, late=trigger.AfterCount(1)),
+            accumulation_mode=trigger.AccumulationMode.DISCARDING,
+            allowed_lateness=Duration(seconds=self._lateness))
+
+
+class WindowByEventTime(beam.PTransform):
+    """AssignEventTime, then FixedEventTimeWindows."""
+
+    def __init__(self, window_s: float = 60, allowed_lateness_s: float = 600,
+                 max_wait_s: float | None = None):
+        super().__init__()
+        self._assign = AssignEventTime(allowed_lateness_s)
+        self._windows = FixedEventTimeWindows(window_s, allowed_lateness_s, max_wait_s)
+
+    def expand(self, events):
+        return events | "AssignEventTime" >> self._assign | "FixedWindows" >> self._windows
