@@ -48,6 +48,17 @@ class SinkSettings(_Section):
     dead_letter_payload_bytes: int = Field(4096, gt=0, description="Raw payload kept per letter")
 
 
+class StreamingSettings(_Section):
+    subscription: Optional[str] = Field(
+        None, pattern=r"^projects/[^/]+/subscriptions/[^/]+$",
+        description="Pub/Sub subscription to read; set, the job streams")
+    window_s: float = Field(60, gt=0, description="Fixed event-time window length")
+    allowed_lateness_s: float = Field(600, ge=0, description="Late data within this is kept")
+    max_wait_s: float = Field(5, gt=0, description="Longest a micro-batch waits when traffic is light")
+    dedup_horizon_s: float = Field(3600, gt=0, description="How long a dedup key is remembered")
+    batch_shards: int = Field(4, gt=0, description="Keys over which micro-batches are grouped")
+
+
 class Config(_Section):
     input: Optional[str] = Field(None, description="JSON Lines glob, local or gs://, .gz allowed")
     output: str = Field(description="Output prefix, local or gs://")
@@ -56,6 +67,7 @@ class Config(_Section):
     text: TextSettings = TextSettings()
     dedup: DedupSettings = DedupSettings()
     sink: SinkSettings = SinkSettings()
+    streaming: StreamingSettings = StreamingSettings()
     beam: dict[str, Any] = Field(default_factory=dict, description="Beam pipeline options")
 
     def beam_flags(self) -> list[str]:
@@ -110,8 +122,9 @@ def validate(raw: Any, source: str = "config") -> Config:
     return config
 
 
-def load(path: str | Path, **overrides: Optional[str]) -> Config:
-    """Read and validate a config file; ``overrides`` (input=..., output=...) win when not None."""
+def load(path: str | Path, subscription: Optional[str] = None, **overrides: Optional[str]) -> Config:
+    """Read and validate a config file; ``overrides`` (input=..., output=...) and ``subscription``
+    win when not None."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -121,4 +134,6 @@ def load(path: str | Path, **overrides: Optional[str]) -> Config:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if isinstance(raw, dict):
         raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
+        if subscription is not None:
+            raw["streaming"] = {**(raw.get("streaming") or {}), "subscription": subscription}
     return validate(raw, str(path))

@@ -1,7 +1,9 @@
-"""The pipeline graph, box by box as in README.md's diagram. Each box is a PTransform in transforms/.
+"""The pipeline graphs, box by box as in README.md's diagram. Each box is a PTransform in transforms/.
 
-    payloads -> Parse -> PrepareText -> DropDuplicates -> Embed -> WriteVectors
-                  \\___________\\_________________________\\_____-> WriteDeadLetters
+Batch:      files -> Parse -> PrepareText -> DropDuplicates -> Embed -> WriteVectors
+Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> DropDuplicatesStreaming
+              -> (re)window -> GroupIntoMicroBatches -> Embed -> WriteWindowedVectors
+Both:       every dead letter -> WriteDeadLetters (per window when streaming)
 """
 from __future__ import annotations
 
@@ -12,27 +14,41 @@ from apache_beam import coders
 from apache_beam.ml.inference.base import ModelHandler
 
 from pipeline.config import Config
-from transforms.dedup import DropDuplicates
+from transforms.dedup import DropDuplicates, DropDuplicatesStreaming
 from transforms.embed import EmbedWithVLLM
 from transforms.parse import ParseEvents
-from transforms.sinks import WriteDeadLetters, WriteVectors
+from transforms.sinks import (WriteDeadLetters, WriteVectors, WriteWindowedDeadLetters,
+                              WriteWindowedVectors)
 from transforms.text import PrepareText
+from transforms.windowing import FixedEventTimeWindows, WindowByEventTime
+
+
+def _parse(payloads, config: Config):
+    return payloads | "Parse" >> ParseEvents(
+        max_payload_bytes=config.parse.max_payload_bytes,
+        max_future_skew_s=config.parse.max_future_skew_s,
+        dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes)
+
+
+def _prepare(events, config: Config):
+    return events | "PrepareText" >> PrepareText(
+        config.model, max_text_chars=config.text.max_text_chars,
+        dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes)
+
+
+def _embed(docs, config: Config, handler: Optional[ModelHandler]):
+    return docs | "Embed" >> EmbedWithVLLM(
+        config.model, dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes,
+        handler=handler)
 
 
 def embed_and_write(payloads, config: Config, run_id: str,
                     handler: Optional[ModelHandler] = None) -> dict:
-    """Raw payloads (bytes) -> Parquet vectors and JSON Lines dead letters under config.output."""
-    dl_bytes = config.sink.dead_letter_payload_bytes
-    parsed = payloads | "Parse" >> ParseEvents(
-        max_payload_bytes=config.parse.max_payload_bytes,
-        max_future_skew_s=config.parse.max_future_skew_s,
-        dead_letter_payload_bytes=dl_bytes)
-    prepared = parsed.events | "PrepareText" >> PrepareText(
-        config.model, max_text_chars=config.text.max_text_chars,
-        dead_letter_payload_bytes=dl_bytes)
+    """Batch: raw payloads (bytes) -> Parquet vectors and JSON Lines dead letters."""
+    parsed = _parse(payloads, config)
+    prepared = _prepare(parsed.events, config)
     unique = prepared.docs | "DropDuplicates" >> DropDuplicates(config.dedup.key)
-    embedded = unique | "Embed" >> EmbedWithVLLM(
-        config.model, dead_letter_payload_bytes=dl_bytes, handler=handler)
+    embedded = _embed(unique, config, handler)
     vectors = embedded.embedded | "WriteVectors" >> WriteVectors(
         config.output, run_id, config.model.dim, config.sink.row_group_rows)
     dead_letters = ((parsed.dead_letter, prepared.dead_letter, embedded.dead_letter)
@@ -49,3 +65,64 @@ def build_batch(pipeline: beam.Pipeline, config: Config, run_id: str,
     payloads = pipeline | "ReadJsonLines" >> beam.io.ReadFromText(
         config.input, coder=coders.BytesCoder())
     return embed_and_write(payloads, config, run_id, handler)
+
+
+class _ShardKey(beam.DoFn):
+    def __init__(self, shards: int):
+        self._shards = shards
+
+    def process(self, doc):
+        yield int(doc.text_sha256[:8], 16) % self._shards, doc
+
+
+def embed_and_write_streaming(messages, config: Config, run_id: str,
+                              handler: Optional[ModelHandler] = None) -> dict:
+    """Streaming: Pub/Sub messages -> per-window Parquet vectors and dead letters."""
+    s = config.streaming
+    windows = dict(window_s=s.window_s, allowed_lateness_s=s.allowed_lateness_s,
+                   max_wait_s=s.max_wait_s)
+    parsed = _parse(messages, config)
+    events = parsed.events | "WindowByEventTime" >> WindowByEventTime(**windows)
+    prepared = _prepare(events, config)
+    unique = (prepared.docs
+              | "DropDuplicates" >> DropDuplicatesStreaming(config.dedup.key, s.dedup_horizon_s)
+              | "Rewindow" >> FixedEventTimeWindows(**windows))
+    # A keyed group whose trigger fires when the window closes or max_wait has passed: batches
+    # fill up under load and wait at most max_wait when traffic is light. RunInference's
+    # BatchElements then cuts each group into token-budget micro-batches.
+    grouped = (unique
+               | "ShardKey" >> beam.ParDo(_ShardKey(s.batch_shards))
+               | "GroupIntoMicroBatches" >> beam.GroupByKey()
+               | "Ungroup" >> beam.FlatMap(lambda kv: kv[1]))
+    embedded = _embed(grouped, config, handler)
+    vectors = embedded.embedded | "WriteVectors" >> WriteWindowedVectors(
+        config.output, run_id, config.model.dim, config.sink.row_group_rows)
+    dead_letters = (
+        [parsed.dead_letter | "WindowParseDeadLetters" >> FixedEventTimeWindows(**windows),
+         prepared.dead_letter | "WindowPrepareDeadLetters" >> FixedEventTimeWindows(**windows),
+         embedded.dead_letter | "WindowEmbedDeadLetters" >> FixedEventTimeWindows(**windows)]
+        | "CollectDeadLetters" >> beam.Flatten()
+        | "WriteDeadLetters" >> WriteWindowedDeadLetters(config.output, run_id))
+    return {"vectors": vectors, "dead_letters": dead_letters}
+
+
+def build_streaming(pipeline: beam.Pipeline, config: Config, run_id: str,
+                    handler: Optional[ModelHandler] = None) -> dict:
+    """Streaming: a Pub/Sub subscription; message data is the batch input's news event JSON."""
+    if not config.streaming.subscription:
+        raise ValueError("streaming needs a subscription: set streaming.subscription or pass "
+                         "--subscription")
+    messages = (pipeline
+                | "ReadPubSub" >> beam.io.ReadFromPubSub(
+                    subscription=config.streaming.subscription, with_attributes=True)
+                | "DropHeartbeats" >> beam.Filter(_not_a_heartbeat))
+    return embed_and_write_streaming(messages, config, run_id, handler)
+
+
+HEARTBEAT_ATTRIBUTE = "newsvec_heartbeat"
+
+
+def _not_a_heartbeat(message) -> bool:
+    """Heartbeats (messages with this attribute) only keep an idle subscription's pulls, and so the
+    local runner's watermark, moving; they are not news and are not counted."""
+    return HEARTBEAT_ATTRIBUTE not in (message.attributes or {})

@@ -11,3 +11,6 @@ class NewsvecOptions(PipelineOptions):
                             help="JSON Lines glob, local or gs://; overrides the config's input")
         parser.add_argument("--output", default=None,
                             help="Output prefix, local or gs://; overrides the config's output")
+        parser.add_argument("--subscription", default=None,
+                            help="Pub/Sub subscription (projects/P/subscriptions/S): stream from it; "
+                                 "overrides the config's streaming.subscription")

@@ -8,10 +8,10 @@ from typing import Optional, Sequence
 
 import apache_beam as beam
 from apache_beam.ml.inference.base import ModelHandler
-from apache_beam.options.pipeline_options import PipelineOptions
+from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
 
 from pipeline import config as config_lib
-from pipeline.graph import build_batch
+from pipeline.graph import build_batch, build_streaming
 from pipeline.options import NewsvecOptions
 from pipeline.summary import AccountingError, build_summary, write_summary
 from transforms.sinks import new_run_id
@@ -25,7 +25,8 @@ def resolve(argv: Optional[Sequence[str]] = None) -> tuple[config_lib.Config, Pi
     argv = list(argv or [])
     ours = NewsvecOptions(argv)
     path = ours.config or str(config_lib.DEFAULT_CONFIG)
-    config = config_lib.load(path, input=ours.input, output=ours.output)
+    config = config_lib.load(path, subscription=ours.subscription, input=ours.input,
+                             output=ours.output)
     # Flags after the config's beam: section win, as argparse keeps the last value.
     options = PipelineOptions(config.beam_flags() + argv)
     unknown = sorted(set(options.get_all_options(retain_unknown_options=True))
@@ -37,9 +38,31 @@ def resolve(argv: Optional[Sequence[str]] = None) -> tuple[config_lib.Config, Pi
 
 def run(argv: Optional[Sequence[str]] = None, test_pipeline: Optional[beam.Pipeline] = None,
         handler: Optional[ModelHandler] = None) -> dict:
-    """Run the batch job from command-line flags; returns its summary (also written to the output)."""
+    """Run the job from command-line flags. Batch: to completion, returning its summary (also
+    written to the output). Streaming (a subscription is set): until cancelled or drained."""
     config, options = resolve(argv)
+    if config.streaming.subscription:
+        result = run_streaming(config, options, test_pipeline, handler)
+        try:
+            result.wait_until_finish()
+        except KeyboardInterrupt:
+            _LOG.info("cancelling the streaming job")
+            result.cancel()
+        return {"run_id": None, "state": str(result.state)}
     return run_batch(config, options, test_pipeline, handler)
+
+
+def run_streaming(config: config_lib.Config, options: PipelineOptions,
+                  test_pipeline: Optional[beam.Pipeline] = None,
+                  handler: Optional[ModelHandler] = None):
+    """Start the streaming job and return its PipelineResult without waiting."""
+    options.view_as(StandardOptions).streaming = True
+    run_id = new_run_id()
+    pipeline = test_pipeline or beam.Pipeline(options=options)
+    build_streaming(pipeline, config, run_id, handler)
+    _LOG.info("newsvec streaming run %s: %s -> %s", run_id, config.streaming.subscription,
+              config.output)
+    return pipeline.run()
 
 
 def run_batch(config: config_lib.Config, options: PipelineOptions,

@@ -32,6 +32,9 @@ def test_event_time_prefers_published_at_within_the_lateness():
     assert event_time(ev("a", published_s=5), at(70), allowed_lateness_s=600) == at(5)
     assert event_time(ev("a"), at(70), allowed_lateness_s=600) == at(70)
     assert event_time(ev("a", published_s=-10_000), at(70), allowed_lateness_s=600) == at(70)
+    paris = dt.timezone(dt.timedelta(hours=1))
+    offset = NewsEvent(id="a", body="x", published_at=(T0 + dt.timedelta(seconds=5)).astimezone(paris))
+    assert event_time(offset, at(70), allowed_lateness_s=600) == at(5)
 
 
 class _WindowAndPane(beam.DoFn):

@@ -17,6 +17,7 @@ BATCH_DOCS = Metrics.distribution(NAMESPACE, "batch_docs")
 BATCH_TOKENS = Metrics.distribution(NAMESPACE, "batch_tokens")
 EMBED_MS = Metrics.distribution(NAMESPACE, "embed_batch_ms")
 MODEL_LOAD_MS = Metrics.distribution(NAMESPACE, "model_load_ms")
+END_TO_END_MS = Metrics.distribution(NAMESPACE, "end_to_end_ms")  # publish -> Parquet (streaming)
 
 
 def dead_letter_counter(reason: str):

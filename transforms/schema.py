@@ -160,4 +160,8 @@ def vector_schema(dim: int) -> pa.Schema:
         pa.field("token_count", pa.int32(), nullable=False),
         pa.field("truncated", pa.bool_(), nullable=False),
         pa.field("embedded_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        # Lineage of streamed events (null for events read from files).
+        pa.field("pubsub_message_id", pa.string()),
+        pa.field("pubsub_publish_time", pa.timestamp("us", tz="UTC")),
+        pa.field("pubsub_attributes", pa.map_(pa.string(), pa.string())),
     ])

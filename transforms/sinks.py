@@ -3,23 +3,41 @@
 File names carry the run id and the shard (``part-<run_id>-00000-of-00004.parquet``), so two runs or
 two shards never write the same name. Beam writes to a temporary folder and renames on success, so
 readers never see a half-written file.
+
+Streaming (windowed input): ``WriteWindowedVectors`` and ``WriteWindowedDeadLetters`` write one file
+per window, pane and shard under ``dt=YYYY-MM-DD/hour=HH/`` of the window start, written under
+``_temp/`` and renamed into place. They do not use ``fileio.WriteToFiles``: on windowed input with
+late panes it loses files (see ``_WriteWindowPaneFn``).
 """
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import itertools
+import re
 import uuid
+import zlib
+from typing import Callable, Iterable, Iterator
 
 import apache_beam as beam
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.io import fileio
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.transforms.window import GlobalWindows, IntervalWindow
 
-from transforms.metrics import DEAD_LETTERED, ROWS_WRITTEN, TRUNCATED, dead_letter_counter
+from transforms.metrics import (DEAD_LETTERED, END_TO_END_MS, ROWS_WRITTEN, TRUNCATED,
+                               dead_letter_counter)
 from transforms.schema import DeadLetter, EmbeddedDoc, vector_schema
 
 VECTORS_DIR = "vectors"
 DEAD_LETTER_DIR = "dead_letter"
 SUMMARY_FILE = "_summary.json"
 SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
+TEMP_DIR = "_temp"
+_SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 def new_run_id(now: dt.datetime | None = None) -> str:
@@ -39,6 +57,7 @@ def to_table(rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
     if vectors.shape[1] != dim:
         raise ValueError(f"embedding has {vectors.shape[1]} dimensions, the schema {dim}")
     events = [r.doc.event for r in rows]
+    lineages = [e.lineage for e in events]  # None for events read from files: null columns
     table = pa.table({
         "id": [e.id for e in events],
         "url": [e.url for e in events],
@@ -53,9 +72,16 @@ def to_table(rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
         "token_count": pa.array([r.doc.token_count for r in rows], pa.int32()),
         "truncated": [r.doc.truncated for r in rows],
         "embedded_at": [r.embedded_at for r in rows],
+        "pubsub_message_id": [x.message_id if x else None for x in lineages],
+        "pubsub_publish_time": [x.publish_time if x else None for x in lineages],
+        "pubsub_attributes": [list(x.attributes) if x else None for x in lineages],
     }, schema=schema)
     ROWS_WRITTEN.inc(len(rows))
     TRUNCATED.inc(sum(r.doc.truncated for r in rows))
+    now = dt.datetime.now(dt.timezone.utc)
+    for lineage in lineages:
+        if lineage is not None and lineage.publish_time is not None:
+            END_TO_END_MS.update(int((now - lineage.publish_time).total_seconds() * 1000))
     return table
 
 
@@ -97,3 +123,196 @@ class WriteDeadLetters(beam.PTransform):
                 | "ToJson" >> beam.Map(_count_dead_letter)
                 | "WriteJsonl" >> beam.io.WriteToText(
                     self._prefix, file_name_suffix=".jsonl", shard_name_template=SHARD_TEMPLATE))
+
+
+# Streaming: windowed input, one file per window, pane and shard.
+
+def partition_path(window: IntervalWindow) -> str:
+    """``dt=YYYY-MM-DD/hour=HH`` of the window start (UTC). Never from an event's fields, which the
+    publisher controls; digits by construction, so safe in any path."""
+    if not isinstance(window, IntervalWindow):
+        raise ValueError(f"an event-time window is needed to partition by, got {window!r}")
+    start = window.start.to_utc_datetime()
+    return f"dt={start:%Y-%m-%d}/hour={start:%H}"
+
+
+def window_file_name(run_id: str, window: IntervalWindow, pane_index: int, shard: int, shards: int,
+                     suffix: str) -> str:
+    """``part-<run_id>-<window start>-<pane>-<shard>-of-<n><suffix>``: a late pane never replaces
+    the on-time file of its window, nor one run another's. Only [A-Za-z0-9._-] (BigQuery, gsutil,
+    shells)."""
+    start = window.start.to_utc_datetime()
+    name = (f"part-{run_id}-{start:%Y%m%dT%H%M%SZ}-{pane_index:03d}-{shard:05d}-of-{shards:05d}"
+            f"{suffix}")
+    if not _SAFE_NAME.fullmatch(name):
+        raise ValueError(f"unsafe file name {name!r}")
+    return name
+
+
+class ParquetTableSink(fileio.FileSink):
+    """pyarrow Tables -> one zstd Parquet file, a row group per table of up to ``row_group_rows``.
+
+    ``flush`` writes the footer, so it ends the file: fileio (and ``_WriteWindowPaneFn``) call it
+    once, just before closing the handle, which stays open for its owner to close.
+    """
+
+    def __init__(self, schema: pa.Schema, row_group_rows: int = 16384):
+        self._schema = schema
+        self._row_group_rows = row_group_rows
+        self._writer = None
+
+    def create_metadata(self, destination, full_file_name) -> fileio.FileMetadata:
+        # AUTO would guess a compression from the name; Parquet compresses its own pages.
+        return fileio.FileMetadata(mime_type="application/vnd.apache.parquet",
+                                   compression_type=CompressionTypes.UNCOMPRESSED)
+
+    def open(self, fh) -> None:
+        self._writer = pq.ParquetWriter(fh, self._schema, compression="zstd")
+
+    def write(self, table: pa.Table) -> None:
+        self._writer.write_table(table, row_group_size=self._row_group_rows)
+
+    def flush(self) -> None:
+        self._writer.close()
+
+
+class _JsonLinesSink(fileio.TextSink):
+    def create_metadata(self, destination, full_file_name) -> fileio.FileMetadata:
+        return fileio.FileMetadata(mime_type="application/x-ndjson",
+                                   compression_type=CompressionTypes.UNCOMPRESSED)
+
+
+def _mkdirs(path: str) -> None:
+    try:
+        FileSystems.mkdirs(path)
+    except IOError:
+        pass  # it exists (another shard, another worker); a real failure fails the rename after
+
+
+def _delete_quietly(path: str) -> None:
+    try:
+        FileSystems.delete([path])
+    except IOError:
+        pass  # never created; the error that brought us here matters more
+
+
+class _WriteWindowPaneFn(beam.DoFn):
+    """(shard, records) of one window and pane -> one file, written under ``_temp/<run_id>/`` and
+    renamed into ``<subdir>/dt=../hour=../``: nothing half-written is ever visible there.
+
+    The name is fixed by window, pane and shard (the pane index counts per key), so a retried bundle
+    rewrites the same file. Why not ``fileio.WriteToFiles`` (Beam 2.77, tried on TestStream): by
+    default it names files without the pane (pane=None), so each firing of a window overwrote the
+    last; with ``max_writers_per_bundle=0`` the pane index counts per internal shard key, which
+    ``file_naming`` cannot see, so two late panes got one name; and a name with a subfolder fails to
+    rename on local disk (no such folder), logged at DEBUG, the files left in its temp folder.
+    """
+
+    def __init__(self, output: str, subdir: str, run_id: str, shards: int, suffix: str,
+                 new_sink: Callable[[], fileio.FileSink], encode: Callable[[Iterable], Iterator]):
+        self._output, self._subdir, self._run_id = output, subdir, run_id
+        self._shards, self._suffix = shards, suffix
+        self._new_sink, self._encode = new_sink, encode
+
+    def process(self, shard_records, window=beam.DoFn.WindowParam, pane=beam.DoFn.PaneInfoParam):
+        shard, records = shard_records
+        records = iter(records)
+        first = next(records, None)
+        if first is not None:  # an empty pane: no empty file
+            yield self._write(window, pane.index, shard, itertools.chain([first], records))
+
+    def _write(self, window, pane_index: int, shard: int, records: Iterator) -> str:
+        name = window_file_name(self._run_id, window, pane_index, shard, self._shards, self._suffix)
+        final_dir = join_path(self._output, self._subdir, partition_path(window))
+        temp_dir = join_path(self._output, TEMP_DIR, self._run_id)
+        temp = join_path(temp_dir, f"{uuid.uuid4().hex}.tmp")
+        _mkdirs(temp_dir)
+        sink = self._new_sink()
+        try:
+            with FileSystems.create(temp, **sink.create_metadata(final_dir, temp)._asdict()) as fh:
+                sink.open(fh)
+                try:
+                    for record in self._encode(records):
+                        sink.write(record)
+                finally:
+                    sink.flush()  # also on failure: a Parquet writer must not outlive its handle
+        except BaseException:
+            _delete_quietly(temp)
+            raise
+        _mkdirs(final_dir)
+        final = join_path(final_dir, name)
+        FileSystems.rename([temp], [final])
+        return final
+
+
+def _require_windowed(pcoll, transform: str) -> None:
+    if isinstance(pcoll.windowing.windowfn, GlobalWindows):
+        raise ValueError(f"{transform} partitions by event-time window: window the input first "
+                         "(or use the batch sink)")
+
+
+def _require_safe_run_id(run_id: str) -> None:
+    if not _SAFE_NAME.fullmatch(run_id):
+        raise ValueError(f"run_id {run_id!r} must match {_SAFE_NAME.pattern}")
+
+
+def _shard_of(row: EmbeddedDoc, shards: int) -> int:
+    """Stable across processes (Python's str hash is not), so a retry shards the same."""
+    return zlib.crc32(row.doc.event.id.encode("utf-8")) % shards
+
+
+def _row_group_tables(rows: Iterable[EmbeddedDoc], schema: pa.Schema, row_group_rows: int):
+    rows = iter(rows)
+    while batch := list(itertools.islice(rows, row_group_rows)):
+        yield to_table(batch, schema)
+
+
+def _dead_letter_lines(letters: Iterable[DeadLetter]):
+    return map(_count_dead_letter, letters)
+
+
+class WriteWindowedVectors(beam.PTransform):
+    """Windowed EmbeddedDoc -> zstd Parquet, one file per window, pane and shard, under
+    ``<output>/vectors/dt=YYYY-MM-DD/hour=HH/`` of the window start. Returns the paths written."""
+
+    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384,
+                 shards: int = 1):
+        super().__init__()
+        _require_safe_run_id(run_id)
+        if row_group_rows < 1 or shards < 1:
+            raise ValueError("row_group_rows and shards must be >= 1")
+        self._output, self._run_id, self._shards = output, run_id, shards
+        self._schema = vector_schema(dim)
+        self._row_group_rows = row_group_rows
+
+    def expand(self, rows):
+        _require_windowed(rows, "WriteWindowedVectors")
+        schema, row_group_rows = self._schema, self._row_group_rows
+        return (rows
+                | "KeyByShard" >> beam.Map(lambda r, n: (_shard_of(r, n), r), self._shards)
+                | "GroupByWindowAndPane" >> beam.GroupByKey()
+                | "WriteParquet" >> beam.ParDo(_WriteWindowPaneFn(
+                    self._output, VECTORS_DIR, self._run_id, self._shards, ".parquet",
+                    functools.partial(ParquetTableSink, schema, row_group_rows),
+                    functools.partial(_row_group_tables, schema=schema,
+                                      row_group_rows=row_group_rows))))
+
+
+class WriteWindowedDeadLetters(beam.PTransform):
+    """Windowed DeadLetter -> JSON Lines, one file per window and pane, under
+    ``<output>/dead_letter/dt=YYYY-MM-DD/hour=HH/`` of the window start. Counted as written (after
+    the group, so a letter dropped there is not counted). Returns the paths written."""
+
+    def __init__(self, output: str, run_id: str):
+        super().__init__()
+        _require_safe_run_id(run_id)
+        self._output, self._run_id = output, run_id
+
+    def expand(self, letters):
+        _require_windowed(letters, "WriteWindowedDeadLetters")
+        return (letters
+                | "KeyByShard" >> beam.Map(lambda letter: (0, letter))
+                | "GroupByWindowAndPane" >> beam.GroupByKey()
+                | "WriteJsonl" >> beam.ParDo(_WriteWindowPaneFn(
+                    self._output, DEAD_LETTER_DIR, self._run_id, 1, ".jsonl", _JsonLinesSink,
+                    _dead_letter_lines)))

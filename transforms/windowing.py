@@ -12,6 +12,8 @@ each message). Late data is never dropped:
 """
 from __future__ import annotations
 
+import datetime as dt
+
 import apache_beam as beam
 from apache_beam.transforms import trigger, window
 from apache_beam.utils.timestamp import Duration, Timestamp
@@ -24,7 +26,7 @@ def event_time(event: NewsEvent, publish_time: Timestamp, allowed_lateness_s: fl
     """``published_at`` when it is within the allowed lateness of the publish time, else the latter."""
     if event.published_at is None:
         return publish_time
-    published = Timestamp.from_utc_datetime(event.published_at)
+    published = Timestamp.from_utc_datetime(event.published_at.astimezone(dt.timezone.utc))
     if publish_time - published > Duration(seconds=allowed_lateness_s):
         LATE_REASSIGNED.inc()
         return publish_time
