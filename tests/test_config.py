@@ -20,8 +20,9 @@ def local_raw() -> dict:
     return yaml.safe_load((CONFIGS / "local.yaml").read_text())
 
 
-def test_local_config_is_valid_and_runs_on_the_cpu():
-    config = config_lib.load(CONFIGS / "local.yaml")
+@pytest.mark.parametrize("name", ["local.yaml", "local-streaming.yaml"])
+def test_local_configs_are_valid_and_run_on_the_cpu(name):
+    config = config_lib.load(CONFIGS / name)
     assert config.model.path.startswith("pypackage:") and config.model.dim == 384
     assert config.model.engine_env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert not config.model.trust_remote_code
@@ -52,8 +53,9 @@ def test_unfilled_placeholders_fail_at_start_and_are_listed():
         assert name in str(info.value)
 
 
-def test_dataflow_batch_config_is_valid_once_filled(tmp_path):
-    text = (CONFIGS / "dataflow-batch.yaml").read_text()
+@pytest.mark.parametrize("name", ["dataflow-batch.yaml", "dataflow-streaming.yaml"])
+def test_dataflow_configs_are_valid_once_filled(tmp_path, name):
+    text = (CONFIGS / name).read_text().replace("<SUBSCRIPTION>", "news")
     for key, value in {"<BUCKET>": "b", "<PROJECT_ID>": "p", "<REGION>": "europe-west4",
                        "<MODEL_NAME>": "m", "<MODEL_DIR>": "m", "<MODEL_REVISION>": "r1",
                        "<IMAGE_TAG>": "v1"}.items():
@@ -62,6 +64,7 @@ def test_dataflow_batch_config_is_valid_once_filled(tmp_path):
     path.write_text(text)
     config = config_lib.load(path)
     assert config.beam["runner"] == "DataflowRunner"
+    assert bool(config.streaming.subscription) == (name == "dataflow-streaming.yaml")
     flags = config.beam_flags()
     assert ("--dataflow_service_options=worker_accelerator=type:nvidia-l4;count:1;"
             "install-nvidia-driver") in flags
