@@ -54,7 +54,8 @@ class StreamingSettings(_Section):
         description="Pub/Sub subscription to read; set, the job streams")
     window_s: float = Field(60, gt=0, description="Fixed event-time window length")
     allowed_lateness_s: float = Field(600, ge=0, description="Late data within this is kept")
-    max_wait_s: float = Field(5, gt=0, description="Longest a micro-batch waits when traffic is light")
+    max_wait_s: int = Field(5, gt=0, description="Longest a micro-batch waits when traffic is light "
+                                                 "(whole seconds: Beam's processing-time trigger)")
     dedup_horizon_s: float = Field(3600, gt=0, description="How long a dedup key is remembered")
     batch_shards: int = Field(4, gt=0, description="Keys over which micro-batches are grouped")
 

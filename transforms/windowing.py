@@ -59,14 +59,16 @@ class FixedEventTimeWindows(beam.PTransform):
     Panes discard what they fired, so each element goes downstream once."""
 
     def __init__(self, window_s: float = 60, allowed_lateness_s: float = 600,
-                 max_wait_s: float | None = None):
+                 max_wait_s: int | None = None):
         super().__init__()
         if window_s <= 0 or allowed_lateness_s < 0 or (max_wait_s is not None and max_wait_s <= 0):
             raise ValueError("window_s and max_wait_s must be > 0 and allowed_lateness_s >= 0")
+        if max_wait_s is not None and max_wait_s != int(max_wait_s):
+            raise ValueError("max_wait_s must be whole seconds (Beam's trigger keeps no fraction)")
         self._window_s, self._lateness, self._max_wait = window_s, allowed_lateness_s, max_wait_s
 
     def expand(self, pcoll):
-        early = trigger.AfterProcessingTime(self._max_wait) if self._max_wait else None
+        early = trigger.AfterProcessingTime(int(self._max_wait)) if self._max_wait else None
         return pcoll | beam.WindowInto(
             window.FixedWindows(self._window_s),
             trigger=trigger.AfterWatermark(early=early, late=trigger.AfterCount(1)),
@@ -78,7 +80,7 @@ class WindowByEventTime(beam.PTransform):
     """AssignEventTime, then FixedEventTimeWindows."""
 
     def __init__(self, window_s: float = 60, allowed_lateness_s: float = 600,
-                 max_wait_s: float | None = None):
+                 max_wait_s: int | None = None):
         super().__init__()
         self._assign = AssignEventTime(allowed_lateness_s)
         self._windows = FixedEventTimeWindows(window_s, allowed_lateness_s, max_wait_s)

@@ -1,0 +1,193 @@
+"""Streaming benchmark: figures, not timed asserts. ``python -m pipeline.benchmark_streaming``.
+
+Through Google's Pub/Sub emulator (started here on loopback), on the BBC articles, in one run:
+  1. saturation: every article published at once; sustained docs/s from the first publish to the
+     last row on disk, against the batch pipeline's docs/s on the same articles (same process and
+     engine, model load excluded from both);
+  2. latency: articles published at half the saturation rate; publish-to-Parquet latency per row
+     (the file's rename time minus the message's publish time), p50 and p95;
+  3. batch fill at saturation: tokens per micro-batch over the token budget.
+Writes ``bench-results/streaming-<time>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from pipeline.benchmark import bbc_texts, write_events
+from pipeline.config import REPO_ROOT, load
+from transforms.embed import VLLMEmbeddingHandler
+
+PROJECT = "newsvec-bench"
+TOPIC, SUBSCRIPTION = f"projects/{PROJECT}/topics/news", f"projects/{PROJECT}/subscriptions/news"
+
+
+_BATCH_TOKENS: list[int] = []  # tokens of each micro-batch, recorded in this process
+
+
+class RecordingHandler(VLLMEmbeddingHandler):
+    """The real handler; also records each micro-batch's tokens (Beam metrics are unreliable on the
+    local streaming runner). Module-level, so the runner's pickled copy records into this list."""
+
+    def run_inference(self, batch, model, inference_args=None):
+        _BATCH_TOKENS.append(sum(d.token_count for d in batch))
+        return super().run_inference(batch, model, inference_args)
+
+
+def _rows(out: Path) -> list[tuple[str, float, dt.datetime]]:
+    """(id, file time, publish time) of every row written so far."""
+    rows = []
+    for f in (out / "vectors").rglob("*.parquet"):
+        table = pq.read_table(f, columns=["id", "pubsub_publish_time"])
+        mtime = f.stat().st_mtime
+        rows += [(i, mtime, p) for i, p in zip(table["id"].to_pylist(),
+                                              table["pubsub_publish_time"].to_pylist())]
+    return rows
+
+
+def _wait_for(out: Path, prefix: str, n: int, timeout: float) -> list:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = [r for r in _rows(out) if r[0].startswith(prefix)]
+        if len(rows) >= n:
+            return rows
+        time.sleep(0.5)
+    raise TimeoutError(f"only {len(rows)} of {n} rows with prefix {prefix} after {timeout} s")
+
+
+def _events(texts: list[str], path: Path, prefix: str) -> None:
+    write_events(texts, path)
+    lines = path.read_text().splitlines()
+    path.write_text("".join(line.replace('"bbc-', f'"{prefix}-', 1) + "\n" for line in lines))
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.benchmark_streaming",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "local-streaming.yaml"))
+    parser.add_argument("--limit", type=int, default=None, help="use the first N articles only")
+    parser.add_argument("--latency-s", type=float, default=60, help="length of the latency phase")
+    parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    args = parser.parse_args(argv)
+
+    import os
+
+    from apache_beam.options.pipeline_options import PipelineOptions
+    from google.cloud import pubsub_v1
+
+    from pipeline.graph import HEARTBEAT_ATTRIBUTE
+    from pipeline.publish import publish_file
+    from pipeline.run import run_batch, run_streaming
+    from tests.emulators import pubsub_emulator
+
+    texts = bbc_texts(args.limit)
+    work = Path(tempfile.mkdtemp(prefix="newsvec-stream-bench-"))
+    base = load(args.config)
+    config = base.model_copy(update={
+        "output": str(work / "out"),
+        "streaming": base.streaming.model_copy(update={"subscription": SUBSCRIPTION})})
+    results: dict = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                     "docs": len(texts), "cpus": os.cpu_count(),
+                     "streaming": config.streaming.model_dump(), "model": config.model.model_dump()}
+
+    with pubsub_emulator(PROJECT, work) as host:
+        os.environ["PUBSUB_EMULATOR_HOST"] = host
+        pubsub_v1.PublisherClient().create_topic(name=TOPIC)
+        pubsub_v1.SubscriberClient().create_subscription(name=SUBSCRIPTION, topic=TOPIC)
+        result = run_streaming(config, PipelineOptions(["--runner=BundleBasedDirectRunner"]),
+                               handler=RecordingHandler(config.model))
+        stop = threading.Event()
+
+        def heartbeats():
+            publisher = pubsub_v1.PublisherClient()
+            while not stop.wait(1.0):
+                publisher.publish(TOPIC, b"", **{HEARTBEAT_ATTRIBUTE: "1"})
+
+        threading.Thread(target=heartbeats, daemon=True).start()
+        try:
+            warm = work / "warm.jsonl"
+            _events(texts[:64], warm, "warm")
+            started = time.perf_counter()
+            publish_file(TOPIC, warm, rate=0)
+            _wait_for(work / "out", "warm-", 64, timeout=300)
+            results["startup_and_warmup_s"] = time.perf_counter() - started
+            print(f"warm-up (start-up, model load, 64 articles): "
+                  f"{results['startup_and_warmup_s']:.1f} s", flush=True)
+
+            _BATCH_TOKENS.clear()
+            sat = work / "saturation.jsonl"
+            _events(texts, sat, "sat")
+            started = time.perf_counter()
+            publish_file(TOPIC, sat, rate=0)
+            _wait_for(work / "out", "sat-", len(texts), timeout=1800)
+            sat_s = time.perf_counter() - started
+            saturation = len(texts) / sat_s
+            fill = [b / config.model.token_budget for b in _BATCH_TOKENS]
+            print(f"streaming at saturation: {saturation:.1f} docs/s; mean batch fill "
+                  f"{statistics.mean(fill):.3f} over {len(fill)} batches", flush=True)
+
+            rate = saturation / 2
+            n = max(1, int(rate * args.latency_s))
+            lat = work / "latency.jsonl"
+            _events((texts * (n // len(texts) + 1))[:n], lat, "lat")
+            publish_file(TOPIC, lat, rate=rate)
+            rows = _wait_for(work / "out", "lat-", n, timeout=600)
+            latencies = [mtime - publish.timestamp() for _, mtime, publish in rows]
+            p50, p95 = percentile(latencies, 0.5), percentile(latencies, 0.95)
+            print(f"latency at {rate:.1f} docs/s (half saturation): p50 {p50:.1f} s, "
+                  f"p95 {p95:.1f} s (window {config.streaming.window_s:.0f} s)", flush=True)
+        finally:
+            stop.set()
+            result.cancel()
+
+    events = work / "batch.jsonl"
+    write_events(texts, events)
+    summary = run_batch(config.model_copy(update={"input": str(events),
+                                                  "output": str(work / "batch-out")}),
+                        PipelineOptions(["--runner=FnApiRunner"]))
+    t = summary["timings"]
+    batch_rate = len(texts) / (t["run_s"] - t["model_load_s"])
+    print(f"batch pipeline: {batch_rate:.1f} docs/s", flush=True)
+
+    results.update({
+        "saturation": {"docs_per_s": saturation, "seconds": sat_s,
+                       "mean_batch_fill": statistics.mean(fill), "batches": len(fill)},
+        "batch_pipeline_docs_per_s": batch_rate,
+        "ratio_streaming_over_batch": saturation / batch_rate,
+        "latency": {"rate_docs_per_s": rate, "messages": n, "p50_s": p50, "p95_s": p95,
+                    "target_p95_s": config.streaming.window_s + 10},
+        "targets": {"ratio_streaming_over_batch": 0.9},
+    })
+    out_dir = Path(args.results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_file = out_dir / f"streaming-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}.json"
+    out_file.write_text(json.dumps(results, indent=2, default=str))
+    print(f"\nstreaming / batch: {saturation / batch_rate:.3f} (target >= 0.9)")
+    print(f"latency p50 {p50:.1f} s, p95 {p95:.1f} s (target p95 <= "
+          f"{config.streaming.window_s + 10:.0f} s)")
+    print(f"mean batch fill at saturation: {statistics.mean(fill):.3f}")
+    print(f"results: {out_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    # Run from the module's importable name: a class defined in __main__ is pickled by value, and the
+    # runner's copy of RecordingHandler would record into a copy of _BATCH_TOKENS.
+    from pipeline import benchmark_streaming
+
+    sys.exit(benchmark_streaming.main())
