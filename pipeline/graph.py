@@ -1,8 +1,8 @@
 """The pipeline graphs, box by box as in README.md's diagram. Each box is a PTransform in transforms/.
 
 Batch:      files -> Parse -> PrepareText -> DropDuplicates -> Embed -> WriteVectors
-Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> DropDuplicatesStreaming
-              -> (re)window -> GroupIntoMicroBatches -> Embed -> WriteWindowedVectors
+Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> DropDuplicatesStreaming (the
+              micro-batch grouping) -> (re)window -> Embed -> WriteWindowedVectors
 Both:       every dead letter -> WriteDeadLetters (per window when streaming)
 """
 from __future__ import annotations
@@ -67,14 +67,6 @@ def build_batch(pipeline: beam.Pipeline, config: Config, run_id: str,
     return embed_and_write(payloads, config, run_id, handler)
 
 
-class _ShardKey(beam.DoFn):
-    def __init__(self, shards: int):
-        self._shards = shards
-
-    def process(self, doc):
-        yield int(doc.text_sha256[:8], 16) % self._shards, doc
-
-
 def embed_and_write_streaming(messages, config: Config, run_id: str,
                               handler: Optional[ModelHandler] = None) -> dict:
     """Streaming: Pub/Sub messages -> per-window Parquet vectors and dead letters."""
@@ -84,17 +76,15 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
     parsed = _parse(messages, config)
     events = parsed.events | "WindowByEventTime" >> WindowByEventTime(**windows)
     prepared = _prepare(events, config)
+    # DropDuplicatesStreaming groups per shard in the windows above, whose trigger fires when the
+    # window closes or max_wait has passed: that group is the micro-batch (full under load, at
+    # most max_wait old when traffic is light). RunInference's BatchElements then cuts it into
+    # token-budget batches.
     unique = (prepared.docs
-              | "DropDuplicates" >> DropDuplicatesStreaming(config.dedup.key, s.dedup_horizon_s)
+              | "DropDuplicates" >> DropDuplicatesStreaming(config.dedup.key, s.dedup_horizon_s,
+                                                            s.batch_shards)
               | "Rewindow" >> FixedEventTimeWindows(**windows))
-    # A keyed group whose trigger fires when the window closes or max_wait has passed: batches
-    # fill up under load and wait at most max_wait when traffic is light. RunInference's
-    # BatchElements then cuts each group into token-budget micro-batches.
-    grouped = (unique
-               | "ShardKey" >> beam.ParDo(_ShardKey(s.batch_shards))
-               | "GroupIntoMicroBatches" >> beam.GroupByKey()
-               | "Ungroup" >> beam.FlatMap(lambda kv: kv[1]))
-    embedded = _embed(grouped, config, handler)
+    embedded = _embed(unique, config, handler)
     vectors = embedded.embedded | "WriteVectors" >> WriteWindowedVectors(
         config.output, run_id, config.model.dim, config.sink.row_group_rows)
     dead_letters = (

@@ -1,5 +1,7 @@
 """Streaming dedup on a TestStream: redeliveries within the horizon are dropped and counted, and a
-key is forgotten once the watermark passes its horizon (the state is bounded).
+key is forgotten once the watermark passes its horizon (the state is bounded). Input is in fixed
+10 s windows (default trigger: each window fires once, at its end); output timestamps are the end of
+the window the copy arrived in.
 
 Runner: BundleBasedDirectRunner, the local runner that executes TestStream with user state and
 event-time timers. DirectRunner would pick it too for a TestStream, but only after a check for
@@ -36,17 +38,15 @@ def stream(*steps) -> TestStream:
     return ts.advance_watermark_to_infinity()
 
 
-def run_dedup(test_stream: TestStream, expected, windowed_s=None, **dedup_args):
-    """Runs the stream (in fixed windows of windowed_s, if given) through DropDuplicatesStreaming,
-    asserts the (id, text_sha256, timestamp) of the output, and returns the finished pipeline
-    result (for its metrics)."""
+def run_dedup(test_stream: TestStream, expected, windowed_s=10, **dedup_args):
+    """Runs the stream in fixed windows through DropDuplicatesStreaming, asserts the
+    (id, text_sha256, timestamp) of the output, and returns the finished pipeline result."""
     p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions(streaming=True))
-    docs = p | test_stream
-    if windowed_s:
-        docs = docs | beam.WindowInto(FixedWindows(windowed_s))
-    out = (docs
+    out = (p | test_stream
+           | beam.WindowInto(FixedWindows(windowed_s))
            | DropDuplicatesStreaming(**dedup_args)
-           | beam.Map(lambda d, t=beam.DoFn.TimestampParam: (d.event.id, d.text_sha256, float(t))))
+           | beam.Map(lambda d, t=beam.DoFn.TimestampParam: (d.event.id, d.text_sha256,
+                                                             round(float(t)))))
     assert_that(out, equal_to(expected))
     result = p.run()
     result.wait_until_finish()
@@ -63,36 +63,56 @@ def duplicates_counted(result) -> int:
     return sum(c.committed for c in counters)
 
 
-def test_redeliveries_within_the_horizon_are_dropped_and_counted():
-    result = run_dedup(
-        stream([(doc("a", "copy0"), 0), (doc("b", "b"), 5), (doc("a", "copy1"), 10),
-                (doc("a", "copy2"), 20)]),
-        expected=[("a", "copy0", 0.0), ("b", "b", 5.0)])  # the first copy, its timestamp kept
+def test_redeliveries_in_later_firings_are_dropped():
+    run_dedup(
+        stream([(doc("a", "copy0"), 0), (doc("b", "b"), 5)], 12, [(doc("a", "copy1"), 13)],
+               30, [(doc("a", "copy2"), 31)]),
+        expected=[("a", "copy0", 10), ("b", "b", 10)])  # the first copy, from window [0, 10)
+
+
+def test_duplicates_are_counted():
+    # One firing: the local runner keeps only a step's first bundle's metrics (duplicates_counted).
+    result = run_dedup(stream([(doc("a", "c0"), 0), (doc("a", "c1"), 1), (doc("a", "c2"), 2),
+                               (doc("b", "b"), 3)]),
+                       expected=[("a", "c2", 10), ("b", "b", 10)])
     assert duplicates_counted(result) == 2
 
 
+def test_copies_in_one_firing_keep_the_last_published():
+    import datetime as dt
+
+    def published(id_, sha, day):
+        return PreparedDoc(event=NewsEvent(id=id_, body="x", published_at=dt.datetime(
+            2026, 11, day, tzinfo=dt.timezone.utc)), text="x", text_sha256=sha,
+            token_ids=(101, 1, 102), truncated=False)
+
+    run_dedup(stream([(published("a", "old", 1), 0), (published("a", "update", 2), 1)]),
+              expected=[("a", "update", 10)])
+
+
 @pytest.mark.parametrize("horizon_s, expected", [
-    (60, [("a", "first", 0.0), ("a", "again", 210.0)]),  # 0 + 60 < watermark 200: forgotten
-    (300, [("a", "first", 0.0)]),                        # 0 + 300 > 210: still a duplicate
+    (60, [("a", "first", 10), ("a", "again", 220)]),  # expires at 10 + 60 < watermark 200
+    (300, [("a", "first", 10)]),                       # expires at 310 > 210: still a duplicate
 ])
 def test_a_key_is_forgotten_once_the_watermark_passes_its_horizon(horizon_s, expected):
-    # This is the bounded-state test: nothing but the expiry timer clears "seen", so the second
-    # "a" passes at horizon 60 only because the timer fired at t=60 and dropped the key's state;
-    # the horizon-300 case is the same stream with the timer not yet due.
+    # This is the bounded-state test: nothing but the prune timer removes a key from "seen", so
+    # the second "a" passes at horizon 60 only because the timer fired and dropped the key; the
+    # horizon-300 case is the same stream with the timer not yet due.
     run_dedup(stream([(doc("a", "first"), 0)], 200, [(doc("a", "again"), 210)]),
               expected=expected, horizon_s=horizon_s)
 
 
-def test_windowed_input_is_deduplicated_across_windows():
-    # The transform moves docs to the global window: per-window state would forget "a" at t=5.
-    run_dedup(stream([(doc("a", "copy0"), 0)], [(doc("a", "copy1"), 10)]),
-              expected=[("a", "copy0", 0.0)], windowed_s=5)
+def test_shards_do_not_split_a_key():
+    run_dedup(stream([(doc(f"id{i}", str(i)), 0) for i in range(20)] + [(doc("id7", "again"), 3)]),
+              # one firing: the batch rule picks id7's survivor (same date: greater text hash)
+              expected=[(f"id{i}", "again" if i == 7 else str(i), 10) for i in range(20)],
+              shards=4)
 
 
 def test_text_hash_key_drops_the_same_text_under_another_id():
     result = run_dedup(
         stream([(doc("a", "same"), 0), (doc("b", "same"), 1), (doc("c", "other"), 2)]),
-        expected=[("a", "same", 0.0), ("c", "other", 2.0)], key="text_sha256")
+        expected=[("b", "same", 10), ("c", "other", 10)], key="text_sha256")
     assert duplicates_counted(result) == 1
 
 
@@ -101,3 +121,5 @@ def test_unknown_key_or_empty_horizon_fails_at_construction():
         DropDuplicatesStreaming(key="url")
     with pytest.raises(ValueError, match="horizon_s"):
         DropDuplicatesStreaming(horizon_s=0)
+    with pytest.raises(ValueError, match="shards"):
+        DropDuplicatesStreaming(shards=0)

@@ -9,12 +9,14 @@ The key is the event id (default) or the text hash.
 from __future__ import annotations
 
 import datetime as dt
+import zlib
 
 import apache_beam as beam
-from apache_beam.coders import BooleanCoder
+from apache_beam.coders import PickleCoder
 from apache_beam.transforms import window
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, on_timer
+from apache_beam.utils.timestamp import Duration, Timestamp
 
 from transforms.metrics import DUPLICATES
 from transforms.schema import PreparedDoc
@@ -54,61 +56,78 @@ class DropDuplicates(beam.PTransform):
                 | "KeepOne" >> beam.Map(_keep_one))
 
 
-class _KeepFirstWithinHorizon(beam.DoFn):
-    """Per key: emit the first doc, drop the rest until the watermark passes its time + horizon.
-
-    The timer that clears "seen" is what bounds the state: a key costs state for one horizon, not
-    for the life of the job. It is set once, from the kept doc, so a stream of redeliveries does
-    not keep a key alive forever.
+class _KeepFirstPerShard(beam.DoFn):
+    """Per shard, in the global window: the dedup keys kept within the horizon, each with its expiry
+    (event time). A key not seen before is kept; a key seen before is dropped and counted. A
+    watermark timer prunes expired keys, so the state holds one horizon of keys, not the job's life.
     """
 
-    SEEN = ReadModifyWriteStateSpec("seen", BooleanCoder())
-    EXPIRY = TimerSpec("expiry", TimeDomain.WATERMARK)
+    SEEN = ReadModifyWriteStateSpec("seen", PickleCoder())  # {dedup key: expiry in micros}
+    PRUNE = TimerSpec("prune", TimeDomain.WATERMARK)
 
-    def __init__(self, horizon_s: float):
+    def __init__(self, key_fn, horizon_s: float):
         super().__init__()
-        self._horizon_s = horizon_s
+        self._key_fn, self._horizon = key_fn, Duration(seconds=horizon_s)
 
-    def process(self, keyed, timestamp=beam.DoFn.TimestampParam,
-                seen=beam.DoFn.StateParam(SEEN), expiry=beam.DoFn.TimerParam(EXPIRY)):
-        _, doc = keyed
-        if seen.read():
-            DUPLICATES.inc()
-            return
-        seen.write(True)
-        expiry.set(timestamp + self._horizon_s)
-        yield doc
+    def process(self, shard_docs, timestamp=beam.DoFn.TimestampParam,
+                seen_state=beam.DoFn.StateParam(SEEN), prune=beam.DoFn.TimerParam(PRUNE)):
+        _, docs = shard_docs
+        seen = seen_state.read() or {}
+        expiry = (timestamp + self._horizon).micros
+        # Within one firing, the batch rule picks the survivor (the last published); across
+        # firings, the copy kept first stays.
+        for doc in sorted(docs, key=survivor_rank, reverse=True):
+            key = self._key_fn(doc)
+            if key in seen:
+                DUPLICATES.inc()
+                continue
+            seen[key] = expiry
+            yield doc
+        if seen:
+            seen_state.write(seen)
+            prune.set(Timestamp(micros=min(seen.values())))
 
-    @on_timer(EXPIRY)
-    def forget(self, seen=beam.DoFn.StateParam(SEEN)):
-        seen.clear()
+    @on_timer(PRUNE)
+    def prune(self, fired=beam.DoFn.TimestampParam, seen_state=beam.DoFn.StateParam(SEEN),
+              prune=beam.DoFn.TimerParam(PRUNE)):
+        seen = {k: e for k, e in (seen_state.read() or {}).items() if e > fired.micros}
+        if seen:
+            seen_state.write(seen)
+            prune.set(Timestamp(micros=min(seen.values())))
+        else:
+            seen_state.clear()
 
 
 class DropDuplicatesStreaming(beam.PTransform):
-    """PreparedDoc -> PreparedDoc for unbounded input (Pub/Sub redeliveries, republished articles).
+    """Windowed PreparedDoc -> PreparedDoc for unbounded input (Pub/Sub redeliveries, republished
+    articles): a doc whose key was already kept within ``horizon_s`` seconds of event time is
+    dropped and counted in ``duplicates``.
 
-    Drops a doc whose key was already kept within ``horizon_s`` seconds of event time, counting it
-    in ``duplicates``. Unlike the batch DropDuplicates, the FIRST copy wins, not the last published.
-
-    The state lives in the global window (a fixed window would forget keys at its edges), so the
-    output is in the global window: the caller windows afterwards. Elements keep their timestamps.
+    Docs are grouped per shard of the dedup key in the caller's windows, so the input's trigger
+    decides when a group fires (FixedEventTimeWindows: every max_wait_s, and at the window's end):
+    this grouping is also the streaming micro-batch. The state lives per shard in the global window
+    (a fixed window would forget keys at its edges), so the output is in the global window with
+    the group's timestamp (its window's end): the caller windows again afterwards. Per shard and
+    firing, one stateful call handles the whole group, which keeps the bundle count low.
     """
 
-    def __init__(self, key: str = "id", horizon_s: float = 3600):
+    def __init__(self, key: str = "id", horizon_s: float = 3600, shards: int = 4):
         super().__init__()
         if key not in KEYS:
             raise ValueError(f"dedup key must be one of {sorted(KEYS)}, got {key!r}")
         if horizon_s <= 0:
             raise ValueError(f"horizon_s must be positive, got {horizon_s!r}")
-        self._key_fn = KEYS[key]
-        self._horizon_s = horizon_s
+        if shards < 1:
+            raise ValueError(f"shards must be at least 1, got {shards!r}")
+        self._key_fn, self._horizon_s, self._shards = KEYS[key], horizon_s, shards
 
     def expand(self, docs):
-        key_fn = self._key_fn
+        key_fn, shards = self._key_fn, self._shards
         return (docs
+                | "ShardByDedupKey" >> beam.Map(
+                    lambda d: (zlib.crc32(key_fn(d).encode("utf-8")) % shards, d)
+                ).with_output_types(tuple[int, PreparedDoc])
+                | "GroupPerShard" >> beam.GroupByKey()
                 | "GlobalWindow" >> beam.WindowInto(window.GlobalWindows())
-                # A Map, not beam.WithKeys: WithKeys infers Tuple[Any, Any] and drops a declared
-                # type, and the stateful DoFn needs the str key coder (deterministic) declared.
-                | "KeyByDedupKey" >> beam.Map(lambda doc: (key_fn(doc), doc)).with_output_types(
-                    tuple[str, PreparedDoc])
-                | "KeepFirstWithinHorizon" >> beam.ParDo(_KeepFirstWithinHorizon(self._horizon_s)))
+                | "KeepFirstWithinHorizon" >> beam.ParDo(
+                    _KeepFirstPerShard(key_fn, self._horizon_s)))
