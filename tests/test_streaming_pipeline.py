@@ -7,7 +7,7 @@ import re
 import threading
 import time
 
-import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -98,7 +98,7 @@ def test_every_published_message_is_accounted_for(emulators, tmp_path):
         result.cancel()
 
     blobs, rows, letters = _outputs("stream")
-    table = __import__("pyarrow").concat_tables(rows)
+    table = pa.concat_tables(rows)
     assert table.num_rows + len(letters) + published_dups == sent
     ids = table["id"].to_pylist()
     assert len(ids) == len(set(ids)) == 40, "each valid article exactly once"

@@ -88,3 +88,14 @@ def test_prepare_text_outputs_docs_and_dead_letters():
                     equal_to([("html-only", "prepare_text", Reason.EMPTY_AFTER_NORMALIZATION),
                               ("long", "prepare_text", Reason.TEXT_TOO_LONG),
                               ("bad-markup", "prepare_text", Reason.PREPARE_FAILED)]), label="dead")
+
+
+def test_dead_letters_after_parsing_keep_the_message_id_of_streamed_events():
+    from transforms.schema import DeadLetter, Lineage
+
+    event = NewsEvent(id="s-1", body="<![foo]>").model_copy(
+        update={"lineage": Lineage(message_id="777", publish_time=None)})
+    letter = DeadLetter.for_event(event, "prepare_text", Reason.PREPARE_FAILED, "bad markup", 10)
+    assert (letter.event_id, letter.message_id, letter.payload) == ("s-1", "777", '{"id":"s-1')
+    assert letter.payload_bytes > 10
+    assert DeadLetter.for_event(NewsEvent(id="b", body="x"), "embed", "r", "d", 100).message_id is None

@@ -26,8 +26,7 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInf
 
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
 from transforms.model import ModelSettings, model_content_hash, resolve_model_path
-from transforms.schema import (DeadLetter, EmbeddedDoc, PreparedDoc, Reason, Step, event_payload,
-                               truncate_payload)
+from transforms.schema import DeadLetter, EmbeddedDoc, PreparedDoc, Reason, Step
 
 _LOG = logging.getLogger(__name__)
 DEAD_LETTER = "dead_letter"
@@ -204,11 +203,9 @@ class _RouteFn(beam.DoFn):
     def process(self, result: PredictionResult):
         doc: PreparedDoc = result.example
         if isinstance(result.inference, EmbedFailure):
-            raw = event_payload(doc.event)
-            yield pvalue.TaggedOutput(DEAD_LETTER, DeadLetter(
-                step=Step.EMBED, reason=Reason.EMBEDDING_FAILED, detail=result.inference.error,
-                event_id=doc.event.id, payload=truncate_payload(raw, self._dl_bytes),
-                payload_bytes=len(raw)))
+            yield pvalue.TaggedOutput(DEAD_LETTER, DeadLetter.for_event(
+                doc.event, Step.EMBED, Reason.EMBEDDING_FAILED, result.inference.error,
+                self._dl_bytes))
         else:
             yield EmbeddedDoc(doc=doc, embedding=result.inference, model=result.model_id,
                               embedded_at=dt.datetime.now(dt.timezone.utc))

@@ -133,15 +133,21 @@ class DeadLetter:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
 
+    @classmethod
+    def for_event(cls, event: NewsEvent, step: str, reason: str, detail: str,
+                  payload_limit: int) -> "DeadLetter":
+        """A dead letter raised after parsing: the event re-serialized as its payload, and its
+        lineage's message id when streamed."""
+        raw = event.model_dump_json(exclude_none=True).encode("utf-8")
+        return cls(step=step, reason=reason, detail=detail,
+                   payload=truncate_payload(raw, payload_limit), payload_bytes=len(raw),
+                   event_id=event.id,
+                   message_id=event.lineage.message_id if event.lineage else None)
+
 
 def truncate_payload(raw: bytes, limit: int) -> str:
     """The head of a raw payload, as text a person can read in a dead letter."""
     return raw[:limit].decode("utf-8", errors="backslashreplace")
-
-
-def event_payload(event: NewsEvent) -> bytes:
-    """A re-serialized event, for dead letters raised after parsing."""
-    return event.model_dump_json(exclude_none=True).encode("utf-8")
 
 
 def vector_schema(dim: int) -> pa.Schema:

@@ -19,8 +19,7 @@ import ftfy
 from apache_beam import pvalue
 
 from transforms.model import ModelSettings, resolve_model_path
-from transforms.schema import (DeadLetter, NewsEvent, PreparedDoc, Reason, Step, event_payload,
-                               truncate_payload)
+from transforms.schema import DeadLetter, NewsEvent, PreparedDoc, Reason, Step
 
 DEAD_LETTER = "dead_letter"
 
@@ -123,10 +122,8 @@ class _PrepareTextFn(beam.DoFn):
         self._tokenizer = HeadTokenizer(self._model)
 
     def _dead_letter(self, event: NewsEvent, reason: str, detail: str):
-        raw = event_payload(event)
-        return pvalue.TaggedOutput(DEAD_LETTER, DeadLetter(
-            step=Step.PREPARE, reason=reason, detail=detail, event_id=event.id,
-            payload=truncate_payload(raw, self._dl_bytes), payload_bytes=len(raw)))
+        return pvalue.TaggedOutput(DEAD_LETTER, DeadLetter.for_event(
+            event, Step.PREPARE, reason, detail, self._dl_bytes))
 
     def _compose(self, event: NewsEvent):
         """The composed text, or a dead letter."""
