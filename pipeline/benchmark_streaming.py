@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     from pipeline.graph import HEARTBEAT_ATTRIBUTE
     from pipeline.publish import publish_file
     from pipeline.run import run_batch, run_streaming
-    from tests.emulators import pubsub_emulator
+    from pipeline.emulators import pubsub_emulator
 
     texts = bbc_texts(args.limit)
     work = Path(tempfile.mkdtemp(prefix="newsvec-stream-bench-"))

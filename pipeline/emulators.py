@@ -1,0 +1,120 @@
+"""Start Google's emulators (Pub/Sub, GCS) on loopback, and stop them after: for the tests, the
+benchmarks and local demos. A missing emulator raises ``EmulatorMissing`` with how to install it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class EmulatorMissing(RuntimeError):
+    """The emulator is not installed here; the message says how to install it."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"emulator exited early with rc {process.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"emulator not listening on 127.0.0.1:{port} after {timeout} s")
+
+
+@contextlib.contextmanager
+def gcs_emulator(bucket: str, log_dir: Path):
+    """gcp-storage-emulator (PyPI) in memory, with ``bucket`` created. Yields its http endpoint."""
+    exe = shutil.which("gcp-storage-emulator") or str(Path(sys.executable).with_name(
+        "gcp-storage-emulator"))
+    if not Path(exe).exists():
+        raise EmulatorMissing(
+            "gcp-storage-emulator is not installed (pip install gcp-storage-emulator)")
+    port = free_port()
+    log = open(log_dir / "gcs-emulator.log", "wb")
+    process = subprocess.Popen(
+        [exe, "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory",
+         "--default-bucket", bucket], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(port, process, timeout=30)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def _pubsub_emulator_installed(gcloud: str) -> bool:
+    """The gcloud component lives in the SDK's platform/ folder (asking gcloud itself is slow and
+    may try the network)."""
+    sdk_root = os.environ.get("CLOUDSDK_ROOT_DIR") or Path(os.path.realpath(gcloud)).parent.parent
+    return (Path(sdk_root) / "platform" / "pubsub-emulator").is_dir()
+
+
+@contextlib.contextmanager
+def pubsub_emulator(project: str, log_dir: Path):
+    """Google's Pub/Sub emulator (gcloud component, Java) on loopback. Yields the
+    PUBSUB_EMULATOR_HOST value ("127.0.0.1:PORT").
+
+    gcloud runs the emulator as a java child that outlives a plain terminate of gcloud, so it starts
+    in a session of its own and the whole process group is stopped."""
+    gcloud = shutil.which("gcloud")
+    if gcloud is None or not _pubsub_emulator_installed(gcloud):
+        raise EmulatorMissing("the Pub/Sub emulator is not installed "
+                     "(gcloud components install pubsub-emulator beta)")
+    port = free_port()
+    data_dir = log_dir / "pubsub-data"  # gcloud writes env.yaml there (default: ~/.config/gcloud)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log = open(log_dir / "pubsub-emulator.log", "wb")
+    # No prompts (a missing component fails instead of waiting for an answer), no update check.
+    env = {**os.environ, "CLOUDSDK_CORE_DISABLE_PROMPTS": "1",
+           "CLOUDSDK_COMPONENT_MANAGER_DISABLE_UPDATE_CHECK": "1"}
+    process = subprocess.Popen(
+        [gcloud, "beta", "emulators", "pubsub", "start", f"--host-port=127.0.0.1:{port}",
+         f"--project={project}", f"--data-dir={data_dir}"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+        start_new_session=True)
+    try:
+        wait_for_port(port, process, timeout=90)
+        yield f"127.0.0.1:{port}"
+    finally:
+        _stop_process_group(process)
+        log.close()
+
+
+def _stop_process_group(process: subprocess.Popen, timeout: float = 10) -> None:
+    """SIGTERM to the group (gcloud and java), then SIGKILL to what is left after ``timeout``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _group_alive(process.pid):
+        process.poll()  # reap gcloud, so its own pid does not keep the group "alive" as a zombie
+        time.sleep(0.1)
+    if _group_alive(process.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
