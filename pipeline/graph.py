@@ -1,6 +1,6 @@
 """The pipeline graphs, box by box as in README.md's diagram. Each box is a PTransform in transforms/.
 
-Batch:      files -> Parse -> PrepareText -> DropDuplicates -> Embed -> WriteVectors
+Batch:      files -> ReadJsonLines -> Parse -> PrepareText -> DropDuplicates -> Embed -> WriteVectors
 Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> DropDuplicatesStreaming (the
               micro-batch grouping) -> (re)window -> Embed -> WriteWindowedVectors
 Both:       every dead letter -> WriteDeadLetters (per window when streaming)
@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import Optional
 
 import apache_beam as beam
-from apache_beam import coders
 from apache_beam.ml.inference.base import ModelHandler
 
 from pipeline.config import Config
 from transforms.dedup import DropDuplicates, DropDuplicatesStreaming
 from transforms.embed import EmbedWithVLLM
 from transforms.parse import ParseEvents
+from transforms.read import ReadJsonLines
 from transforms.sinks import (WriteDeadLetters, WriteVectors, WriteWindowedDeadLetters,
                               WriteWindowedVectors)
 from transforms.text import PrepareText
@@ -62,8 +62,8 @@ def build_batch(pipeline: beam.Pipeline, config: Config, run_id: str,
     """Batch: JSON Lines files (optionally gzip) matched by config.input."""
     if not config.input:
         raise ValueError("batch mode needs an input glob: set input in the config or pass --input")
-    payloads = pipeline | "ReadJsonLines" >> beam.io.ReadFromText(
-        config.input, coder=coders.BytesCoder())
+    payloads = pipeline | "ReadJsonLines" >> ReadJsonLines(config.input,
+                                                           config.parse.max_payload_bytes)
     return embed_and_write(payloads, config, run_id, handler)
 
 

@@ -1,4 +1,5 @@
-"""Parse: raw bytes (a JSON Lines line) or a Pub/Sub message -> NewsEvent, or a dead letter.
+"""Parse: raw bytes (a JSON Lines line, or the head of one too large to read: ``OversizedPayload``)
+or a Pub/Sub message -> NewsEvent, or a dead letter.
 
 A Pub/Sub message's data is parsed as the same bytes; its id, publish time and attributes are kept on
 the event as ``Lineage`` (and on its dead letter, the message id).
@@ -16,7 +17,8 @@ import pydantic
 from apache_beam import pvalue
 
 from transforms.metrics import EVENTS_IN
-from transforms.schema import DeadLetter, Lineage, NewsEvent, Reason, Step, truncate_payload
+from transforms.schema import (DeadLetter, Lineage, NewsEvent, OversizedPayload, Reason, Step,
+                               truncate_payload)
 
 DEAD_LETTER = "dead_letter"
 
@@ -55,6 +57,10 @@ def parse_event(
     now: Optional[dt.datetime] = None,
 ) -> NewsEvent:
     """Validate one payload against the input contract. Raises ParseError with a reason code."""
+    if isinstance(payload, OversizedPayload):
+        raise ParseError(Reason.PAYLOAD_TOO_LARGE,
+                         f"{payload.size} bytes is over the limit of {max_payload_bytes} bytes "
+                         f"(not read whole)")
     if not isinstance(payload, (bytes, bytearray)):
         raise ParseError(Reason.INVALID_FIELD, f"payload must be bytes, got {type(payload).__name__}")
     if len(payload) > max_payload_bytes:
@@ -81,8 +87,9 @@ def parse_event(
 
 
 def split_message(element) -> tuple[bytes, Optional[Lineage]]:
-    """(payload, lineage) of raw bytes (no lineage) or a Pub/Sub message (``PubsubMessage``)."""
-    if isinstance(element, (bytes, bytearray)) or not hasattr(element, "attributes"):
+    """(payload, lineage) of raw bytes or an ``OversizedPayload`` (no lineage), or of a Pub/Sub
+    message (``PubsubMessage``)."""
+    if isinstance(element, (bytes, bytearray, OversizedPayload)) or not hasattr(element, "attributes"):
         return element, None
     publish_time = getattr(element, "publish_time", None)
     if publish_time is not None and not isinstance(publish_time, dt.datetime):
@@ -106,10 +113,14 @@ class _ParseFn(beam.DoFn):
                                 max_future_skew=self._max_future_skew)
             yield event if lineage is None else event.model_copy(update={"lineage": lineage})
         except ParseError as exc:
-            raw = bytes(payload) if isinstance(payload, (bytes, bytearray)) else repr(payload).encode()
+            if isinstance(payload, OversizedPayload):
+                raw, size = payload.head, payload.size
+            else:
+                raw = bytes(payload) if isinstance(payload, (bytes, bytearray)) else repr(payload).encode()
+                size = len(raw)
             yield pvalue.TaggedOutput(DEAD_LETTER, DeadLetter(
                 step=Step.PARSE, reason=exc.reason, detail=exc.detail,
-                payload=truncate_payload(raw, self._dl_bytes), payload_bytes=len(raw),
+                payload=truncate_payload(raw, self._dl_bytes), payload_bytes=size,
                 event_id=exc.event_id, message_id=lineage.message_id if lineage else None))
 
 

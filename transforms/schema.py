@@ -4,6 +4,7 @@
 - ``PreparedDoc``: an event with its normalized text and model token ids.
 - ``EmbeddedDoc``: a prepared document with its vector.
 - ``DeadLetter``: an input that could not become a vector row, with the step and the reason.
+- ``OversizedPayload``: the head of an input line too large to read whole.
 - ``vector_schema(dim)``: the Parquet schema of a vector row.
 """
 from __future__ import annotations
@@ -143,6 +144,16 @@ class DeadLetter:
                    payload=truncate_payload(raw, payload_limit), payload_bytes=len(raw),
                    event_id=event.id,
                    message_id=event.lineage.message_id if event.lineage else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class OversizedPayload:
+    """A payload too large to hold whole: its head and its full size. The file reader emits it in
+    place of an over-long line, so no line is buffered whole; Parse dead-letters it
+    (``payload_too_large``)."""
+
+    head: bytes
+    size: int
 
 
 def truncate_payload(raw: bytes, limit: int) -> str:

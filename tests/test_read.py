@@ -1,0 +1,89 @@
+"""ReadJsonLines / iter_lines: lines as ReadFromText splits them, and no line buffered past the limit."""
+from __future__ import annotations
+
+import gzip
+import io
+import tracemalloc
+
+import apache_beam as beam
+from apache_beam.testing.util import assert_that, equal_to
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transforms.read import ReadJsonLines, iter_lines
+from transforms.schema import OversizedPayload
+
+
+def _reference(data: bytes) -> list[bytes]:
+    """ReadFromText's split: on \\n, a trailing \\r stripped, no empty line after a final \\n."""
+    if not data:
+        return []
+    lines = data.split(b"\n")
+    if data.endswith(b"\n"):
+        lines.pop()
+    return [line[:-1] if line.endswith(b"\r") else line for line in lines]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=400).map(lambda b: b.replace(b"\x00", b"\n")),
+       chunk=st.integers(1, 17))
+def test_lines_match_readfromtext_whatever_the_chunking(data, chunk):
+    assert list(iter_lines(io.BytesIO(data), max_line_bytes=10_000, chunk_bytes=chunk)) == \
+        _reference(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lines=st.lists(st.binary(max_size=40).filter(lambda b: b"\n" not in b and b"\r" not in b),
+                      min_size=1, max_size=8),
+       limit=st.integers(1, 20), chunk=st.integers(1, 9))
+def test_a_line_over_the_limit_is_its_head_and_size(lines, limit, chunk):
+    got = list(iter_lines(io.BytesIO(b"\n".join(lines) + b"\n"), limit, chunk_bytes=chunk))
+    assert len(got) == len(lines)
+    for line, item in zip(lines, got):
+        if len(line) > limit:
+            assert item == OversizedPayload(head=line[:limit], size=len(line))
+        else:
+            assert item == line
+
+
+def test_a_20_mb_line_is_never_held_whole(tmp_path):
+    path = tmp_path / "big.jsonl"
+    body = b"x" * (20 << 20)
+    path.write_bytes(b'{"id": "a", "body": "ok"}\n{"id": "big", "body": "' + body + b'"}\n'
+                     b'{"id": "b", "body": "ok"}\n')
+    tracemalloc.start()
+    try:
+        with open(path, "rb") as f:
+            got = list(iter_lines(f, max_line_bytes=1 << 20))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [type(g) for g in got] == [bytes, OversizedPayload, bytes]
+    assert got[1].size == len(body) + len(b'{"id": "big", "body": ""}')
+    assert got[1].head.startswith(b'{"id": "big"') and len(got[1].head) == 1 << 20
+    assert peak < 4 << 20, f"peak {peak} bytes: the line was buffered"
+
+
+def test_read_json_lines_reads_plain_and_gzip_files_of_a_glob(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(b"one\r\ntwo\n\nthree")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wb") as f:
+        f.write(b"four\n" + b"y" * 50 + b"\n")
+    with beam.Pipeline("FnApiRunner") as p:
+        lines = p | ReadJsonLines(str(tmp_path / "*.jsonl*"), max_line_bytes=20)
+        assert_that(lines, equal_to([b"one", b"two", b"", b"three", b"four",
+                                     OversizedPayload(head=b"y" * 20, size=50)]))
+
+
+def test_an_oversized_line_reaches_the_dead_letters_with_its_real_size(tmp_path):
+    from transforms.parse import ParseEvents
+
+    big = b'{"id": "big", "body": "' + b"z" * 5000 + b'"}'
+    (tmp_path / "in.jsonl").write_bytes(b'{"id": "a", "body": "fine"}\n' + big + b"\n")
+    with beam.Pipeline("FnApiRunner") as p:
+        parsed = (p | ReadJsonLines(str(tmp_path / "in.jsonl"), max_line_bytes=1000)
+                  | ParseEvents(max_payload_bytes=1000, dead_letter_payload_bytes=64))
+        assert_that(parsed.events | beam.Map(lambda e: e.id), equal_to(["a"]), label="events")
+        assert_that(parsed.dead_letter | beam.Map(lambda d: (d.reason, d.payload_bytes,
+                                                             d.payload)),
+                    equal_to([("payload_too_large", len(big), big[:64].decode())]),
+                    label="dead letters")
