@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 
 class EmulatorMissing(RuntimeError):
@@ -35,29 +36,51 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"emulator not listening on 127.0.0.1:{port} after {timeout} s")
 
 
+class GcsEmulator:
+    """gcp-storage-emulator (PyPI) on a loopback port, with ``bucket`` created. In memory, or on
+    disk under ``data_dir``: then ``stop()`` and ``start()`` again on the same port keep the objects,
+    which is how a test makes storage unavailable for a while."""
+
+    def __init__(self, bucket: str, log_dir: Path, data_dir: Optional[Path] = None):
+        self._exe = shutil.which("gcp-storage-emulator") or str(Path(sys.executable).with_name(
+            "gcp-storage-emulator"))
+        if not Path(self._exe).exists():
+            raise EmulatorMissing(
+                "gcp-storage-emulator is not installed (pip install gcp-storage-emulator)")
+        self._bucket, self._log_path, self._data_dir = bucket, log_dir / "gcs-emulator.log", data_dir
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._process: Optional[subprocess.Popen] = None
+
+    def start(self) -> None:
+        storage = ["--in-memory"] if self._data_dir is None else []
+        with open(self._log_path, "ab") as log:
+            self._process = subprocess.Popen(
+                [self._exe, "start", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--default-bucket", self._bucket, *storage],
+                cwd=self._data_dir, stdout=log, stderr=subprocess.STDOUT)
+        wait_for_port(self.port, self._process, timeout=30)
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            try:
+                self._process.wait(10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+
+
 @contextlib.contextmanager
-def gcs_emulator(bucket: str, log_dir: Path):
-    """gcp-storage-emulator (PyPI) in memory, with ``bucket`` created. Yields its http endpoint."""
-    exe = shutil.which("gcp-storage-emulator") or str(Path(sys.executable).with_name(
-        "gcp-storage-emulator"))
-    if not Path(exe).exists():
-        raise EmulatorMissing(
-            "gcp-storage-emulator is not installed (pip install gcp-storage-emulator)")
-    port = free_port()
-    log = open(log_dir / "gcs-emulator.log", "wb")
-    process = subprocess.Popen(
-        [exe, "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory",
-         "--default-bucket", bucket], stdout=log, stderr=subprocess.STDOUT)
+def gcs_emulator(bucket: str, log_dir: Path, data_dir: Optional[Path] = None):
+    """A started ``GcsEmulator`` (its http endpoint: ``.endpoint``), stopped after."""
+    emulator = GcsEmulator(bucket, log_dir, data_dir)
     try:
-        wait_for_port(port, process, timeout=30)
-        yield f"http://127.0.0.1:{port}"
+        emulator.start()
+        yield emulator
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
+        emulator.stop()
 
 
 def _pubsub_emulator_installed(gcloud: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -27,8 +28,8 @@ def _or_skip(emulator):
         yield value
 
 
-def gcs_emulator(bucket: str, log_dir: Path):
-    return _or_skip(_emulators.gcs_emulator(bucket, log_dir))
+def gcs_emulator(bucket: str, log_dir: Path, data_dir: Optional[Path] = None):
+    return _or_skip(_emulators.gcs_emulator(bucket, log_dir, data_dir))
 
 
 def pubsub_emulator(project: str, log_dir: Path):

@@ -30,9 +30,9 @@ PARTITION = re.compile(r"^(vectors|dead_letter)/dt=\d{4}-\d{2}-\d{2}/hour=\d{2}/
 def emulators(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     logs = tmp_path_factory.mktemp("emulator-logs")
-    with pubsub_emulator(PROJECT, logs) as pubsub_host, gcs_emulator(BUCKET, logs) as gcs_endpoint:
+    with pubsub_emulator(PROJECT, logs) as pubsub_host, gcs_emulator(BUCKET, logs) as gcs:
         mp.setenv("PUBSUB_EMULATOR_HOST", pubsub_host)
-        mp.setenv("STORAGE_EMULATOR_HOST", gcs_endpoint)
+        mp.setenv("STORAGE_EMULATOR_HOST", gcs.endpoint)
         mp.setenv("NO_GCE_CHECK", "true")
         import google.auth
         from google.auth.credentials import AnonymousCredentials
