@@ -1,6 +1,10 @@
 """The streaming pipeline end to end: Google's Pub/Sub emulator -> newsvec (BundleBasedDirectRunner,
 real vLLM at float32) -> per-window Parquet on gcp-storage-emulator. Every published message must be
-accounted for: rows + dead letters + duplicates = published."""
+accounted for: rows + dead letters + duplicates = published + redelivered.
+
+Redelivery is real: the acks of some messages' first delivery are dropped on their way to the
+emulator (as when a worker's ack is lost or late), so the emulator delivers them again once the
+subscription's 10 s ack deadline expires."""
 import io
 import json
 import re
@@ -41,9 +45,64 @@ def emulators(tmp_path_factory):
         from google.cloud import pubsub_v1
 
         pubsub_v1.PublisherClient().create_topic(name=TOPIC)
-        pubsub_v1.SubscriberClient().create_subscription(name=SUBSCRIPTION, topic=TOPIC)
-        yield
+        pubsub_v1.SubscriberClient().create_subscription(
+            name=SUBSCRIPTION, topic=TOPIC, ack_deadline_seconds=ACK_DEADLINE_S)
+        yield mp
     mp.undo()
+
+
+ACK_DEADLINE_S = 10  # the emulator's minimum
+
+
+class LoseFirstAcks:
+    """Wraps the runner's SubscriberClient (in this process): the ack of the first delivery of each
+    message whose event id is in ``ids`` never reaches the emulator, which redelivers it after the
+    ack deadline. Records every delivery's (message id, event id)."""
+
+    def __init__(self, ids: set[str]):
+        self.ids, self.deliveries, self._lost_ack_ids = ids, [], set()
+        self._lock = threading.Lock()
+
+    def install(self, mp):
+        from google.cloud import pubsub_v1
+
+        pull, acknowledge = pubsub_v1.SubscriberClient.pull, pubsub_v1.SubscriberClient.acknowledge
+        wrapper = self
+
+        def lossy_pull(client, *args, **kwargs):
+            response = pull(client, *args, **kwargs)
+            with wrapper._lock:
+                for received in response.received_messages:
+                    event_id = _event_id(received.message.data)
+                    first = all(m != received.message.message_id for m, _ in wrapper.deliveries)
+                    wrapper.deliveries.append((received.message.message_id, event_id))
+                    if first and event_id in wrapper.ids:
+                        wrapper._lost_ack_ids.add(received.ack_id)
+            return response
+
+        def lossy_acknowledge(client, *args, ack_ids=(), **kwargs):
+            kept = [a for a in ack_ids if a not in wrapper._lost_ack_ids]
+            return acknowledge(client, *args, ack_ids=kept, **kwargs) if kept else None
+
+        mp.setattr(pubsub_v1.SubscriberClient, "pull", lossy_pull)
+        mp.setattr(pubsub_v1.SubscriberClient, "acknowledge", lossy_acknowledge)
+
+    def redelivered(self) -> list[str]:
+        """Event ids of the messages delivered more than once."""
+        with self._lock:
+            seen, again = set(), []
+            for message_id, event_id in self.deliveries:
+                if message_id in seen:
+                    again.append(event_id)
+                seen.add(message_id)
+            return again
+
+
+def _event_id(data: bytes):
+    try:
+        return json.loads(data).get("id")
+    except (ValueError, AttributeError):
+        return None
 
 
 def _outputs(prefix: str):
@@ -65,6 +124,8 @@ def test_every_published_message_is_accounted_for(emulators, tmp_path):
     # A redelivered/republished article (same id as line 1) and a message over the size limit.
     extra.write_bytes(lines[0] + b"\n" + oversized + b"\n")
     published_dups = 2  # line 46 of the sample repeats line 1; extra line 1 repeats it again
+    lose_acks = LoseFirstAcks({json.loads(lines[i])["id"] for i in (2, 3, 4)})
+    lose_acks.install(emulators)
     config = make_config(output=f"gs://{BUCKET}/stream")
     config = config.model_copy(update={
         "parse": config.parse.model_copy(update={"max_payload_bytes": 100_000}),
@@ -90,18 +151,26 @@ def test_every_published_message_is_accounted_for(emulators, tmp_path):
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             blobs, rows, letters = _outputs("stream")
-            if sum(t.num_rows for t in rows) + len(letters) + published_dups >= sent:
+            if (sum(t.num_rows for t in rows) + len(letters) + published_dups >= sent
+                    and len(lose_acks.redelivered()) >= len(lose_acks.ids)):
                 break
             time.sleep(2)
+        # A redelivered copy that escaped dedup would show up as a second row once its window
+        # fires (at most max_wait_s after it arrives): give it time to.
+        time.sleep(config.streaming.max_wait_s + 3)
     finally:
         stop.set()
         result.cancel()
 
     blobs, rows, letters = _outputs("stream")
     table = pa.concat_tables(rows)
+    redelivered = lose_acks.redelivered()
+    assert sorted(redelivered) == sorted(lose_acks.ids), "the lost acks made the emulator redeliver"
+    # Each redelivery is one more message in and one more duplicate dropped: they cancel out.
     assert table.num_rows + len(letters) + published_dups == sent
     ids = table["id"].to_pylist()
     assert len(ids) == len(set(ids)) == 40, "each valid article exactly once"
+    assert lose_acks.ids <= set(ids), "a redelivered article is written, once"
     reasons = sorted(d["reason"] for d in letters)
     assert reasons.count("payload_too_large") == 1 and len(reasons) == 8
     assert all(d["message_id"] for d in letters), "dead letters keep the message id"
