@@ -14,6 +14,7 @@ from typing import Iterator, Optional, Union
 
 import apache_beam as beam
 import pydantic
+import pydantic_core
 from apache_beam import pvalue
 
 from transforms.metrics import EVENTS_IN
@@ -70,6 +71,11 @@ def parse_event(
         text = bytes(payload).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ParseError(Reason.INVALID_UTF8, f"not UTF-8 at byte {exc.start}: {exc.reason}") from None
+    try:
+        # pydantic's JSON parser takes NaN and Infinity, which are not JSON (RFC 8259).
+        pydantic_core.from_json(text, allow_inf_nan=False, cache_strings=False)
+    except ValueError as exc:
+        raise ParseError(Reason.INVALID_JSON, f"not valid JSON ({exc})") from None
     try:
         event = NewsEvent.model_validate_json(text)
     except pydantic.ValidationError as exc:

@@ -1,7 +1,8 @@
 """Prepare text: NewsEvent -> PreparedDoc (normalized text + the head of its token ids), or a dead letter.
 
 Normalization: HTML tags dropped and entities decoded, mojibake repaired (ftfy), Unicode NFC, control
-characters removed, whitespace collapsed. Title and body are joined by a newline.
+characters removed, invisible format characters (bidi controls, joiners, soft hyphens) dropped,
+whitespace collapsed. Title and body are joined by a newline.
 
 Truncation keeps the HEAD of long articles: the text is tokenized here with the model's own tokenizer,
 truncated on the right to ``max_tokens`` (special tokens included), and the ids go to vLLM as they
@@ -12,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import html.parser
 import re
+import sys
+import unicodedata
 from typing import Iterator, Optional
 
 import apache_beam as beam
@@ -29,6 +32,12 @@ _CHARS_PER_TOKEN_BOUND = 32
 _TOKENIZE_BATCH = 128
 _TAG = re.compile(r"<[A-Za-z!/?]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b\ufeff]")
+# Invisible format characters (Unicode category Cf: bidi controls, joiners, soft hyphens, tags...)
+# are dropped without a space: "co\u00adoperate" is one word. The model's tokenizer drops them too,
+# so a text of nothing else is empty, not a row of special tokens only.
+_FORMAT = re.compile("[" + "".join(
+    re.escape(chr(c)) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Cf")
+    + "]")
 _SPACE = re.compile(r"\s+")
 _BLOCK_TAGS = frozenset(
     "address article aside blockquote br dd div dl dt figcaption figure footer h1 h2 h3 h4 h5 h6 "
@@ -77,7 +86,7 @@ def normalize_text(text: Optional[str]) -> str:
     elif "&" in text:
         text = html.unescape(text)
     text = ftfy.fix_text(text, unescape_html=False, normalization="NFC")
-    text = _CONTROL.sub(" ", text)
+    text = _FORMAT.sub("", _CONTROL.sub(" ", text))
     return _SPACE.sub(" ", text).strip()
 
 

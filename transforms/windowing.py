@@ -21,12 +21,16 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 from transforms.metrics import LATE_REASSIGNED
 from transforms.schema import NewsEvent
 
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
 
 def event_time(event: NewsEvent, publish_time: Timestamp, allowed_lateness_s: float) -> Timestamp:
     """``published_at`` when it is within the allowed lateness of the publish time, else the latter."""
     if event.published_at is None:
         return publish_time
-    published = Timestamp.from_utc_datetime(event.published_at.astimezone(dt.timezone.utc))
+    # Aware datetimes subtract without a conversion to UTC, which overflows for valid RFC 3339
+    # instants such as 0001-01-01T00:00:00+01:00 (year 0 in UTC).
+    published = Timestamp(micros=(event.published_at - _EPOCH) // dt.timedelta(microseconds=1))
     if publish_time - published > Duration(seconds=allowed_lateness_s):
         LATE_REASSIGNED.inc()
         return publish_time
