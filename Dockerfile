@@ -1,0 +1,80 @@
+# newsvec worker image for Dataflow GPU workers (NVIDIA L4), and the launcher image of its Flex
+# Template: one image, so the job is built with the same Python, Beam and newsvec that run it.
+#
+#   docker build -t IMAGE --build-arg MODEL_ID=BAAI/bge-base-en-v1.5 \
+#     --build-arg MODEL_REVISION=<commit sha> --build-arg MODEL_DIR=bge-base-en-v1.5 .
+#   (or: gcloud builds submit --config configs/cloudbuild.yaml ..., see README.md)
+#
+# - Python 3.11: vllm 0.32.0's CUDA wheel (cp38-abi3) needs Python >= 3.11, torch 2.13.0 has cp311
+#   wheels, Beam 2.77 supports 3.10-3.14 on Dataflow, and 3.11 is the Python of newsvec's own tests
+#   and local launches (Beam pickles the job's functions: launcher and workers need one Python).
+# - Python packages: exactly configs/worker-requirements.txt (CUDA 13.0 torch and vLLM from PyPI;
+#   workers need an NVIDIA driver >= 580), then newsvec itself without dependencies.
+# - Beam's worker boot entrypoint from Beam's SDK image of the same Beam and Python version.
+# - The model is downloaded once, at build time, into /models/MODEL_DIR; nothing is downloaded at
+#   run time (the Dataflow configs also set HF_HUB_OFFLINE=1 in model.engine_env).
+ARG PYTHON_VERSION=3.11
+ARG BEAM_VERSION=2.77.0
+# Dataflow's Python Flex Template launcher; its name carries the Python version. Pin it by digest
+# (docker buildx imagetools inspect ...) for reproducible builds.
+ARG LAUNCHER_IMAGE=gcr.io/dataflow-templates-base/python311-template-launcher-base:latest
+
+FROM apache/beam_python${PYTHON_VERSION}_sdk:${BEAM_VERSION} AS beam
+
+FROM ${LAUNCHER_IMAGE} AS launcher
+
+# The model, at a pinned revision (a commit sha), in a stage of its own: a code change does not
+# download it again.
+FROM python:${PYTHON_VERSION}-slim-bookworm AS model
+ARG MODEL_ID
+ARG MODEL_REVISION
+ARG MODEL_DIR
+ARG HF_HUB_VERSION=2.4.0
+COPY configs/worker-requirements.txt /tmp/worker-requirements.txt
+RUN test -n "${MODEL_ID}" && test -n "${MODEL_REVISION}" && test -n "${MODEL_DIR}" \
+    && pip install --no-cache-dir -c /tmp/worker-requirements.txt "huggingface-hub==${HF_HUB_VERSION}" \
+    && hf download "${MODEL_ID}" --revision "${MODEL_REVISION}" --local-dir "/models/${MODEL_DIR}" \
+    && rm -rf "/models/${MODEL_DIR}/.cache"
+
+FROM python:${PYTHON_VERSION}-slim-bookworm
+
+# A C compiler: Triton (torch.compile, vLLM's kernels) builds small launchers at run time. Debian's
+# security updates move the exact versions, so they are not pinned.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /template
+
+COPY configs/worker-requirements.txt /tmp/worker-requirements.txt
+RUN pip install --no-cache-dir --only-binary=:all: --no-binary=google-apitools \
+        -r /tmp/worker-requirements.txt
+
+COPY --from=model /models /models
+COPY --from=beam /opt/apache/beam /opt/apache/beam
+COPY --from=launcher /opt/google/dataflow/python_template_launcher \
+    /opt/google/dataflow/python_template_launcher
+
+COPY setup.py setup.cfg ./
+COPY pipeline/ pipeline/
+COPY transforms/ transforms/
+# newsvec without dependencies (they are all above), then a check that nothing is missing. main.py is
+# the Flex Template's entry point: python -m pipeline, with the template's parameters as flags.
+RUN pip install --no-cache-dir --no-deps . \
+    && pip check \
+    && printf '%s\n' '"""Flex Template entry point: python -m pipeline."""' 'import sys' \
+        'from pipeline.run import main' 'sys.exit(main())' > /template/main.py
+COPY configs/ configs/
+
+# Dataflow mounts the NVIDIA driver's libraries and tools under /usr/local/nvidia.
+ENV PYTHONUNBUFFERED=1 \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/usr/local/nvidia/lib \
+    PATH=/usr/local/nvidia/bin:${PATH} \
+    VLLM_NO_USAGE_STATS=1 \
+    FLEX_TEMPLATE_PYTHON_PY_FILE=/template/main.py
+
+# Workers start Beam's boot; a Flex Template launch runs /opt/google/dataflow/python_template_launcher.
+ENTRYPOINT ["/opt/apache/beam/boot"]
