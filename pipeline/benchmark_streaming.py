@@ -31,6 +31,7 @@ TOPIC, SUBSCRIPTION = f"projects/{PROJECT}/topics/news", f"projects/{PROJECT}/su
 
 
 _BATCH_TOKENS: list[int] = []  # tokens of each micro-batch, recorded in this process
+_BATCH_DOCS: list[int] = []  # documents of each micro-batch
 
 
 class RecordingHandler(VLLMEmbeddingHandler):
@@ -39,6 +40,7 @@ class RecordingHandler(VLLMEmbeddingHandler):
 
     def run_inference(self, batch, model, inference_args=None):
         _BATCH_TOKENS.append(sum(d.token_count for d in batch))
+        _BATCH_DOCS.append(len(batch))
         return super().run_inference(batch, model, inference_args)
 
 
@@ -128,6 +130,7 @@ def main(argv=None) -> int:
                   f"{results['startup_and_warmup_s']:.1f} s", flush=True)
 
             _BATCH_TOKENS.clear()
+            _BATCH_DOCS.clear()
             sat = work / "saturation.jsonl"
             _events(texts, sat, "sat")
             started = time.perf_counter()
@@ -137,7 +140,8 @@ def main(argv=None) -> int:
             saturation = len(texts) / sat_s
             fill = [b / config.model.token_budget for b in _BATCH_TOKENS]
             print(f"streaming at saturation: {saturation:.1f} docs/s; mean batch fill "
-                  f"{statistics.mean(fill):.3f} over {len(fill)} batches", flush=True)
+                  f"{statistics.mean(fill):.3f} over {len(fill)} batches, "
+                  f"{statistics.mean(_BATCH_DOCS):.1f} documents a batch", flush=True)
 
             rate = saturation / 2
             n = max(1, int(rate * args.latency_s))
@@ -164,7 +168,8 @@ def main(argv=None) -> int:
 
     results.update({
         "saturation": {"docs_per_s": saturation, "seconds": sat_s,
-                       "mean_batch_fill": statistics.mean(fill), "batches": len(fill)},
+                       "mean_batch_fill": statistics.mean(fill), "batches": len(fill),
+                       "mean_batch_docs": statistics.mean(_BATCH_DOCS)},
         "batch_pipeline_docs_per_s": batch_rate,
         "ratio_streaming_over_batch": saturation / batch_rate,
         "latency": {"rate_docs_per_s": rate, "messages": n, "p50_s": p50, "p95_s": p95,
