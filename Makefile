@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test benchmark clean
+.PHONY: setup run test benchmark benchmark-streaming soak clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ test: setup
 
 benchmark: setup
 	$(PY) -m pipeline.benchmark
+
+benchmark-streaming: setup
+	$(PY) -m pipeline.benchmark_streaming
+
+soak: setup
+	$(PY) -m pipeline.benchmark_soak
 
 clean:
 	rm -rf out bench-results

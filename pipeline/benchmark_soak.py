@@ -1,0 +1,253 @@
+"""Soak run of the streaming pipeline: figures, not timed asserts. ``python -m pipeline.benchmark_soak``.
+
+Through Google's Pub/Sub emulator (started here on loopback), on the BBC articles:
+  1. saturation (unless ``--rate`` is given): ``--saturation-docs`` articles published at once,
+     docs/s from the first publish to the last row on disk;
+  2. the soak: articles published at ``--load`` (default 0.8) of that rate for ``--minutes``
+     (default 10), with a malformed message every 50th and a republished copy of an earlier
+     article every 100th; the dedup horizon is cut to ``--dedup-horizon-s`` (default 120 s) so
+     that the dedup state is pruned during the run, not only after an hour;
+  3. every 10 s: rows on disk and this process's resident memory (the local runner, the engine
+     and the pipeline all live in it);
+  4. at the end: throughput, publish-to-Parquet latency percentiles, memory per minute and its
+     trend (least-squares slope after the first ``--settle-min`` minutes), and the accounting:
+     each published message is a row, a dead letter with a reason, or a dropped duplicate.
+Writes ``bench-results/soak-<time>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as dt
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from pipeline.benchmark import bbc_texts
+from pipeline.benchmark_streaming import _events, _wait_for, percentile
+from pipeline.config import REPO_ROOT, load
+
+PROJECT = "newsvec-soak"
+TOPIC, SUBSCRIPTION = f"projects/{PROJECT}/topics/news", f"projects/{PROJECT}/subscriptions/news"
+MALFORMED_EVERY, DUPLICATE_EVERY, DUPLICATE_LAG = 50, 100, 10
+
+
+def rss_mb() -> float:
+    """This process's resident set size, MiB (Linux /proc)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def soak_events(texts: list[str], n: int, path: Path) -> dict:
+    """``n`` messages: unique articles (texts cycled, ids soak-NNNNNN), every MALFORMED_EVERY-th a
+    truncated JSON line, every DUPLICATE_EVERY-th a byte-identical copy of the article published
+    DUPLICATE_LAG messages before. Returns what each kind should become."""
+    lines, good_ids = [], []
+    expected = {"row": 0, "dead_letter": 0, "duplicate": 0}
+    for i in range(n):
+        if i % MALFORMED_EVERY == MALFORMED_EVERY - 1:
+            lines.append('{"id": "soak-broken-%06d", "body": "cut off' % i)
+            expected["dead_letter"] += 1
+        elif i % DUPLICATE_EVERY == DUPLICATE_EVERY // 4 and len(lines) > DUPLICATE_LAG:
+            source = next(line for line in reversed(lines[:-DUPLICATE_LAG])
+                          if line.endswith("}"))
+            lines.append(source)
+            expected["duplicate"] += 1
+        else:
+            article_id = f"soak-{i:06d}"
+            lines.append(json.dumps({"id": article_id, "body": texts[i % len(texts)],
+                                     "source": "bbc", "language": "en"}))
+            good_ids.append(article_id)
+            expected["row"] += 1
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return {"messages": n, "good_ids": good_ids, **expected}
+
+
+def read_outputs(out: Path) -> tuple[list[tuple[str, float, dt.datetime]], list[dict]]:
+    """(id, file time, publish time) of every row, and every dead letter, written so far."""
+    rows = []
+    for f in (out / "vectors").rglob("*.parquet"):
+        table = pq.read_table(f, columns=["id", "pubsub_publish_time"])
+        mtime = f.stat().st_mtime
+        rows += [(i, mtime, p) for i, p in zip(table["id"].to_pylist(),
+                                              table["pubsub_publish_time"].to_pylist())]
+    letters = [json.loads(line) for f in (out / "dead_letter").rglob("*.jsonl")
+               for line in f.read_text(encoding="utf-8").splitlines() if line]
+    return rows, letters
+
+
+def slope_per_min(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, MiB) samples, in MiB per minute."""
+    xs, ys = [s for s, _ in samples], [m for _, m in samples]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return 60 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.benchmark_soak",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "local-streaming.yaml"))
+    parser.add_argument("--minutes", type=float, default=10)
+    parser.add_argument("--load", type=float, default=0.8, help="fraction of saturation")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="docs/s to publish at; default: --load times the measured saturation")
+    parser.add_argument("--saturation-docs", type=int, default=600)
+    parser.add_argument("--dedup-horizon-s", type=float, default=120)
+    parser.add_argument("--settle-min", type=float, default=2,
+                        help="minutes left out of the memory trend (engine warm-up, caches)")
+    parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    args = parser.parse_args(argv)
+
+    from apache_beam.options.pipeline_options import PipelineOptions
+    from google.cloud import pubsub_v1
+
+    from pipeline.emulators import pubsub_emulator
+    from pipeline.graph import HEARTBEAT_ATTRIBUTE
+    from pipeline.publish import publish_file
+    from pipeline.run import run_streaming
+
+    texts = bbc_texts(None)
+    work = Path(tempfile.mkdtemp(prefix="newsvec-soak-"))
+    out = work / "out"
+    base = load(args.config)
+    config = base.model_copy(update={"output": str(out), "streaming": base.streaming.model_copy(
+        update={"subscription": SUBSCRIPTION, "dedup_horizon_s": args.dedup_horizon_s})})
+    results: dict = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                     "cpus": os.cpu_count(), "streaming": config.streaming.model_dump(),
+                     "model": config.model.model_dump()}
+    memory: list[tuple[float, float]] = []  # (seconds since the soak began, MiB)
+    progress: list[tuple[float, int]] = []  # (seconds since the soak began, rows on disk)
+
+    with pubsub_emulator(PROJECT, work) as host:
+        os.environ["PUBSUB_EMULATOR_HOST"] = host
+        pubsub_v1.PublisherClient().create_topic(name=TOPIC)
+        pubsub_v1.SubscriberClient().create_subscription(name=SUBSCRIPTION, topic=TOPIC)
+        result = run_streaming(config, PipelineOptions(["--runner=BundleBasedDirectRunner"]))
+        stop = threading.Event()
+
+        def heartbeats():
+            publisher = pubsub_v1.PublisherClient()
+            while not stop.wait(1.0):
+                publisher.publish(TOPIC, b"", **{HEARTBEAT_ATTRIBUTE: "1"})
+
+        threading.Thread(target=heartbeats, daemon=True).start()
+        try:
+            warm = work / "warm.jsonl"
+            _events(texts[:64], warm, "warm")
+            publish_file(TOPIC, warm, rate=0)
+            _wait_for(out, "warm-", 64, timeout=300)
+            results["rss_after_warmup_mb"] = rss_mb()
+
+            rate = args.rate
+            if rate is None:
+                sat = work / "saturation.jsonl"
+                _events(texts[:args.saturation_docs], sat, "sat")
+                started = time.perf_counter()
+                publish_file(TOPIC, sat, rate=0)
+                _wait_for(out, "sat-", args.saturation_docs, timeout=1800)
+                saturation = args.saturation_docs / (time.perf_counter() - started)
+                results["saturation_docs_per_s"] = saturation
+                rate = args.load * saturation
+                print(f"saturation: {saturation:.1f} docs/s; soak at {rate:.1f} msg/s", flush=True)
+
+            n = int(rate * args.minutes * 60)
+            plan = soak_events(texts, n, work / "soak.jsonl")
+            print(f"soak: {n} messages over {args.minutes:g} min ({plan['row']} articles, "
+                  f"{plan['dead_letter']} malformed, {plan['duplicate']} duplicates)", flush=True)
+            begun = time.perf_counter()
+            published: dict = {}
+            publisher_thread = threading.Thread(target=lambda: published.update(
+                publish_file(TOPIC, work / "soak.jsonl", rate=rate)), daemon=True)
+            publisher_thread.start()
+            good = set(plan["good_ids"])
+            while True:
+                time.sleep(10)
+                now = time.perf_counter() - begun
+                rows, _ = read_outputs(out)
+                done = sum(1 for r in rows if r[0] in good)
+                memory.append((now, rss_mb()))
+                progress.append((now, done))
+                print(f"  {now / 60:5.1f} min: {done} of {len(good)} articles written, "
+                      f"RSS {memory[-1][1]:.0f} MiB", flush=True)
+                if not publisher_thread.is_alive() and done >= len(good):
+                    break
+                if now > args.minutes * 60 + 600:
+                    print("  gave up waiting 10 min after the last publish", flush=True)
+                    break
+            publisher_thread.join()
+            drained_s = time.perf_counter() - begun
+            time.sleep(2 * config.streaming.max_wait_s)  # the last dead letters' pane
+            rows, letters = read_outputs(out)
+        finally:
+            stop.set()
+            result.cancel()
+
+    soak_rows = [r for r in rows if r[0].startswith("soak-")]
+    soak_letters = [d for d in letters if (d.get("event_id") or "").startswith("soak-")
+                    or d.get("payload", "").startswith('{"id": "soak-broken')]
+    ids = collections.Counter(r[0] for r in soak_rows)
+    missing = good - set(ids)
+    repeated = {i: c for i, c in ids.items() if c > 1}
+    duplicates = n - len(soak_rows) - len(soak_letters)
+    accounted = not missing and not repeated and len(soak_letters) == plan["dead_letter"] \
+        and duplicates == plan["duplicate"]
+    latencies = [mtime - publish.timestamp() for _, mtime, publish in soak_rows]
+    steady = [(s, m) for s, m in memory if s >= args.settle_min * 60]
+    per_minute = collections.defaultdict(float)
+    for s, m in memory:
+        per_minute[int(s // 60)] = max(per_minute[int(s // 60)], m)
+    results.update({
+        "soak": {"rate_msgs_per_s": rate, "minutes": args.minutes, "messages": n,
+                 "published": published, "drained_s": drained_s,
+                 "throughput_docs_per_s": len(soak_rows) / drained_s},
+        "latency_s": {"p50": percentile(latencies, 0.5), "p95": percentile(latencies, 0.95),
+                      "p99": percentile(latencies, 0.99), "max": max(latencies)},
+        "memory_mib": {"peak": max(m for _, m in memory),
+                       "per_minute_peak": dict(sorted(per_minute.items())),
+                       "slope_after_settle_mib_per_min": slope_per_min(steady) if steady else None,
+                       "samples": memory},
+        "accounting": {"published": n, "rows": len(soak_rows), "dead_letters": len(soak_letters),
+                       "duplicates_dropped": duplicates, "expected": {
+                           k: plan[k] for k in ("row", "dead_letter", "duplicate")},
+                       "missing_ids": sorted(missing)[:20], "ids_written_twice": len(repeated),
+                       "dead_letter_reasons": dict(collections.Counter(
+                           d["reason"] for d in soak_letters)),
+                       "every_message_accounted_for": accounted},
+        "progress": progress,
+    })
+    out_dir = Path(args.results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_file = out_dir / f"soak-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}.json"
+    out_file.write_text(json.dumps(results, indent=2, default=str))
+    lat, mem = results["latency_s"], results["memory_mib"]
+    print(f"\nthroughput {results['soak']['throughput_docs_per_s']:.1f} docs/s at "
+          f"{rate:.1f} msg/s offered, drained in {drained_s / 60:.1f} min")
+    print(f"latency p50 {lat['p50']:.1f} s, p95 {lat['p95']:.1f} s, p99 {lat['p99']:.1f} s, "
+          f"max {lat['max']:.1f} s")
+    slope = mem["slope_after_settle_mib_per_min"]
+    trend = f"{slope:+.2f} MiB/min" if slope is not None else "none (too short a run)"
+    print(f"memory: peak {mem['peak']:.0f} MiB; per-minute peaks "
+          f"{[round(v) for v in mem['per_minute_peak'].values()]}; trend after "
+          f"{args.settle_min:g} min: {trend}")
+    print(f"accounting: {len(soak_rows)} rows + {len(soak_letters)} dead letters + {duplicates} "
+          f"duplicates = {n} published (expected {plan['row']} + {plan['dead_letter']} + "
+          f"{plan['duplicate']}); missing {len(missing)}, written twice {len(repeated)}: "
+          f"{'every message accounted for' if accounted else 'NOT ACCOUNTED'}")
+    print(f"results: {out_file}")
+    return 0 if accounted else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
