@@ -30,11 +30,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from pipeline.benchmark import bbc_texts
-from pipeline.benchmark_streaming import _events, _wait_for, percentile
+from pipeline.benchmark_streaming import _events, _wait_for, percentile, streaming_job, warm_up
 from pipeline.config import REPO_ROOT, load
 
-PROJECT = "newsvec-soak"
-TOPIC, SUBSCRIPTION = f"projects/{PROJECT}/topics/news", f"projects/{PROJECT}/subscriptions/news"
+SUBSCRIPTION = "projects/newsvec-soak/subscriptions/news"
 MALFORMED_EVERY, DUPLICATE_EVERY, DUPLICATE_LAG = 50, 100, 10
 
 
@@ -108,13 +107,7 @@ def main(argv=None) -> int:
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
     args = parser.parse_args(argv)
 
-    from apache_beam.options.pipeline_options import PipelineOptions
-    from google.cloud import pubsub_v1
-
-    from pipeline.emulators import pubsub_emulator
-    from pipeline.graph import HEARTBEAT_ATTRIBUTE
     from pipeline.publish import publish_file
-    from pipeline.run import run_streaming
 
     texts = bbc_texts(None)
     work = Path(tempfile.mkdtemp(prefix="newsvec-soak-"))
@@ -128,69 +121,49 @@ def main(argv=None) -> int:
     memory: list[tuple[float, float]] = []  # (seconds since the soak began, MiB)
     progress: list[tuple[float, int]] = []  # (seconds since the soak began, rows on disk)
 
-    with pubsub_emulator(PROJECT, work) as host:
-        os.environ["PUBSUB_EMULATOR_HOST"] = host
-        pubsub_v1.PublisherClient().create_topic(name=TOPIC)
-        pubsub_v1.SubscriberClient().create_subscription(name=SUBSCRIPTION, topic=TOPIC)
-        result = run_streaming(config, PipelineOptions(["--runner=BundleBasedDirectRunner"]))
-        stop = threading.Event()
+    with streaming_job(config, work) as topic:
+        warm_up(topic, texts, work, out)
+        results["rss_after_warmup_mb"] = rss_mb()
+        rate = args.rate
+        if rate is None:
+            sat = work / "saturation.jsonl"
+            _events(texts[:args.saturation_docs], sat, "sat")
+            started = time.perf_counter()
+            publish_file(topic, sat, rate=0)
+            _wait_for(out, "sat-", args.saturation_docs, timeout=1800)
+            saturation = args.saturation_docs / (time.perf_counter() - started)
+            results["saturation_docs_per_s"] = saturation
+            rate = args.load * saturation
+            print(f"saturation: {saturation:.1f} docs/s; soak at {rate:.1f} msg/s", flush=True)
 
-        def heartbeats():
-            publisher = pubsub_v1.PublisherClient()
-            while not stop.wait(1.0):
-                publisher.publish(TOPIC, b"", **{HEARTBEAT_ATTRIBUTE: "1"})
-
-        threading.Thread(target=heartbeats, daemon=True).start()
-        try:
-            warm = work / "warm.jsonl"
-            _events(texts[:64], warm, "warm")
-            publish_file(TOPIC, warm, rate=0)
-            _wait_for(out, "warm-", 64, timeout=300)
-            results["rss_after_warmup_mb"] = rss_mb()
-
-            rate = args.rate
-            if rate is None:
-                sat = work / "saturation.jsonl"
-                _events(texts[:args.saturation_docs], sat, "sat")
-                started = time.perf_counter()
-                publish_file(TOPIC, sat, rate=0)
-                _wait_for(out, "sat-", args.saturation_docs, timeout=1800)
-                saturation = args.saturation_docs / (time.perf_counter() - started)
-                results["saturation_docs_per_s"] = saturation
-                rate = args.load * saturation
-                print(f"saturation: {saturation:.1f} docs/s; soak at {rate:.1f} msg/s", flush=True)
-
-            n = int(rate * args.minutes * 60)
-            plan = soak_events(texts, n, work / "soak.jsonl")
-            print(f"soak: {n} messages over {args.minutes:g} min ({plan['row']} articles, "
-                  f"{plan['dead_letter']} malformed, {plan['duplicate']} duplicates)", flush=True)
-            begun = time.perf_counter()
-            published: dict = {}
-            publisher_thread = threading.Thread(target=lambda: published.update(
-                publish_file(TOPIC, work / "soak.jsonl", rate=rate)), daemon=True)
-            publisher_thread.start()
-            good = set(plan["good_ids"])
-            while True:
-                time.sleep(10)
-                now = time.perf_counter() - begun
-                rows, _ = read_outputs(out)
-                done = sum(1 for r in rows if r[0] in good)
-                memory.append((now, rss_mb()))
-                progress.append((now, done))
-                print(f"  {now / 60:5.1f} min: {done} of {len(good)} articles written, "
-                      f"RSS {memory[-1][1]:.0f} MiB", flush=True)
-                if not publisher_thread.is_alive() and done >= len(good):
-                    break
-                if now > args.minutes * 60 + 600:
-                    print("  gave up waiting 10 min after the last publish", flush=True)
-                    break
-            publisher_thread.join()
-            drained_s = time.perf_counter() - begun
-            time.sleep(2 * config.streaming.max_wait_s)  # the last dead letters' pane
-            rows, letters = read_outputs(out)
-        finally:
-            stop.set()
-            result.cancel()
+        n = int(rate * args.minutes * 60)
+        plan = soak_events(texts, n, work / "soak.jsonl")
+        print(f"soak: {n} messages over {args.minutes:g} min ({plan['row']} articles, "
+              f"{plan['dead_letter']} malformed, {plan['duplicate']} duplicates)", flush=True)
+        begun = time.perf_counter()
+        published: dict = {}
+        publisher_thread = threading.Thread(target=lambda: published.update(
+            publish_file(topic, work / "soak.jsonl", rate=rate)), daemon=True)
+        publisher_thread.start()
+        good = set(plan["good_ids"])
+        while True:
+            time.sleep(10)
+            now = time.perf_counter() - begun
+            rows, _ = read_outputs(out)
+            done = sum(1 for r in rows if r[0] in good)
+            memory.append((now, rss_mb()))
+            progress.append((now, done))
+            print(f"  {now / 60:5.1f} min: {done} of {len(good)} articles written, "
+                  f"RSS {memory[-1][1]:.0f} MiB", flush=True)
+            if not publisher_thread.is_alive() and done >= len(good):
+                break
+            if now > args.minutes * 60 + 600:
+                print("  gave up waiting 10 min after the last publish", flush=True)
+                break
+        publisher_thread.join()
+        drained_s = time.perf_counter() - begun
+        time.sleep(2 * config.streaming.max_wait_s)  # the last dead letters' pane
+        rows, letters = read_outputs(out)
 
     soak_rows = [r for r in rows if r[0].startswith("soak-")]
     soak_letters = [d for d in letters if (d.get("event_id") or "").startswith("soak-")

@@ -12,13 +12,16 @@ Writes ``bench-results/streaming-<time>.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
+import os
 import statistics
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pyarrow.parquet as pq
 
@@ -26,8 +29,7 @@ from pipeline.benchmark import bbc_texts, write_events
 from pipeline.config import REPO_ROOT, load
 from transforms.embed import VLLMEmbeddingHandler
 
-PROJECT = "newsvec-bench"
-TOPIC, SUBSCRIPTION = f"projects/{PROJECT}/topics/news", f"projects/{PROJECT}/subscriptions/news"
+SUBSCRIPTION = "projects/newsvec-bench/subscriptions/news"
 
 
 _BATCH_TOKENS: list[int] = []  # tokens of each micro-batch, recorded in this process
@@ -42,6 +44,29 @@ class RecordingHandler(VLLMEmbeddingHandler):
         _BATCH_TOKENS.append(sum(d.token_count for d in batch))
         _BATCH_DOCS.append(len(batch))
         return super().run_inference(batch, model, inference_args)
+
+
+class _FakeFreeLLM:
+    """FAKE: stands in for vllm.LLM with vectors that cost nothing (one fixed unit vector), for
+    ``--runner-only``: what the streaming graph and the local runner alone can carry."""
+
+    def __init__(self, dim: int):
+        import numpy as np
+
+        self._vector = np.eye(1, dim, dtype=np.float32)[0]
+
+    def embed(self, prompts, pooling_params=None, use_tqdm=False):
+        output = type("Output", (), {"outputs": type("Pooled", (), {"embedding": self._vector})()})
+        return [output] * len(prompts)
+
+
+class FakeModelHandler(RecordingHandler):
+    """The real handler around the FAKE engine above (``--runner-only``)."""
+
+    def load_model(self):
+        from transforms.embed import LoadedModel
+
+        return LoadedModel(_FakeFreeLLM(self._settings.dim), "fake@0")
 
 
 def _rows(out: Path) -> list[tuple[str, float, dt.datetime]]:
@@ -76,6 +101,53 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+@contextlib.contextmanager
+def streaming_job(config, work: Path, handler=None) -> Iterator[str]:
+    """Google's Pub/Sub emulator (on loopback) with ``config.streaming.subscription`` and its topic,
+    the streaming job reading it on BundleBasedDirectRunner, and a heartbeat a second (so the local
+    runner's watermark moves). Yields the topic; the job is cancelled on exit."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+    from google.cloud import pubsub_v1
+
+    from pipeline.emulators import pubsub_emulator
+    from pipeline.graph import HEARTBEAT_ATTRIBUTE
+    from pipeline.run import run_streaming
+
+    subscription = config.streaming.subscription
+    topic = subscription.replace("/subscriptions/", "/topics/")
+    with pubsub_emulator(subscription.split("/")[1], work) as host:
+        os.environ["PUBSUB_EMULATOR_HOST"] = host
+        pubsub_v1.PublisherClient().create_topic(name=topic)
+        pubsub_v1.SubscriberClient().create_subscription(name=subscription, topic=topic)
+        result = run_streaming(config, PipelineOptions(["--runner=BundleBasedDirectRunner"]),
+                               handler=handler)
+        stop = threading.Event()
+
+        def heartbeats():
+            publisher = pubsub_v1.PublisherClient()
+            while not stop.wait(1.0):
+                publisher.publish(topic, b"", **{HEARTBEAT_ATTRIBUTE: "1"})
+
+        threading.Thread(target=heartbeats, daemon=True).start()
+        try:
+            yield topic
+        finally:
+            stop.set()
+            result.cancel()
+
+
+def warm_up(topic: str, texts: list[str], work: Path, out: Path) -> float:
+    """Seconds until 64 articles published at once are on disk: start-up and model load."""
+    from pipeline.publish import publish_file
+
+    warm = work / "warm.jsonl"
+    _events(texts[:64], warm, "warm")
+    started = time.perf_counter()
+    publish_file(topic, warm, rate=0)
+    _wait_for(out, "warm-", 64, timeout=300)
+    return time.perf_counter() - started
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.benchmark_streaming",
                                      description=__doc__.split("\n")[0])
@@ -83,17 +155,15 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="use the first N articles only")
     parser.add_argument("--latency-s", type=float, default=60, help="length of the latency phase")
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--runner-only", action="store_true",
+                        help="diagnostic: saturation only, with a FAKE model that costs nothing, "
+                             "to measure what the graph and the local runner alone carry")
     args = parser.parse_args(argv)
 
-    import os
-
     from apache_beam.options.pipeline_options import PipelineOptions
-    from google.cloud import pubsub_v1
 
-    from pipeline.graph import HEARTBEAT_ATTRIBUTE
     from pipeline.publish import publish_file
-    from pipeline.run import run_batch, run_streaming
-    from pipeline.emulators import pubsub_emulator
+    from pipeline.run import run_batch
 
     texts = bbc_texts(args.limit)
     work = Path(tempfile.mkdtemp(prefix="newsvec-stream-bench-"))
@@ -105,57 +175,39 @@ def main(argv=None) -> int:
                      "docs": len(texts), "cpus": os.cpu_count(),
                      "streaming": config.streaming.model_dump(), "model": config.model.model_dump()}
 
-    with pubsub_emulator(PROJECT, work) as host:
-        os.environ["PUBSUB_EMULATOR_HOST"] = host
-        pubsub_v1.PublisherClient().create_topic(name=TOPIC)
-        pubsub_v1.SubscriberClient().create_subscription(name=SUBSCRIPTION, topic=TOPIC)
-        result = run_streaming(config, PipelineOptions(["--runner=BundleBasedDirectRunner"]),
-                               handler=RecordingHandler(config.model))
-        stop = threading.Event()
+    handler = (FakeModelHandler if args.runner_only else RecordingHandler)(config.model)
+    with streaming_job(config, work, handler) as topic:
+        results["startup_and_warmup_s"] = warm_up(topic, texts, work, work / "out")
+        print(f"warm-up (start-up, model load, 64 articles): "
+              f"{results['startup_and_warmup_s']:.1f} s", flush=True)
 
-        def heartbeats():
-            publisher = pubsub_v1.PublisherClient()
-            while not stop.wait(1.0):
-                publisher.publish(TOPIC, b"", **{HEARTBEAT_ATTRIBUTE: "1"})
+        _BATCH_TOKENS.clear()
+        _BATCH_DOCS.clear()
+        sat = work / "saturation.jsonl"
+        _events(texts, sat, "sat")
+        started = time.perf_counter()
+        publish_file(topic, sat, rate=0)
+        _wait_for(work / "out", "sat-", len(texts), timeout=1800)
+        sat_s = time.perf_counter() - started
+        saturation = len(texts) / sat_s
+        fill = [b / config.model.token_budget for b in _BATCH_TOKENS]
+        print(f"streaming at saturation: {saturation:.1f} docs/s; mean batch fill "
+              f"{statistics.mean(fill):.3f} over {len(fill)} batches, "
+              f"{statistics.mean(_BATCH_DOCS):.1f} documents a batch", flush=True)
+        if args.runner_only:
+            print(f"runner only (FAKE model): {saturation:.1f} docs/s", flush=True)
+            return 0
 
-        threading.Thread(target=heartbeats, daemon=True).start()
-        try:
-            warm = work / "warm.jsonl"
-            _events(texts[:64], warm, "warm")
-            started = time.perf_counter()
-            publish_file(TOPIC, warm, rate=0)
-            _wait_for(work / "out", "warm-", 64, timeout=300)
-            results["startup_and_warmup_s"] = time.perf_counter() - started
-            print(f"warm-up (start-up, model load, 64 articles): "
-                  f"{results['startup_and_warmup_s']:.1f} s", flush=True)
-
-            _BATCH_TOKENS.clear()
-            _BATCH_DOCS.clear()
-            sat = work / "saturation.jsonl"
-            _events(texts, sat, "sat")
-            started = time.perf_counter()
-            publish_file(TOPIC, sat, rate=0)
-            _wait_for(work / "out", "sat-", len(texts), timeout=1800)
-            sat_s = time.perf_counter() - started
-            saturation = len(texts) / sat_s
-            fill = [b / config.model.token_budget for b in _BATCH_TOKENS]
-            print(f"streaming at saturation: {saturation:.1f} docs/s; mean batch fill "
-                  f"{statistics.mean(fill):.3f} over {len(fill)} batches, "
-                  f"{statistics.mean(_BATCH_DOCS):.1f} documents a batch", flush=True)
-
-            rate = saturation / 2
-            n = max(1, int(rate * args.latency_s))
-            lat = work / "latency.jsonl"
-            _events((texts * (n // len(texts) + 1))[:n], lat, "lat")
-            publish_file(TOPIC, lat, rate=rate)
-            rows = _wait_for(work / "out", "lat-", n, timeout=600)
-            latencies = [mtime - publish.timestamp() for _, mtime, publish in rows]
-            p50, p95 = percentile(latencies, 0.5), percentile(latencies, 0.95)
-            print(f"latency at {rate:.1f} docs/s (half saturation): p50 {p50:.1f} s, "
-                  f"p95 {p95:.1f} s (window {config.streaming.window_s:.0f} s)", flush=True)
-        finally:
-            stop.set()
-            result.cancel()
+        rate = saturation / 2
+        n = max(1, int(rate * args.latency_s))
+        lat = work / "latency.jsonl"
+        _events((texts * (n // len(texts) + 1))[:n], lat, "lat")
+        publish_file(topic, lat, rate=rate)
+        rows = _wait_for(work / "out", "lat-", n, timeout=600)
+        latencies = [mtime - publish.timestamp() for _, mtime, publish in rows]
+        p50, p95 = percentile(latencies, 0.5), percentile(latencies, 0.95)
+        print(f"latency at {rate:.1f} docs/s (half saturation): p50 {p50:.1f} s, "
+              f"p95 {p95:.1f} s (window {config.streaming.window_s:.0f} s)", flush=True)
 
     events = work / "batch.jsonl"
     write_events(texts, events)
