@@ -27,10 +27,9 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from pipeline.benchmark import bbc_texts
-from pipeline.benchmark_streaming import _events, _wait_for, percentile, streaming_job, warm_up
+from pipeline.benchmark_streaming import (_events, _rows, _wait_for, percentile, streaming_job,
+                                          warm_up)
 from pipeline.config import REPO_ROOT, load
 
 SUBSCRIPTION = "projects/newsvec-soak/subscriptions/news"
@@ -73,15 +72,9 @@ def soak_events(texts: list[str], n: int, path: Path) -> dict:
 
 def read_outputs(out: Path) -> tuple[list[tuple[str, float, dt.datetime]], list[dict]]:
     """(id, file time, publish time) of every row, and every dead letter, written so far."""
-    rows = []
-    for f in (out / "vectors").rglob("*.parquet"):
-        table = pq.read_table(f, columns=["id", "pubsub_publish_time"])
-        mtime = f.stat().st_mtime
-        rows += [(i, mtime, p) for i, p in zip(table["id"].to_pylist(),
-                                              table["pubsub_publish_time"].to_pylist())]
     letters = [json.loads(line) for f in (out / "dead_letter").rglob("*.jsonl")
                for line in f.read_text(encoding="utf-8").splitlines() if line]
-    return rows, letters
+    return _rows(out), letters
 
 
 def slope_per_min(samples: list[tuple[float, float]]) -> float:
