@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -104,14 +103,11 @@ def percentile(values: list[float], q: float) -> float:
 @contextlib.contextmanager
 def streaming_job(config, work: Path, handler=None) -> Iterator[str]:
     """Google's Pub/Sub emulator (on loopback) with ``config.streaming.subscription`` and its topic,
-    the streaming job reading it on BundleBasedDirectRunner, and a heartbeat a second (so the local
-    runner's watermark moves). Yields the topic; the job is cancelled on exit."""
-    from apache_beam.options.pipeline_options import PipelineOptions
+    and the streaming job reading it on the local runner, with heartbeats. Yields the topic; the job
+    is cancelled and the emulator stopped on exit."""
     from google.cloud import pubsub_v1
 
-    from pipeline.emulators import pubsub_emulator
-    from pipeline.graph import HEARTBEAT_ATTRIBUTE
-    from pipeline.run import run_streaming
+    from pipeline.emulators import local_streaming_job, pubsub_emulator
 
     subscription = config.streaming.subscription
     topic = subscription.replace("/subscriptions/", "/topics/")
@@ -119,21 +115,8 @@ def streaming_job(config, work: Path, handler=None) -> Iterator[str]:
         os.environ["PUBSUB_EMULATOR_HOST"] = host
         pubsub_v1.PublisherClient().create_topic(name=topic)
         pubsub_v1.SubscriberClient().create_subscription(name=subscription, topic=topic)
-        result = run_streaming(config, PipelineOptions(["--runner=BundleBasedDirectRunner"]),
-                               handler=handler)
-        stop = threading.Event()
-
-        def heartbeats():
-            publisher = pubsub_v1.PublisherClient()
-            while not stop.wait(1.0):
-                publisher.publish(topic, b"", **{HEARTBEAT_ATTRIBUTE: "1"})
-
-        threading.Thread(target=heartbeats, daemon=True).start()
-        try:
+        with local_streaming_job(config, topic, handler):
             yield topic
-        finally:
-            stop.set()
-            result.cancel()
 
 
 def warm_up(topic: str, texts: list[str], work: Path, out: Path) -> float:

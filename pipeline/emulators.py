@@ -1,5 +1,6 @@
 """Start Google's emulators (Pub/Sub, GCS) on loopback, and stop them after: for the tests, the
 benchmarks and local demos. A missing emulator raises ``EmulatorMissing`` with how to install it.
+``local_streaming_job`` runs the streaming job against the Pub/Sub emulator on the local runner.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -119,6 +121,35 @@ def pubsub_emulator(project: str, log_dir: Path):
     finally:
         _stop_process_group(process)
         log.close()
+
+
+@contextlib.contextmanager
+def local_streaming_job(config, topic: str, handler=None):
+    """The streaming job on BundleBasedDirectRunner, reading ``config.streaming.subscription``
+    (PUBSUB_EMULATOR_HOST points at the emulator), with a heartbeat message on ``topic`` every
+    second: an idle subscription holds each pull, and so the local runner's watermark, for about
+    29 s. Yields the job's result; the job is cancelled on exit."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+    from google.cloud import pubsub_v1
+
+    from pipeline.graph import HEARTBEAT_ATTRIBUTE
+    from pipeline.run import run_streaming
+
+    result = run_streaming(config, PipelineOptions(["--runner=BundleBasedDirectRunner"]),
+                           handler=handler)
+    stop = threading.Event()
+
+    def heartbeats():
+        publisher = pubsub_v1.PublisherClient()
+        while not stop.wait(1.0):
+            publisher.publish(topic, b"", **{HEARTBEAT_ATTRIBUTE: "1"})
+
+    threading.Thread(target=heartbeats, daemon=True).start()
+    try:
+        yield result
+    finally:
+        stop.set()
+        result.cancel()
 
 
 def _stop_process_group(process: subprocess.Popen, timeout: float = 10) -> None:

@@ -14,11 +14,9 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.graph import HEARTBEAT_ATTRIBUTE
+from pipeline.emulators import local_streaming_job
 from pipeline.publish import publish_file
-from pipeline.run import run_streaming
 from tests.conftest import SAMPLE_EVENTS, make_config
 from tests.emulators import gcs_emulator, pubsub_emulator
 from transforms.schema import NewsEvent, vector_schema
@@ -131,20 +129,7 @@ def test_every_published_message_is_accounted_for(emulators, tmp_path):
         "parse": config.parse.model_copy(update={"max_payload_bytes": 100_000}),
         "streaming": config.streaming.model_copy(update={
             "subscription": SUBSCRIPTION, "window_s": 10, "max_wait_s": 2, "batch_shards": 1})})
-    result = run_streaming(config, PipelineOptions(["--runner=BundleBasedDirectRunner"]))
-
-    stop = threading.Event()
-
-    def heartbeats():  # keep the local runner's pulls (and watermark) moving while idle
-        from google.cloud import pubsub_v1
-
-        publisher = pubsub_v1.PublisherClient()
-        while not stop.wait(1.0):
-            publisher.publish(TOPIC, b"", **{HEARTBEAT_ATTRIBUTE: "1"})
-
-    beat = threading.Thread(target=heartbeats, daemon=True)
-    beat.start()
-    try:
+    with local_streaming_job(config, TOPIC):
         sent = publish_file(TOPIC, SAMPLE_EVENTS, rate=50)["published"]
         sent += publish_file(TOPIC, extra, rate=50)["published"]
         assert sent == len(lines) + 2
@@ -158,9 +143,6 @@ def test_every_published_message_is_accounted_for(emulators, tmp_path):
         # A redelivered copy that escaped dedup would show up as a second row once its window
         # fires (at most max_wait_s after it arrives): give it time to.
         time.sleep(config.streaming.max_wait_s + 3)
-    finally:
-        stop.set()
-        result.cancel()
 
     blobs, rows, letters = _outputs("stream")
     table = pa.concat_tables(rows)
