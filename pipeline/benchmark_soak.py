@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from pipeline.benchmark import bbc_texts
+from pipeline import ledger
 from pipeline.benchmark_streaming import (_events, _rows, _wait_for, percentile, streaming_job,
                                           warm_up)
 from pipeline.config import REPO_ROOT, load
@@ -165,8 +166,9 @@ def main(argv=None) -> int:
     missing = good - set(ids)
     repeated = {i: c for i, c in ids.items() if c > 1}
     duplicates = n - len(soak_rows) - len(soak_letters)
+    report = ledger.check(str(out))  # the job's own ledger, over every window of the run
     accounted = not missing and not repeated and len(soak_letters) == plan["dead_letter"] \
-        and duplicates == plan["duplicate"]
+        and duplicates == plan["duplicate"] and report.ok
     latencies = [mtime - publish.timestamp() for _, mtime, publish in soak_rows]
     steady = [(s, m) for s, m in memory if s >= args.settle_min * 60]
     per_minute = collections.defaultdict(float)
@@ -188,6 +190,7 @@ def main(argv=None) -> int:
                        "missing_ids": sorted(missing)[:20], "ids_written_twice": len(repeated),
                        "dead_letter_reasons": dict(collections.Counter(
                            d["reason"] for d in soak_letters)),
+                       "ledger": report.totals, "ledger_problems": report.problems[:20],
                        "every_message_accounted_for": accounted},
         "progress": progress,
     })
@@ -209,6 +212,10 @@ def main(argv=None) -> int:
           f"duplicates = {n} published (expected {plan['row']} + {plan['dead_letter']} + "
           f"{plan['duplicate']}); missing {len(missing)}, written twice {len(repeated)}: "
           f"{'every message accounted for' if accounted else 'NOT ACCOUNTED'}")
+    print(f"ledger (python -m pipeline.ledger): {report.totals['messages_in']} messages in = "
+          f"{report.totals['rows_written']} rows + {report.totals['dead_lettered']} dead letters + "
+          f"{report.totals['duplicates']} duplicates over {report.totals['windows']} windows: "
+          f"{'balanced' if report.ok else 'PROBLEMS: ' + '; '.join(report.problems[:5])}")
     print(f"results: {out_file}")
     return 0 if accounted else 1
 

@@ -4,9 +4,11 @@ Through Google's Pub/Sub emulator (started here on loopback), on the BBC article
   1. saturation: every article published at once; sustained docs/s from the first publish to the
      last row on disk, against the batch pipeline's docs/s on the same articles (same process and
      engine, model load excluded from both);
-  2. latency: articles published at half the saturation rate; publish-to-Parquet latency per row
-     (the file's rename time minus the message's publish time), p50 and p95;
-  3. batch fill at saturation: tokens per micro-batch over the token budget.
+  2. latency: articles published at half the saturation rate, then at light traffic (one every
+     2 s); publish-to-Parquet latency per row (the file's rename time minus the message's publish
+     time), p50 and p95;
+  3. batch fill at saturation: tokens per engine call over the token budget;
+  4. the job's ledger (``python -m pipeline.ledger``) over the whole run: every message accounted.
 Writes ``bench-results/streaming-<time>.json``.
 """
 from __future__ import annotations
@@ -24,48 +26,53 @@ from typing import Iterator
 
 import pyarrow.parquet as pq
 
+from pipeline import ledger
 from pipeline.benchmark import bbc_texts, write_events
 from pipeline.config import REPO_ROOT, load
-from transforms.embed import VLLMEmbeddingHandler
+from transforms.embed import load_engine
 
 SUBSCRIPTION = "projects/newsvec-bench/subscriptions/news"
 
 
-_BATCH_TOKENS: list[int] = []  # tokens of each micro-batch, recorded in this process
-_BATCH_DOCS: list[int] = []  # documents of each micro-batch
+_BATCH_TOKENS: list[int] = []  # tokens of each engine call, recorded in this process
+_BATCH_DOCS: list[int] = []  # documents of each engine call
 
 
-class RecordingHandler(VLLMEmbeddingHandler):
-    """The real handler; also records each micro-batch's tokens (Beam metrics are unreliable on the
-    local streaming runner). Module-level, so the runner's pickled copy records into this list."""
+class RecordingEngine:
+    """The process's real vLLM engine; also records each call's documents and tokens (Beam
+    metrics are unreliable on the local streaming runner). Module-level, so the runner's pickled
+    factory records into this module's lists."""
 
-    def run_inference(self, batch, model, inference_args=None):
-        _BATCH_TOKENS.append(sum(d.token_count for d in batch))
-        _BATCH_DOCS.append(len(batch))
-        return super().run_inference(batch, model, inference_args)
+    def __init__(self, settings):
+        self._handle = load_engine(settings)
+        self.label = self._handle.label()
+
+    def embed(self, prompts):
+        _BATCH_TOKENS.append(sum(len(p) for p in prompts))
+        _BATCH_DOCS.append(len(prompts))
+        return self._handle.embed(prompts)
+
+    def healthy(self) -> bool:
+        return True  # the handle inside checks the real engine
+
+    def close(self) -> None:
+        pass  # the process's engine stays loaded
 
 
-class _FakeFreeLLM:
-    """FAKE: stands in for vllm.LLM with vectors that cost nothing (one fixed unit vector), for
-    ``--runner-only``: what the streaming graph and the local runner alone can carry."""
+class FakeFreeEngine(RecordingEngine):
+    """FAKE: vectors that cost nothing (one fixed unit vector), for ``--runner-only``: what the
+    streaming graph and the local runner alone can carry."""
 
-    def __init__(self, dim: int):
+    def __init__(self, settings):
         import numpy as np
 
-        self._vector = np.eye(1, dim, dtype=np.float32)[0]
+        self.label = "fake@0"
+        self._vector = np.eye(1, settings.dim, dtype=np.float32)[0]
 
-    def embed(self, prompts, pooling_params=None, use_tqdm=False):
-        output = type("Output", (), {"outputs": type("Pooled", (), {"embedding": self._vector})()})
-        return [output] * len(prompts)
-
-
-class FakeModelHandler(RecordingHandler):
-    """The real handler around the FAKE engine above (``--runner-only``)."""
-
-    def load_model(self):
-        from transforms.embed import LoadedModel
-
-        return LoadedModel(_FakeFreeLLM(self._settings.dim), "fake@0")
+    def embed(self, prompts):
+        _BATCH_TOKENS.append(sum(len(p) for p in prompts))
+        _BATCH_DOCS.append(len(prompts))
+        return [self._vector] * len(prompts)
 
 
 def _rows(out: Path) -> list[tuple[str, float, dt.datetime]]:
@@ -101,7 +108,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 @contextlib.contextmanager
-def streaming_job(config, work: Path, handler=None) -> Iterator[str]:
+def streaming_job(config, work: Path, engine_factory=None) -> Iterator[str]:
     """Google's Pub/Sub emulator (on loopback) with ``config.streaming.subscription`` and its topic,
     and the streaming job reading it on the local runner, with heartbeats. Yields the topic; the job
     is cancelled and the emulator stopped on exit."""
@@ -115,7 +122,7 @@ def streaming_job(config, work: Path, handler=None) -> Iterator[str]:
         os.environ["PUBSUB_EMULATOR_HOST"] = host
         pubsub_v1.PublisherClient().create_topic(name=topic)
         pubsub_v1.SubscriberClient().create_subscription(name=subscription, topic=topic)
-        with local_streaming_job(config, topic, handler):
+        with local_streaming_job(config, topic, engine_factory):
             yield topic
 
 
@@ -137,6 +144,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "local-streaming.yaml"))
     parser.add_argument("--limit", type=int, default=None, help="use the first N articles only")
     parser.add_argument("--latency-s", type=float, default=60, help="length of the latency phase")
+    parser.add_argument("--light-rate", type=float, default=0.5,
+                        help="messages per second of the light-traffic latency phase")
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
     parser.add_argument("--runner-only", action="store_true",
                         help="diagnostic: saturation only, with a FAKE model that costs nothing, "
@@ -158,8 +167,8 @@ def main(argv=None) -> int:
                      "docs": len(texts), "cpus": os.cpu_count(),
                      "streaming": config.streaming.model_dump(), "model": config.model.model_dump()}
 
-    handler = (FakeModelHandler if args.runner_only else RecordingHandler)(config.model)
-    with streaming_job(config, work, handler) as topic:
+    engine = FakeFreeEngine if args.runner_only else RecordingEngine
+    with streaming_job(config, work, engine) as topic:
         results["startup_and_warmup_s"] = warm_up(topic, texts, work, work / "out")
         print(f"warm-up (start-up, model load, 64 articles): "
               f"{results['startup_and_warmup_s']:.1f} s", flush=True)
@@ -192,6 +201,22 @@ def main(argv=None) -> int:
         print(f"latency at {rate:.1f} docs/s (half saturation): p50 {p50:.1f} s, "
               f"p95 {p95:.1f} s (window {config.streaming.window_s:.0f} s)", flush=True)
 
+        n_light = max(1, int(args.light_rate * args.latency_s))
+        light = work / "light.jsonl"
+        _events(texts[:n_light], light, "light")
+        publish_file(topic, light, rate=args.light_rate)
+        light_rows = _wait_for(work / "out", "light-", n_light, timeout=600)
+        light_latencies = [mtime - publish.timestamp() for _, mtime, publish in light_rows]
+        light_p50, light_p95 = percentile(light_latencies, 0.5), percentile(light_latencies, 0.95)
+        print(f"latency at light traffic ({args.light_rate:g} docs/s): p50 {light_p50:.1f} s, "
+              f"p95 {light_p95:.1f} s (max_wait_s {config.streaming.max_wait_s})", flush=True)
+        time.sleep(2 * config.streaming.max_wait_s)  # the last panes' ledger records
+    report = ledger.check(str(work / "out"))
+    print(f"ledger: {report.totals['messages_in']} messages in, {report.totals['rows_written']} rows, "
+          f"{report.totals['duplicates']} duplicates, {report.totals['dead_lettered']} dead letters "
+          f"over {report.totals['windows']} windows: "
+          f"{'balanced' if report.ok else 'PROBLEMS: ' + '; '.join(report.problems[:5])}", flush=True)
+
     events = work / "batch.jsonl"
     write_events(texts, events)
     summary = run_batch(config.model_copy(update={"input": str(events),
@@ -209,6 +234,10 @@ def main(argv=None) -> int:
         "ratio_streaming_over_batch": saturation / batch_rate,
         "latency": {"rate_docs_per_s": rate, "messages": n, "p50_s": p50, "p95_s": p95,
                     "target_p95_s": config.streaming.window_s + 10},
+        "latency_light": {"rate_docs_per_s": args.light_rate, "messages": n_light,
+                          "p50_s": light_p50, "p95_s": light_p95,
+                          "max_wait_s": config.streaming.max_wait_s},
+        "ledger": report.totals, "ledger_problems": report.problems[:20],
         "targets": {"ratio_streaming_over_batch": 0.9},
     })
     out_dir = Path(args.results)
@@ -218,6 +247,7 @@ def main(argv=None) -> int:
     print(f"\nstreaming / batch: {saturation / batch_rate:.3f} (target >= 0.9)")
     print(f"latency p50 {p50:.1f} s, p95 {p95:.1f} s (target p95 <= "
           f"{config.streaming.window_s + 10:.0f} s)")
+    print(f"latency at light traffic: p50 {light_p50:.1f} s, p95 {light_p95:.1f} s")
     print(f"mean batch fill at saturation: {statistics.mean(fill):.3f}")
     print(f"results: {out_file}")
     return 0
@@ -227,7 +257,7 @@ if __name__ == "__main__":
     import sys
 
     # Run from the module's importable name: a class defined in __main__ is pickled by value, and the
-    # runner's copy of RecordingHandler would record into a copy of _BATCH_TOKENS.
+    # runner's copy of RecordingEngine would record into a copy of _BATCH_TOKENS.
     from pipeline import benchmark_streaming
 
     sys.exit(benchmark_streaming.main())

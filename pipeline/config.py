@@ -58,6 +58,9 @@ class DedupSettings(_Section):
 class SinkSettings(_Section):
     row_group_rows: int = Field(16384, gt=0, description="Rows per Parquet row group")
     dead_letter_payload_bytes: int = Field(4096, gt=0, description="Raw payload kept per letter")
+    commit_lease_s: float = Field(
+        600, gt=0, description="Batch: how long another run's unfinished publish into the same "
+                               "output is waited for before this run takes over")
 
 
 class StreamingSettings(_Section):

@@ -124,7 +124,7 @@ def pubsub_emulator(project: str, log_dir: Path):
 
 
 @contextlib.contextmanager
-def local_streaming_job(config, topic: str, handler=None):
+def local_streaming_job(config, topic: str, engine_factory=None):
     """The streaming job on BundleBasedDirectRunner, reading ``config.streaming.subscription``
     (PUBSUB_EMULATOR_HOST points at the emulator), with a heartbeat message on ``topic`` every
     second: an idle subscription holds each pull, and so the local runner's watermark, for about
@@ -136,7 +136,7 @@ def local_streaming_job(config, topic: str, handler=None):
     from pipeline.run import run_streaming
 
     result = run_streaming(config, PipelineOptions(["--runner=BundleBasedDirectRunner"]),
-                           handler=handler)
+                           engine_factory=engine_factory)
     stop = threading.Event()
 
     def heartbeats():

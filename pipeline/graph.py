@@ -1,24 +1,26 @@
 """The pipeline graphs, box by box as in README.md's diagram. Each box is a PTransform in transforms/.
 
-Batch:      files -> ReadJsonLines -> Parse -> PrepareText -> DropDuplicates -> Embed -> WriteVectors
-Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> DropDuplicatesStreaming (the
-              micro-batch grouping) -> (re)window -> Embed -> WriteWindowedVectors
-Both:       every dead letter -> WriteDeadLetters (per window when streaming)
+Batch:      files -> ReadJsonLines -> Parse -> PrepareText -> DropDuplicates -> EmbedWithVLLM
+              -> WriteVectors, WriteDeadLetters (into the run's staging folder) -> CommitRun
+Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> GroupMicroBatches (with every
+              dead letter so far) -> DropDuplicatesStreaming -> EmbedMicroBatches
+              -> WriteMicroBatches (vectors, dead letters and a ledger record per micro-batch)
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import apache_beam as beam
-from apache_beam.ml.inference.base import ModelHandler
 
 from pipeline.config import Config
+from transforms.commit import CommitRun, staging_prefix, tally
 from transforms.dedup import DropDuplicates, DropDuplicatesStreaming
-from transforms.embed import EmbedWithVLLM
+from transforms.embed import EmbedMicroBatches, EmbedWithVLLM, EngineFactory
+from transforms.microbatch import GroupMicroBatches
+from transforms.model import model_content_hash, resolve_model_path
 from transforms.parse import ParseEvents
 from transforms.read import ReadJsonLines
-from transforms.sinks import (WriteDeadLetters, WriteVectors, WriteWindowedDeadLetters,
-                              WriteWindowedVectors)
+from transforms.sinks import WriteDeadLetters, WriteMicroBatches, WriteVectors
 from transforms.text import PrepareText
 from transforms.windowing import FixedEventTimeWindows, WindowByEventTime
 
@@ -36,68 +38,79 @@ def _prepare(events, config: Config):
         dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes)
 
 
-def _embed(docs, config: Config, handler: Optional[ModelHandler]):
-    return docs | "Embed" >> EmbedWithVLLM(
-        config.model, dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes,
-        handler=handler)
+def summary_base(config: Config) -> dict:
+    """What a run's ``_summary.json`` says about its settings (the counts are added by CommitRun)."""
+    model_path = resolve_model_path(config.model.path)
+    return {"input": config.input, "output": config.output,
+            "model": {**config.model.model_dump(), "resolved_path": model_path,
+                      "content_sha256": model_content_hash(model_path) or None}}
 
 
 def embed_and_write(payloads, config: Config, run_id: str,
-                    handler: Optional[ModelHandler] = None) -> dict:
-    """Batch: raw payloads (bytes) -> Parquet vectors and JSON Lines dead letters."""
+                    engine_factory: Optional[EngineFactory] = None):
+    """Batch: raw payloads (bytes) -> Parquet vectors and JSON Lines dead letters, staged, then
+    checked and published by CommitRun. Returns the summary (a PCollection of one dict)."""
     parsed = _parse(payloads, config)
     prepared = _prepare(parsed.events, config)
     unique = prepared.docs | "DropDuplicates" >> DropDuplicates(config.dedup.key)
-    embedded = _embed(unique, config, handler)
+    embedded = unique.docs | "EmbedWithVLLM" >> EmbedWithVLLM(
+        config.model, dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes,
+        engine_factory=engine_factory)
+    staging = staging_prefix(config.output, run_id)
     vectors = embedded.embedded | "WriteVectors" >> WriteVectors(
-        config.output, run_id, config.model.dim, config.sink.row_group_rows)
+        staging, run_id, config.model.dim, config.sink.row_group_rows)
     dead_letters = ((parsed.dead_letter, prepared.dead_letter, embedded.dead_letter)
                     | "CollectDeadLetters" >> beam.Flatten()
-                    | "WriteDeadLetters" >> WriteDeadLetters(config.output, run_id))
-    return {"vectors": vectors, "dead_letters": dead_letters}
+                    | "WriteDeadLetters" >> WriteDeadLetters(staging, run_id))
+    tallies = [tally(payloads, "in"),
+               tally(unique.duplicates, "duplicates", lambda n: n),
+               tally(embedded.embedded, "embedded"),
+               tally(embedded.embedded, "truncated", lambda row: int(row.doc.truncated))]
+    return payloads.pipeline | "CommitRun" >> CommitRun(
+        config.output, run_id, summary_base(config), vectors=vectors, dead_letters=dead_letters,
+        tallies=tallies, lease_s=config.sink.commit_lease_s)
 
 
 def build_batch(pipeline: beam.Pipeline, config: Config, run_id: str,
-                handler: Optional[ModelHandler] = None) -> dict:
+                engine_factory: Optional[EngineFactory] = None):
     """Batch: JSON Lines files (optionally gzip) matched by config.input."""
     if not config.input:
         raise ValueError("batch mode needs an input glob: set input in the config or pass --input")
     payloads = pipeline | "ReadJsonLines" >> ReadJsonLines(config.input,
                                                            config.parse.max_payload_bytes)
-    return embed_and_write(payloads, config, run_id, handler)
+    return embed_and_write(payloads, config, run_id, engine_factory)
 
 
 def embed_and_write_streaming(messages, config: Config, run_id: str,
-                              handler: Optional[ModelHandler] = None) -> dict:
-    """Streaming: Pub/Sub messages -> per-window Parquet vectors and dead letters."""
+                              engine_factory: Optional[EngineFactory] = None):
+    """Streaming: Pub/Sub messages -> per-micro-batch Parquet vectors, dead letters and ledger
+    records. Returns the ledger records (a PCollection of ``LedgerRecord``)."""
     s = config.streaming
     windows = dict(window_s=s.window_s, allowed_lateness_s=s.allowed_lateness_s,
                    max_wait_s=s.max_wait_s)
     parsed = _parse(messages, config)
     events = parsed.events | "WindowByEventTime" >> WindowByEventTime(**windows)
+    parse_letters = parsed.dead_letter | "WindowParseDeadLetters" >> FixedEventTimeWindows(**windows)
     prepared = _prepare(events, config)
-    # DropDuplicatesStreaming groups per shard in the windows above, whose trigger fires when the
-    # window closes or max_wait has passed: that group is the micro-batch (full under load, at
-    # most max_wait old when traffic is light). RunInference's BatchElements then cuts it into
-    # token-budget batches.
-    unique = (prepared.docs
-              | "DropDuplicates" >> DropDuplicatesStreaming(config.dedup.key, s.dedup_horizon_s,
-                                                            s.batch_shards)
-              | "Rewindow" >> FixedEventTimeWindows(**windows))
-    embedded = _embed(unique, config, handler)
-    vectors = embedded.embedded | "WriteVectors" >> WriteWindowedVectors(
+    letters = ((parse_letters, prepared.dead_letter)
+               | "CollectDeadLetters" >> beam.Flatten())
+    # The only grouping: it fires when the window closes or max_wait_s after a pane's first
+    # element (full batches under load, at most max_wait_s old when traffic is light), and after it
+    # the window is data, in the global window: nothing downstream can drop a late element.
+    batches = ((prepared.docs, letters)
+               | "GroupMicroBatches" >> GroupMicroBatches(config.dedup.key, s.batch_shards,
+                                                          s.allowed_lateness_s)
+               | "DropDuplicates" >> DropDuplicatesStreaming(config.dedup.key,
+                                                             s.dedup_horizon_s))
+    embedded = batches | "EmbedWithVLLM" >> EmbedMicroBatches(
+        config.model, dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes,
+        engine_factory=engine_factory)
+    return embedded | "WriteMicroBatches" >> WriteMicroBatches(
         config.output, run_id, config.model.dim, config.sink.row_group_rows)
-    dead_letters = (
-        [parsed.dead_letter | "WindowParseDeadLetters" >> FixedEventTimeWindows(**windows),
-         prepared.dead_letter | "WindowPrepareDeadLetters" >> FixedEventTimeWindows(**windows),
-         embedded.dead_letter | "WindowEmbedDeadLetters" >> FixedEventTimeWindows(**windows)]
-        | "CollectDeadLetters" >> beam.Flatten()
-        | "WriteDeadLetters" >> WriteWindowedDeadLetters(config.output, run_id))
-    return {"vectors": vectors, "dead_letters": dead_letters}
 
 
 def build_streaming(pipeline: beam.Pipeline, config: Config, run_id: str,
-                    handler: Optional[ModelHandler] = None) -> dict:
+                    engine_factory: Optional[EngineFactory] = None):
     """Streaming: a Pub/Sub subscription; message data is the batch input's news event JSON."""
     if not config.streaming.subscription:
         raise ValueError("streaming needs a subscription: set streaming.subscription or pass "
@@ -106,7 +119,7 @@ def build_streaming(pipeline: beam.Pipeline, config: Config, run_id: str,
                 | "ReadPubSub" >> beam.io.ReadFromPubSub(
                     subscription=config.streaming.subscription, with_attributes=True)
                 | "DropHeartbeats" >> beam.Filter(_not_a_heartbeat))
-    return embed_and_write_streaming(messages, config, run_id, handler)
+    return embed_and_write_streaming(messages, config, run_id, engine_factory)
 
 
 HEARTBEAT_ATTRIBUTE = "newsvec_heartbeat"

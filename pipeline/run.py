@@ -3,19 +3,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from typing import Optional, Sequence
 
 import apache_beam as beam
-from apache_beam.ml.inference.base import ModelHandler
+from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import (GoogleCloudOptions, PipelineOptions,
                                                   StandardOptions, TestOptions)
 
 from pipeline import config as config_lib
 from pipeline.graph import build_batch, build_streaming
 from pipeline.options import NewsvecOptions
-from pipeline.summary import AccountingError, build_summary, write_summary
-from transforms.sinks import new_run_id
+from pipeline.summary import job_statistics
+from transforms.embed import EngineFactory
+from transforms.sinks import SUMMARY_FILE, join_path, new_run_id
 
 _LOG = logging.getLogger("newsvec")
 
@@ -40,12 +42,12 @@ def resolve(argv: Optional[Sequence[str]] = None) -> tuple[config_lib.Config, Pi
 
 
 def run(argv: Optional[Sequence[str]] = None, test_pipeline: Optional[beam.Pipeline] = None,
-        handler: Optional[ModelHandler] = None) -> dict:
+        engine_factory: Optional[EngineFactory] = None) -> dict:
     """Run the job from command-line flags. Batch: to completion, returning its summary (also
     written to the output). Streaming (a subscription is set): until cancelled or drained."""
     config, options = resolve(argv)
     if config.streaming.subscription:
-        result = run_streaming(config, options, test_pipeline, handler)
+        result = run_streaming(config, options, test_pipeline, engine_factory)
         if _runs_elsewhere(options):
             # Dataflow (or a template launch): the job runs on its own until drained or cancelled;
             # waiting here, a Ctrl-C would cancel it.
@@ -56,17 +58,19 @@ def run(argv: Optional[Sequence[str]] = None, test_pipeline: Optional[beam.Pipel
             _LOG.info("cancelling the streaming job")
             result.cancel()
         return {"run_id": None, "state": str(result.state)}
-    return run_batch(config, options, test_pipeline, handler)
+    return run_batch(config, options, test_pipeline, engine_factory)
 
 
 def run_streaming(config: config_lib.Config, options: PipelineOptions,
                   test_pipeline: Optional[beam.Pipeline] = None,
-                  handler: Optional[ModelHandler] = None):
+                  engine_factory: Optional[EngineFactory] = None):
     """Start the streaming job and return its PipelineResult without waiting."""
     options.view_as(StandardOptions).streaming = True
+    if not _runs_elsewhere(options) and os.environ.get("PUBSUB_EMULATOR_HOST"):
+        lift_emulator_receive_limit()
     run_id = new_run_id()
     pipeline = test_pipeline or beam.Pipeline(options=options)
-    build_streaming(pipeline, config, run_id, handler)
+    build_streaming(pipeline, config, run_id, engine_factory)
     _LOG.info("newsvec streaming run %s: %s -> %s", run_id, config.streaming.subscription,
               config.output)
     return pipeline.run()
@@ -74,16 +78,18 @@ def run_streaming(config: config_lib.Config, options: PipelineOptions,
 
 def run_batch(config: config_lib.Config, options: PipelineOptions,
               test_pipeline: Optional[beam.Pipeline] = None,
-              handler: Optional[ModelHandler] = None) -> dict:
-    """Build, run to completion and summarize one batch job.
+              engine_factory: Optional[EngineFactory] = None) -> dict:
+    """Build and run one batch job to completion, and return its summary: the ``_summary.json``
+    that the job's CommitRun step wrote once it had checked and published the run, with the
+    timings and micro-batch statistics seen from here (Beam metrics) added.
 
     A job that this process only describes (a Flex Template launch passes ``--template_location``;
-    ``--dry_run=True`` builds the Dataflow request without sending it) is not waited for and has no
-    summary here: its counts are in the Dataflow job's metrics (namespace ``newsvec``)."""
+    ``--dry_run=True`` builds the Dataflow request without sending it) is not waited for: its
+    ``_summary.json`` is written by the job itself."""
     started = time.perf_counter()
     run_id = new_run_id()
     pipeline = test_pipeline or beam.Pipeline(options=options)
-    build_batch(pipeline, config, run_id, handler)
+    build_batch(pipeline, config, run_id, engine_factory)
     _LOG.info("newsvec run %s: %s -> %s", run_id, config.input, config.output)
     run_started = time.perf_counter()
     result = pipeline.run()
@@ -92,17 +98,46 @@ def run_batch(config: config_lib.Config, options: PipelineOptions,
         return {"run_id": run_id, "state": str(result.state), "launched": True}
     result.wait_until_finish()
     finished = time.perf_counter()
-    summary = build_summary(result, config, run_id, {
+    path = join_path(config.output, SUMMARY_FILE)
+    with FileSystems.open(path) as f:
+        summary = json.loads(f.read().decode("utf-8"))
+    if summary["run_id"] != run_id:
+        _LOG.warning("run %s succeeded, but run %s has published into %s since", run_id,
+                     summary["run_id"], config.output)
+    _LOG.info("run %s committed: %s", run_id, path)
+    return {**summary, **job_statistics(result, config.model.token_budget, {
         "startup_s": run_started - started,
         "run_s": finished - run_started,
         "total_s": finished - started,
-    })
-    path = write_summary(config.output, summary)
-    _LOG.info("summary written to %s", path)
-    if not summary["invariant_holds"]:
-        raise AccountingError(f"in={summary['counts']['in']} but written + dead_lettered + "
-                              f"duplicates = {summary['counts']['accounted']}; see {path}")
-    return summary
+    })}
+
+
+def lift_emulator_receive_limit() -> None:
+    """Let the local runner pull Pub/Sub messages of up to Pub/Sub's 10 MB from the emulator.
+
+    google-cloud-pubsub opens its channel to an emulator with gRPC's defaults, which refuse to
+    receive more than 4 MiB (its channel to Pub/Sub itself has no limit): a pull holding a 5 MB
+    message fails with RESOURCE_EXHAUSTED, again at each retry, and holds up every message behind
+    it. Beam's local Pub/Sub read builds its SubscriberClient itself, so the subscriber module's
+    channel factory is given the option here. Dataflow reads Pub/Sub with its own service."""
+    import grpc
+    from google.pubsub_v1.services.subscriber import client as subscriber
+
+    if getattr(subscriber.grpc, "newsvec_unlimited", False):
+        return
+
+    class _UnlimitedReceive:
+        newsvec_unlimited = True
+
+        def __getattr__(self, name):
+            return getattr(grpc, name)
+
+        @staticmethod
+        def insecure_channel(target, options=None, **kwargs):
+            options = [*(options or ()), ("grpc.max_receive_message_length", -1)]
+            return grpc.insecure_channel(target, options=options, **kwargs)
+
+    subscriber.grpc = _UnlimitedReceive()
 
 
 def _only_described(options: PipelineOptions) -> bool:

@@ -1,25 +1,16 @@
-"""The run summary, ``<output>/_summary.json``: counts, model and settings, timings.
+"""What a launcher that waited for its batch job adds to the job's summary: timings and micro-batch
+statistics, from the job's Beam metrics.
 
-Counts come from the job's Beam metrics, so they are what the workers really did. The accounting
-invariant ``in = written + dead_lettered + duplicates`` is checked here, and a run that breaks it fails.
+The counts and the accounting check are not here: the job's own last step (``transforms.commit``)
+counts what it wrote in storage and writes ``_summary.json``, on Dataflow as locally.
 """
 from __future__ import annotations
 
-import json
 from collections import defaultdict
-from typing import Any
 
-from apache_beam.io.filesystems import FileSystems
 from apache_beam.metrics.metric import MetricsFilter
 
-from pipeline.config import Config
 from transforms import metrics
-from transforms.model import model_content_hash, resolve_model_path
-from transforms.sinks import SUMMARY_FILE, join_path
-
-
-class AccountingError(RuntimeError):
-    """Some input is neither written, dead-lettered nor a counted duplicate."""
 
 
 def _value(result):
@@ -49,36 +40,20 @@ def read_metrics(job_result) -> tuple[dict, dict, dict]:
     return dict(counters), dict(reasons), dists
 
 
-def build_summary(job_result, config: Config, run_id: str, timings: dict[str, float]) -> dict:
-    counters, reasons, dists = read_metrics(job_result)
-    counts = {
-        "in": counters.get("events_in", 0),
-        "written": counters.get("rows_written", 0),
-        "dead_lettered": counters.get("dead_lettered", 0),
-        "dead_lettered_by_reason": dict(sorted(reasons.items())),
-        "duplicates": counters.get("duplicates", 0),
-        "truncated": counters.get("truncated", 0),
-    }
-    counts["accounted"] = counts["written"] + counts["dead_lettered"] + counts["duplicates"]
+def job_statistics(job_result, token_budget: int, timings: dict[str, float]) -> dict:
+    """{"batches": ..., "timings": ...} of a finished job."""
+    _, _, dists = read_metrics(job_result)
     docs = dists.get("batch_docs", {"count": 0, "sum": 0})
     tokens = dists.get("batch_tokens", {"count": 0, "sum": 0})
     n_batches = docs["count"]
     mean_tokens = tokens["sum"] / n_batches if n_batches else 0.0
-    model_path = resolve_model_path(config.model.path)
     return {
-        "run_id": run_id,
-        "input": config.input,
-        "output": config.output,
-        "counts": counts,
-        "invariant_holds": counts["in"] == counts["accounted"],
-        "model": {**config.model.model_dump(), "resolved_path": model_path,
-                  "content_sha256": model_content_hash(model_path) or None},
         "batches": {
             "count": n_batches,
             "mean_docs": docs["sum"] / n_batches if n_batches else 0.0,
             "mean_tokens": mean_tokens,
             "max_tokens": tokens.get("max"),
-            "mean_fill": mean_tokens / config.model.token_budget,
+            "mean_fill": mean_tokens / token_budget,
         },
         "timings": {
             **{k: round(v, 3) for k, v in timings.items()},
@@ -87,10 +62,3 @@ def build_summary(job_result, config: Config, run_id: str, timings: dict[str, fl
             "embed_s": round(dists.get("embed_batch_ms", {}).get("sum", 0) / 1000, 3),
         },
     }
-
-
-def write_summary(output: str, summary: dict[str, Any]) -> str:
-    path = join_path(output, SUMMARY_FILE)
-    with FileSystems.create(path, mime_type="application/json") as f:
-        f.write(json.dumps(summary, indent=2, default=str).encode("utf-8"))
-    return path

@@ -34,3 +34,22 @@ def gcs_emulator(bucket: str, log_dir: Path, data_dir: Optional[Path] = None):
 
 def pubsub_emulator(project: str, log_dir: Path):
     return _or_skip(_emulators.pubsub_emulator(project, log_dir))
+
+
+@contextlib.contextmanager
+def gcs_for_beam(bucket: str, log_dir: Path, data_dir: Optional[Path] = None):
+    """The GCS emulator with Beam and google-cloud-storage pointed at it (STORAGE_EMULATOR_HOST),
+    and anonymous credentials answered at once: none exist here, and Google's credential lookup
+    would otherwise retry four times (about 23 s) first. Yields the emulator; undone after."""
+    mp = pytest.MonkeyPatch()
+    with gcs_emulator(bucket, log_dir, data_dir) as emulator:
+        mp.setenv("STORAGE_EMULATOR_HOST", emulator.endpoint)
+        mp.setenv("NO_GCE_CHECK", "true")
+        import google.auth
+        from google.auth.credentials import AnonymousCredentials
+
+        mp.setattr(google.auth, "default", lambda *a, **k: (AnonymousCredentials(), "test"))
+        try:
+            yield emulator
+        finally:
+            mp.undo()

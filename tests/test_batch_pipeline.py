@@ -103,16 +103,18 @@ def test_vectors_equal_sentence_transformers(batch_run):
     assert cosine.min() >= 0.9999, f"min cosine {cosine.min()}"
 
 
-def test_summary_file_holds_counts_model_and_timings(batch_run):
+def test_summary_file_holds_counts_and_model_and_the_launcher_adds_timings(batch_run):
     summary, out = batch_run
     written = json.loads((out / "_summary.json").read_text())
     assert written["counts"] == summary["counts"] and written["invariant_holds"]
+    assert written["run_id"] == summary["run_id"]
     assert written["model"]["dtype"] == "float32" and len(written["model"]["content_sha256"]) == 64
-    timings = written["timings"]
-    assert timings["run_s"] > timings["embed_s"] > 0 and timings["total_s"] >= timings["run_s"]
-    assert 0 < written["batches"]["mean_tokens"] <= written["model"]["token_budget"]
-    assert written["batches"]["max_tokens"] <= written["model"]["token_budget"]
     assert written["counts"]["truncated"] == int(pc.sum(read_vectors(out)["truncated"]).as_py())
+    # Seen from the launcher that waited (Beam metrics), not written: the job wrote the file.
+    timings = summary["timings"]
+    assert timings["run_s"] > timings["embed_s"] > 0 and timings["total_s"] >= timings["run_s"]
+    assert 0 < summary["batches"]["mean_tokens"] <= written["model"]["token_budget"]
+    assert summary["batches"]["max_tokens"] <= written["model"]["token_budget"]
 
 
 def test_duckdb_reads_the_output_as_a_user_would(batch_run):
@@ -150,4 +152,4 @@ def test_command_line_with_gzip_input_and_overrides(tmp_path):
 def test_the_engine_is_loaded_once_per_process():
     from transforms import embed
 
-    assert len(embed._ENGINES) == 1, "every pipeline run of the session shared one vLLM engine"
+    assert len(embed._HANDLES) == 1, "every pipeline run of the session shared one vLLM engine"

@@ -118,9 +118,12 @@ def test_batch_job_request_carries_the_gpu_workers_and_newsvec_options(tmp_path)
     options = check_gpu_workers(request)
     assert (options["config"], options["input_date"]) == (str(config), "2026-11-30")
     assert "streaming" not in options or options["streaming"] is False
-    # The output prefix of this run's date, in the sinks' display data.
+    # The output prefix of this run's date, in the sinks' display data: the run's staging folder,
+    # which CommitRun, the last step, publishes.
     written = display_data(proto, "WriteVectors")
-    assert f"gs://{BUCKET}/newsvec/batch/dt=2026-11-30/vectors/part-".encode() in written
+    assert re.search(rb"gs://" + BUCKET.encode() + rb"/newsvec/batch/dt=2026-11-30/_staging/"
+                     rb"\d{8}T\d{6}Z-[0-9a-f]{8}/vectors/part-", written)
+    assert any(t.unique_name == "CommitRun" for t in proto.components.transforms.values())
     assert b"{date}" not in proto.SerializeToString()
     # newsvec and its dependencies come from the image: no setup_file tarball, no requirements.
     staged = staged_names(proto)
@@ -142,6 +145,33 @@ def test_streaming_job_request_carries_streaming_engine_and_the_subscription(tmp
     assert (options["config"], options["subscription"]) == (str(config), subscription)
     assert request["environment"]["workerPools"][0]["dataDisks"], "streaming has a data disk"
     assert subscription.encode() in proto.SerializeToString(), "the read uses the flag's subscription"
+
+
+@pytest.mark.parametrize("name", ["dataflow-streaming.yaml", "local-streaming.yaml"])
+def test_streaming_writes_are_sharded_over_batch_shards(name, tmp_path):
+    """The graph ``python -m pipeline`` builds: its one grouping (the micro-batch) is keyed by
+    shard over ``streaming.batch_shards``, and the sinks write each micro-batch where it was
+    grouped, with no grouping of their own (which would put every row of the job, or every dead
+    letter, through one key: one thread on one worker)."""
+    from apache_beam.internal import pickler
+    from apache_beam.portability import common_urns
+
+    from pipeline.graph import build_streaming
+
+    config = config_lib.load(filled_config(name, tmp_path) if name.startswith("dataflow")
+                             else CONFIGS / name)
+    pipeline = beam.Pipeline()
+    build_streaming(pipeline, config, "20261201T000000Z-0badc0de")
+    transforms = pipeline.to_runner_api().components.transforms.values()
+    groupings = [t.unique_name for t in transforms
+                 if t.spec.urn == common_urns.primitives.GROUP_BY_KEY.urn]
+    assert groupings == ["GroupMicroBatches/GroupPerWindowAndShard"]
+    (to_batch,) = [t for t in transforms if t.unique_name == "GroupMicroBatches/ToMicroBatch"]
+    fn = pickler.loads(beam_runner_api_pb2.ParDoPayload.FromString(
+        to_batch.spec.payload).do_fn.payload)[0]
+    assert fn._shards == config.streaming.batch_shards
+    if name.startswith("dataflow"):
+        assert config.streaming.batch_shards >= config.beam["max_num_workers"] > 1
 
 
 @pytest.mark.parametrize("name", ["dataflow-batch.yaml", "dataflow-streaming.yaml"])

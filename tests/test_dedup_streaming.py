@@ -1,7 +1,8 @@
-"""Streaming dedup on a TestStream: redeliveries within the horizon are dropped and counted, and a
-key is forgotten once the watermark passes its horizon (the state is bounded). Input is in fixed
-10 s windows (default trigger: each window fires once, at its end); output timestamps are the end of
-the window the copy arrived in.
+"""Streaming dedup on a TestStream: GroupMicroBatches then DropDuplicatesStreaming. Redeliveries
+within the horizon are dropped and counted in their micro-batch, and a key is forgotten once the
+watermark passes its horizon (the state is bounded). Input is in fixed 10 s windows (default
+trigger: each window fires once, at its end); each kept copy is reported with the end of the window
+it arrived in.
 
 Runner: BundleBasedDirectRunner, the local runner that executes TestStream with user state and
 event-time timers. DirectRunner would pick it too for a TestStream, but only after a check for
@@ -9,7 +10,6 @@ Prism (a download, which fails offline); naming it skips that.
 """
 import apache_beam as beam
 import pytest
-from apache_beam.metrics.metric import MetricsFilter
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.test_stream import TestStream
@@ -17,7 +17,7 @@ from apache_beam.testing.util import assert_that, equal_to
 from apache_beam.transforms.window import FixedWindows, TimestampedValue
 
 from transforms.dedup import DropDuplicatesStreaming
-from transforms.metrics import NAMESPACE
+from transforms.microbatch import GroupMicroBatches
 from transforms.schema import NewsEvent, PreparedDoc
 
 
@@ -38,29 +38,27 @@ def stream(*steps) -> TestStream:
     return ts.advance_watermark_to_infinity()
 
 
-def run_dedup(test_stream: TestStream, expected, windowed_s=10, **dedup_args):
-    """Runs the stream in fixed windows through DropDuplicatesStreaming, asserts the
-    (id, text_sha256, timestamp) of the output, and returns the finished pipeline result."""
+def run_dedup(test_stream: TestStream, expected, windowed_s=10, expected_duplicates=None,
+              key="id", shards=4, **dedup_args):
+    """Runs the stream in fixed windows through GroupMicroBatches and DropDuplicatesStreaming, and
+    asserts the (id, text_sha256, window end) of each kept document and, if given, the duplicates
+    counted in the micro-batches."""
     p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions(streaming=True))
-    out = (p | test_stream
-           | beam.WindowInto(FixedWindows(windowed_s))
-           | DropDuplicatesStreaming(**dedup_args)
-           | beam.Map(lambda d, t=beam.DoFn.TimestampParam: (d.event.id, d.text_sha256,
-                                                             round(float(t)))))
-    assert_that(out, equal_to(expected))
+    docs = p | test_stream | beam.WindowInto(FixedWindows(windowed_s))
+    no_letters = docs | "NoLetters" >> beam.Filter(lambda _: False)
+    batches = ((docs, no_letters) | GroupMicroBatches(key, shards)
+               | DropDuplicatesStreaming(key=key, **dedup_args))
+    kept = batches | "Kept" >> beam.FlatMap(
+        lambda b: [(d.event.id, d.text_sha256, b.window_end_us // 1_000_000) for d in b.docs])
+    assert_that(kept, equal_to(expected), label="kept")
+    if expected_duplicates is not None:
+        def counted(per_batch):
+            assert sum(per_batch) == expected_duplicates, per_batch
+
+        assert_that(batches | beam.Map(lambda b: b.duplicates), counted, label="duplicates")
     result = p.run()
     result.wait_until_finish()
     return result
-
-
-def duplicates_counted(result) -> int:
-    """The duplicates counter as the job reports it. Beam 2.77's BundleBasedDirectRunner keeps
-    only a step's FIRST bundle's metrics per executor thread (statesampler caches the scoped state,
-    and with it the first bundle's MetricsContainer, by step name), so tests that read it feed
-    the dedup step one bundle."""
-    counters = result.metrics().query(
-        MetricsFilter().with_namespace(NAMESPACE).with_name("duplicates"))["counters"]
-    return sum(c.committed for c in counters)
 
 
 def test_redeliveries_in_later_firings_are_dropped():
@@ -70,12 +68,10 @@ def test_redeliveries_in_later_firings_are_dropped():
         expected=[("a", "copy0", 10), ("b", "b", 10)])  # the first copy, from window [0, 10)
 
 
-def test_duplicates_are_counted():
-    # One firing: the local runner keeps only a step's first bundle's metrics (duplicates_counted).
-    result = run_dedup(stream([(doc("a", "c0"), 0), (doc("a", "c1"), 1), (doc("a", "c2"), 2),
-                               (doc("b", "b"), 3)]),
-                       expected=[("a", "c2", 10), ("b", "b", 10)])
-    assert duplicates_counted(result) == 2
+def test_duplicates_are_counted_in_their_micro_batch():
+    run_dedup(stream([(doc("a", "c0"), 0), (doc("a", "c1"), 1), (doc("a", "c2"), 2),
+                      (doc("b", "b"), 3)], 12, [(doc("a", "c3"), 13)]),
+              expected=[("a", "c2", 10), ("b", "b", 10)], expected_duplicates=3)
 
 
 def test_copies_in_one_firing_keep_the_last_published():
@@ -106,14 +102,13 @@ def test_shards_do_not_split_a_key():
     run_dedup(stream([(doc(f"id{i}", str(i)), 0) for i in range(20)] + [(doc("id7", "again"), 3)]),
               # one firing: the batch rule picks id7's survivor (same date: greater text hash)
               expected=[(f"id{i}", "again" if i == 7 else str(i), 10) for i in range(20)],
-              shards=4)
+              expected_duplicates=1, shards=4)
 
 
 def test_text_hash_key_drops_the_same_text_under_another_id():
-    result = run_dedup(
-        stream([(doc("a", "same"), 0), (doc("b", "same"), 1), (doc("c", "other"), 2)]),
-        expected=[("b", "same", 10), ("c", "other", 10)], key="text_sha256")
-    assert duplicates_counted(result) == 1
+    run_dedup(stream([(doc("a", "same"), 0), (doc("b", "same"), 1), (doc("c", "other"), 2)]),
+              expected=[("b", "same", 10), ("c", "other", 10)], key="text_sha256",
+              expected_duplicates=1)
 
 
 def test_unknown_key_or_empty_horizon_fails_at_construction():
@@ -122,4 +117,4 @@ def test_unknown_key_or_empty_horizon_fails_at_construction():
     with pytest.raises(ValueError, match="horizon_s"):
         DropDuplicatesStreaming(horizon_s=0)
     with pytest.raises(ValueError, match="shards"):
-        DropDuplicatesStreaming(shards=0)
+        GroupMicroBatches(shards=0)

@@ -1,61 +1,60 @@
-"""Embed step under failing model calls, with a FAKE LLM (the real engine is tested in
-test_batch_pipeline.py): bisection isolates poison inputs, and a broken model stops the job."""
+"""The embed step under failure: an input that fails is dead-lettered alone (bisection), an engine
+that breaks blames no input (the bundle fails, is retried, and a fresh engine serves it), and a model
+that fails every input stops the job.
+
+Failures are injected into the engine the real handler calls: a FAKE engine (tests/fakes.py) for the
+unit cases, and the real vLLM engine, wrapped, for the runs through RunInference."""
+import threading
+
 import apache_beam as beam
 import numpy as np
 import pytest
+from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from tests.conftest import make_config
-from transforms.embed import EmbedWithVLLM, LoadedModel, ModelBrokenError, VLLMEmbeddingHandler
+from tests.fakes import POISON, FakeEngine
+from transforms.embed import (Engine, EngineFailedError, EngineHandle, EmbedWithVLLM,
+                              ModelBrokenError, VLLMEmbeddingHandler, load_engine)
 from transforms.schema import NewsEvent, PreparedDoc, Reason
 
-POISON = 666
+SETTINGS = make_config().model
 
 
-class _Out:
-    def __init__(self, vector):
-        self.outputs = type("O", (), {"embedding": vector})()
-
-
-class FakeLLM:
-    """Stands in for vllm.LLM: fails a whole call when any prompt holds the POISON token."""
-
-    def __init__(self, dim=384, fail_all=False):
-        self.dim, self.fail_all, self.calls = dim, fail_all, []
-
-    def embed(self, prompts, pooling_params=None, use_tqdm=False):
-        self.calls.append(len(prompts))
-        if self.fail_all or any(POISON in p["prompt_token_ids"] for p in prompts):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return [_Out([float(p["prompt_token_ids"][1])] * self.dim) for p in prompts]
-
-
-def doc(i: int, poison=False) -> PreparedDoc:
-    ids = (101, POISON if poison else i, 102)
+def doc(i: int, poison=False, ids=None) -> PreparedDoc:
+    ids = ids or (101, POISON if poison else 1000 + i, 102)
     return PreparedDoc(event=NewsEvent(id=f"d{i}", body="x"), text="x", text_sha256=str(i),
-                       token_ids=ids, truncated=False)
+                       token_ids=tuple(ids), truncated=False)
 
 
 def handler(**changes) -> VLLMEmbeddingHandler:
-    return VLLMEmbeddingHandler(make_config().model.model_copy(update=changes))
+    return VLLMEmbeddingHandler(SETTINGS.model_copy(update=changes))
 
 
 def test_bisection_dead_letters_only_the_failing_inputs():
-    llm = FakeLLM()
+    model = EngineHandle(SETTINGS, FakeEngine)
     batch = [doc(i, poison=i in (3, 11)) for i in range(16)]
-    results = list(handler().run_inference(batch, LoadedModel(llm, "fake@0")))
+    results = list(handler().run_inference(batch, model))
     failed = [r.example.event.id for r in results if not isinstance(r.inference, np.ndarray)]
     assert failed == ["d3", "d11"]
-    good = {r.example.event.id: r.inference[0] for r in results if isinstance(r.inference, np.ndarray)}
-    assert len(good) == 14 and good["d5"] == 5.0, "each good doc keeps its own vector"
-    assert len(llm.calls) < 16, "bisection, not one call per document"
+    good = {r.example.event.id: int(np.argmax(r.inference)) for r in results
+            if isinstance(r.inference, np.ndarray)}
+    assert len(good) == 14 and good["d5"] == (101 + 1005 + 102) % 384, "each keeps its own vector"
+
+
+class FailsEveryInput(FakeEngine):
+    """Every call fails, yet the canary passes: a model broken for real inputs."""
+
+    def embed(self, prompts):
+        self.calls.append(len(prompts))
+        raise RuntimeError("shape mismatch in the pooler")
 
 
 def test_a_model_failing_for_every_input_stops_the_job():
     with pytest.raises(ModelBrokenError, match="in a row"):
         handler(max_consecutive_failures=8).run_inference(
-            [doc(i) for i in range(10)], LoadedModel(FakeLLM(fail_all=True), "fake@0"))
+            [doc(i) for i in range(10)], EngineHandle(SETTINGS, FailsEveryInput))
 
 
 def test_token_budget_drives_batching():
@@ -63,16 +62,10 @@ def test_token_budget_drives_batching():
     assert kwargs["max_batch_size"] == 1000 and kwargs["element_size_fn"](doc(1)) == 3
 
 
-class FakeHandler(VLLMEmbeddingHandler):
-    def load_model(self):
-        return LoadedModel(FakeLLM(), "fake@0")
-
-
 def test_embed_transform_routes_failures_to_dead_letters_and_keeps_the_rest():
     docs = [doc(i, poison=(i == 2)) for i in range(6)]
     with TestPipeline(runner="FnApiRunner") as p:
-        out = p | beam.Create(docs) | EmbedWithVLLM(
-            make_config().model, handler=FakeHandler(make_config().model))
+        out = p | beam.Create(docs) | EmbedWithVLLM(SETTINGS, engine_factory=FakeEngine)
         assert_that(out.embedded | beam.Map(lambda e: (e.doc.event.id, e.model)),
                     equal_to([(f"d{i}", "fake@0") for i in (0, 1, 3, 4, 5)]), label="rows")
         assert_that(out.dead_letter | beam.Map(lambda d: (d.event_id, d.step, d.reason,
@@ -80,35 +73,147 @@ def test_embed_transform_routes_failures_to_dead_letters_and_keeps_the_rest():
                     equal_to([("d2", "embed", Reason.EMBEDDING_FAILED, True)]), label="dead")
 
 
-class EngineDeadError(RuntimeError):
-    """Named like vLLM's: the engine core died, whatever the input."""
+class Breaks(FakeEngine):
+    """An engine that breaks for good after ``after`` calls, canary included (a CUDA error
+    poisons the device context). Each instance is a fresh load."""
+
+    loads = 0
+    after = 1
+
+    def __init__(self, settings=None):
+        super().__init__(settings)
+        type(self).loads += 1
+        self.broken_calls = 0
+
+    def embed(self, prompts):
+        if len(self.calls) >= self.after:
+            self.broken_calls += 1
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().embed(prompts)
+
+    def healthy(self):
+        return len(self.calls) < self.after
 
 
-def test_a_dead_engine_is_not_blamed_on_the_inputs_and_is_evicted(monkeypatch):
-    from transforms import embed
+def test_a_broken_engine_blames_no_input_and_the_same_handle_gets_a_fresh_one():
+    Breaks.loads = 0
+    model = EngineHandle(SETTINGS, Breaks)
+    first = model._engine
+    h = handler()
+    assert all(isinstance(r.inference, np.ndarray) for r in h.run_inference([doc(0)], model))
+    with pytest.raises(EngineFailedError, match="illegal memory access"):
+        h.run_inference([doc(i) for i in range(8)], model)
+    assert first.broken_calls == 1, "no bisection: no input is to blame"
+    assert first.closed, "the broken engine is closed (its GPU memory freed)"
+    # The handle RunInference keeps (its shared model) serves the retried bundle with a new engine.
+    results = h.run_inference([doc(i) for i in range(8)], model)
+    assert Breaks.loads == 2 and all(isinstance(r.inference, np.ndarray) for r in results)
 
-    class DeadLLM(FakeLLM):
-        def embed(self, prompts, pooling_params=None, use_tqdm=False):
+
+def test_engine_dead_error_is_an_engine_failure():
+    class EngineDeadError(RuntimeError):
+        """Named like vLLM's: the engine core died, whatever the input."""
+
+    class Dead(FakeEngine):
+        def embed(self, prompts):
             self.calls.append(len(prompts))
             raise EngineDeadError("EngineCore encountered an issue")
 
-    settings = make_config().model
-    llm = DeadLLM()
-    key = embed._engine_key(settings)
-    monkeypatch.setitem(embed._ENGINES, key, LoadedModel(llm, "fake@0"))
-    with pytest.raises(EngineDeadError):
-        VLLMEmbeddingHandler(settings).run_inference([doc(i) for i in range(8)], embed._ENGINES[key])
-    assert llm.calls == [8], "no bisection: no input is to blame"
-    assert key not in embed._ENGINES, "the next bundle loads a fresh engine"
+    model = EngineHandle(SETTINGS, Dead)
+    with pytest.raises(EngineFailedError):
+        handler().run_inference([doc(i) for i in range(8)], model)
 
 
-def test_fewer_outputs_than_inputs_is_a_failure_not_a_silent_mismatch():
-    class ShortLLM(FakeLLM):
-        def embed(self, prompts, pooling_params=None, use_tqdm=False):
-            return super().embed(prompts)[:-1] if len(prompts) > 1 else super().embed(prompts)
+# ---- the real vLLM engine (float32, loaded once per session) ----
 
-    results = list(handler().run_inference([doc(i) for i in range(4)],
-                                           LoadedModel(ShortLLM(), "fake@0")))
-    assert [r.example.event.id for r in results] == ["d0", "d1", "d2", "d3"]
-    assert all(isinstance(r.inference, np.ndarray) and r.inference[0] == i
-               for i, r in enumerate(results)), "each vector stays with its own document"
+@pytest.fixture(scope="module")
+def real():
+    return load_engine(SETTINGS)
+
+
+class BreaksOnceReal:
+    """The session's real vLLM engine behind the handler; the FIRST engine this factory makes
+    breaks for good after one call (every call and the canary fail), as a CUDA error does; the
+    ones loaded after it work. Module-level state, so the runner's pickled factory shares it."""
+
+    made = 0
+    lock = threading.Lock()
+
+    def __init__(self, settings):
+        self._real = load_engine(settings)
+        self.label = self._real.label()
+        with BreaksOnceReal.lock:
+            BreaksOnceReal.made += 1
+            self._breaks = BreaksOnceReal.made == 1
+        self._calls = 0
+
+    def embed(self, prompts):
+        self._calls += 1
+        if self._breaks and self._calls > 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self._real.embed(prompts)
+
+    def healthy(self):
+        return not (self._breaks and self._calls >= 1)
+
+    def close(self):
+        pass  # the session's engine stays loaded
+
+
+def _real_docs(tokenizer, n):
+    texts = [f"Article number {i} about the markets, the weather and football." for i in range(n)]
+    return [PreparedDoc(event=NewsEvent(id=f"r{i}", body=t), text=t, text_sha256=str(i),
+                        token_ids=tokenizer(t)[0], truncated=False) for i, t in enumerate(texts)]
+
+
+def test_real_engine_breaking_mid_job_is_retried_and_dead_letters_nothing(tokenizer, real):
+    # BundleBasedDirectRunner retries a failed bundle (FnApiRunner would fail the job instead, with
+    # the EngineFailedError, and publish nothing). token_budget = 2 documents, so the engine breaks
+    # on the second batch of the bundle.
+    BreaksOnceReal.made = 0
+    docs = _real_docs(tokenizer, 12)
+    settings = SETTINGS.model_copy(update={"token_budget": 2 * max(d.token_count for d in docs)})
+    expected = dict(zip([d.event.id for d in docs], real.embed([d.token_ids for d in docs])))
+    p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions())
+    out = (p | beam.Create(docs)
+           | EmbedWithVLLM(settings, engine_factory=BreaksOnceReal))
+    assert_that(out.embedded | beam.Map(lambda e: (e.doc.event.id, round(float(
+        np.dot(e.embedding, expected[e.doc.event.id])), 4))),
+        equal_to([(d.event.id, 1.0) for d in docs]), label="every row, once, its own vector")
+    assert_that(out.dead_letter, equal_to([]), label="no dead letter")
+    p.run().wait_until_finish()
+    assert BreaksOnceReal.made >= 2, "a fresh engine served the retried bundle"
+
+
+def test_real_engine_input_failure_dead_letters_that_input_alone(tokenizer, real):
+    docs = _real_docs(tokenizer, 6)
+    bad = doc(99, ids=(101, 10**7, 102))  # a token id the model does not have: vLLM rejects it
+    with TestPipeline(runner="FnApiRunner") as p:
+        out = p | beam.Create(docs + [bad]) | EmbedWithVLLM(SETTINGS)
+        assert_that(out.embedded | beam.Map(lambda e: e.doc.event.id),
+                    equal_to([d.event.id for d in docs]), label="rows")
+        assert_that(out.dead_letter | beam.Map(lambda d: (d.event_id, d.reason)),
+                    equal_to([("d99", Reason.EMBEDDING_FAILED)]), label="dead")
+
+
+def test_requests_left_by_a_failed_call_do_not_leak_into_the_next(tokenizer, real, monkeypatch):
+    # A call that raises inside vLLM's engine loop leaves its requests in the engine; LLM.embed()
+    # returns every request that finishes, so without an abort the next call would get them too.
+    engine: Engine = real._engine
+    llm_engine = engine._llm.llm_engine
+    step, calls = llm_engine.step, []
+
+    def failing_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        return step()
+
+    docs = _real_docs(tokenizer, 3)
+    monkeypatch.setattr(llm_engine, "step", failing_once)
+    with pytest.raises(RuntimeError, match="device-side"):
+        engine.embed([d.token_ids for d in docs])
+    monkeypatch.setattr(llm_engine, "step", step)
+    vectors = engine.embed([docs[0].token_ids])
+    assert len(vectors) == 1 and not llm_engine.has_unfinished_requests()
+    assert np.dot(vectors[0], real.embed([docs[0].token_ids])[0]) > 0.9999

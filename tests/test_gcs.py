@@ -12,27 +12,17 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.run import run_batch
 from tests.conftest import SAMPLE_EVENTS, make_config
-from tests.emulators import gcs_emulator
+from tests.emulators import gcs_for_beam
 
 BUCKET = "newsvec-test"
 
 
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
     # On disk, so that the outage test can stop and restart it without losing the objects.
-    with gcs_emulator(BUCKET, tmp_path_factory.mktemp("gcs-log"),
+    with gcs_for_beam(BUCKET, tmp_path_factory.mktemp("gcs-log"),
                       data_dir=tmp_path_factory.mktemp("gcs-data")) as emulator:
-        mp.setenv("STORAGE_EMULATOR_HOST", emulator.endpoint)
-        mp.setenv("NO_GCE_CHECK", "true")
-        # No credentials exist here: answer Google's credential lookup with anonymous credentials
-        # at once, instead of Beam's four retries (about 23 s).
-        import google.auth
-        from google.auth.credentials import AnonymousCredentials
-
-        mp.setattr(google.auth, "default", lambda *a, **k: (AnonymousCredentials(), "test"))
         yield emulator
-    mp.undo()
 
 
 def test_gs_input_and_output_round_trip(gcs):

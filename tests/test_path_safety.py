@@ -6,8 +6,8 @@ prefix, under vectors/ or dead_letter/ (or is the summary), every path component
 
 (a) the batch pipeline: the run tests/test_adversarial.py makes (shared, real vLLM);
 (b) the streaming graph (Parse -> WindowByEventTime -> PrepareText -> DropDuplicatesStreaming ->
-    Embed -> WriteWindowedVectors / WriteWindowedDeadLetters) on a TestStream of Pub/Sub messages,
-    with a FAKE embedding model (paths do not depend on vectors), on BundleBasedDirectRunner.
+    GroupMicroBatches -> Embed -> WriteMicroBatches) on a TestStream of Pub/Sub messages, with a
+    FAKE embedding model (paths do not depend on vectors), on BundleBasedDirectRunner.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import re
 from pathlib import Path
 
 import apache_beam as beam
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from apache_beam.io.gcp.pubsub import PubsubMessage
@@ -32,7 +31,7 @@ from pipeline.graph import embed_and_write_streaming
 from tests.adversarial import ALL_CASES, BY_NAME, DUPLICATE, NOW, ROW, Case, event_id
 from tests.test_adversarial import (PREPARE_REASONS, corpus_batch_run, corpus_config,
                                     read_letters)
-from transforms.embed import LoadedModel, VLLMEmbeddingHandler
+from tests.fakes import FakeEngine
 from transforms.parse import ParseEvents
 
 SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9._=-]+$")
@@ -71,8 +70,8 @@ def test_batch_writes_only_under_the_output_prefix_with_safe_names(batch_run):
         for part in rel.split("/"):
             check_component(part, rel)
         top = rel.split("/")[0]
-        assert top in ("vectors", "dead_letter", "_summary.json"), rel
-        if top != "_summary.json":
+        assert top in ("vectors", "dead_letter", "_summary.json", "_manifest.json"), rel
+        if not top.startswith("_"):
             assert rel.count("/") == 1, f"batch output is flat under {top}/: {rel}"
             assert path.name.startswith(f"part-{summary['run_id']}-"), rel
     # Every directory too (an empty one named after an event would be a steer as well).
@@ -80,7 +79,7 @@ def test_batch_writes_only_under_the_output_prefix_with_safe_names(batch_run):
         for part in path.relative_to(out).parts:
             check_component(part, str(path))
     names = {p.relative_to(out).parts[0] for p in all_files(out)}
-    assert names == {"vectors", "dead_letter", "_summary.json"}
+    assert names == {"vectors", "dead_letter", "_summary.json", "_manifest.json"}
 
 
 def test_batch_hostile_values_did_reach_the_output_as_data(batch_run):
@@ -95,24 +94,6 @@ def test_batch_hostile_values_did_reach_the_output_as_data(batch_run):
 
 
 # ---- (b) streaming ----
-
-class FakeEmbeddingLLM:
-    """Stands in for vllm.LLM: a deterministic unit vector per prompt. File paths must not depend
-    on the model, so the real one is not needed here."""
-
-    def embed(self, prompts, pooling_params=None, use_tqdm=False):
-        out = []
-        for p in prompts:
-            v = np.zeros(384, np.float32)
-            v[sum(p["prompt_token_ids"]) % 384] = 1.0
-            out.append(type("Out", (), {"outputs": type("O", (), {"embedding": v})()})())
-        return out
-
-
-class FakeEmbeddingHandler(VLLMEmbeddingHandler):
-    def load_model(self):
-        return LoadedModel(FakeEmbeddingLLM(), "fake@0")
-
 
 STREAM_CASES = ALL_CASES
 T0 = Timestamp.from_utc_datetime(NOW.replace(second=0))  # a window start: publish times follow
@@ -167,7 +148,7 @@ def streaming_run(tmp_path_factory):
               .advance_watermark_to_infinity())
     p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions(streaming=True))
     embed_and_write_streaming(p | stream, config, "20261201T000000Z-0badc0de",
-                              handler=FakeEmbeddingHandler(config.model))
+                              engine_factory=FakeEngine)
     p.run().wait_until_finish()
     return root, out
 
@@ -197,7 +178,7 @@ def test_streaming_writes_only_under_the_output_prefix_with_safe_names(streaming
         for part in rel.split("/"):
             check_component(part, rel)
         top, partition, name = rel.split("/", 1)[0], rel.rsplit("/", 1)[0].split("/", 1)[-1], path.name
-        assert top in ("vectors", "dead_letter"), f"{rel}: nothing left in _temp/ or elsewhere"
+        assert top in ("vectors", "dead_letter", "ledger"), f"{rel}: nothing left in _temp/ or elsewhere"
         assert PARTITION.match(partition), rel
         assert name.startswith("part-20261201T000000Z-0badc0de-"), rel
     for path in sorted(p for p in out.rglob("*") if p.is_dir()):

@@ -1,8 +1,10 @@
-"""Streaming sinks on a TestStream: files land under dt=/hour= of the window start, one file per
-window and pane (a late pane never overwrites the on-time file), with safe names, and nothing
-half-written or temporary is left where readers look.
+"""The streaming sink (WriteMicroBatches): each micro-batch becomes its vectors file, its dead-letter
+file and its ledger record, under dt=/hour= of the window start, with safe names fixed by window,
+pane and shard (a late pane never overwrites the on-time file, a retry rewrites the same names), and
+nothing half-written or temporary is left where readers look.
 
-Runner: BundleBasedDirectRunner, streaming (see tests/test_dedup_streaming.py).
+The sink takes micro-batches as data (their window travels with them), so these tests build them
+directly; windowing and grouping are tested in test_windowing.py and test_dedup_streaming.py.
 """
 import dataclasses
 import datetime as dt
@@ -14,26 +16,24 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from apache_beam.metrics.metric import MetricsFilter
-from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.test_pipeline import TestPipeline
-from apache_beam.testing.test_stream import TestStream
-from apache_beam.transforms import trigger, window
-from apache_beam.transforms.window import IntervalWindow, TimestampedValue
-from apache_beam.utils.timestamp import Duration, Timestamp
+from apache_beam.transforms import window
+from apache_beam.transforms.window import IntervalWindow
+from apache_beam.utils.timestamp import Timestamp
 
+from pipeline import ledger
 from transforms import sinks
 from transforms.metrics import DEAD_LETTER_NAMESPACE, NAMESPACE
-from transforms.schema import (DeadLetter, EmbeddedDoc, Lineage, NewsEvent, PreparedDoc,
-                               vector_schema)
-from transforms.sinks import (WriteWindowedDeadLetters, WriteWindowedVectors, partition_path,
-                              to_table, window_file_name)
+from transforms.schema import (DeadLetter, EmbeddedDoc, LedgerRecord, Lineage, MicroBatch,
+                               NewsEvent, PreparedDoc, vector_schema)
+from transforms.sinks import WriteMicroBatches, partition_path, to_table, window_file_name
 
 RUN_ID = "20261201T093000Z-1a2b3c4d"
 T0 = dt.datetime(2026, 12, 1, 9, 59, tzinfo=dt.timezone.utc)  # start of the first window
 BASE = Timestamp.from_utc_datetime(T0)
 SAFE_PATH = re.compile(r"^[A-Za-z0-9._=/-]+$")
 FILE_NAME = re.compile(  # group 1: the pane index
-    r"^part-" + RUN_ID + r"-\d{8}T\d{6}Z-(\d{3})-\d{5}-of-\d{5}\.(parquet|jsonl)$")
+    r"^part-" + RUN_ID + r"-\d{8}T\d{6}Z-(\d{3})-\d{5}-of-\d{5}\.(parquet|jsonl|json)$")
 
 
 def at(seconds: float) -> Timestamp:
@@ -50,33 +50,30 @@ def row(event_id: str) -> EmbeddedDoc:
                        embedded_at=dt.datetime(2026, 12, 1, 10, 5, tzinfo=dt.timezone.utc))
 
 
-def letter(event_id: str) -> DeadLetter:
-    return DeadLetter(step="parse", reason="invalid_json", detail="x", payload="../../etc, [x]",
+def letter(event_id: str, reason="invalid_json") -> DeadLetter:
+    return DeadLetter(step="parse", reason=reason, detail="x", payload="../../etc, [x]",
                       payload_bytes=15, event_id=event_id)
 
 
-def stream(make) -> TestStream:
-    """Window 09:59 gets an on-time pane (a, b) and a late pane (late); 10:00 one pane (c)."""
-    return (TestStream()
-            .advance_watermark_to(at(0))
-            .add_elements([TimestampedValue(make("a"), at(30)),     # 09:59:30
-                           TimestampedValue(make("b"), at(31)),
-                           TimestampedValue(make("c"), at(90))])    # 10:00:30
-            .advance_watermark_to(at(200))                          # both windows fire on time
-            .add_elements([TimestampedValue(make("late"), at(45))])  # late, within the lateness
-            .advance_watermark_to_infinity())
+def micro_batch(start_s: float, pane=0, shard=0, rows=(), letters=(), duplicates=0,
+                extra_in=0) -> MicroBatch:
+    return MicroBatch(window_start_us=at(start_s).micros, window_end_us=at(start_s + 60).micros,
+                      pane=pane, shard=shard, shards=2, rows=tuple(rows),
+                      dead_letters=tuple(letters), duplicates=duplicates,
+                      messages_in=len(rows) + len(letters) + duplicates + extra_in)
 
 
-def windowed(pcoll):
-    return pcoll | beam.WindowInto(
-        window.FixedWindows(60), trigger=trigger.AfterWatermark(late=trigger.AfterCount(1)),
-        accumulation_mode=trigger.AccumulationMode.DISCARDING,
-        allowed_lateness=Duration(seconds=600))
+BATCHES = [  # window 09:59: an on-time pane and a late one; 10:00 one pane on another shard
+    micro_batch(0, rows=[row("a"), row("b")], letters=[letter("bad")], duplicates=1),
+    micro_batch(0, pane=1, rows=[row("late")]),
+    micro_batch(60, shard=1, rows=[row("c")], letters=[letter("x", "no_text")]),
+]
 
 
-def run(make, sink, test_stream=stream):
-    p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions(streaming=True))
-    _ = windowed(p | test_stream(make)) | sink
+def write(tmp_path, batches=BATCHES, row_group_rows=16384):
+    p = TestPipeline(runner="BundleBasedDirectRunner")
+    _ = (p | beam.Create(batches)
+         | WriteMicroBatches(str(tmp_path), RUN_ID, dim=384, row_group_rows=row_group_rows))
     result = p.run()
     result.wait_until_finish()
     return result
@@ -91,18 +88,19 @@ def files(root):
     return sorted(p for p in root.rglob("*") if p.is_file())
 
 
-def check_layout(tmp_path, subdir: str, suffix: str) -> dict:
-    """The files under <subdir>/, by partition: safe names, no temp files, nothing elsewhere."""
-    by_partition = {}
+def layout(tmp_path) -> dict:
+    """{(subdir, partition, pane, shard): path} of every file: safe names, nothing elsewhere."""
+    found = {}
     for path in files(tmp_path):
         rel = path.relative_to(tmp_path).as_posix()
         assert SAFE_PATH.match(rel) and not set("[], ") & set(rel), rel
-        assert rel.startswith(f"{subdir}/"), f"a file outside {subdir}/: {rel}"  # _temp/ is empty
-        partition, name = rel[len(subdir) + 1:].rsplit("/", 1)
-        assert FILE_NAME.match(name) and name.endswith(suffix), name
-        by_partition.setdefault(partition, []).append(path)
-    return by_partition
-
+        subdir, partition, name = rel.split("/", 1)[0], rel.split("/", 1)[1].rsplit("/", 1)[0], path.name
+        assert subdir in ("vectors", "dead_letter", "ledger"), f"a file elsewhere: {rel}"
+        match = FILE_NAME.match(name)
+        assert match, name
+        shard = int(name.split("-of-")[0].rsplit("-", 1)[1])
+        found[(subdir, partition, int(match.group(1)), shard)] = path
+    return found
 
 def test_partition_path_is_the_window_start_in_utc():
     start = Timestamp.from_utc_datetime(dt.datetime(2026, 12, 31, 23, 59, tzinfo=dt.timezone.utc))
@@ -122,78 +120,67 @@ def test_file_names_differ_by_pane_and_run():
         f"part-{RUN_ID}-20261201T095900Z-001-00000-of-00001.parquet"
 
 
-def test_unsafe_run_id_or_unwindowed_input_fails_at_construction():
+def test_unsafe_run_id_fails_at_construction():
     with pytest.raises(ValueError, match="run_id"):
-        WriteWindowedVectors("out", "a b[0]", dim=384)
-    with pytest.raises(ValueError, match="window"):
-        with TestPipeline(runner="BundleBasedDirectRunner") as p:
-            _ = p | beam.Create([row("a")]) | WriteWindowedVectors("out", RUN_ID, dim=384)
+        WriteMicroBatches("out", "a b[0]", dim=384)
 
 
-def test_vectors_one_file_per_window_and_pane_under_the_window_hour(tmp_path):
-    run(row, WriteWindowedVectors(str(tmp_path), RUN_ID, dim=384, row_group_rows=1))
-
-    by_partition = check_layout(tmp_path, "vectors", ".parquet")
-    assert sorted(by_partition) == ["dt=2026-12-01/hour=09", "dt=2026-12-01/hour=10"]
-    ids_by_pane = {}
-    for partition, paths in by_partition.items():
-        for path in paths:
+def test_each_micro_batch_is_one_set_of_files_under_its_window_hour(tmp_path):
+    write(tmp_path, row_group_rows=1)
+    found = layout(tmp_path)
+    h09, h10 = "dt=2026-12-01/hour=09", "dt=2026-12-01/hour=10"
+    assert sorted(found) == sorted([
+        ("vectors", h09, 0, 0), ("dead_letter", h09, 0, 0), ("ledger", h09, 0, 0),
+        ("vectors", h09, 1, 0), ("ledger", h09, 1, 0),  # the late pane: files of its own
+        ("vectors", h10, 0, 1), ("dead_letter", h10, 0, 1), ("ledger", h10, 0, 1)])
+    ids = {key: sorted(pq.read_table(path)["id"].to_pylist())
+           for key, path in found.items() if key[0] == "vectors"}
+    assert ids == {("vectors", h09, 0, 0): ["a", "b"], ("vectors", h09, 1, 0): ["late"],
+                   ("vectors", h10, 0, 1): ["c"]}
+    for key, path in found.items():
+        if key[0] == "vectors":
             assert pq.read_schema(path) == vector_schema(384)
-            table = pq.read_table(path)
-            pane = int(FILE_NAME.match(path.name).group(1))
-            ids_by_pane[(partition, pane)] = sorted(table["id"].to_pylist())
             metadata = pq.ParquetFile(path).metadata
-            assert metadata.num_row_groups == table.num_rows  # row_group_rows=1
+            assert metadata.num_row_groups == metadata.num_rows  # row_group_rows=1
             assert metadata.row_group(0).column(0).compression == "ZSTD"
-    assert ids_by_pane == {("dt=2026-12-01/hour=09", 0): ["a", "b"],   # on time
-                           ("dt=2026-12-01/hour=09", 1): ["late"],     # late pane: its own file
-                           ("dt=2026-12-01/hour=10", 0): ["c"]}
+    record = LedgerRecord.from_json(found[("ledger", h09, 0, 0)].read_text())
+    assert (record.messages_in, record.rows_written, record.dead_lettered, record.duplicates) == \
+        (4, 2, 1, 1)
+    assert record.dead_lettered_by_reason == {"invalid_json": 1} and record.balances()
+    assert record.window_start == "2026-12-01T09:59:00Z" and record.window_end == "2026-12-01T10:00:00Z"
+    assert record.vectors_file == found[("vectors", h09, 0, 0)].relative_to(tmp_path).as_posix()
+    assert record.dead_letter_file == found[("dead_letter", h09, 0, 0)].relative_to(
+        tmp_path).as_posix()
+    assert LedgerRecord.from_json(found[("ledger", h09, 1, 0)].read_text()).dead_letter_file is None
+    letters = [json.loads(line) for line in found[("dead_letter", h10, 0, 1)].read_text().splitlines()]
+    assert [d["reason"] for d in letters] == ["no_text"]
+    assert ledger.check(str(tmp_path)).ok
 
 
-def test_dead_letters_one_jsonl_per_window_and_pane_under_the_window_hour(tmp_path):
-    run(letter, WriteWindowedDeadLetters(str(tmp_path), RUN_ID))
-
-    by_partition = check_layout(tmp_path, "dead_letter", ".jsonl")
-    ids_by_pane = {}
-    for partition, paths in by_partition.items():
-        for path in paths:
-            lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-            assert all(line["reason"] == "invalid_json" for line in lines)
-            pane = int(FILE_NAME.match(path.name).group(1))
-            ids_by_pane[(partition, pane)] = sorted(line["event_id"] for line in lines)
-    assert ids_by_pane == {("dt=2026-12-01/hour=09", 0): ["a", "b"],
-                           ("dt=2026-12-01/hour=09", 1): ["late"],
-                           ("dt=2026-12-01/hour=10", 0): ["c"]}
+def test_a_retried_micro_batch_rewrites_the_same_files(tmp_path):
+    write(tmp_path)
+    first = {p.relative_to(tmp_path) for p in files(tmp_path)}
+    write(tmp_path)
+    assert {p.relative_to(tmp_path) for p in files(tmp_path)} == first
+    report = ledger.check(str(tmp_path))
+    assert report.ok and report.totals["rows_written"] == 4, "no row counted twice"
 
 
 def test_rows_and_dead_letters_are_counted_as_written(tmp_path):
-    # One window, one pane, so one bundle per write step: Beam 2.77's BundleBasedDirectRunner keeps
-    # only a step's first bundle's metrics per executor thread (see tests/test_dedup_streaming.py),
-    # so the runs above (two bundles: on time, late) would under-count here, not in the sink.
-    def one_pane(make):
-        return (TestStream().advance_watermark_to(at(0))
-                .add_elements([TimestampedValue(make(i), at(10)) for i in "abc"])
-                .advance_watermark_to_infinity())
-
-    rows = run(row, WriteWindowedVectors(str(tmp_path), RUN_ID, 384), one_pane)
-    letters = run(letter, WriteWindowedDeadLetters(str(tmp_path), RUN_ID), one_pane)
-    assert counter(rows, NAMESPACE, "rows_written") == 3
-    assert counter(letters, NAMESPACE, "dead_lettered") == 3
-    assert counter(letters, DEAD_LETTER_NAMESPACE, "invalid_json") == 3
+    # One micro-batch, so one bundle: Beam 2.77's BundleBasedDirectRunner keeps only a step's first
+    # bundle's metrics per executor thread (see tests/test_dedup_streaming.py).
+    result = write(tmp_path, [BATCHES[0]])
+    assert counter(result, NAMESPACE, "rows_written") == 2
+    assert counter(result, NAMESPACE, "dead_lettered") == 1
+    assert counter(result, DEAD_LETTER_NAMESPACE, "invalid_json") == 1
 
 
-def test_a_file_that_fails_midway_is_never_visible_under_vectors(tmp_path):
+def test_a_file_that_fails_midway_is_never_visible_and_gets_no_ledger_record(tmp_path):
     # row_group_rows=1: row "a" is written as a row group, then the bad row raises in to_table.
     bad = dataclasses.replace(row("bad"), embedding=np.ones(383, np.float32))
-
-    def poisoned(make):
-        return (TestStream().advance_watermark_to(at(0))
-                .add_elements([TimestampedValue(row("a"), at(10)), TimestampedValue(bad, at(11))])
-                .advance_watermark_to_infinity())
-
     with pytest.raises(Exception, match="383 dimensions"):
-        run(row, WriteWindowedVectors(str(tmp_path), RUN_ID, 384, row_group_rows=1), poisoned)
-    assert files(tmp_path) == []  # not under vectors/, and the temp file was deleted
+        write(tmp_path, [micro_batch(0, rows=[row("a"), bad])], row_group_rows=1)
+    assert files(tmp_path) == []  # not under vectors/, no ledger record, the temp file deleted
     assert (tmp_path / "_temp" / RUN_ID).is_dir()  # it was written there
 
 
@@ -213,8 +200,31 @@ def test_every_parquet_visible_while_writing_is_complete(tmp_path, monkeypatch):
 
     original = sinks.to_table
     monkeypatch.setattr(sinks, "to_table", looking_to_table)
-    run(row, WriteWindowedVectors(str(tmp_path), RUN_ID, dim=384, row_group_rows=1))
+    write(tmp_path, row_group_rows=1)
     assert calls == [1, 1, 1, 1] and unreadable == []
+
+
+def test_the_ledger_command_names_what_does_not_add_up(tmp_path):
+    write(tmp_path)
+    found = layout(tmp_path)
+    h09 = "dt=2026-12-01/hour=09"
+    found[("vectors", h09, 1, 0)].unlink()  # a data file lost
+    record_path = found[("ledger", "dt=2026-12-01/hour=10", 0, 1)]
+    record = LedgerRecord.from_json(record_path.read_text())
+    record_path.write_text(dataclasses.replace(record, messages_in=3).to_json())  # off by one
+    (tmp_path / "vectors" / h09 / found[("vectors", h09, 0, 0)].name.replace("-000-", "-007-")
+     ).write_bytes(found[("vectors", h09, 0, 0)].read_bytes())  # a file no record names
+    report = ledger.check(str(tmp_path))
+    assert not report.ok
+    text = "\n".join(report.problems)
+    assert "window 2026-12-01T09:59:00Z (pane 1, shard 0" in text and "is missing" in text
+    assert "window 2026-12-01T10:00:00Z (pane 0, shard 1" in text and "does not balance" in text
+    assert "-007-" in text and "has no ledger record" in text
+    assert len(report.problems) == 3
+    # A range that leaves the broken windows out is clean; the command exits 1 on the whole.
+    assert ledger.main(["--output", str(tmp_path)]) == 1
+    assert not ledger.check(str(tmp_path), dt.datetime(2026, 12, 1, 11, tzinfo=dt.timezone.utc),
+                            dt.datetime(2026, 12, 1, 12, tzinfo=dt.timezone.utc)).problems
 
 
 def test_pubsub_lineage_columns_are_filled_for_streamed_events_only():

@@ -1,6 +1,10 @@
 """The streaming pipeline end to end: Google's Pub/Sub emulator -> newsvec (BundleBasedDirectRunner,
 real vLLM at float32) -> per-window Parquet on gcp-storage-emulator. Every published message must be
-accounted for: rows + dead letters + duplicates = published + redelivered.
+accounted for: rows + dead letters + duplicates = published + redelivered, in the files and in the
+ledger that ``python -m pipeline.ledger`` checks.
+
+Messages of 2 MB, 5 MB and 9.9 MB (Pub/Sub takes up to 10 MB) are published among the others: each
+becomes a ``payload_too_large`` dead letter, and holds up no other message.
 
 Redelivery is real: the acks of some messages' first delivery are dropped on their way to the
 emulator (as when a worker's ack is lost or late), so the emulator delivers them again once the
@@ -15,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline import ledger
 from pipeline.emulators import local_streaming_job
 from pipeline.publish import publish_file
 from tests.conftest import SAMPLE_EVENTS, make_config
@@ -24,8 +29,8 @@ from transforms.text import compose_text
 
 PROJECT, BUCKET = "newsvec-test", "newsvec-stream"
 TOPIC, SUBSCRIPTION = f"projects/{PROJECT}/topics/news", f"projects/{PROJECT}/subscriptions/news"
-SAFE_NAME = re.compile(r"^part-[A-Za-z0-9._-]+\.(parquet|jsonl)$")
-PARTITION = re.compile(r"^(vectors|dead_letter)/dt=\d{4}-\d{2}-\d{2}/hour=\d{2}/[^/]+$")
+SAFE_NAME = re.compile(r"^part-[A-Za-z0-9._-]+\.(parquet|jsonl|json)$")
+PARTITION = re.compile(r"^(vectors|dead_letter|ledger)/dt=\d{4}-\d{2}-\d{2}/hour=\d{2}/[^/]+$")
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +124,14 @@ def test_every_published_message_is_accounted_for(emulators, tmp_path):
     lines = SAMPLE_EVENTS.read_bytes().splitlines()
     extra = tmp_path / "extra.jsonl"
     oversized = json.dumps({"id": "huge-1", "body": "x" * 200_000}).encode()
-    # A redelivered/republished article (same id as line 1) and a message over the size limit.
-    extra.write_bytes(lines[0] + b"\n" + oversized + b"\n")
+    big = [json.dumps({"id": f"big-{n}", "body": "y" * n}).encode()
+           for n in (2_000_000, 5_000_000, 9_900_000)]
+    # A redelivered/republished article (same id as line 1), a message over the size limit, then
+    # messages past gRPC's default 4 MiB, each followed by an article that must not be held up.
+    after = [json.dumps({"id": f"after-big-{i}", "title": f"Published after big message {i}",
+                         "body": "The market rallied on news of the deal."}).encode() for i in range(3)]
+    extra.write_bytes(b"\n".join([lines[0], oversized, big[0], after[0], big[1], after[1], big[2],
+                                  after[2]]) + b"\n")
     published_dups = 2  # line 46 of the sample repeats line 1; extra line 1 repeats it again
     lose_acks = LoseFirstAcks({json.loads(lines[i])["id"] for i in (2, 3, 4)})
     lose_acks.install(emulators)
@@ -132,7 +143,7 @@ def test_every_published_message_is_accounted_for(emulators, tmp_path):
     with local_streaming_job(config, TOPIC):
         sent = publish_file(TOPIC, SAMPLE_EVENTS, rate=50)["published"]
         sent += publish_file(TOPIC, extra, rate=50)["published"]
-        assert sent == len(lines) + 2
+        assert sent == len(lines) + 8
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             blobs, rows, letters = _outputs("stream")
@@ -151,16 +162,25 @@ def test_every_published_message_is_accounted_for(emulators, tmp_path):
     # Each redelivery is one more message in and one more duplicate dropped: they cancel out.
     assert table.num_rows + len(letters) + published_dups == sent
     ids = table["id"].to_pylist()
-    assert len(ids) == len(set(ids)) == 40, "each valid article exactly once"
+    assert len(ids) == len(set(ids)) == 43, "each valid article exactly once"
+    assert {f"after-big-{i}" for i in range(3)} <= set(ids), "no article held up by a big one"
     assert lose_acks.ids <= set(ids), "a redelivered article is written, once"
     reasons = sorted(d["reason"] for d in letters)
-    assert reasons.count("payload_too_large") == 1 and len(reasons) == 8
+    assert reasons.count("payload_too_large") == 4 and len(reasons) == 11
+    assert {d["payload_bytes"] for d in letters if d["event_id"] is None
+            and d["reason"] == "payload_too_large"} >= {len(b) for b in big}
+    # The ledger the job wrote balances, window by window, and names every file.
+    report = ledger.check(f"gs://{BUCKET}/stream")
+    assert report.ok, report.problems
+    assert report.totals["messages_in"] == sent + len(redelivered)
+    assert (report.totals["rows_written"], report.totals["dead_lettered"],
+            report.totals["duplicates"]) == (43, 11, published_dups + len(redelivered))
     assert all(d["message_id"] for d in letters), "dead letters keep the message id"
     assert table.schema.equals(vector_schema(384))
     assert all(table["pubsub_message_id"].to_pylist())
     for blob in blobs:
         relative = blob.name[len("stream/"):]
-        if relative.startswith(("vectors/", "dead_letter/")):
+        if relative.startswith(("vectors/", "dead_letter/", "ledger/")):
             assert PARTITION.match(relative), relative
             assert SAFE_NAME.match(relative.rsplit("/", 1)[1]), relative
 
@@ -168,7 +188,7 @@ def test_every_published_message_is_accounted_for(emulators, tmp_path):
     from transforms.model import resolve_model_path
 
     events = {}
-    for line in lines:
+    for line in lines + after:
         try:
             raw = json.loads(line)
             events.setdefault(raw["id"], raw)

@@ -2,18 +2,21 @@
 
 The key is the event id (default) or the text hash.
 - Batch (``DropDuplicates``): one per key within a run. Which copy survives is deterministic: the
-  one published last (an update supersedes the original), then the greatest text hash.
-- Streaming (``DropDuplicatesStreaming``): one per key within a horizon of event time. The FIRST
-  copy seen survives: a stream cannot hold a document back waiting for a later copy.
+  one published last (an update supersedes the original), then the greatest text hash. The count of
+  dropped copies is an output of its own, for the run's ledger.
+- Streaming (``DropDuplicatesStreaming``): one per key within a horizon of event time, applied to
+  each ``MicroBatch``. The FIRST copy seen survives: a stream cannot hold a document back waiting
+  for a later copy.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import zlib
 
 import apache_beam as beam
+from apache_beam import pvalue
 from apache_beam.coders import PickleCoder
-from apache_beam.transforms import window
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, on_timer
 from apache_beam.utils.timestamp import Duration, Timestamp
@@ -25,11 +28,18 @@ KEYS = {
     "id": lambda doc: doc.event.id,
     "text_sha256": lambda doc: doc.text_sha256,
 }
-_EPOCH = dt.datetime.min.replace(tzinfo=dt.timezone.utc)
+DUPLICATES_TAG = "duplicates"
+_EARLIEST = dt.datetime.min.replace(tzinfo=dt.timezone.utc)  # ranks a doc without published_at
+
+
+def shard_of(key: str, shards: int) -> int:
+    """Stable across processes (Python's str hash is not), so a retry shards the same, and every
+    copy of a dedup key meets in one shard."""
+    return zlib.crc32(key.encode("utf-8")) % shards
 
 
 def survivor_rank(doc: PreparedDoc):
-    return (doc.event.published_at or _EPOCH, doc.text_sha256, doc.event.id)
+    return (doc.event.published_at or _EARLIEST, doc.text_sha256, doc.event.id)
 
 
 def _keep_one(keyed):
@@ -37,11 +47,13 @@ def _keep_one(keyed):
     docs = list(docs)
     if len(docs) > 1:
         DUPLICATES.inc(len(docs) - 1)
-    return max(docs, key=survivor_rank)
+        yield pvalue.TaggedOutput(DUPLICATES_TAG, len(docs) - 1)
+    yield max(docs, key=survivor_rank)
 
 
 class DropDuplicates(beam.PTransform):
-    """PreparedDoc -> PreparedDoc, one per key. Batch (bounded) input; streaming uses state instead."""
+    """PreparedDoc -> PreparedDoc, one per key (main output ``docs``), and the number of copies
+    dropped per key (``duplicates`` output). Batch (bounded) input."""
 
     def __init__(self, key: str = "id"):
         super().__init__()
@@ -53,7 +65,7 @@ class DropDuplicates(beam.PTransform):
         return (docs
                 | "KeyByDedupKey" >> beam.WithKeys(self._key_fn)
                 | "GroupByDedupKey" >> beam.GroupByKey()
-                | "KeepOne" >> beam.Map(_keep_one))
+                | "KeepOne" >> beam.FlatMap(_keep_one).with_outputs(DUPLICATES_TAG, main="docs"))
 
 
 class _KeepFirstPerShard(beam.DoFn):
@@ -69,23 +81,26 @@ class _KeepFirstPerShard(beam.DoFn):
         super().__init__()
         self._key_fn, self._horizon = key_fn, Duration(seconds=horizon_s)
 
-    def process(self, shard_docs, timestamp=beam.DoFn.TimestampParam,
+    def process(self, shard_batch, timestamp=beam.DoFn.TimestampParam,
                 seen_state=beam.DoFn.StateParam(SEEN), prune=beam.DoFn.TimerParam(PRUNE)):
-        _, docs = shard_docs
+        _, batch = shard_batch
         seen = seen_state.read() or {}
         expiry = (timestamp + self._horizon).micros
+        kept = []
         # Within one firing, the batch rule picks the survivor (the last published); across
         # firings, the copy kept first stays.
-        for doc in sorted(docs, key=survivor_rank, reverse=True):
+        for doc in sorted(batch.docs, key=survivor_rank, reverse=True):
             key = self._key_fn(doc)
             if key in seen:
-                DUPLICATES.inc()
                 continue
             seen[key] = expiry
-            yield doc
+            kept.append(doc)
+        dropped = len(batch.docs) - len(kept)
+        DUPLICATES.inc(dropped)
         if seen:
             seen_state.write(seen)
             prune.set(Timestamp(micros=min(seen.values())))
+        yield dataclasses.replace(batch, docs=tuple(kept), duplicates=batch.duplicates + dropped)
 
     @on_timer(PRUNE)
     def prune(self, fired=beam.DoFn.TimestampParam, seen_state=beam.DoFn.StateParam(SEEN),
@@ -99,35 +114,23 @@ class _KeepFirstPerShard(beam.DoFn):
 
 
 class DropDuplicatesStreaming(beam.PTransform):
-    """Windowed PreparedDoc -> PreparedDoc for unbounded input (Pub/Sub redeliveries, republished
-    articles): a doc whose key was already kept within ``horizon_s`` seconds of event time is
-    dropped and counted in ``duplicates``.
+    """(shard, MicroBatch) -> MicroBatch without the documents whose key was already kept within
+    ``horizon_s`` seconds of event time (Pub/Sub redeliveries, republished articles); each drop is
+    counted in the micro-batch's ``duplicates`` (its ledger) and in the ``duplicates`` metric.
 
-    Docs are grouped per shard of the dedup key in the caller's windows, so the input's trigger
-    decides when a group fires (FixedEventTimeWindows: every max_wait_s, and at the window's end):
-    this grouping is also the streaming micro-batch. The state lives per shard in the global window
-    (a fixed window would forget keys at its edges), so the output is in the global window with
-    the group's timestamp (its window's end): the caller windows again afterwards. Per shard and
-    firing, one stateful call handles the whole group, which keeps the bundle count low.
+    The state lives per shard in the global window (a fixed window would forget keys at its edges),
+    which is where ``GroupMicroBatches`` puts its output; every copy of a key is in the same shard
+    (``shard_of``). One stateful call per micro-batch keeps the bundle count low.
     """
 
-    def __init__(self, key: str = "id", horizon_s: float = 3600, shards: int = 4):
+    def __init__(self, key: str = "id", horizon_s: float = 3600):
         super().__init__()
         if key not in KEYS:
             raise ValueError(f"dedup key must be one of {sorted(KEYS)}, got {key!r}")
         if horizon_s <= 0:
             raise ValueError(f"horizon_s must be positive, got {horizon_s!r}")
-        if shards < 1:
-            raise ValueError(f"shards must be at least 1, got {shards!r}")
-        self._key_fn, self._horizon_s, self._shards = KEYS[key], horizon_s, shards
+        self._key_fn, self._horizon_s = KEYS[key], horizon_s
 
-    def expand(self, docs):
-        key_fn, shards = self._key_fn, self._shards
-        return (docs
-                | "ShardByDedupKey" >> beam.Map(
-                    lambda d: (zlib.crc32(key_fn(d).encode("utf-8")) % shards, d)
-                ).with_output_types(tuple[int, PreparedDoc])
-                | "GroupPerShard" >> beam.GroupByKey()
-                | "GlobalWindow" >> beam.WindowInto(window.GlobalWindows())
-                | "KeepFirstWithinHorizon" >> beam.ParDo(
-                    _KeepFirstPerShard(key_fn, self._horizon_s)))
+    def expand(self, keyed_batches):
+        return keyed_batches | "KeepFirstWithinHorizon" >> beam.ParDo(
+            _KeepFirstPerShard(self._key_fn, self._horizon_s))

@@ -1,12 +1,18 @@
 """Embed: PreparedDoc -> EmbeddedDoc with a vLLM ``LLM`` held per worker process, or a dead letter.
 
 Beam's RunInference does the batching (BatchElements sized by a token budget, not a count), the model
-sharing (one ``LLM`` per worker process, loaded in setup, never per bundle) and the inference metrics.
-``VLLMEmbeddingHandler`` is the ModelHandler that RunInference drives.
+sharing (one engine per worker process, loaded in setup, never per bundle) and the inference metrics.
+``VLLMEmbeddingHandler`` is the ModelHandler that RunInference drives; streaming uses
+``MicroBatchEmbeddingHandler``, which embeds one ``MicroBatch`` (a window's firing) as a unit.
 
-A failing model call does not take a batch of good articles with it: the batch is split in halves and
-retried (bisection) until the failing inputs stand alone; only those are dead-lettered. A model that
-fails for every input stops the job instead of dead-lettering the whole stream.
+Two kinds of failure, told apart by a health check of the engine (a fixed canary input):
+- an INPUT failure (the canary still embeds): the batch is split in halves and retried (bisection)
+  until the failing inputs stand alone; only those are dead-lettered (``embedding_failed``);
+- an ENGINE failure (the canary fails too, or vLLM says its engine died; a CUDA error looks like
+  this): no input is blamed. The engine is closed, ``EngineFailedError`` fails the bundle, and the
+  runner retries it; the handle loads a fresh engine on its next use, so whatever still holds the
+  handle (RunInference's shared model, the retried bundle) gets a working one.
+A model that fails for every input while its canary passes stops the job (``ModelBrokenError``).
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import apache_beam as beam
 import numpy as np
@@ -26,10 +32,11 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInf
 
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
 from transforms.model import ModelSettings, model_content_hash, resolve_model_path
-from transforms.schema import DeadLetter, EmbeddedDoc, PreparedDoc, Reason, Step
+from transforms.schema import DeadLetter, EmbeddedDoc, MicroBatch, PreparedDoc, Reason, Step
 
 _LOG = logging.getLogger(__name__)
 DEAD_LETTER = "dead_letter"
+CANARY_TEXT = "newsvec engine check"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,19 +44,126 @@ class EmbedFailure:
     error: str
 
 
-@dataclasses.dataclass
-class LoadedModel:
-    llm: Any
-    label: str  # name@revision, or name@sha256:<first 16 hex of the content hash>
-    load_s: float = 0.0
-    load_reported: bool = False  # metrics cannot be recorded in DoFn.setup, where loading happens
-    # One engine serves every DoFn thread of a process; LLM.embed() collects all finished requests,
-    # so concurrent calls could take each other's outputs. Calls are serialized.
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
-
-
 class ModelBrokenError(RuntimeError):
     """The model failed for every input in a long run: a broken model, not poison documents."""
+
+
+class EngineFailedError(RuntimeError):
+    """The engine failed, not an input: the bundle fails (and is retried on a fresh engine)."""
+
+
+class Engine:
+    """``vllm.LLM(runner="pooling")`` behind the calls newsvec makes: embed token ids, check health,
+    close. A stand-in (a FAKE in a test, the MODELED engine of a benchmark) has the same four
+    members: ``label``, ``embed``, ``healthy``, ``close``."""
+
+    def __init__(self, llm, settings: ModelSettings, label: str):
+        self._llm, self._normalize, self.label = llm, settings.normalize, label
+        self._canary = [list(llm.get_tokenizer().encode(CANARY_TEXT))]
+
+    def embed(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        from vllm import PoolingParams
+        from vllm.inputs import TokensPrompt
+
+        # Requests left in the engine by a call that raised would finish in this call and be
+        # returned with its outputs (and a poison one would fail it again): abort them first.
+        self._abort_unfinished()
+        try:
+            outputs = self._llm.embed(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                pooling_params=PoolingParams(use_activation=self._normalize), use_tqdm=False)
+        except BaseException:
+            self._abort_unfinished()
+            raise
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"{len(outputs)} outputs for {len(prompts)} inputs")
+        for output, prompt in zip(outputs, prompts):
+            if list(output.prompt_token_ids) != list(prompt):
+                raise RuntimeError("an output does not belong to its input")
+        return [np.asarray(o.outputs.embedding, dtype=np.float32) for o in outputs]
+
+    def _abort_unfinished(self) -> None:
+        engine = self._llm.llm_engine
+        if engine.has_unfinished_requests():
+            ids = list(engine.output_processor.request_states)  # vLLM's internal request ids
+            engine.abort_request(ids, internal=True)
+
+    def healthy(self) -> bool:
+        """Whether the canary still embeds to a finite vector: an engine that fails it is broken,
+        whatever the inputs were."""
+        try:
+            (vector,) = self.embed(self._canary)
+            return bool(np.isfinite(vector).all())
+        except Exception:  # pylint: disable=broad-except  # any failure of the canary is the answer
+            return False
+
+    def close(self) -> None:
+        """Stop vLLM's engine core; a process that does not may abort at exit (rc 134)."""
+        try:
+            self._llm.llm_engine.engine_core.shutdown()
+        except Exception:  # pylint: disable=broad-except
+            pass
+
+
+EngineFactory = Callable[[ModelSettings], Any]  # settings -> Engine (or a stand-in)
+
+
+class EngineHandle:
+    """What RunInference holds as its model: the engine for some settings, loaded at once, and
+    loaded again after an engine failure.
+
+    One handle serves every DoFn thread of a process; ``LLM.embed()`` collects every finished
+    request, so concurrent calls could take each other's outputs: calls are serialized.
+    """
+
+    def __init__(self, settings: ModelSettings, factory: EngineFactory):
+        self._settings, self._factory = settings, factory
+        self._lock = threading.Lock()
+        self._engine = None
+        self._unreported_load_ms: list[int] = []
+        self._label = ""
+        with self._lock:
+            self._load()
+
+    def _load(self) -> None:
+        started = time.perf_counter()
+        self._engine = self._factory(self._settings)
+        self._label = self._engine.label
+        self._unreported_load_ms.append(int((time.perf_counter() - started) * 1000))
+
+    def label(self) -> str:
+        return self._label
+
+    def take_load_ms(self) -> list[int]:
+        """Load times not reported yet (metrics cannot be recorded in DoFn.setup, where loading
+        happens)."""
+        with self._lock:
+            taken, self._unreported_load_ms = self._unreported_load_ms, []
+            return taken
+
+    def embed(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """A vector per prompt. Raises ``EngineFailedError`` when the engine broke (it is closed,
+        and the next call loads a fresh one), or the engine's own error when the inputs failed."""
+        with self._lock:
+            if self._engine is None:
+                self._load()
+            engine = self._engine
+            try:
+                return engine.embed(prompts)
+            except Exception as exc:  # pylint: disable=broad-except
+                if not _engine_is_dead(exc) and engine.healthy():
+                    raise  # the engine works: the inputs are to blame
+                _LOG.error("the embedding engine failed (%s: %s); closing it, the next call loads "
+                           "a fresh one", type(exc).__name__, exc)
+                self._engine = None
+                engine.close()
+                raise EngineFailedError(f"the embedding engine failed, not the inputs: "
+                                        f"{type(exc).__name__}: {exc}"[:2000]) from exc
+
+
+def _engine_is_dead(exc: BaseException) -> bool:
+    """vLLM's engine core died (its multiprocess client says so): every later call fails too."""
+    return type(exc).__name__ == "EngineDeadError"
 
 
 def model_label(settings: ModelSettings, local_path: str) -> str:
@@ -59,85 +173,31 @@ def model_label(settings: ModelSettings, local_path: str) -> str:
     return f"{settings.name}@sha256:{digest[:16]}" if digest else settings.name
 
 
-class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, LoadedModel]):
-    """RunInference ModelHandler for ``vllm.LLM(runner="pooling").embed()`` on token ids."""
+def load_vllm(s: ModelSettings) -> Engine:
+    """A real vLLM engine for these settings (the default ``EngineFactory``)."""
+    s.apply_engine_env()
+    from vllm import LLM  # imported on the worker, after the engine environment is set
 
-    def __init__(self, settings: ModelSettings):
-        super().__init__()
-        self._settings = settings
-        self._consecutive_failures = 0
-
-    def batch_elements_kwargs(self):
-        # Batches are weighed in tokens: each holds at most token_budget tokens.
-        return {"min_batch_size": self._settings.token_budget,
-                "max_batch_size": self._settings.token_budget,
-                "element_size_fn": lambda doc: doc.token_count}
-
-    def load_model(self) -> LoadedModel:
-        return load_engine(self._settings)
-
-    def _embed(self, model: LoadedModel, docs: Sequence[PreparedDoc]) -> list:
-        """A vector or an EmbedFailure per doc: a failing call is retried in halves (bisection)."""
-        from vllm import PoolingParams
-        from vllm.inputs import TokensPrompt
-
-        if not docs:
-            return []
-        try:
-            with model.lock:
-                outputs = model.llm.embed(
-                    [TokensPrompt(prompt_token_ids=list(d.token_ids)) for d in docs],
-                    pooling_params=PoolingParams(use_activation=self._settings.normalize),
-                    use_tqdm=False)
-            if len(outputs) != len(docs):
-                raise RuntimeError(f"{len(outputs)} outputs for {len(docs)} inputs")
-            return [np.asarray(o.outputs.embedding, dtype=np.float32) for o in outputs]
-        except Exception as exc:  # pylint: disable=broad-except
-            if _engine_is_dead(exc):
-                evict_engine(self._settings)
-                raise  # no input is to blame: Beam retries the bundle on a fresh engine
-            if len(docs) == 1:
-                return [EmbedFailure(f"{type(exc).__name__}: {exc}"[:2000])]
-            half = len(docs) // 2
-            _LOG.warning("Embedding a batch of %d failed (%s); retrying in halves", len(docs), exc)
-            return self._embed(model, docs[:half]) + self._embed(model, docs[half:])
-
-    def run_inference(self, batch: Sequence[PreparedDoc], model: LoadedModel,
-                      inference_args: Optional[dict] = None) -> Iterable[PredictionResult]:
-        if not model.load_reported:
-            MODEL_LOAD_MS.update(int(model.load_s * 1000))
-            model.load_reported = True
-        started = time.perf_counter()
-        results = self._embed(model, batch)
-        EMBED_MS.update(int((time.perf_counter() - started) * 1000))
-        BATCH_DOCS.update(len(batch))
-        BATCH_TOKENS.update(sum(d.token_count for d in batch))
-        for doc, result in zip(batch, results):
-            if isinstance(result, EmbedFailure):
-                self._consecutive_failures += 1
-                if self._consecutive_failures >= self._settings.max_consecutive_failures:
-                    raise ModelBrokenError(
-                        f"the model failed for {self._consecutive_failures} inputs in a row "
-                        f"(last: {result.error}); stopping instead of dead-lettering everything")
-            else:
-                self._consecutive_failures = 0
-        return [PredictionResult(example=doc, inference=result, model_id=model.label)
-                for doc, result in zip(batch, results)]
-
-    def get_metrics_namespace(self) -> str:
-        return "newsvec.RunInference"
-
-    def get_num_bytes(self, batch: Sequence[PreparedDoc]) -> int:
-        return sum(len(d.text.encode("utf-8")) for d in batch)
+    path = resolve_model_path(s.path)
+    kwargs = dict(model=path, runner="pooling", dtype=s.dtype, revision=s.revision,
+                  max_model_len=s.max_tokens, trust_remote_code=s.trust_remote_code,
+                  enforce_eager=s.enforce_eager, seed=0)
+    if s.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+    if s.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = s.max_num_seqs
+    engine = Engine(LLM(**kwargs), s, model_label(s, path))
+    atexit.register(engine.close)
+    size = engine._llm.llm_engine.model_config.embedding_size  # the pooler's output size
+    if size != s.dim:
+        engine.close()
+        raise ValueError(f"model.dim is {s.dim} in the config but the model {s.path} "
+                         f"gives {size}-dimensional embeddings")
+    return engine
 
 
-_ENGINES: dict[str, LoadedModel] = {}
-_ENGINES_LOCK = threading.Lock()
-
-
-def _engine_is_dead(exc: BaseException) -> bool:
-    """vLLM's engine core died: every later call fails too, whatever the input."""
-    return type(exc).__name__ == "EngineDeadError"
+_HANDLES: dict[str, EngineHandle] = {}
+_HANDLES_LOCK = threading.Lock()
 
 
 def _engine_key(settings: ModelSettings) -> str:
@@ -147,53 +207,130 @@ def _engine_key(settings: ModelSettings) -> str:
     return json.dumps(settings.model_dump(include=set(fields)), sort_keys=True)
 
 
-def evict_engine(settings: ModelSettings) -> None:
-    with _ENGINES_LOCK:
-        _ENGINES.pop(_engine_key(settings), None)
-
-
-def load_engine(settings: ModelSettings) -> LoadedModel:
-    """The process's one vLLM engine for these settings, loaded on first use.
+def load_engine(settings: ModelSettings) -> EngineHandle:
+    """The process's one vLLM engine handle for these settings, loaded on first use.
 
     RunInference already keeps one model per DoFn; this cache also spans pipelines run one after
     another in a process (tests, a retried bundle's new DoFn), so a worker never holds two engines.
     """
     key = _engine_key(settings)
-    with _ENGINES_LOCK:
-        if key not in _ENGINES:
-            _ENGINES[key] = _load(settings)
-        return _ENGINES[key]
+    with _HANDLES_LOCK:
+        if key not in _HANDLES:
+            _HANDLES[key] = EngineHandle(settings, load_vllm)
+        return _HANDLES[key]
 
 
-def _load(s: ModelSettings) -> LoadedModel:
-    s.apply_engine_env()
-    from vllm import LLM  # imported on the worker, after the engine environment is set
-
-    path = resolve_model_path(s.path)
-    started = time.perf_counter()
-    kwargs = dict(model=path, runner="pooling", dtype=s.dtype, revision=s.revision,
-                  max_model_len=s.max_tokens, trust_remote_code=s.trust_remote_code,
-                  enforce_eager=s.enforce_eager, seed=0)
-    if s.gpu_memory_utilization is not None:
-        kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
-    if s.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = s.max_num_seqs
-    llm = LLM(**kwargs)
-    atexit.register(_shutdown, llm)
-    size = llm.llm_engine.model_config.embedding_size  # the pooler's output size
-    if size != s.dim:
-        _shutdown(llm)
-        raise ValueError(f"model.dim is {s.dim} in the config but the model {s.path} "
-                         f"gives {size}-dimensional embeddings")
-    return LoadedModel(llm=llm, label=model_label(s, path), load_s=time.perf_counter() - started)
+def token_budget_slices(docs: Sequence[PreparedDoc], budget: int) -> Iterable[list[PreparedDoc]]:
+    """Consecutive slices of at most ``budget`` tokens (a longer document stands alone)."""
+    batch, tokens = [], 0
+    for doc in docs:
+        if batch and tokens + doc.token_count > budget:
+            yield batch
+            batch, tokens = [], 0
+        batch.append(doc)
+        tokens += doc.token_count
+    if batch:
+        yield batch
 
 
-def _shutdown(llm) -> None:
-    """Stop vLLM's engine core at exit; a process that does not may abort (rc 134)."""
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # pylint: disable=broad-except
-        pass
+class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHandle]):
+    """RunInference ModelHandler: PreparedDoc -> its vector (or an ``EmbedFailure``), in batches of
+    at most ``model.token_budget`` tokens. ``engine_factory`` replaces vLLM (tests, benchmarks)."""
+
+    def __init__(self, settings: ModelSettings, engine_factory: Optional[EngineFactory] = None):
+        super().__init__()
+        self._settings = settings
+        self._engine_factory = engine_factory
+        self._consecutive_failures = 0
+
+    def batch_elements_kwargs(self):
+        # Batches are weighed in tokens: each holds at most token_budget tokens.
+        return {"min_batch_size": self._settings.token_budget,
+                "max_batch_size": self._settings.token_budget,
+                "element_size_fn": lambda doc: doc.token_count}
+
+    def load_model(self) -> EngineHandle:
+        if self._engine_factory is not None:
+            return EngineHandle(self._settings, self._engine_factory)
+        return load_engine(self._settings)
+
+    def _embed(self, model: EngineHandle, docs: Sequence[PreparedDoc], retried=False) -> list:
+        """A vector or an EmbedFailure per doc: a failing call is retried in halves (bisection),
+        and a single failing document once more before it is blamed."""
+        if not docs:
+            return []
+        try:
+            return model.embed([d.token_ids for d in docs])
+        except EngineFailedError:
+            raise  # no input is to blame: the bundle fails and is retried on a fresh engine
+        except Exception as exc:  # pylint: disable=broad-except
+            if len(docs) == 1:
+                if not retried:
+                    return self._embed(model, docs, retried=True)
+                return [EmbedFailure(f"{type(exc).__name__}: {exc}"[:2000])]
+            half = len(docs) // 2
+            _LOG.warning("Embedding a batch of %d failed (%s); retrying in halves", len(docs), exc)
+            return self._embed(model, docs[:half]) + self._embed(model, docs[half:])
+
+    def embed_docs(self, model: EngineHandle, docs: Sequence[PreparedDoc]) -> list:
+        """``_embed`` with the batch metrics and the broken-model stop."""
+        for load_ms in model.take_load_ms():
+            MODEL_LOAD_MS.update(load_ms)
+        started = time.perf_counter()
+        results = self._embed(model, docs)
+        EMBED_MS.update(int((time.perf_counter() - started) * 1000))
+        BATCH_DOCS.update(len(docs))
+        BATCH_TOKENS.update(sum(d.token_count for d in docs))
+        for result in results:
+            if isinstance(result, EmbedFailure):
+                self._consecutive_failures += 1
+                if self._consecutive_failures >= self._settings.max_consecutive_failures:
+                    raise ModelBrokenError(
+                        f"the model failed for {self._consecutive_failures} inputs in a row "
+                        f"(last: {result.error}); stopping instead of dead-lettering everything")
+            else:
+                self._consecutive_failures = 0
+        return results
+
+    def run_inference(self, batch: Sequence[PreparedDoc], model: EngineHandle,
+                      inference_args: Optional[dict] = None) -> Iterable[PredictionResult]:
+        label = model.label()
+        return [PredictionResult(example=doc, inference=result, model_id=label)
+                for doc, result in zip(batch, self.embed_docs(model, batch))]
+
+    def get_metrics_namespace(self) -> str:
+        return "newsvec.RunInference"
+
+    def get_num_bytes(self, batch: Sequence[PreparedDoc]) -> int:
+        return sum(len(d.text.encode("utf-8")) for d in batch)
+
+
+class MicroBatchEmbeddingHandler(VLLMEmbeddingHandler):
+    """Streaming: the examples are ``MicroBatch``es, each embedded whole, in slices of at most
+    ``model.token_budget`` tokens, so that its rows are written together. Use it through
+    ``with_no_batching()`` on pre-batched input (a micro-batch in a 1-tuple): RunInference's
+    BatchElements would stamp its batches with the end of the global window."""
+
+    def run_inference(self, batch: Sequence[MicroBatch], model: EngineHandle,
+                      inference_args: Optional[dict] = None) -> Iterable[PredictionResult]:
+        label, out = model.label(), []
+        for micro_batch in batch:
+            results = []
+            for docs in token_budget_slices(micro_batch.docs, self._settings.token_budget):
+                results += self.embed_docs(model, docs)
+            out.append(PredictionResult(example=micro_batch, inference=results, model_id=label))
+        return out
+
+    def get_num_bytes(self, batch: Sequence[MicroBatch]) -> int:
+        return sum(super(MicroBatchEmbeddingHandler, self).get_num_bytes(b.docs) for b in batch)
+
+
+def _embedded_or_dead(doc: PreparedDoc, result, model: str, payload_limit: int):
+    if isinstance(result, EmbedFailure):
+        return DeadLetter.for_event(doc.event, Step.EMBED, Reason.EMBEDDING_FAILED, result.error,
+                                    payload_limit)
+    return EmbeddedDoc(doc=doc, embedding=result, model=model,
+                       embedded_at=dt.datetime.now(dt.timezone.utc))
 
 
 class _RouteFn(beam.DoFn):
@@ -201,23 +338,17 @@ class _RouteFn(beam.DoFn):
         self._dl_bytes = dead_letter_payload_bytes
 
     def process(self, result: PredictionResult):
-        doc: PreparedDoc = result.example
-        if isinstance(result.inference, EmbedFailure):
-            yield pvalue.TaggedOutput(DEAD_LETTER, DeadLetter.for_event(
-                doc.event, Step.EMBED, Reason.EMBEDDING_FAILED, result.inference.error,
-                self._dl_bytes))
-        else:
-            yield EmbeddedDoc(doc=doc, embedding=result.inference, model=result.model_id,
-                              embedded_at=dt.datetime.now(dt.timezone.utc))
+        out = _embedded_or_dead(result.example, result.inference, result.model_id, self._dl_bytes)
+        yield pvalue.TaggedOutput(DEAD_LETTER, out) if isinstance(out, DeadLetter) else out
 
 
 class EmbedWithVLLM(beam.PTransform):
     """PreparedDoc -> EmbeddedDoc (main output) and DeadLetter (``dead_letter`` output)."""
 
     def __init__(self, settings: ModelSettings, *, dead_letter_payload_bytes: int = 4096,
-                 handler: Optional[ModelHandler] = None):
+                 engine_factory: Optional[EngineFactory] = None):
         super().__init__()
-        self._handler = handler or VLLMEmbeddingHandler(settings)
+        self._handler = VLLMEmbeddingHandler(settings, engine_factory)
         self._dl_bytes = dead_letter_payload_bytes
 
     def expand(self, docs):
@@ -225,3 +356,29 @@ class EmbedWithVLLM(beam.PTransform):
                 | "RunInference" >> RunInference(self._handler)
                 | "Route" >> beam.ParDo(_RouteFn(self._dl_bytes)).with_outputs(
                     DEAD_LETTER, main="embedded"))
+
+
+def _fill_micro_batch(result: PredictionResult, payload_limit: int) -> MicroBatch:
+    batch: MicroBatch = result.example
+    outs = [_embedded_or_dead(doc, r, result.model_id, payload_limit)
+            for doc, r in zip(batch.docs, result.inference)]
+    return dataclasses.replace(
+        batch, docs=(), rows=tuple(o for o in outs if isinstance(o, EmbeddedDoc)),
+        dead_letters=batch.dead_letters + tuple(o for o in outs if isinstance(o, DeadLetter)))
+
+
+class EmbedMicroBatches(beam.PTransform):
+    """Streaming: MicroBatch -> the same MicroBatch with its rows (and any embedding dead letters),
+    one RunInference call per micro-batch."""
+
+    def __init__(self, settings: ModelSettings, *, dead_letter_payload_bytes: int = 4096,
+                 engine_factory: Optional[EngineFactory] = None):
+        super().__init__()
+        self._handler = MicroBatchEmbeddingHandler(settings, engine_factory).with_no_batching()
+        self._dl_bytes = dead_letter_payload_bytes
+
+    def expand(self, batches):
+        return (batches
+                | "PreBatched" >> beam.Map(lambda batch: (batch,))
+                | "RunInference" >> RunInference(self._handler)
+                | "AttachRows" >> beam.Map(_fill_micro_batch, self._dl_bytes))

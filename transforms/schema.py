@@ -5,6 +5,8 @@
 - ``EmbeddedDoc``: a prepared document with its vector.
 - ``DeadLetter``: an input that could not become a vector row, with the step and the reason.
 - ``OversizedPayload``: the head of an input line too large to read whole.
+- ``MicroBatch``: streaming: one firing of one window and shard, embedded and written together.
+- ``LedgerRecord``: streaming: what a micro-batch took in and wrote, a JSON file beside its data.
 - ``vector_schema(dim)``: the Parquet schema of a vector row.
 """
 from __future__ import annotations
@@ -182,3 +184,60 @@ def vector_schema(dim: int) -> pa.Schema:
         pa.field("pubsub_publish_time", pa.timestamp("us", tz="UTC")),
         pa.field("pubsub_attributes", pa.map_(pa.string(), pa.string())),
     ])
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    """Streaming: everything one firing of the grouping brought for one event-time window and shard.
+
+    Each message that reached the grouping is in it exactly once: as a document to embed (``docs``),
+    as a dead letter, or counted as a duplicate. The window and pane are carried as data, so the
+    steps after the grouping run in the global window and nothing there can drop it as late. It is
+    embedded as one unit and written as one set of files (vectors, dead letters, ledger record),
+    named by window, pane and shard: a retried bundle rewrites the same names.
+    """
+
+    window_start_us: int  # the event-time window, in microseconds since the epoch (UTC)
+    window_end_us: int
+    pane: int  # the firing's index for this window and shard: 0, 1, ... (later ones are late panes)
+    shard: int
+    shards: int
+    docs: tuple = ()  # PreparedDoc to embed; after Embed, empty
+    rows: tuple = ()  # EmbeddedDoc, filled by Embed
+    dead_letters: tuple = ()  # DeadLetter: from parse and prepare, then embed
+    messages_in: int = 0
+    duplicates: int = 0
+    late_reassigned: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerRecord:
+    """Streaming: the ledger of one micro-batch, ``ledger/dt=../hour=../<name>.json``. Written after
+    its data files, so a record names files that exist. It balances on its own:
+    ``messages_in = rows_written + dead_lettered + duplicates``."""
+
+    run_id: str
+    window_start: str  # RFC 3339, UTC
+    window_end: str
+    pane: int
+    shard: int
+    shards: int
+    messages_in: int
+    rows_written: int
+    dead_lettered: int
+    dead_lettered_by_reason: dict
+    duplicates: int
+    late_reassigned: int
+    vectors_file: Optional[str]  # relative to the output prefix; None when no row was written
+    dead_letter_file: Optional[str]
+    written_at: str
+
+    def balances(self) -> bool:
+        return self.messages_in == self.rows_written + self.dead_lettered + self.duplicates
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "LedgerRecord":
+        return cls(**json.loads(text))

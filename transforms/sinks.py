@@ -1,23 +1,23 @@
 """Sinks: vector rows as Parquet under ``vectors/``, dead letters as JSON Lines under ``dead_letter/``.
 
-File names carry the run id and the shard (``part-<run_id>-00000-of-00004.parquet``), so two runs or
-two shards never write the same name. Beam writes to a temporary folder and renames on success, so
-readers never see a half-written file.
+Batch: ``WriteVectors`` and ``WriteDeadLetters`` write a run's files into the folder they are given
+(the run's staging folder, ``transforms.commit``), named by run id and shard
+(``part-<run_id>-00000-of-00004.parquet``), and return the names written; Beam writes them to a
+temporary folder there and renames them on success. ``CommitRun`` then publishes them.
 
-Streaming (windowed input): ``WriteWindowedVectors`` and ``WriteWindowedDeadLetters`` write one file
-per window, pane and shard under ``dt=YYYY-MM-DD/hour=HH/`` of the window start, written under
-``_temp/`` and renamed into place. They do not use ``fileio.WriteToFiles``: on windowed input with
-late panes it loses files (see ``_WriteWindowPaneFn``).
+Streaming: ``WriteMicroBatches`` writes each ``MicroBatch`` as one set of files under
+``dt=YYYY-MM-DD/hour=HH/`` of its window start: its vectors, its dead letters, then its ledger record
+(``ledger/``), each written under ``_temp/`` and renamed into place. It does not use
+``fileio.WriteToFiles``: on windowed input with late panes it loses files (see ``write_file``).
 """
 from __future__ import annotations
 
+import collections
 import datetime as dt
-import functools
 import itertools
 import re
 import uuid
-import zlib
-from typing import Callable, Iterable, Iterator
+from typing import Iterable
 
 import apache_beam as beam
 import numpy as np
@@ -26,14 +26,16 @@ import pyarrow.parquet as pq
 from apache_beam.io import fileio
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
-from apache_beam.transforms.window import GlobalWindows, IntervalWindow
+from apache_beam.transforms.window import IntervalWindow
+from apache_beam.utils.timestamp import Timestamp
 
 from transforms.metrics import (DEAD_LETTERED, END_TO_END_MS, ROWS_WRITTEN, TRUNCATED,
                                dead_letter_counter)
-from transforms.schema import DeadLetter, EmbeddedDoc, vector_schema
+from transforms.schema import DeadLetter, EmbeddedDoc, LedgerRecord, MicroBatch, vector_schema
 
 VECTORS_DIR = "vectors"
 DEAD_LETTER_DIR = "dead_letter"
+LEDGER_DIR = "ledger"
 SUMMARY_FILE = "_summary.json"
 SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
 TEMP_DIR = "_temp"
@@ -182,7 +184,7 @@ class _JsonLinesSink(fileio.TextSink):
                                    compression_type=CompressionTypes.UNCOMPRESSED)
 
 
-def _mkdirs(path: str) -> None:
+def mkdirs(path: str) -> None:
     try:
         FileSystems.mkdirs(path)
     except IOError:
@@ -196,69 +198,42 @@ def _delete_quietly(path: str) -> None:
         pass  # never created; the error that brought us here matters more
 
 
-class _WriteWindowPaneFn(beam.DoFn):
-    """(shard, records) of one window and pane -> one file, written under ``_temp/<run_id>/`` and
-    renamed into ``<subdir>/dt=../hour=../``: nothing half-written is ever visible there.
+def write_file(output: str, run_id: str, final_dir: str, name: str, sink: fileio.FileSink,
+               records: Iterable) -> str:
+    """Write ``records`` through ``sink`` to ``<final_dir>/<name>``: first to
+    ``<output>/_temp/<run_id>/<random>.tmp``, then renamed into place, so nothing half-written is
+    ever visible where readers look (a worker killed mid-write leaves only the temp file: see
+    ``transforms.commit.clean_stale``). A retry with the same name replaces the file whole.
 
-    The name is fixed by window, pane and shard (the pane index counts per key), so a retried bundle
-    rewrites the same file. Why not ``fileio.WriteToFiles`` (Beam 2.77, tried on TestStream): by
-    default it names files without the pane (pane=None), so each firing of a window overwrote the
-    last; with ``max_writers_per_bundle=0`` the pane index counts per internal shard key, which
+    Why not ``fileio.WriteToFiles`` (Beam 2.77, tried on TestStream): by default it names files
+    without the pane (pane=None), so each firing of a window overwrote the last; with
+    ``max_writers_per_bundle=0`` the pane index counts per internal shard key, which
     ``file_naming`` cannot see, so two late panes got one name; and a name with a subfolder fails to
     rename on local disk (no such folder), logged at DEBUG, the files left in its temp folder.
     """
-
-    def __init__(self, output: str, subdir: str, run_id: str, shards: int, suffix: str,
-                 new_sink: Callable[[], fileio.FileSink], encode: Callable[[Iterable], Iterator]):
-        self._output, self._subdir, self._run_id = output, subdir, run_id
-        self._shards, self._suffix = shards, suffix
-        self._new_sink, self._encode = new_sink, encode
-
-    def process(self, shard_records, window=beam.DoFn.WindowParam, pane=beam.DoFn.PaneInfoParam):
-        shard, records = shard_records
-        records = iter(records)
-        first = next(records, None)
-        if first is not None:  # an empty pane: no empty file
-            yield self._write(window, pane.index, shard, itertools.chain([first], records))
-
-    def _write(self, window, pane_index: int, shard: int, records: Iterator) -> str:
-        name = window_file_name(self._run_id, window, pane_index, shard, self._shards, self._suffix)
-        final_dir = join_path(self._output, self._subdir, partition_path(window))
-        temp_dir = join_path(self._output, TEMP_DIR, self._run_id)
-        temp = join_path(temp_dir, f"{uuid.uuid4().hex}.tmp")
-        _mkdirs(temp_dir)
-        sink = self._new_sink()
-        try:
-            with FileSystems.create(temp, **sink.create_metadata(final_dir, temp)._asdict()) as fh:
-                sink.open(fh)
-                try:
-                    for record in self._encode(records):
-                        sink.write(record)
-                finally:
-                    sink.flush()  # also on failure: a Parquet writer must not outlive its handle
-        except BaseException:
-            _delete_quietly(temp)
-            raise
-        _mkdirs(final_dir)
-        final = join_path(final_dir, name)
-        FileSystems.rename([temp], [final])
-        return final
-
-
-def _require_windowed(pcoll, transform: str) -> None:
-    if isinstance(pcoll.windowing.windowfn, GlobalWindows):
-        raise ValueError(f"{transform} partitions by event-time window: window the input first "
-                         "(or use the batch sink)")
+    temp_dir = join_path(output, TEMP_DIR, run_id)
+    temp = join_path(temp_dir, f"{uuid.uuid4().hex}.tmp")
+    mkdirs(temp_dir)
+    try:
+        with FileSystems.create(temp, **sink.create_metadata(final_dir, temp)._asdict()) as fh:
+            sink.open(fh)
+            try:
+                for record in records:
+                    sink.write(record)
+            finally:
+                sink.flush()  # also on failure: a Parquet writer must not outlive its handle
+    except BaseException:
+        _delete_quietly(temp)
+        raise
+    mkdirs(final_dir)
+    final = join_path(final_dir, name)
+    FileSystems.rename([temp], [final])
+    return final
 
 
 def _require_safe_run_id(run_id: str) -> None:
     if not _SAFE_NAME.fullmatch(run_id):
         raise ValueError(f"run_id {run_id!r} must match {_SAFE_NAME.pattern}")
-
-
-def _shard_of(row: EmbeddedDoc, shards: int) -> int:
-    """Stable across processes (Python's str hash is not), so a retry shards the same."""
-    return zlib.crc32(row.doc.event.id.encode("utf-8")) % shards
 
 
 def _row_group_tables(rows: Iterable[EmbeddedDoc], schema: pa.Schema, row_group_rows: int):
@@ -267,52 +242,67 @@ def _row_group_tables(rows: Iterable[EmbeddedDoc], schema: pa.Schema, row_group_
         yield to_table(batch, schema)
 
 
-def _dead_letter_lines(letters: Iterable[DeadLetter]):
-    return map(_count_dead_letter, letters)
+def micro_batch_window(batch: MicroBatch) -> IntervalWindow:
+    return IntervalWindow(Timestamp(micros=batch.window_start_us),
+                          Timestamp(micros=batch.window_end_us))
 
 
-class WriteWindowedVectors(beam.PTransform):
-    """Windowed EmbeddedDoc -> zstd Parquet, one file per window, pane and shard, under
-    ``<output>/vectors/dt=YYYY-MM-DD/hour=HH/`` of the window start. Returns the paths written."""
+class _WriteMicroBatchFn(beam.DoFn):
+    """MicroBatch -> its vectors file, its dead-letter file (each only if it has any), then its
+    ledger record, which names them: a record implies that its files are complete."""
 
-    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384,
-                 shards: int = 1):
-        super().__init__()
-        _require_safe_run_id(run_id)
-        if row_group_rows < 1 or shards < 1:
-            raise ValueError("row_group_rows and shards must be >= 1")
-        self._output, self._run_id, self._shards = output, run_id, shards
-        self._schema = vector_schema(dim)
-        self._row_group_rows = row_group_rows
-
-    def expand(self, rows):
-        _require_windowed(rows, "WriteWindowedVectors")
-        schema, row_group_rows = self._schema, self._row_group_rows
-        return (rows
-                | "KeyByShard" >> beam.Map(lambda r, n: (_shard_of(r, n), r), self._shards)
-                | "GroupByWindowAndPane" >> beam.GroupByKey()
-                | "WriteParquet" >> beam.ParDo(_WriteWindowPaneFn(
-                    self._output, VECTORS_DIR, self._run_id, self._shards, ".parquet",
-                    functools.partial(ParquetTableSink, schema, row_group_rows),
-                    functools.partial(_row_group_tables, schema=schema,
-                                      row_group_rows=row_group_rows))))
-
-
-class WriteWindowedDeadLetters(beam.PTransform):
-    """Windowed DeadLetter -> JSON Lines, one file per window and pane, under
-    ``<output>/dead_letter/dt=YYYY-MM-DD/hour=HH/`` of the window start. Counted as written (after
-    the group, so a letter dropped there is not counted). Returns the paths written."""
-
-    def __init__(self, output: str, run_id: str):
-        super().__init__()
-        _require_safe_run_id(run_id)
+    def __init__(self, output: str, run_id: str, schema: pa.Schema, row_group_rows: int):
         self._output, self._run_id = output, run_id
+        self._schema, self._row_group_rows = schema, row_group_rows
 
-    def expand(self, letters):
-        _require_windowed(letters, "WriteWindowedDeadLetters")
-        return (letters
-                | "KeyByShard" >> beam.Map(lambda letter: (0, letter))
-                | "GroupByWindowAndPane" >> beam.GroupByKey()
-                | "WriteJsonl" >> beam.ParDo(_WriteWindowPaneFn(
-                    self._output, DEAD_LETTER_DIR, self._run_id, 1, ".jsonl", _JsonLinesSink,
-                    _dead_letter_lines)))
+    def _write(self, subdir, batch, suffix, sink, records):
+        window = micro_batch_window(batch)
+        partition = partition_path(window)
+        name = window_file_name(self._run_id, window, batch.pane, batch.shard, batch.shards, suffix)
+        write_file(self._output, self._run_id, join_path(self._output, subdir, partition), name,
+                   sink, records)
+        return f"{subdir}/{partition}/{name}"
+
+    def process(self, batch: MicroBatch):
+        vectors = letters = None
+        if batch.rows:
+            vectors = self._write(VECTORS_DIR, batch, ".parquet",
+                                  ParquetTableSink(self._schema, self._row_group_rows),
+                                  _row_group_tables(batch.rows, self._schema, self._row_group_rows))
+        if batch.dead_letters:
+            letters = self._write(DEAD_LETTER_DIR, batch, ".jsonl", _JsonLinesSink(),
+                                  map(_count_dead_letter, batch.dead_letters))
+        window = micro_batch_window(batch)
+        record = LedgerRecord(
+            run_id=self._run_id, window_start=_rfc3339(window.start), window_end=_rfc3339(window.end),
+            pane=batch.pane, shard=batch.shard, shards=batch.shards,
+            messages_in=batch.messages_in, rows_written=len(batch.rows),
+            dead_lettered=len(batch.dead_letters),
+            dead_lettered_by_reason=dict(sorted(collections.Counter(
+                letter.reason for letter in batch.dead_letters).items())),
+            duplicates=batch.duplicates, late_reassigned=batch.late_reassigned,
+            vectors_file=vectors, dead_letter_file=letters,
+            written_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"))
+        self._write(LEDGER_DIR, batch, ".json", _JsonLinesSink(), [record.to_json()])
+        yield record
+
+
+def _rfc3339(t: Timestamp) -> str:
+    return t.to_utc_datetime(has_tz=True).isoformat().replace("+00:00", "Z")
+
+
+class WriteMicroBatches(beam.PTransform):
+    """Streaming: MicroBatch -> zstd Parquet vectors, JSON Lines dead letters and a JSON ledger
+    record per micro-batch, under ``vectors/``, ``dead_letter/`` and ``ledger/``, each in
+    ``dt=YYYY-MM-DD/hour=HH/`` of the window start, named
+    ``part-<run_id>-<window start>-<pane>-<shard>-of-<n>``. Returns the ledger records."""
+
+    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384):
+        super().__init__()
+        _require_safe_run_id(run_id)
+        if row_group_rows < 1:
+            raise ValueError("row_group_rows must be >= 1")
+        self._fn = _WriteMicroBatchFn(output, run_id, vector_schema(dim), row_group_rows)
+
+    def expand(self, batches):
+        return batches | "WriteFiles" >> beam.ParDo(self._fn)

@@ -9,6 +9,12 @@ each message). Late data is never dropped:
 - an event within the allowed lateness whose window has already fired produces a late pane: its
   window fires again with the late events alone (discarding mode), and they are written as a file of
   their own.
+
+The grouping that fires these windows (``GroupMicroBatches``) is the only step that checks lateness:
+after it, the window travels as data in the global window, so no later step can drop what it
+accepted. It keeps a window open for late panes ``GROUPING_GRACE_S`` longer than the allowed
+lateness: an event's time is at most ``allowed_lateness_s`` before its publish time, but the
+watermark may run ahead of that publish time while the message is on its way to the grouping.
 """
 from __future__ import annotations
 
@@ -21,20 +27,31 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 from transforms.metrics import LATE_REASSIGNED
 from transforms.schema import NewsEvent
 
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+_UNIX_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+GROUPING_GRACE_S = 3600
+
+
+def _timestamp(instant: dt.datetime) -> Timestamp:
+    # Aware datetimes subtract without a conversion to UTC, which overflows for valid RFC 3339
+    # instants such as 0001-01-01T00:00:00+01:00 (year 0 in UTC).
+    return Timestamp(micros=(instant - _UNIX_EPOCH) // dt.timedelta(microseconds=1))
+
+
+def windowed_by_publish_time(event: NewsEvent, publish_time: Timestamp,
+                             allowed_lateness_s: float) -> bool:
+    """Whether ``published_at`` lies more than the allowed lateness before the publish time."""
+    return (event.published_at is not None
+            and publish_time - _timestamp(event.published_at) > Duration(seconds=allowed_lateness_s))
 
 
 def event_time(event: NewsEvent, publish_time: Timestamp, allowed_lateness_s: float) -> Timestamp:
     """``published_at`` when it is within the allowed lateness of the publish time, else the latter."""
     if event.published_at is None:
         return publish_time
-    # Aware datetimes subtract without a conversion to UTC, which overflows for valid RFC 3339
-    # instants such as 0001-01-01T00:00:00+01:00 (year 0 in UTC).
-    published = Timestamp(micros=(event.published_at - _EPOCH) // dt.timedelta(microseconds=1))
-    if publish_time - published > Duration(seconds=allowed_lateness_s):
+    if windowed_by_publish_time(event, publish_time, allowed_lateness_s):
         LATE_REASSIGNED.inc()
         return publish_time
-    return published
+    return _timestamp(event.published_at)
 
 
 class _AssignEventTimeFn(beam.DoFn):
@@ -59,8 +76,9 @@ class AssignEventTime(beam.PTransform):
 class FixedEventTimeWindows(beam.PTransform):
     """Fixed windows (default 60 s) whose groupings fire every ``max_wait_s`` of processing time
     while the window is open (so a batch waits at most that long when traffic is light), when the
-    watermark passes the window's end, then once per late element within ``allowed_lateness_s``.
-    Panes discard what they fired, so each element goes downstream once."""
+    watermark passes the window's end, then once per late element within ``allowed_lateness_s``
+    (plus ``GROUPING_GRACE_S``). Panes discard what they fired, so each element goes downstream
+    once."""
 
     def __init__(self, window_s: float = 60, allowed_lateness_s: float = 600,
                  max_wait_s: int | None = None):
@@ -77,7 +95,7 @@ class FixedEventTimeWindows(beam.PTransform):
             window.FixedWindows(self._window_s),
             trigger=trigger.AfterWatermark(early=early, late=trigger.AfterCount(1)),
             accumulation_mode=trigger.AccumulationMode.DISCARDING,
-            allowed_lateness=Duration(seconds=self._lateness))
+            allowed_lateness=Duration(seconds=self._lateness + GROUPING_GRACE_S))
 
 
 class WindowByEventTime(beam.PTransform):

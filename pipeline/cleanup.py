@@ -1,0 +1,36 @@
+"""Clean an output prefix after killed workers and runs: ``python -m pipeline.cleanup --output PREFIX
+[--older-than-s 86400]``.
+
+1. A batch publish that was killed midway (``_manifest.json`` still says ``publishing``) is finished
+   from its staged files, so readers that glob ``vectors/`` see the whole run again.
+2. Files under ``_temp/`` (a streaming file a killed worker was writing) and ``_staging/<run_id>/``
+   (a batch run killed before it committed) last written more than ``--older-than-s`` ago are
+   deleted. Published data is never touched.
+On GCS, a lifecycle rule does step 2 without a command: ``configs/gcs-lifecycle.json`` (README).
+Prints what it did as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from transforms.commit import clean_stale, repair
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.cleanup",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output", required=True, help="a newsvec output prefix, local or gs://")
+    parser.add_argument("--older-than-s", type=float, default=86400,
+                        help="delete temporary and staged files older than this (default: a day)")
+    args = parser.parse_args(argv)
+    repaired = repair(args.output)
+    deleted = clean_stale(args.output, args.older_than_s)
+    print(json.dumps({"repaired_run": repaired.run_id if repaired else None,
+                      "deleted": len(deleted), "deleted_files": deleted}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

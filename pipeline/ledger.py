@@ -1,0 +1,173 @@
+"""Check a streaming output against its ledger: ``python -m pipeline.ledger --output PREFIX
+[--from T] [--until T] [--no-verify]``.
+
+Each micro-batch of a streaming job writes a ledger record (``ledger/dt=../hour=../*.json``) after its
+data files. This sums the records whose window starts in ``[--from, --until)`` (RFC 3339, UTC; both
+optional), prints the totals as JSON, and exits 1, naming each window, if:
+- a record does not balance (``messages_in != rows_written + dead_lettered + duplicates``);
+- a record names a file that is missing or, with verification on (the default), holds another number
+  of rows (Parquet footer) or dead letters (lines) than the record says;
+- a data file under ``vectors/`` or ``dead_letter/`` has no record that names it.
+A window still being written (the job is running, a late pane may come) can show a data file whose
+record is not written yet; check windows older than ``allowed_lateness_s`` plus a few minutes, or a
+drained job.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime as dt
+import json
+import re
+import sys
+from typing import Optional
+
+import pyarrow.parquet as pq
+from apache_beam.io.filesystems import FileSystems
+
+from transforms.schema import LedgerRecord
+from transforms.sinks import DEAD_LETTER_DIR, LEDGER_DIR, VECTORS_DIR, join_path
+
+# part-<run_id>-<window start>-<pane>-<shard>-of-<n>.<suffix>, as sinks.window_file_name writes it
+_NAME = re.compile(r"^part-\d{8}T\d{6}Z-[0-9a-f]{8}-(\d{8}T\d{6}Z)-\d{3}-\d{5}-of-\d{5}\.\w+$")
+
+
+@dataclasses.dataclass
+class LedgerReport:
+    totals: dict
+    problems: list  # "window <start>: what is wrong"
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _parse_time(text: Optional[str]) -> Optional[dt.datetime]:
+    if text is None:
+        return None
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(dt.timezone.utc)
+
+
+def _hours(start: dt.datetime, end: dt.datetime) -> list[str]:
+    hour = start.replace(minute=0, second=0, microsecond=0)
+    out = []
+    while hour < end:
+        out.append(f"dt={hour:%Y-%m-%d}/hour={hour:%H}")
+        hour += dt.timedelta(hours=1)
+    return out
+
+
+def _list(output: str, subdir: str, suffix: str, partitions: Optional[list[str]]) -> list[str]:
+    patterns = ([join_path(output, subdir, "**")] if partitions is None
+                else [join_path(output, subdir, p, "*") for p in partitions])
+    return [m.path for result in FileSystems.match(patterns) for m in result.metadata_list
+            if m.path.endswith(suffix)]
+
+
+def _window_of_name(path: str) -> Optional[dt.datetime]:
+    match = _NAME.match(path.rsplit("/", 1)[-1])
+    if not match:
+        return None
+    return dt.datetime.strptime(match.group(1), "%Y%m%dT%H%M%SZ").replace(tzinfo=dt.timezone.utc)
+
+
+def _read(path: str) -> bytes:
+    with FileSystems.open(path) as f:
+        return f.read()
+
+
+def _parquet_rows(path: str) -> int:
+    with FileSystems.open(path) as f:
+        return pq.ParquetFile(f).metadata.num_rows
+
+
+def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.datetime] = None,
+          verify: bool = True) -> LedgerReport:
+    """The ledger of ``output`` over windows starting in ``[start, end)``."""
+    partitions = None
+    if start is not None or end is not None:
+        if start is None or end is None:
+            raise ValueError("give both --from and --until, or neither")
+        partitions = _hours(start, end)
+
+    def in_range(t: Optional[dt.datetime]) -> bool:
+        return t is not None and (partitions is None or start <= t < end)
+
+    prefix = output.rstrip("/") + "/"
+    records = []
+    for path in _list(output, LEDGER_DIR, ".json", partitions):
+        record = LedgerRecord.from_json(_read(path).decode("utf-8"))
+        if in_range(_parse_time(record.window_start)):
+            records.append(record)
+    problems = []
+    named = collections.Counter()
+    totals = collections.Counter()
+    reasons = collections.Counter()
+    windows = set()
+    for r in sorted(records, key=lambda r: (r.window_start, r.pane, r.shard)):
+        where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
+        windows.add(r.window_start)
+        for key in ("messages_in", "rows_written", "dead_lettered", "duplicates",
+                    "late_reassigned"):
+            totals[key] += getattr(r, key)
+        reasons.update(r.dead_lettered_by_reason)
+        if not r.balances():
+            problems.append(f"{where}: does not balance: messages_in {r.messages_in} != rows "
+                            f"{r.rows_written} + dead letters {r.dead_lettered} + duplicates "
+                            f"{r.duplicates}")
+        if sum(r.dead_lettered_by_reason.values()) != r.dead_lettered:
+            problems.append(f"{where}: dead letters by reason do not add up to {r.dead_lettered}")
+        for kind, relative, count in (("vectors", r.vectors_file, r.rows_written),
+                                      ("dead letter", r.dead_letter_file, r.dead_lettered)):
+            if relative is None:
+                if count:
+                    problems.append(f"{where}: {count} {kind} rows but no {kind} file")
+                continue
+            path = prefix + relative
+            named[path] += 1
+            if not FileSystems.exists(path):
+                problems.append(f"{where}: its {kind} file {relative} is missing")
+            elif verify:
+                found = (_parquet_rows(path) if kind == "vectors"
+                         else sum(1 for line in _read(path).splitlines() if line))
+                if found != count:
+                    problems.append(f"{where}: {relative} holds {found} rows, the record says "
+                                    f"{count}")
+    for subdir, suffix in ((VECTORS_DIR, ".parquet"), (DEAD_LETTER_DIR, ".jsonl")):
+        for path in _list(output, subdir, suffix, partitions):
+            window = _window_of_name(path)
+            if not in_range(window):
+                continue
+            if named[path] == 0:
+                problems.append(f"window {window:%Y-%m-%dT%H:%M:%SZ}: {path[len(prefix):]} has no "
+                                f"ledger record")
+            elif named[path] > 1:
+                problems.append(f"window {window:%Y-%m-%dT%H:%M:%SZ}: {path[len(prefix):]} is named "
+                                f"by {named[path]} ledger records")
+    return LedgerReport(totals={"windows": len(windows), "records": len(records), **totals,
+                                "dead_lettered_by_reason": dict(sorted(reasons.items())),
+                                "balanced": not problems},
+                        problems=problems)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.ledger",
+                                     description=__doc__.split("\n\n")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", required=True, help="the streaming job's output prefix")
+    parser.add_argument("--from", dest="start", help="first window start, RFC 3339 (UTC)")
+    parser.add_argument("--until", dest="end", help="end of the range (exclusive), RFC 3339")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="do not open data files to count their rows")
+    args = parser.parse_args(argv)
+    report = check(args.output, _parse_time(args.start), _parse_time(args.end),
+                   verify=not args.no_verify)
+    print(json.dumps(report.totals, indent=2))
+    for problem in report.problems:
+        print(problem, file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""What a worker killed mid-write leaves (SIGKILL: no Python exception) is never where readers look,
+and is cleaned up: by ``python -m pipeline.cleanup`` (any storage), and on GCS by the lifecycle rule
+in configs/gcs-lifecycle.json, which matches every temporary name newsvec writes."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+from pipeline import cleanup
+from tests.conftest import REPO
+from transforms import commit
+
+RUN_ID = "20261201T093000Z-1a2b3c4d"
+LIFECYCLE = REPO / "configs" / "gcs-lifecycle.json"
+
+# A streaming worker writing one micro-batch's Parquet file, killed after its first row group.
+KILLED_WRITER = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    from transforms import sinks
+    from transforms.schema import vector_schema
+    from tests.test_sinks_streaming import row
+
+    schema = vector_schema(384)
+
+    def tables():
+        yield sinks.to_table([row("a")], schema)
+        os.kill(os.getpid(), signal.SIGKILL)  # preempted, out of memory: no exception
+        yield sinks.to_table([row("b")], schema)
+
+    out = sys.argv[1]
+    sinks.write_file(out, "{run}", out + "/vectors/dt=2026-12-01/hour=09", "part-x.parquet",
+                     sinks.ParquetTableSink(schema, 1), tables())
+""").format(run=RUN_ID)
+
+
+def files(root):
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def test_a_killed_streaming_writer_leaves_only_a_temp_file_which_cleanup_removes(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    left = files(tmp_path)
+    assert len(left) == 1 and left[0].startswith(f"_temp/{RUN_ID}/"), left  # never in vectors/
+    rules = json.loads(LIFECYCLE.read_text())["rule"]
+    assert any(left[0].endswith(s) for r in rules for s in r["condition"].get("matchesSuffix", ())), \
+        "the GCS lifecycle rule matches it"
+    # A fresh temp file may belong to a live writer: the default (a day) keeps it.
+    assert cleanup.main(["--output", str(tmp_path)]) == 0
+    assert files(tmp_path) == left
+    assert cleanup.main(["--output", str(tmp_path), "--older-than-s", "0"]) == 0
+    assert files(tmp_path) == []
+
+
+def test_clean_stale_never_touches_published_data_or_a_run_being_published(tmp_path):
+    for name in ("vectors/part-a.parquet", "dead_letter/part-a.jsonl", "_summary.json",
+                 "_staging/20261130T000000Z-00000000/vectors/x.parquet",
+                 "_staging/20261201T000000Z-11111111/vectors/y.parquet", "_temp/z.tmp"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    publishing = commit.Manifest(run_id="20261201T000000Z-11111111", state="publishing",
+                                 started_at=time.time(), vectors=[], dead_letter=[],
+                                 summary="_summary.json", counts={})
+    commit._write(str(tmp_path), commit.MANIFEST_FILE, publishing.to_json().encode())
+    deleted = commit.clean_stale(str(tmp_path), older_than_s=0, now=time.time() + 10)
+    assert sorted(os.path.relpath(p, tmp_path) for p in deleted) == [
+        "_staging/20261130T000000Z-00000000/vectors/x.parquet", "_temp/z.tmp"]
+    assert set(files(tmp_path)) == {"vectors/part-a.parquet", "dead_letter/part-a.jsonl",
+                                    "_summary.json", "_manifest.json",
+                                    "_staging/20261201T000000Z-11111111/vectors/y.parquet"}
+
+
+def test_the_lifecycle_rule_is_one_gcs_accepts():
+    from google.cloud import storage
+
+    bucket = storage.Bucket(client=None, name="b")
+    bucket._set_properties({"lifecycle": json.loads(LIFECYCLE.read_text())})
+    (rule,) = list(bucket.lifecycle_rules)
+    assert isinstance(rule, storage.bucket.LifecycleRuleDelete)
+    assert rule["condition"] == {"age": 1, "matchesSuffix": [".tmp"]}

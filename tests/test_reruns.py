@@ -1,0 +1,218 @@
+"""Batch reruns into one output replace, never append (transforms/commit.py), on local disk and on
+gcp-storage-emulator:
+- the same day run twice, the second time with changed input: the rows are exactly the second run's;
+- a run killed (SIGKILL, no Python exception) while writing leaves the first run's output as it was;
+- a run killed while publishing never shows two runs' rows to a reader that globs ``vectors/``, the
+  manifest gives the whole new run meanwhile, and ``python -m pipeline.cleanup`` finishes it;
+- a second commit waits for one in progress;
+- DuckDB reads the committed run through the manifest (the README's query).
+The runs here use a FAKE engine: what is tested is storage, and the real one is in
+test_batch_pipeline.py (which now also runs through the commit)."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from pipeline import cleanup
+from pipeline.run import run_batch
+from tests.conftest import REPO, make_config
+from tests.emulators import gcs_for_beam
+from tests.fakes import FakeEngine
+from transforms import commit
+from transforms.schema import NewsEvent
+from transforms.text import compose_text
+
+BUCKET = "newsvec-reruns"
+
+
+def events(ids, changed=()) -> list[dict]:
+    return [{"id": f"e{i}", "title": f"Story {i}",
+             "body": f"Body of story {i}." + (" Corrected." if i in changed else ""),
+             "published_at": "2026-11-30T09:00:00Z"} for i in ids]
+
+
+DAY_1 = events(range(20)) + [{"id": "bad"}]  # one dead letter (missing text)
+DAY_2 = events(list(range(15)) + list(range(20, 25)), changed={3})  # 5 gone, 5 new, e3 corrected
+
+
+def write_input(root: str, name: str, rows: list[dict]) -> str:
+    path = f"{root.rstrip('/')}/{name}/news.jsonl"
+    with FileSystems.create(path) as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows).encode())
+    return path
+
+
+def run(input_path: str, output: str) -> dict:
+    return run_batch(make_config(input=input_path, output=output),
+                     PipelineOptions(["--runner=FnApiRunner"]), engine_factory=FakeEngine)
+
+
+def listing(output: str) -> dict[str, bytes]:
+    """Every file under the output prefix (relative path -> bytes)."""
+    prefix = output.rstrip("/") + "/"
+    out = {}
+    for m in FileSystems.match([prefix + "**"])[0].metadata_list:
+        with FileSystems.open(m.path) as f:
+            out[m.path[len(prefix):]] = f.read()
+    return out
+
+
+def rows_of(files: dict[str, bytes], folder="vectors") -> pa.Table:
+    tables = [pq.read_table(io.BytesIO(data)) for name, data in sorted(files.items())
+              if name.startswith(folder + "/") and name.endswith(".parquet")]
+    return pa.concat_tables(tables) if tables else pa.table({"id": pa.array([], pa.string())})
+
+
+def sha(row: dict) -> str:
+    text = compose_text(NewsEvent(id=row["id"], title=row.get("title"), body=row.get("body")))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_is_run(output: str, rows: list[dict], summary: dict) -> None:
+    """The output holds exactly this run: its rows once, its manifest, its summary, nothing else."""
+    files = listing(output)
+    table = rows_of(files)
+    valid = [r for r in rows if r.get("body")]
+    assert sorted(table["id"].to_pylist()) == sorted(r["id"] for r in valid), "exactly its rows"
+    assert dict(zip(table["id"].to_pylist(), table["text_sha256"].to_pylist())) == {
+        r["id"]: sha(r) for r in valid}, "the new text of a corrected article"
+    manifest = json.loads(files["_manifest.json"])
+    assert manifest["state"] == "committed" and manifest["run_id"] == summary["run_id"]
+    data = sorted(n for n in files if n.startswith(("vectors/", "dead_letter/")))
+    assert sorted(manifest["vectors"] + manifest["dead_letter"]) == data
+    assert all(summary["run_id"] in n for n in data), "no file of another run"
+    assert json.loads(files["_summary.json"])["run_id"] == summary["run_id"]
+    assert not [n for n in files if n.startswith(("_staging/", "_temp/"))], "nothing left over"
+    assert summary["counts"]["written"] == len(valid)
+
+
+def kill_a_run(input_path: str, output: str, at: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tests.killed_run", "--input", input_path,
+                           "--output", output, "--kill-at", at], cwd=REPO, env=os.environ.copy(),
+                           capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, f"not killed (rc {proc.returncode}): {proc.stderr[-2000:]}"
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    with gcs_for_beam(BUCKET, tmp_path_factory.mktemp("gcs-log")) as emulator:
+        yield emulator
+
+
+@pytest.fixture(params=["local", "gcs"])
+def root(request, tmp_path):
+    if request.param == "gcs":
+        request.getfixturevalue("gcs")
+        return f"gs://{BUCKET}/{tmp_path.name}"
+    return str(tmp_path)
+
+
+def test_a_rerun_with_changed_input_replaces_the_first_run(root):
+    output = f"{root}/out/dt=2026-11-30"
+    first = run(write_input(root, "in1", DAY_1), output)
+    check_is_run(output, DAY_1, first)
+    second = run(write_input(root, "in2", DAY_2), output)
+    assert second["run_id"] != first["run_id"]
+    check_is_run(output, DAY_2, second)
+
+
+def test_a_run_killed_while_writing_leaves_the_previous_output_unchanged(root):
+    output = f"{root}/out"
+    first = run(write_input(root, "in1", DAY_1), output)
+    before = listing(output)
+    kill_a_run(write_input(root, "in2", DAY_2), output, "write")
+    after = listing(output)
+    published = {n: b for n, b in after.items() if not n.startswith(("_staging/", "_temp/"))}
+    assert published == before, "every published file, the manifest and the summary unchanged"
+    # On local disk the killed writer leaves its partial file in its staging folder; on GCS an
+    # object exists only once its upload completes, so a killed writer leaves none.
+    assert any(n.startswith("_staging/") for n in after) == (not output.startswith("gs://"))
+    # The leftovers of the killed run go with cleanup (here: anything older than 0 s).
+    assert cleanup.main(["--output", output, "--older-than-s", "0"]) == 0
+    assert listing(output) == before
+    check_is_run(output, DAY_1, first)
+
+
+def test_a_run_killed_while_publishing_never_mixes_runs_and_is_finished_by_cleanup(root):
+    output = f"{root}/out"
+    run(write_input(root, "in1", DAY_1), output)
+    kill_a_run(write_input(root, "in2", DAY_2), output, "publish")
+    files = listing(output)
+    manifest = json.loads(files["_manifest.json"])
+    assert manifest["state"] == "publishing"
+    run_2 = manifest["run_id"]
+    # A reader that globs vectors/ sees the new run's files only (some of them), never the old's.
+    assert all(run_2 in n for n in files if n.startswith(("vectors/", "dead_letter/")))
+    # A reader that follows the manifest gets the whole new run, from its staged files.
+    staged = {n: files[n] for n in manifest["vectors"]}
+    assert sorted(rows_of(staged, "_staging")["id"].to_pylist()) == sorted(
+        r["id"] for r in DAY_2)
+    assert cleanup.main(["--output", output, "--older-than-s", "0"]) == 0
+    summary = json.loads(listing(output)["_summary.json"])
+    check_is_run(output, DAY_2, summary)
+
+
+def test_a_second_publish_waits_for_one_in_progress(tmp_path):
+    output = str(tmp_path)
+    other = commit.Manifest(run_id="20261130T000000Z-00000000", state="publishing",
+                            started_at=time.time(), vectors=[], dead_letter=[],
+                            summary="_staging/x/_summary.json", counts={})
+    commit._write(output, commit.MANIFEST_FILE, other.to_json().encode())
+    ours = commit.Manifest(run_id="20261130T000001Z-11111111", state="publishing",
+                           started_at=time.time(), vectors=[], dead_letter=[],
+                           summary="_summary.json", counts={})
+    FileSystems.create(os.path.join(output, "_summary.json")).close()
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (commit.publish(output, ours, lease_s=60, poll_s=0.1),
+                                              done.set()), daemon=True)
+    waiter.start()
+    time.sleep(1.0)
+    assert not done.is_set() and commit.read_manifest(output).run_id == other.run_id, \
+        "it waits while the other run publishes"
+    import dataclasses
+
+    commit._write(output, commit.MANIFEST_FILE,
+                  dataclasses.replace(other, state="committed").to_json().encode())
+    assert done.wait(10), "and goes on once that one has committed"
+    assert commit.read_manifest(output).run_id == ours.run_id
+
+
+def test_a_stale_publish_of_a_killed_run_is_taken_over(tmp_path):
+    output = str(tmp_path)
+    dead = commit.Manifest(run_id="20261130T000000Z-00000000", state="publishing",
+                           started_at=time.time() - 120, vectors=[], dead_letter=[],
+                           summary="_staging/x/_summary.json", counts={})
+    commit._write(output, commit.MANIFEST_FILE, dead.to_json().encode())
+    FileSystems.create(os.path.join(output, "_summary.json")).close()
+    ours = commit.Manifest(run_id="20261130T000001Z-11111111", state="publishing",
+                           started_at=time.time(), vectors=[], dead_letter=[],
+                           summary="_summary.json", counts={})
+    started = time.monotonic()
+    commit.publish(output, ours, lease_s=60, poll_s=0.1)
+    assert time.monotonic() - started < 5 and commit.read_manifest(output).state == "committed"
+
+
+def test_duckdb_reads_the_committed_run_through_the_manifest(tmp_path):
+    import duckdb
+
+    output = str(tmp_path / "out")
+    summary = run(write_input(str(tmp_path), "in", DAY_1), output)
+    con = duckdb.connect()
+    # README, "Reading a batch output consistently"
+    con.execute(f"""SET VARIABLE files = (SELECT list_transform(vectors, lambda f: '{output}/' || f)
+                    FROM read_json('{output}/_manifest.json'))""")
+    n, runs = con.execute("""SELECT count(*), count(DISTINCT model)
+                             FROM read_parquet(getvariable('files'))""").fetchone()
+    assert n == summary["counts"]["written"] == 20 and runs == 1
