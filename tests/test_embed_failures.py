@@ -196,9 +196,11 @@ def test_real_engine_input_failure_dead_letters_that_input_alone(tokenizer, real
                     equal_to([("d99", Reason.EMBEDDING_FAILED)]), label="dead")
 
 
-def test_requests_left_by_a_failed_call_do_not_leak_into_the_next(tokenizer, real, monkeypatch):
-    # A call that raises inside vLLM's engine loop leaves its requests in the engine; LLM.embed()
-    # returns every request that finishes, so without an abort the next call would get them too.
+def test_a_failed_engine_call_leaves_no_request_behind(tokenizer, real, monkeypatch):
+    # Relied on, not implemented, by newsvec: vLLM 0.32's LLM.embed() aborts the requests of a call
+    # that raises in its engine loop. Were one left, it would finish in the next call and come back
+    # among that call's outputs (Engine.embed would then fail that call: outputs are matched to
+    # inputs by their token ids).
     engine: Engine = real._engine
     llm_engine = engine._llm.llm_engine
     step, calls = llm_engine.step, []

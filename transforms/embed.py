@@ -65,28 +65,17 @@ class Engine:
         from vllm import PoolingParams
         from vllm.inputs import TokensPrompt
 
-        # Requests left in the engine by a call that raised would finish in this call and be
-        # returned with its outputs (and a poison one would fail it again): abort them first.
-        self._abort_unfinished()
-        try:
-            outputs = self._llm.embed(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                pooling_params=PoolingParams(use_activation=self._normalize), use_tqdm=False)
-        except BaseException:
-            self._abort_unfinished()
-            raise
+        # vLLM aborts a failed call's requests itself (tests/test_embed_failures.py checks it), so
+        # none of them can finish in a later call and be returned with its outputs.
+        outputs = self._llm.embed(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+            pooling_params=PoolingParams(use_activation=self._normalize), use_tqdm=False)
         if len(outputs) != len(prompts):
             raise RuntimeError(f"{len(outputs)} outputs for {len(prompts)} inputs")
         for output, prompt in zip(outputs, prompts):
             if list(output.prompt_token_ids) != list(prompt):
                 raise RuntimeError("an output does not belong to its input")
         return [np.asarray(o.outputs.embedding, dtype=np.float32) for o in outputs]
-
-    def _abort_unfinished(self) -> None:
-        engine = self._llm.llm_engine
-        if engine.has_unfinished_requests():
-            ids = list(engine.output_processor.request_states)  # vLLM's internal request ids
-            engine.abort_request(ids, internal=True)
 
     def healthy(self) -> bool:
         """Whether the canary still embeds to a finite vector: an engine that fails it is broken,
