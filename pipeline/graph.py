@@ -43,6 +43,7 @@ def summary_base(config: Config) -> dict:
     model_path = resolve_model_path(config.model.path)
     return {"input": config.input, "output": config.output,
             "model": {**config.model.model_dump(), "resolved_path": model_path,
+                      "resolved_dtype": config.model.resolved_dtype(),
                       "content_sha256": model_content_hash(model_path) or None}}
 
 

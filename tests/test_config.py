@@ -6,6 +6,7 @@ import yaml
 
 from pipeline import config as config_lib
 from pipeline.run import resolve
+from tests.conftest import make_config
 
 CONFIGS = Path(config_lib.REPO_ROOT) / "configs"
 
@@ -100,3 +101,13 @@ def test_missing_or_malformed_config_file_is_a_config_error(tmp_path):
     bad.write_text("model: [unclosed")
     with pytest.raises(config_lib.ConfigError, match="not valid YAML"):
         config_lib.load(bad)
+
+
+def test_native_dtype_is_bfloat16_only_where_the_hardware_computes_it(monkeypatch):
+    from transforms import model
+
+    settings = make_config().model.model_copy(update={"dtype": "native"})
+    for hardware, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(model, "_computes_bfloat16", lambda h=hardware: h)
+        assert settings.resolved_dtype() == expected
+    assert settings.model_copy(update={"dtype": "float16"}).resolved_dtype() == "float16"

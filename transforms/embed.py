@@ -168,13 +168,14 @@ def load_vllm(s: ModelSettings) -> Engine:
     from vllm import LLM  # imported on the worker, after the engine environment is set
 
     path = resolve_model_path(s.path)
-    kwargs = dict(model=path, runner="pooling", dtype=s.dtype, revision=s.revision,
+    kwargs = dict(model=path, runner="pooling", dtype=s.resolved_dtype(), revision=s.revision,
                   max_model_len=s.max_tokens, trust_remote_code=s.trust_remote_code,
                   enforce_eager=s.enforce_eager, seed=0)
     if s.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
     if s.max_num_seqs is not None:
         kwargs["max_num_seqs"] = s.max_num_seqs
+    _LOG.info("loading %s at %s", s.name, kwargs["dtype"])
     engine = Engine(LLM(**kwargs), s, model_label(s, path))
     atexit.register(engine.close)
     size = engine._llm.llm_engine.model_config.embedding_size  # the pooler's output size

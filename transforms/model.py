@@ -46,6 +46,25 @@ def model_content_hash(path: str) -> str:
     return digest.hexdigest()
 
 
+@functools.lru_cache(maxsize=1)
+def _computes_bfloat16() -> bool:
+    """A CUDA GPU with bfloat16, or a CPU with AVX512_BF16 or AMX-BF16 (Linux: /proc/cpuinfo).
+    Elsewhere bfloat16 is emulated: measured on an AMD EPYC without AVX-512, 2.2 articles/s at
+    bfloat16 against 13.9 at float32."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.is_bf16_supported()
+    except ImportError:
+        pass
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 class ModelSettings(BaseModel):
     """Every model setting newsvec uses, read by PrepareText (tokenizer) and EmbedWithVLLM (engine)."""
 
@@ -57,7 +76,11 @@ class ModelSettings(BaseModel):
         None, description="Hugging Face revision of tokenizer and model, recorded in the output; "
                           "null: a content hash of the model files is recorded")
     dim: int = Field(gt=0, description="Embedding dimension; checked against the model at load")
-    dtype: str = Field("bfloat16", pattern="^(bfloat16|float16|float32)$")
+    dtype: str = Field(
+        "bfloat16", pattern="^(bfloat16|float16|float32|native)$",
+        description="native: bfloat16 where the hardware computes it (a CUDA GPU with bf16, a CPU "
+                    "with AVX512_BF16 or AMX), else float32 (vLLM's own 'auto' would pick the "
+                    "float16 fallback on a CPU)")
     max_tokens: int = Field(gt=2, description="Longer texts keep their head")
     token_budget: int = Field(gt=0, description="Maximum tokens in one micro-batch")
     normalize: bool = True
@@ -77,6 +100,12 @@ class ModelSettings(BaseModel):
             raise ValueError(f"token_budget ({self.token_budget}) must be at least max_tokens "
                              f"({self.max_tokens}), or a long document fits in no batch")
         return self
+
+    def resolved_dtype(self) -> str:
+        """The dtype the engine runs at on this machine."""
+        if self.dtype != "native":
+            return self.dtype
+        return "bfloat16" if _computes_bfloat16() else "float32"
 
     def apply_engine_env(self) -> None:
         """Set engine_env where unset. Call before importing transformers or vllm in a worker."""
