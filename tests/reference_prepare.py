@@ -4,12 +4,16 @@ control/format/whitespace clean-up; every text is tokenized whole (up to the old
 with right truncation. tests/test_text_equivalence.py checks that the fast paths give exactly this
 output: the same prepared text (so the same text_sha256), token ids and truncation flag.
 
-It reuses what the fast paths did not change (the HTML extractor and the regular expressions) from
-transforms/text.py, so that the comparison is of the paths, not of two copies of a table.
+It reuses what the fast paths did not change (the HTML extractor, the tag and control-character
+expressions) from transforms/text.py; the format-character and whitespace expressions are the old
+ones, built here as they were.
 """
 from __future__ import annotations
 
 import html
+import re
+import sys
+import unicodedata
 from typing import Optional
 
 import ftfy
@@ -17,6 +21,10 @@ import ftfy
 from transforms import text as fast
 
 CHARS_PER_TOKEN_BOUND = 32
+_FORMAT = re.compile("[" + "".join(
+    re.escape(chr(c)) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Cf")
+    + "]")
+_SPACE = re.compile(r"\s+")
 
 
 def normalize_text(text: Optional[str]) -> str:
@@ -27,8 +35,8 @@ def normalize_text(text: Optional[str]) -> str:
     elif "&" in text:
         text = html.unescape(text)
     text = ftfy.fix_text(text, unescape_html=False, normalization="NFC")
-    text = fast._FORMAT.sub("", fast._CONTROL.sub(" ", text))
-    return fast._SPACE.sub(" ", text).strip()
+    text = _FORMAT.sub("", fast._CONTROL.sub(" ", text))
+    return _SPACE.sub(" ", text).strip()
 
 
 def compose_text(title: Optional[str], body: Optional[str]) -> str:

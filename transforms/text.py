@@ -7,9 +7,19 @@ whitespace collapsed. Title and body are joined by a newline.
 Truncation keeps the HEAD of long articles: the text is tokenized here with the model's own tokenizer,
 truncated on the right to ``max_tokens`` (special tokens included), and the ids go to vLLM as they
 are. (vLLM's ``truncate_prompt_tokens`` would keep the tail, the wrong end for news.)
+
+Two fast paths give exactly the output of doing every step on every text (tests/reference_prepare.py
+and tests/test_text_equivalence.py, on the BBC articles and the adversarial corpus):
+- ftfy runs only on text it could change (``ftfy_may_change``): every one of its fixers is a
+  no-op on the characters present, the text is NFC, and no window around a non-ASCII character
+  looks like mojibake. Most news is ASCII or nearly so, and ftfy was 70% of the CPU time.
+- a long text is tokenized in two steps: first the words before its ``max_tokens``-th space; if
+  those already overflow ``max_tokens``, their head is the text's head (a BERT-style tokenizer
+  splits at spaces and normalizes character by character). Otherwise the whole text is tokenized.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import html.parser
 import re
@@ -19,7 +29,14 @@ from typing import Iterator, Optional
 
 import apache_beam as beam
 import ftfy
+import ftfy.badness
+import ftfy.fixes
 from apache_beam import pvalue
+
+try:
+    from re import _parser as sre_parse  # Python >= 3.11
+except ImportError:  # pragma: no cover
+    import sre_parse
 
 from transforms.model import ModelSettings, resolve_model_path
 from transforms.schema import DeadLetter, NewsEvent, PreparedDoc, Reason, Step
@@ -35,10 +52,100 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b\ufeff]")
 # Invisible format characters (Unicode category Cf: bidi controls, joiners, soft hyphens, tags...)
 # are dropped without a space: "co\u00adoperate" is one word. The model's tokenizer drops them too,
 # so a text of nothing else is empty, not a row of special tokens only.
-_FORMAT = re.compile("[" + "".join(
-    re.escape(chr(c)) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Cf")
-    + "]")
-_SPACE = re.compile(r"\s+")
+def _char_class(codepoints: list[int]) -> str:
+    """A regex character class of these code points, as ranges (far faster to match than one
+    escaped character each)."""
+    ranges, start = [], None
+    for c, nxt in zip(codepoints, codepoints[1:] + [None]):
+        start = c if start is None else start
+        if nxt != c + 1:
+            ranges.append(re.escape(chr(start)) + ("" if start == c else "-" + re.escape(chr(c))))
+            start = None
+    return "[" + "".join(ranges) + "]"
+
+
+_FORMAT = re.compile(_char_class(
+    [c for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Cf"]))
+
+# ftfy (6.3) as fix_text runs it: per line, fix_encoding (only if is_bad(line)), then these
+# fixers, then NFC, until nothing changes. remove_terminal_escapes needs ESC.
+_FTFY_FIXERS = (ftfy.fixes.fix_c1_controls, ftfy.fixes.fix_latin_ligatures,
+                ftfy.fixes.fix_character_width, ftfy.fixes.uncurl_quotes,
+                ftfy.fixes.fix_line_breaks, ftfy.fixes.fix_surrogates,
+                ftfy.fixes.remove_control_chars)
+
+
+@functools.lru_cache(maxsize=65536)
+def _ftfy_fixes_char(ch: str) -> bool:
+    return ch == "\x1b" or any(fixer(ch) != ch for fixer in _FTFY_FIXERS)
+
+
+_ASCII_FTFY_FIXES = re.compile(_char_class([c for c in range(128) if _ftfy_fixes_char(chr(c))]))
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+# The longest mojibake pattern ftfy looks for: a window this wide around each non-ASCII
+# character sees every match that contains it.
+_BADNESS_WIDTH = sre_parse.parse(ftfy.badness.BADNESS_RE.pattern,
+                                 ftfy.badness.BADNESS_RE.flags).getwidth()[1]
+
+
+def ftfy_may_change(text: str) -> bool:
+    """False only if ``ftfy.fix_text`` would return ``text`` as it is (so it can be skipped)."""
+    if text.isascii():
+        # No mojibake without non-ASCII characters; the ASCII fixers' characters are listed.
+        return bool(_ASCII_FTFY_FIXES.search(text))
+    if _ASCII_FTFY_FIXES.search(text) or not unicodedata.is_normalized("NFC", text):
+        return True
+    width = _BADNESS_WIDTH
+    for match in _NON_ASCII.finditer(text):
+        i = match.start()
+        if _ftfy_fixes_char(text[i]):
+            return True
+        # fix_text checks each line on its own, and is_bad's patterns anchor at a line's start.
+        line_start = text.rfind("\n", 0, i) + 1
+        line_end = text.find("\n", i)
+        line_end = len(text) if line_end < 0 else line_end + 1
+        window = text[max(line_start, i - width + 1): min(line_end, i + width)]
+        if ftfy.badness.BADNESS_RE.search(window):
+            return True
+    return False
+
+
+# ftfy's patterns reach at most a few characters past the non-ASCII character they start from (the
+# widest: 7, and a lookahead of 6 after "\xc3 "); ASCII further away is left as it is. So a long
+# stretch of ASCII that ftfy leaves alone can stand out of the text ftfy reads: this much of it is
+# kept on each side, and a marker takes the place of the rest.
+_CONTEXT = 32
+_UNTOUCHED_ASCII = _char_class([c for c in range(128) if c != 10 and not _ftfy_fixes_char(chr(c))])
+_LONG_UNTOUCHED_STRETCH = re.compile(_UNTOUCHED_ASCII + "{%d,}" % (2 * _CONTEXT + 1))
+_MARKER = "~#newsvec#~"
+
+
+def _ftfy(text: str) -> str:
+    return ftfy.fix_text(text, unescape_html=False, normalization="NFC")
+
+
+def fix_text(text: str) -> str:
+    """``ftfy.fix_text(text, unescape_html=False, normalization="NFC")``, faster: skipped where it
+    would change nothing, and given only the neighbourhoods of the non-ASCII characters (with the
+    lines kept whole) where it would."""
+    if not ftfy_may_change(text):
+        return text
+    if _MARKER in text or len(text) >= ftfy.TextFixerConfig().max_decode_length:
+        return _ftfy(text)
+    pieces, middles, last = [], [], 0
+    for stretch in _LONG_UNTOUCHED_STRETCH.finditer(text):
+        start, end = stretch.start() + _CONTEXT, stretch.end() - _CONTEXT
+        pieces.append(text[last:start])
+        middles.append(text[start:end])
+        last = end
+    if not middles:
+        return _ftfy(text)
+    pieces.append(text[last:])
+    fixed = _ftfy(_MARKER.join(pieces)).split(_MARKER)
+    if len(fixed) != len(pieces):  # the marker was changed: cannot happen, but then do it whole
+        return _ftfy(text)
+    return "".join(piece + middle for piece, middle in zip(fixed, middles)) + fixed[-1]
+
 _BLOCK_TAGS = frozenset(
     "address article aside blockquote br dd div dl dt figcaption figure footer h1 h2 h3 h4 h5 h6 "
     "header hr li main nav ol p pre section table td th tr ul".split())
@@ -85,9 +192,12 @@ def normalize_text(text: Optional[str]) -> str:
         text = strip_html(text)
     elif "&" in text:
         text = html.unescape(text)
-    text = ftfy.fix_text(text, unescape_html=False, normalization="NFC")
-    text = _FORMAT.sub("", _CONTROL.sub(" ", text))
-    return _SPACE.sub(" ", text).strip()
+    text = fix_text(text)
+    if _CONTROL.search(text):
+        text = _CONTROL.sub(" ", text)
+    if not text.isascii():  # format characters (Cf) are all outside ASCII
+        text = _FORMAT.sub("", text)
+    return " ".join(text.split())  # str.split's whitespace is re's \s (the test checks each)
 
 
 def compose_text(event: NewsEvent) -> str:
@@ -109,16 +219,46 @@ class HeadTokenizer:
         self._tok.enable_truncation(max_length=model.max_tokens, direction="right")
         self.max_tokens = model.max_tokens
         self._max_chars = model.max_tokens * _CHARS_PER_TOKEN_BOUND
+        # The words before this many spaces hold at least one token more than the head keeps
+        # (every space-separated word is at least one token), so if they overflow, their head is
+        # the text's. Only for tokenizers that split at spaces and normalize character by
+        # character: BERT's (MiniLM, bge, e5...).
+        self._head_words = (model.max_tokens - self._tok.num_special_tokens_to_add(False) + 1
+                            if _splits_at_spaces(self._tok) else None)
 
     def __call__(self, text: str) -> tuple[tuple[int, ...], bool]:
         """(token ids of the head, whether anything was cut)."""
         return self.batch([text])[0]
 
     def batch(self, texts: list[str]) -> list[tuple[tuple[int, ...], bool]]:
-        """``__call__`` for many texts at once: the Rust tokenizer spreads a batch over the cores."""
-        cut = [len(t) > self._max_chars for t in texts]
-        encodings = self._tok.encode_batch([t[: self._max_chars] for t in texts])
-        return [(tuple(e.ids), c or bool(e.overflowing)) for e, c in zip(encodings, cut)]
+        """``__call__`` for many texts at once. A long text is first tokenized as far as its
+        ``_head_words``-th space only; the rest of it, only if that did not overflow."""
+        results: list = [None] * len(texts)
+        if self._head_words:
+            heads = []
+            for i, text in enumerate(texts):
+                words = text.split(" ", self._head_words)
+                if len(words) > self._head_words:
+                    end = len(text) - len(words[-1]) - 1  # the _head_words-th space
+                    if end <= self._max_chars:
+                        heads.append((i, text[:end]))
+            for (i, _), e in zip(heads, self._tok.encode_batch_fast([h for _, h in heads])):
+                if e.overflowing:
+                    results[i] = (tuple(e.ids), True)
+        rest = [i for i, r in enumerate(results) if r is None]
+        encodings = self._tok.encode_batch_fast([texts[i][: self._max_chars] for i in rest])
+        for i, e in zip(rest, encodings):
+            results[i] = (tuple(e.ids), len(texts[i]) > self._max_chars or bool(e.overflowing))
+        return results
+
+
+def _splits_at_spaces(tokenizer) -> bool:
+    """A tokenizer whose tokens of a text's words before a space do not depend on what follows:
+    BERT's pre-tokenizer (words at whitespace, then punctuation) after BERT's per-character
+    normalizer (or none)."""
+    normalizer = type(tokenizer.normalizer).__name__ if tokenizer.normalizer else None
+    return (type(tokenizer.pre_tokenizer).__name__ == "BertPreTokenizer"
+            and normalizer in (None, "BertNormalizer"))
 
 
 class _PrepareTextFn(beam.DoFn):
