@@ -1,7 +1,8 @@
 """The pipeline graphs, box by box as in README.md's diagram. Each box is a PTransform in transforms/.
 
-Batch:      files -> ReadJsonLines -> Parse -> PrepareText -> DropDuplicates -> EmbedWithVLLM
-              -> WriteVectors, WriteDeadLetters (into the run's staging folder) -> CommitRun
+Batch:      files -> ReadJsonLines (fans out its lines) -> Parse -> PrepareText -> EmbedWithVLLM
+              -> DropDuplicates -> WriteVectors, WriteDeadLetters (into the run's staging
+              folder) -> CommitRun
 Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> GroupMicroBatches (with every
               dead letter so far) -> DropDuplicatesStreaming -> EmbedMicroBatches
               -> WriteMicroBatches (vectors, dead letters and a ledger record per micro-batch)
@@ -53,20 +54,22 @@ def embed_and_write(payloads, config: Config, run_id: str,
     checked and published by CommitRun. Returns the summary (a PCollection of one dict)."""
     parsed = _parse(payloads, config)
     prepared = _prepare(parsed.events, config)
-    unique = prepared.docs | "DropDuplicates" >> DropDuplicates(config.dedup.key)
-    embedded = unique.docs | "EmbedWithVLLM" >> EmbedWithVLLM(
+    # No grouping between preparing and embedding: in a batch job it would be a barrier, every
+    # article prepared before the first is embedded. Duplicates are dropped from the vector rows.
+    embedded = prepared.docs | "EmbedWithVLLM" >> EmbedWithVLLM(
         config.model, dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes,
         engine_factory=engine_factory)
+    unique = embedded.embedded | "DropDuplicates" >> DropDuplicates(config.dedup.key)
     staging = staging_prefix(config.output, run_id)
-    vectors = embedded.embedded | "WriteVectors" >> WriteVectors(
+    vectors = unique.docs | "WriteVectors" >> WriteVectors(
         staging, run_id, config.model.dim, config.sink.row_group_rows)
     dead_letters = ((parsed.dead_letter, prepared.dead_letter, embedded.dead_letter)
                     | "CollectDeadLetters" >> beam.Flatten()
                     | "WriteDeadLetters" >> WriteDeadLetters(staging, run_id))
     tallies = [tally(payloads, "in"),
                tally(unique.duplicates, "duplicates", lambda n: n),
-               tally(embedded.embedded, "embedded"),
-               tally(embedded.embedded, "truncated", lambda row: int(row.doc.truncated))]
+               tally(unique.docs, "rows"),
+               tally(unique.docs, "truncated", lambda row: int(row.truncated))]
     return payloads.pipeline | "CommitRun" >> CommitRun(
         config.output, run_id, summary_base(config), vectors=vectors, dead_letters=dead_letters,
         tallies=tallies, lease_s=config.sink.commit_lease_s)

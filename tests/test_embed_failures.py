@@ -66,7 +66,7 @@ def test_embed_transform_routes_failures_to_dead_letters_and_keeps_the_rest():
     docs = [doc(i, poison=(i == 2)) for i in range(6)]
     with TestPipeline(runner="FnApiRunner") as p:
         out = p | beam.Create(docs) | EmbedWithVLLM(SETTINGS, engine_factory=FakeEngine)
-        assert_that(out.embedded | beam.Map(lambda e: (e.doc.event.id, e.model)),
+        assert_that(out.embedded | beam.Map(lambda e: (e.id, e.model)),
                     equal_to([(f"d{i}", "fake@0") for i in (0, 1, 3, 4, 5)]), label="rows")
         assert_that(out.dead_letter | beam.Map(lambda d: (d.event_id, d.step, d.reason,
                                                           "illegal memory" in d.detail)),
@@ -177,8 +177,8 @@ def test_real_engine_breaking_mid_job_is_retried_and_dead_letters_nothing(tokeni
     p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions())
     out = (p | beam.Create(docs)
            | EmbedWithVLLM(settings, engine_factory=BreaksOnceReal))
-    assert_that(out.embedded | beam.Map(lambda e: (e.doc.event.id, round(float(
-        np.dot(e.embedding, expected[e.doc.event.id])), 4))),
+    assert_that(out.embedded | beam.Map(lambda e: (e.id, round(float(
+        np.dot(e.embedding, expected[e.id])), 4))),
         equal_to([(d.event.id, 1.0) for d in docs]), label="every row, once, its own vector")
     assert_that(out.dead_letter, equal_to([]), label="no dead letter")
     p.run().wait_until_finish()
@@ -190,7 +190,7 @@ def test_real_engine_input_failure_dead_letters_that_input_alone(tokenizer, real
     bad = doc(99, ids=(101, 10**7, 102))  # a token id the model does not have: vLLM rejects it
     with TestPipeline(runner="FnApiRunner") as p:
         out = p | beam.Create(docs + [bad]) | EmbedWithVLLM(SETTINGS)
-        assert_that(out.embedded | beam.Map(lambda e: e.doc.event.id),
+        assert_that(out.embedded | beam.Map(lambda e: e.id),
                     equal_to([d.event.id for d in docs]), label="rows")
         assert_that(out.dead_letter | beam.Map(lambda d: (d.event_id, d.reason)),
                     equal_to([("d99", Reason.EMBEDDING_FAILED)]), label="dead")

@@ -46,8 +46,8 @@ def row(event_id: str) -> EmbeddedDoc:
                       published_at=dt.datetime(2001, 1, 1, tzinfo=dt.timezone.utc))
     doc = PreparedDoc(event=event, text="x", text_sha256="0" * 64, token_ids=(101, 7, 102),
                       truncated=False)
-    return EmbeddedDoc(doc=doc, embedding=np.ones(384, np.float32) / np.sqrt(384), model="fake@0",
-                       embedded_at=dt.datetime(2026, 12, 1, 10, 5, tzinfo=dt.timezone.utc))
+    return EmbeddedDoc.of(doc, np.ones(384, np.float32) / np.sqrt(384), "fake@0",
+                          dt.datetime(2026, 12, 1, 10, 5, tzinfo=dt.timezone.utc))
 
 
 def letter(event_id: str, reason="invalid_json") -> DeadLetter:
@@ -230,9 +230,8 @@ def test_the_ledger_command_names_what_does_not_add_up(tmp_path):
 def test_pubsub_lineage_columns_are_filled_for_streamed_events_only():
     published = dt.datetime(2026, 12, 1, 10, 0, 1, tzinfo=dt.timezone.utc)
     streamed = row("s")
-    streamed = dataclasses.replace(streamed, doc=dataclasses.replace(
-        streamed.doc, event=streamed.doc.event.model_copy(update={"lineage": Lineage(
-            message_id="m1", publish_time=published, attributes=(("k", "v"),))})))
+    streamed = dataclasses.replace(streamed, lineage=Lineage(
+        message_id="m1", publish_time=published, attributes=(("k", "v"),)))
     table = to_table([streamed, row("f")], vector_schema(384))
     assert table["pubsub_message_id"].to_pylist() == ["m1", None]
     assert table["pubsub_publish_time"].to_pylist() == [published, None]

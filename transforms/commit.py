@@ -243,10 +243,10 @@ class _CommitFn(beam.DoFn):
         holds = counts["in"] == counts["accounted"]
         summary = {**self._summary, "run_id": self._run_id, "counts": counts,
                    "invariant_holds": holds}
-        if not holds or stored["written"] != tallies["embedded"]:
+        if not holds or stored["written"] != tallies["rows"]:
             raise AccountingError(
                 f"run {self._run_id} does not balance, nothing published: in={counts['in']}, "
-                f"written (in storage)={counts['written']} (embedded: {tallies['embedded']}), "
+                f"written (in storage)={counts['written']} (rows sent: {tallies['rows']}), "
                 f"dead_lettered={counts['dead_lettered']}, duplicates={counts['duplicates']}")
         staging = staging_prefix(self._output, self._run_id)
         summary_path = join_path(staging, SUMMARY_FILE)
@@ -271,7 +271,7 @@ def tally(pcoll, name: str, value=lambda _: 1):
 class CommitRun(beam.PTransform):
     """The batch job's last step (see the module docstring), applied to the pipeline. It reads the
     staged vector and dead-letter file names (the writes' outputs, so it runs after them) and the
-    tallies ``in``, ``embedded``, ``duplicates``, ``truncated`` as side inputs. Output: the
+    tallies ``in``, ``rows`` (sent to the writer), ``duplicates``, ``truncated`` as side inputs. Output: the
     summary."""
 
     def __init__(self, output: str, run_id: str, summary: dict, *, vectors, dead_letters,

@@ -1,9 +1,12 @@
-"""Drop duplicates: keep one PreparedDoc per key, and count the rest.
+"""Drop duplicates: keep one document per key, and count the rest.
 
 The key is the event id (default) or the text hash.
-- Batch (``DropDuplicates``): one per key within a run. Which copy survives is deterministic: the
-  one published last (an update supersedes the original), then the greatest text hash. The count of
-  dropped copies is an output of its own, for the run's ledger.
+- Batch (``DropDuplicates``): one vector row per key within a run, after embedding (a grouping is a
+  barrier in a batch job: before the embedding it would keep the GPU idle while every article is
+  prepared; after it, preparing and embedding run at once, and a duplicate costs its embedding).
+  Which copy survives is deterministic: the one published last (an update supersedes the
+  original), then the greatest text hash. The count of dropped copies is an output of its own, for
+  the run's ledger.
 - Streaming (``DropDuplicatesStreaming``): one per key within a horizon of event time, applied to
   each ``MicroBatch``. The FIRST copy seen survives: a stream cannot hold a document back waiting
   for a later copy.
@@ -24,8 +27,9 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 from transforms.metrics import DUPLICATES
 from transforms.schema import PreparedDoc
 
+# Documents (PreparedDoc, streaming) and vector rows (EmbeddedDoc, batch) both have these.
 KEYS = {
-    "id": lambda doc: doc.event.id,
+    "id": lambda doc: doc.id,
     "text_sha256": lambda doc: doc.text_sha256,
 }
 DUPLICATES_TAG = "duplicates"
@@ -38,8 +42,8 @@ def shard_of(key: str, shards: int) -> int:
     return zlib.crc32(key.encode("utf-8")) % shards
 
 
-def survivor_rank(doc: PreparedDoc):
-    return (doc.event.published_at or _EARLIEST, doc.text_sha256, doc.event.id)
+def survivor_rank(doc):
+    return (doc.published_at or _EARLIEST, doc.text_sha256, doc.id)
 
 
 def _keep_one(keyed):
@@ -52,7 +56,7 @@ def _keep_one(keyed):
 
 
 class DropDuplicates(beam.PTransform):
-    """PreparedDoc -> PreparedDoc, one per key (main output ``docs``), and the number of copies
+    """EmbeddedDoc -> EmbeddedDoc, one per key (main output ``docs``), and the number of copies
     dropped per key (``duplicates`` output). Batch (bounded) input."""
 
     def __init__(self, key: str = "id"):

@@ -319,8 +319,7 @@ def _embedded_or_dead(doc: PreparedDoc, result, model: str, payload_limit: int):
     if isinstance(result, EmbedFailure):
         return DeadLetter.for_event(doc.event, Step.EMBED, Reason.EMBEDDING_FAILED, result.error,
                                     payload_limit)
-    return EmbeddedDoc(doc=doc, embedding=result, model=model,
-                       embedded_at=dt.datetime.now(dt.timezone.utc))
+    return EmbeddedDoc.of(doc, result, model, dt.datetime.now(dt.timezone.utc))
 
 
 class _RouteFn(beam.DoFn):

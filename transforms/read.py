@@ -5,8 +5,9 @@ Unlike ``ReadFromText``, which holds each line whole, a line is never buffered p
 its size, which Parse dead-letters as ``payload_too_large``. Memory per reader stays bounded by
 ``max_line_bytes`` plus one read chunk.
 
-Files are the unit of parallelism (``MatchFiles`` -> ``ReadMatches`` -> reshuffle), so a glob of
-many files spreads over workers; one huge file is read by one worker, as a gzip file always is.
+Reading one file is serial (a gzip file cannot be split); everything after it is not: the lines
+are redistributed (``Reshuffle``) as soon as they are read, so parsing, preparing and embedding
+spread over every worker and core, even for a day in one large ``.jsonl.gz``.
 """
 from __future__ import annotations
 
@@ -87,4 +88,5 @@ class ReadJsonLines(beam.PTransform):
                                                fileio.EmptyMatchTreatment.DISALLOW)
                 | "Open" >> fileio.ReadMatches()
                 | "SpreadFiles" >> beam.Reshuffle()
-                | "ReadLines" >> beam.ParDo(_ReadLinesFn(self._max_line_bytes)))
+                | "ReadLines" >> beam.ParDo(_ReadLinesFn(self._max_line_bytes))
+                | "SpreadLines" >> beam.Reshuffle())

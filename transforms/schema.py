@@ -2,7 +2,7 @@
 
 - ``NewsEvent``: a validated input event (the input contract, as a pydantic model).
 - ``PreparedDoc``: an event with its normalized text and model token ids.
-- ``EmbeddedDoc``: a prepared document with its vector.
+- ``EmbeddedDoc``: a vector row: the output columns of an embedded document, and nothing else.
 - ``DeadLetter``: an input that could not become a vector row, with the step and the reason.
 - ``OversizedPayload``: the head of an input line too large to read whole.
 - ``MicroBatch``: streaming: one firing of one window and shard, embedded and written together.
@@ -82,15 +82,42 @@ class PreparedDoc:
     def token_count(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def id(self) -> str:
+        return self.event.id
+
+    @property
+    def published_at(self) -> Optional[dt.datetime]:
+        return self.event.published_at
+
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddedDoc:
-    """A prepared document and its vector: one row of ``vectors/`` once written."""
+    """One row of ``vectors/`` (``vector_schema``): an embedded document's output columns only.
+    Nothing after the embedding needs the body, the prepared text or the token ids, so they are
+    left behind: the dedup shuffle and the sink's batches carry rows, not documents."""
 
-    doc: PreparedDoc
-    embedding: Any  # numpy float32 array of shape (dim,)
+    id: str
+    url: Optional[str]
+    source: Optional[str]
+    title: Optional[str]
+    published_at: Optional[dt.datetime]
+    language: Optional[str]
     model: str
+    embedding: Any  # numpy float32 array of shape (dim,)
+    text_sha256: str
+    token_count: int
+    truncated: bool
     embedded_at: dt.datetime
+    lineage: Optional[Lineage] = None  # the Pub/Sub message, streaming
+
+    @classmethod
+    def of(cls, doc: PreparedDoc, embedding, model: str, embedded_at: dt.datetime) -> "EmbeddedDoc":
+        e = doc.event
+        return cls(id=e.id, url=e.url, source=e.source, title=e.title, published_at=e.published_at,
+                   language=e.language, model=model, embedding=embedding,
+                   text_sha256=doc.text_sha256, token_count=doc.token_count,
+                   truncated=doc.truncated, embedded_at=embedded_at, lineage=e.lineage)
 
 
 class Step:

@@ -58,28 +58,27 @@ def to_table(rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
     vectors = np.stack([r.embedding for r in rows]).astype(np.float32, copy=False)
     if vectors.shape[1] != dim:
         raise ValueError(f"embedding has {vectors.shape[1]} dimensions, the schema {dim}")
-    events = [r.doc.event for r in rows]
-    lineages = [e.lineage for e in events]  # None for events read from files: null columns
+    lineages = [r.lineage for r in rows]  # None for events read from files: null columns
     table = pa.table({
-        "id": [e.id for e in events],
-        "url": [e.url for e in events],
-        "source": [e.source for e in events],
-        "title": [e.title for e in events],
-        "published_at": [e.published_at for e in events],
-        "language": [e.language for e in events],
+        "id": [r.id for r in rows],
+        "url": [r.url for r in rows],
+        "source": [r.source for r in rows],
+        "title": [r.title for r in rows],
+        "published_at": [r.published_at for r in rows],
+        "language": [r.language for r in rows],
         "model": [r.model for r in rows],
         "dim": pa.array(np.full(len(rows), dim, dtype=np.int32)),
         "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), dim),
-        "text_sha256": [r.doc.text_sha256 for r in rows],
-        "token_count": pa.array([r.doc.token_count for r in rows], pa.int32()),
-        "truncated": [r.doc.truncated for r in rows],
+        "text_sha256": [r.text_sha256 for r in rows],
+        "token_count": pa.array([r.token_count for r in rows], pa.int32()),
+        "truncated": [r.truncated for r in rows],
         "embedded_at": [r.embedded_at for r in rows],
         "pubsub_message_id": [x.message_id if x else None for x in lineages],
         "pubsub_publish_time": [x.publish_time if x else None for x in lineages],
         "pubsub_attributes": [list(x.attributes) if x else None for x in lineages],
     }, schema=schema)
     ROWS_WRITTEN.inc(len(rows))
-    TRUNCATED.inc(sum(r.doc.truncated for r in rows))
+    TRUNCATED.inc(sum(r.truncated for r in rows))
     now = dt.datetime.now(dt.timezone.utc)
     for lineage in lineages:
         if lineage is not None and lineage.publish_time is not None:
