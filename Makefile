@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test benchmark benchmark-streaming soak clean
+.PHONY: setup run test benchmark benchmark-streaming benchmark-feed soak clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ benchmark: setup
 
 benchmark-streaming: setup
 	$(PY) -m pipeline.benchmark_streaming
+
+benchmark-feed: setup
+	$(PY) -m pipeline.benchmark_feed
 
 soak: setup
 	$(PY) -m pipeline.benchmark_soak

@@ -69,7 +69,9 @@ def test_dataflow_configs_are_valid_once_filled(tmp_path, name):
     flags = config.beam_flags()
     assert ("--dataflow_service_options=worker_accelerator=type:nvidia-l4;count:1;"
             "install-nvidia-driver") in flags
-    assert "--experiments=no_use_multiple_sdk_containers" in flags
+    assert not any("no_use_multiple_sdk_containers" in f for f in flags), \
+        "one SDK process per vCPU: every core prepares text"
+    assert config.model.share_across_processes, "and they share one engine"
 
 
 def test_flags_override_the_config(tmp_path):

@@ -90,15 +90,17 @@ def check_gpu_workers(request: dict) -> dict:
     """What both jobs share: L4, image, one SDK process per VM, machine, disk, autoscaling."""
     env = request["environment"]
     assert env["serviceOptions"] == [ACCELERATOR]
-    assert "no_use_multiple_sdk_containers" in env["experiments"]
-    assert "use_multiple_sdk_containers" not in env["experiments"]
+    # One SDK process per vCPU (Beam adds this experiment unless told the opposite), and one
+    # engine per machine that they share (tested in test_dataflow_configs_keep_...).
+    assert "use_multiple_sdk_containers" in env["experiments"]
+    assert "no_use_multiple_sdk_containers" not in env["experiments"]
     (pool,) = env["workerPools"]
     assert pool["machineType"] == "g2-standard-8"
     assert pool["diskSizeGb"] == 100
     assert pool["numWorkers"] == 1
     assert pool["autoscalingSettings"] == {"algorithm": "AUTOSCALING_ALGORITHM_BASIC",
                                            "maxNumWorkers": 4}
-    assert pool["numThreadsPerWorker"] == 8
+    assert pool["numThreadsPerWorker"] == 4
     assert pool["workerHarnessContainerImage"] == IMAGE
     assert {i["containerImage"] for i in pool["sdkHarnessContainerImages"]} == {IMAGE}
     options = env["sdkPipelineOptions"]["options"]
@@ -185,12 +187,16 @@ def test_unfilled_dataflow_configs_fail_at_start_naming_project_region_bucket_im
 
 
 @pytest.mark.parametrize("name", ["dataflow-batch.yaml", "dataflow-streaming.yaml"])
-def test_dataflow_configs_keep_the_model_in_the_image_and_one_engine_per_gpu(name, tmp_path):
+def test_dataflow_configs_keep_the_model_in_the_image_and_one_engine_per_machine(name, tmp_path):
     config = config_lib.load(filled_config(name, tmp_path))
     assert config.model.path.startswith("/models/")
     env = config.model.engine_env
     assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["TOKENIZERS_PARALLELISM"] == "false"
+    assert config.model.share_across_processes, "one engine per machine, shared by the processes"
+    assert config.model.max_num_batched_tokens == config.model.token_budget, \
+        "a call to the engine is one engine step, not vLLM's default 8192-token steps"
     assert 0.5 <= config.model.gpu_memory_utilization <= 0.9
     assert not config.model.enforce_eager
     assert "setup_file" not in config.beam, "newsvec is installed in the image"

@@ -23,6 +23,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import apache_beam as beam
@@ -175,6 +176,8 @@ def load_vllm(s: ModelSettings) -> Engine:
         kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
     if s.max_num_seqs is not None:
         kwargs["max_num_seqs"] = s.max_num_seqs
+    if s.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
     _LOG.info("loading %s at %s", s.name, kwargs["dtype"])
     engine = Engine(LLM(**kwargs), s, model_label(s, path))
     atexit.register(engine.close)
@@ -193,7 +196,8 @@ _HANDLES_LOCK = threading.Lock()
 def _engine_key(settings: ModelSettings) -> str:
     """What the engine depends on; batching and failure settings may differ and share it."""
     fields = ("name", "path", "revision", "dim", "dtype", "max_tokens", "trust_remote_code",
-              "enforce_eager", "gpu_memory_utilization", "max_num_seqs", "engine_env")
+              "enforce_eager", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
+              "engine_env")
     return json.dumps(settings.model_dump(include=set(fields)), sort_keys=True)
 
 
@@ -208,6 +212,18 @@ def load_engine(settings: ModelSettings) -> EngineHandle:
         if key not in _HANDLES:
             _HANDLES[key] = EngineHandle(settings, load_vllm)
         return _HANDLES[key]
+
+
+class _SharedEngine:
+    """Makes the shared engine's handle in the process multi_process_shared spawns for it."""
+
+    def __init__(self, settings: ModelSettings, factory: Optional[EngineFactory]):
+        self._settings, self._factory = settings, factory
+
+    def __call__(self) -> EngineHandle:
+        if self._factory is not None:
+            return EngineHandle(self._settings, self._factory)
+        return load_engine(self._settings)
 
 
 def token_budget_slices(docs: Sequence[PreparedDoc], budget: int) -> Iterable[list[PreparedDoc]]:
@@ -232,6 +248,9 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
         self._settings = settings
         self._engine_factory = engine_factory
         self._consecutive_failures = 0
+        # Pickled with the handler, so every worker process of this pipeline finds the same
+        # shared engine, and no other pipeline's.
+        self._shared_tag = f"newsvec-engine-{uuid.uuid4().hex}"
 
     def batch_elements_kwargs(self):
         # Batches are weighed in tokens: each holds at most token_budget tokens.
@@ -240,6 +259,16 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
                 "element_size_fn": lambda doc: doc.token_count}
 
     def load_model(self) -> EngineHandle:
+        if self._settings.share_across_processes:
+            # One engine per machine, in a process of its own that Beam's multi_process_shared
+            # spawns: every SDK process reaches it through a proxy, and none of them prepares text
+            # in the engine's process, where it would hold the GIL the engine needs. (RunInference's
+            # own share_model_across_processes puts the model in one of the SDK processes.)
+            from apache_beam.utils import multi_process_shared
+
+            return multi_process_shared.MultiProcessShared(
+                _SharedEngine(self._settings, self._engine_factory), tag=self._shared_tag,
+                always_proxy=True, spawn_process=True).acquire()
         if self._engine_factory is not None:
             return EngineHandle(self._settings, self._engine_factory)
         return load_engine(self._settings)

@@ -87,7 +87,15 @@ class ModelSettings(BaseModel):
     trust_remote_code: bool = False
     enforce_eager: bool = True
     gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1)
-    max_num_seqs: Optional[int] = Field(None, gt=0)
+    max_num_batched_tokens: Optional[int] = Field(
+        None, gt=0, description="vLLM's tokens per engine step (null: vLLM's default, 4096 on "
+                                "the CPU, 8192 on a GPU); at least max_tokens")
+    max_num_seqs: Optional[int] = Field(
+        None, gt=0, description="vLLM's sequences per engine step (null: vLLM's default, 256)")
+    share_across_processes: bool = Field(
+        False, description="One engine per machine, shared by every SDK process of the worker "
+                           "(RunInference's MultiProcessShared), so that every core prepares "
+                           "text while the one engine embeds")
     max_consecutive_failures: int = Field(
         64, gt=0, description="Inputs failing in a row before the job stops as a broken model")
     engine_env: dict[str, str] = Field(
@@ -99,6 +107,10 @@ class ModelSettings(BaseModel):
         if self.token_budget < self.max_tokens:
             raise ValueError(f"token_budget ({self.token_budget}) must be at least max_tokens "
                              f"({self.max_tokens}), or a long document fits in no batch")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_tokens:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                             f"least max_tokens ({self.max_tokens}): vLLM embeds a document in "
+                             "one engine step")
         return self
 
     def resolved_dtype(self) -> str:

@@ -1,0 +1,233 @@
+"""Can the CPU side feed a GPU? Figures, not timed asserts. ``python -m pipeline.benchmark_feed``.
+
+On the BBC articles in ../shared/data/bbc-news (repeated ``--repeat`` times, each copy its own ids),
+in one run of this command:
+  1. CPU-side cost per article of each stage, one thread, CPU time: parse, prepare (normalize) and
+     tokenize, now and as before the fast paths (tests/reference_prepare.py);
+  2. the batch graph (FnApiRunner, one SDK worker process per core asked for, the engine shared
+     across them) with a FREE engine that costs nothing: articles/s with 1 worker and with 2, and
+     the ratio;
+  3. the same graph with a MODELED engine (not a model, no GPU): each call holds no GIL and sleeps
+     ``--per-call-ms`` plus its tokens at a given tokens/s, then returns fixed vectors. At rates
+     from a fraction to a multiple of the CPU side's measured rate: articles/s and the engine's
+     duty cycle (busy time over the time from its first call to its last).
+Rates are measured over the embedding stage: from the engine's first call to its last. Medians of
+``--runs``. Writes ``bench-results/feed-<time>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.benchmark import bbc_texts
+from pipeline.config import REPO_ROOT, load
+
+# What the MODELED engine's rates stand for (assumptions, printed with the figures):
+L4_BERT_BASE_TOKENS_PER_S = 500 * 405  # ~500 articles/s of bge-base at a 512-token cap (README)
+L4_MINILM_TOKENS_PER_S = 10 * L4_BERT_BASE_TOKENS_PER_S  # a MiniLM-class model: ~10x less work
+
+
+class ModeledEngine:
+    """MODELED engine, not a model: stands for a GPU that computes while the CPU goes on. A call
+    holds no GIL while it "computes": it sleeps ``per_call_s + tokens / tokens_per_s``. Each call's
+    start and end go to ``log_path`` (appended), so the busy time is known whichever process
+    serves the engine. ``tokens_per_s`` None: a FREE engine (no sleep)."""
+
+    def __init__(self, settings, tokens_per_s, per_call_s, log_path):
+        self.label = "modeled@0" if tokens_per_s else "free@0"
+        self._tokens_per_s, self._per_call_s, self._log = tokens_per_s, per_call_s, log_path
+        self._vector = np.eye(1, settings.dim, dtype=np.float32)[0]
+
+    def embed(self, prompts):
+        started = time.time()
+        if self._tokens_per_s:
+            time.sleep(self._per_call_s + sum(len(p) for p in prompts) / self._tokens_per_s)
+        ended = time.time()
+        with open(self._log, "a") as f:
+            f.write(f"{started} {ended} {len(prompts)}\n")
+        return [self._vector] * len(prompts)
+
+    def healthy(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class ModeledEngineFactory:
+    """Picklable: the SDK worker processes make the engine from it."""
+
+    def __init__(self, tokens_per_s, per_call_s, log_path):
+        self.tokens_per_s, self.per_call_s, self.log_path = tokens_per_s, per_call_s, log_path
+
+    def __call__(self, settings):
+        return ModeledEngine(settings, self.tokens_per_s, self.per_call_s, self.log_path)
+
+
+def engine_log(path: Path) -> tuple[float, float, int, float]:
+    """(first start, last end, documents, busy seconds) from a ModeledEngine log."""
+    calls = sorted(tuple(map(float, line.split())) for line in path.read_text().splitlines())
+    busy, until = 0.0, 0.0
+    for start, end, _ in calls:  # calls are serialized; the union guards against overlap anyway
+        busy += max(0.0, end - max(start, until))
+        until = max(until, end)
+    return calls[0][0], max(c[1] for c in calls), int(sum(c[2] for c in calls)), busy
+
+
+def stage_costs(texts: list[str], config) -> dict:
+    """µs of CPU per article of each stage, one thread, now and before the fast paths."""
+    from tests import reference_prepare as reference
+    from transforms.parse import parse_event
+    from transforms.text import HeadTokenizer, compose_text
+
+    payloads = [json.dumps({"id": f"b{i}", "body": t}).encode() for i, t in enumerate(texts)]
+
+    def cpu_us(fn) -> tuple[float, object]:
+        started = time.process_time()
+        out = fn()
+        return (time.process_time() - started) / len(texts) * 1e6, out
+
+    skew = dt.timedelta(days=1)
+    parse_us, events = cpu_us(lambda: [parse_event(p, max_payload_bytes=1 << 20,
+                                                   max_future_skew=skew) for p in payloads])
+    prepare_us, prepared = cpu_us(lambda: [compose_text(e) for e in events])
+    before_prepare_us, before = cpu_us(lambda: [reference.compose_text(e.title, e.body)
+                                                for e in events])
+    assert prepared == before, "the fast paths changed a prepared text"
+    tokenizer = HeadTokenizer(config.model)
+
+    def tokenize(fn):
+        return [r for i in range(0, len(prepared), 128) for r in fn(prepared[i:i + 128])]
+
+    tokenize_us, ids = cpu_us(lambda: tokenize(tokenizer.batch))
+    before_tokenize_us, before_ids = cpu_us(lambda: tokenize(
+        lambda b: reference.head_tokens(tokenizer._tok, b, config.model.max_tokens)))
+    assert ids == before_ids, "the fast path changed token ids"
+    now = {"parse": parse_us, "prepare": prepare_us, "tokenize": tokenize_us}
+    was = {"parse": parse_us, "prepare": before_prepare_us, "tokenize": before_tokenize_us}
+    return {"now_us": {**now, "total": sum(now.values())},
+            "before_us": {**was, "total": sum(was.values())},
+            "mean_tokens": statistics.mean(len(i) for i, _ in ids)}
+
+
+def graph_rate(events_path: Path, config, work: Path, workers: int, tokens_per_s, per_call_s):
+    """Articles/s of the batch graph's embedding stage, and the engine's duty cycle there."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from pipeline.run import run_batch
+
+    log = work / f"engine-{time.time_ns()}.log"
+    model = config.model.model_copy(update={"share_across_processes": True})
+    run_config = config.model_copy(update={"input": str(events_path), "model": model,
+                                           "output": str(work / f"out-{time.time_ns()}")})
+    options = ["--runner=FnApiRunner", f"--direct_num_workers={workers}",
+               "--direct_running_mode=multi_processing"]
+    run_batch(run_config, PipelineOptions(options),
+              engine_factory=ModeledEngineFactory(tokens_per_s, per_call_s, str(log)))
+    first, last, docs, busy = engine_log(log)
+    return {"docs_per_s": docs / (last - first), "duty_cycle": busy / (last - first),
+            "engine_capacity_docs_per_s": docs / busy if busy else None,
+            "seconds": last - first, "docs": docs}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.benchmark_feed",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "local.yaml"))
+    parser.add_argument("--repeat", type=int, default=3, help="copies of the BBC articles")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=3,
+                        help="SDK worker processes for the modeled-engine runs")
+    parser.add_argument("--per-call-ms", type=float, default=2.0,
+                        help="the modeled engine's fixed cost per call (launch, scheduling)")
+    parser.add_argument("--rates", default="0.5,0.75,1,1.5,2",
+                        help="modeled engine rates, as multiples of the CPU side's rate")
+    parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker process
+    config = load(args.config)
+    texts = bbc_texts(None)
+    work = Path(tempfile.mkdtemp(prefix="newsvec-feed-"))
+    events = work / "events.jsonl"
+    with open(events, "w", encoding="utf-8") as f:
+        for copy in range(args.repeat):
+            for i, text in enumerate(texts):
+                f.write(json.dumps({"id": f"bbc-{copy}-{i:05d}", "body": text}) + "\n")
+    n = len(texts) * args.repeat
+    results: dict = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                     "cpus": os.cpu_count(), "articles": n, "runs": args.runs,
+                     "per_call_ms": args.per_call_ms, "workers": args.workers}
+
+    costs = stage_costs(texts, config)
+    results["stage_costs"] = costs
+    print("CPU per article, one thread (µs):  now / before the fast paths")
+    for stage in ("parse", "prepare", "tokenize", "total"):
+        print(f"  {stage:9s} {costs['now_us'][stage]:7.0f} / {costs['before_us'][stage]:7.0f}")
+    tokens_per_article = costs["mean_tokens"]
+
+    def median_run(workers, tokens_per_s, per_call_s):
+        runs = [graph_rate(events, config, work, workers, tokens_per_s, per_call_s)
+                for _ in range(args.runs)]
+        rate = statistics.median(r["docs_per_s"] for r in runs)
+        duty = statistics.median(r["duty_cycle"] for r in runs)
+        capacity = statistics.median(r["engine_capacity_docs_per_s"] or float("inf") for r in runs)
+        return {"docs_per_s": rate, "duty_cycle": duty, "engine_capacity_docs_per_s": capacity,
+                "runs": runs}
+
+    free = {w: median_run(w, None, 0.0) for w in (1, 2, args.workers)}
+    scaling = free[2]["docs_per_s"] / free[1]["docs_per_s"]
+    results["free_engine"] = {str(w): r for w, r in free.items()}
+    results["free_engine_scaling_1_to_2"] = scaling
+    print(f"batch graph, FREE engine: 1 worker {free[1]['docs_per_s']:.0f} articles/s, 2 workers "
+          f"{free[2]['docs_per_s']:.0f}: x{scaling:.2f} (goal >= 1.8); {args.workers} workers "
+          f"{free[args.workers]['docs_per_s']:.0f}")
+
+    cpu_rate = free[args.workers]["docs_per_s"]  # the CPU side's rate, all cores, this graph
+    sweep = []
+    print(f"MODELED engine ({args.workers} workers, {args.per_call_ms:g} ms a call, "
+          f"{tokens_per_article:.0f} tokens an article; CPU side {cpu_rate:.0f} articles/s):")
+    for multiple in (float(m) for m in args.rates.split(",")):
+        engine_rate = multiple * cpu_rate  # articles/s the modeled engine does, calls apart
+        run = median_run(args.workers, engine_rate * tokens_per_article,
+                         args.per_call_ms / 1000)
+        # The engine's capacity as it ran (its calls' fixed cost included), against the CPU's.
+        bound = min(run["engine_capacity_docs_per_s"], cpu_rate)
+        sweep.append({"engine_over_cpu": multiple, "engine_articles_per_s": engine_rate,
+                      "of_the_bound": run["docs_per_s"] / bound, **run})
+        print(f"  engine {multiple:4.2f} x CPU ({engine_rate:6.0f} articles/s, "
+              f"{run['engine_capacity_docs_per_s']:6.0f} with its per-call cost): "
+              f"{run['docs_per_s']:6.0f} articles/s = {run['docs_per_s'] / bound:.2f} of "
+              f"min(engine, CPU); duty cycle {run['duty_cycle']:.2f}")
+    results["modeled_sweep"] = sweep
+    l4 = {}
+    for name, tokens_per_s in (("L4, BERT-base", L4_BERT_BASE_TOKENS_PER_S),
+                               ("L4, MiniLM-class", L4_MINILM_TOKENS_PER_S)):
+        run = median_run(args.workers, tokens_per_s, args.per_call_ms / 1000)
+        l4[name] = {"tokens_per_s": tokens_per_s, **run}
+        print(f"  {name} (assumed {tokens_per_s:,} tokens/s, i.e. "
+              f"{tokens_per_s / tokens_per_article:.0f} of these articles/s): "
+              f"{run['docs_per_s']:.0f} articles/s, duty cycle {run['duty_cycle']:.2f}")
+    results["modeled_l4"] = l4
+    out_dir = Path(args.results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_file = out_dir / f"feed-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}.json"
+    out_file.write_text(json.dumps(results, indent=2, default=str))
+    print(f"results: {out_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run from the module's importable name, so that the pickled factory's class is found by name.
+    from pipeline import benchmark_feed
+
+    sys.exit(benchmark_feed.main())
