@@ -102,11 +102,26 @@ def test_generated_texts_normalize_exactly_as_before(value):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
-@given(st.lists(st.one_of(st.sampled_from(["é", "ü", "中", "ﬁ", "\u0301", "...", "--", "don't"]),
+@given(st.lists(st.one_of(st.sampled_from(["é", "ü", "中", "ﬁ", "\u0301", "...", "--", "don't",
+                                           "\t", "\x07", "\x0b", "A\x1fB", "\r\n", "\x7f"]),
                           WORDS), min_size=1, max_size=700).map(" ".join))
 def test_generated_long_texts_tokenize_exactly_as_before(tokenizer, raw_tokenizer, value):
     assert tokenizer.batch([value]) == reference.head_tokens(raw_tokenizer, [value],
                                                              tokenizer.max_tokens)
+
+
+def test_ascii_texts_take_the_path_without_the_normalizer(tokenizer):
+    """The BBC and generated tests above cover its output; this shows it is taken."""
+    assert tokenizer._ascii_tok is not None
+    calls = []
+    real = tokenizer._batch
+    tokenizer._batch = lambda tok, texts: calls.append((tok, list(texts))) or real(tok, texts)
+    try:
+        tokenizer.batch(["Plain ASCII News", "Café society", "tab\there"])
+    finally:
+        del tokenizer._batch
+    assert calls == [(tokenizer._ascii_tok, ["plain ascii news", "tab\there"]),
+                     (tokenizer._tok, ["Café society"])]
 
 
 def test_str_split_whitespace_is_the_regex_whitespace():
