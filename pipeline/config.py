@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from transforms.chunking import ChunkingSettings
 from transforms.dedup import KEYS as DEDUP_KEYS
 from transforms.model import ModelSettings
 
@@ -61,6 +62,9 @@ class SinkSettings(_Section):
     commit_lease_s: float = Field(
         600, gt=0, description="Batch: how long another run's unfinished publish into the same "
                                "output is waited for before this run takes over")
+    store_chunk_text: bool = Field(
+        False, description="Chunks mode: write each chunk's text in chunks/ (chunk_text), for "
+                           "retrieval-augmented generation")
 
 
 class StreamingSettings(_Section):
@@ -79,12 +83,21 @@ class Config(_Section):
     input: Optional[str] = Field(None, description="JSON Lines glob, local or gs://, .gz allowed")
     output: str = Field(description="Output prefix, local or gs://")
     model: ModelSettings
+    chunking: ChunkingSettings = ChunkingSettings()
     parse: ParseSettings = ParseSettings()
     text: TextSettings = TextSettings()
     dedup: DedupSettings = DedupSettings()
     sink: SinkSettings = SinkSettings()
     streaming: StreamingSettings = StreamingSettings()
     beam: dict[str, Any] = Field(default_factory=dict, description="Beam pipeline options")
+
+    @model_validator(mode="after")
+    def _chunks_fit_the_model(self):
+        if (self.chunking.chunk_tokens or 0) > self.model.max_tokens:
+            raise ValueError(f"chunking.chunk_tokens ({self.chunking.chunk_tokens}) must be at most "
+                             f"model.max_tokens ({self.model.max_tokens}): the engine would "
+                             "truncate chunks")
+        return self
 
     def beam_flags(self) -> list[str]:
         """The ``beam:`` section as command-line flags, for PipelineOptions."""

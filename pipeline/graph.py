@@ -1,8 +1,8 @@
 """The pipeline graphs, box by box as in README.md's diagram. Each box is a PTransform in transforms/.
 
 Batch:      files -> ReadJsonLines (fans out its lines) -> Parse -> PrepareText -> EmbedWithVLLM
-              -> DropDuplicates -> WriteVectors, WriteDeadLetters (into the run's staging
-              folder) -> CommitRun
+              -> DropDuplicates -> WriteVectors, WriteChunks (chunks mode), WriteDeadLetters
+              (into the run's staging folder) -> CommitRun
 Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> GroupMicroBatches (with every
               dead letter so far) -> DropDuplicatesStreaming -> EmbedMicroBatches
               -> WriteMicroBatches (vectors, dead letters and a ledger record per micro-batch)
@@ -21,7 +21,7 @@ from transforms.microbatch import GroupMicroBatches
 from transforms.model import model_content_hash, resolve_model_path
 from transforms.parse import ParseEvents
 from transforms.read import ReadJsonLines
-from transforms.sinks import WriteDeadLetters, WriteMicroBatches, WriteVectors
+from transforms.sinks import WriteChunks, WriteDeadLetters, WriteMicroBatches, WriteVectors
 from transforms.text import PrepareText
 from transforms.windowing import FixedEventTimeWindows, WindowByEventTime
 
@@ -35,14 +35,21 @@ def _parse(payloads, config: Config):
 
 def _prepare(events, config: Config):
     return events | "PrepareText" >> PrepareText(
-        config.model, max_text_chars=config.text.max_text_chars,
+        config.model, chunking=config.chunking, max_text_chars=config.text.max_text_chars,
         dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes)
+
+
+def _embed_settings(config: Config, engine_factory) -> dict:
+    return dict(chunking=config.chunking, store_chunk_text=config.sink.store_chunk_text,
+                dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes,
+                engine_factory=engine_factory)
 
 
 def summary_base(config: Config) -> dict:
     """What a run's ``_summary.json`` says about its settings (the counts are added by CommitRun)."""
     model_path = resolve_model_path(config.model.path)
     return {"input": config.input, "output": config.output,
+            "chunking": config.chunking.model_dump(),
             "model": {**config.model.model_dump(), "resolved_path": model_path,
                       "resolved_dtype": config.model.resolved_dtype(),
                       "content_sha256": model_content_hash(model_path) or None}}
@@ -57,22 +64,26 @@ def embed_and_write(payloads, config: Config, run_id: str,
     # No grouping between preparing and embedding: in a batch job it would be a barrier, every
     # article prepared before the first is embedded. Duplicates are dropped from the vector rows.
     embedded = prepared.docs | "EmbedWithVLLM" >> EmbedWithVLLM(
-        config.model, dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes,
-        engine_factory=engine_factory)
+        config.model, **_embed_settings(config, engine_factory))
     unique = embedded.embedded | "DropDuplicates" >> DropDuplicates(config.dedup.key)
     staging = staging_prefix(config.output, run_id)
     vectors = unique.docs | "WriteVectors" >> WriteVectors(
         staging, run_id, config.model.dim, config.sink.row_group_rows)
+    chunk_rows = unique.docs | "ChunkRows" >> beam.FlatMap(lambda row: row.chunks)
+    chunks = (chunk_rows | "WriteChunks" >> WriteChunks(
+        staging, run_id, config.model.dim, config.sink.row_group_rows)
+        if config.chunking.mode == "chunks" else None)
     dead_letters = ((parsed.dead_letter, prepared.dead_letter, embedded.dead_letter)
                     | "CollectDeadLetters" >> beam.Flatten()
                     | "WriteDeadLetters" >> WriteDeadLetters(staging, run_id))
     tallies = [tally(payloads, "in"),
                tally(unique.duplicates, "duplicates", lambda n: n),
                tally(unique.docs, "rows"),
-               tally(unique.docs, "truncated", lambda row: int(row.truncated))]
+               tally(unique.docs, "truncated", lambda row: int(row.truncated)),
+               tally(chunk_rows, "chunks")]
     return payloads.pipeline | "CommitRun" >> CommitRun(
         config.output, run_id, summary_base(config), vectors=vectors, dead_letters=dead_letters,
-        tallies=tallies, lease_s=config.sink.commit_lease_s)
+        chunks=chunks, tallies=tallies, lease_s=config.sink.commit_lease_s)
 
 
 def build_batch(pipeline: beam.Pipeline, config: Config, run_id: str,
@@ -107,8 +118,7 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
                | "DropDuplicates" >> DropDuplicatesStreaming(config.dedup.key,
                                                              s.dedup_horizon_s))
     embedded = batches | "EmbedWithVLLM" >> EmbedMicroBatches(
-        config.model, dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes,
-        engine_factory=engine_factory)
+        config.model, **_embed_settings(config, engine_factory))
     return embedded | "WriteMicroBatches" >> WriteMicroBatches(
         config.output, run_id, config.model.dim, config.sink.row_group_rows)
 

@@ -7,7 +7,7 @@ optional), prints the totals as JSON, and exits 1, naming each window, if:
 - a record does not balance (``messages_in != rows_written + dead_lettered + duplicates``);
 - a record names a file that is missing or, with verification on (the default), holds another number
   of rows (Parquet footer) or dead letters (lines) than the record says;
-- a data file under ``vectors/`` or ``dead_letter/`` has no record that names it.
+- a data file under ``vectors/``, ``chunks/`` or ``dead_letter/`` has no record that names it.
 A window still being written (the job is running, a late pane may come) can show a data file whose
 record is not written yet; check windows older than ``allowed_lateness_s`` plus a few minutes, or a
 drained job.
@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from transforms.schema import LedgerRecord
-from transforms.sinks import DEAD_LETTER_DIR, LEDGER_DIR, VECTORS_DIR, join_path
+from transforms.sinks import CHUNKS_DIR, DEAD_LETTER_DIR, LEDGER_DIR, VECTORS_DIR, join_path
 
 # part-<run_id>-<window start>-<pane>-<shard>-of-<n>.<suffix>, as sinks.window_file_name writes it
 _NAME = re.compile(r"^part-\d{8}T\d{6}Z-[0-9a-f]{8}-(\d{8}T\d{6}Z)-\d{3}-\d{5}-of-\d{5}\.\w+$")
@@ -109,7 +109,7 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
         where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
         windows.add(r.window_start)
         for key in ("messages_in", "rows_written", "dead_lettered", "duplicates",
-                    "late_reassigned"):
+                    "late_reassigned", "chunks_written"):
             totals[key] += getattr(r, key)
         reasons.update(r.dead_lettered_by_reason)
         if not r.balances():
@@ -119,6 +119,7 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
         if sum(r.dead_lettered_by_reason.values()) != r.dead_lettered:
             problems.append(f"{where}: dead letters by reason do not add up to {r.dead_lettered}")
         for kind, relative, count in (("vectors", r.vectors_file, r.rows_written),
+                                      ("chunks", r.chunks_file, r.chunks_written),
                                       ("dead letter", r.dead_letter_file, r.dead_lettered)):
             if relative is None:
                 if count:
@@ -129,12 +130,13 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
             if not FileSystems.exists(path):
                 problems.append(f"{where}: its {kind} file {relative} is missing")
             elif verify:
-                found = (_parquet_rows(path) if kind == "vectors"
-                         else sum(1 for line in _read(path).splitlines() if line))
+                found = (sum(1 for line in _read(path).splitlines() if line)
+                         if kind == "dead letter" else _parquet_rows(path))
                 if found != count:
                     problems.append(f"{where}: {relative} holds {found} rows, the record says "
                                     f"{count}")
-    for subdir, suffix in ((VECTORS_DIR, ".parquet"), (DEAD_LETTER_DIR, ".jsonl")):
+    for subdir, suffix in ((VECTORS_DIR, ".parquet"), (CHUNKS_DIR, ".parquet"),
+                           (DEAD_LETTER_DIR, ".jsonl")):
         for path in _list(output, subdir, suffix, partitions):
             window = _window_of_name(path)
             if not in_range(window):

@@ -15,7 +15,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from tests.conftest import make_config
 from tests.fakes import POISON, FakeEngine
-from transforms.embed import (Engine, EngineFailedError, EngineHandle, EmbedWithVLLM,
+from transforms.embed import (EmbedFailure, Engine, EngineFailedError, EngineHandle, EmbedWithVLLM,
                               ModelBrokenError, VLLMEmbeddingHandler, load_engine)
 from transforms.schema import NewsEvent, PreparedDoc, Reason
 
@@ -36,10 +36,10 @@ def test_bisection_dead_letters_only_the_failing_inputs():
     model = EngineHandle(SETTINGS, FakeEngine)
     batch = [doc(i, poison=i in (3, 11)) for i in range(16)]
     results = list(handler().run_inference(batch, model))
-    failed = [r.example.event.id for r in results if not isinstance(r.inference, np.ndarray)]
+    failed = [r.example.event.id for r in results if isinstance(r.inference, EmbedFailure)]
     assert failed == ["d3", "d11"]
-    good = {r.example.event.id: int(np.argmax(r.inference)) for r in results
-            if isinstance(r.inference, np.ndarray)}
+    good = {r.example.event.id: int(np.argmax(r.inference[0])) for r in results
+            if not isinstance(r.inference, EmbedFailure)}
     assert len(good) == 14 and good["d5"] == (101 + 1005 + 102) % 384, "each keeps its own vector"
 
 
@@ -100,14 +100,14 @@ def test_a_broken_engine_blames_no_input_and_the_same_handle_gets_a_fresh_one():
     model = EngineHandle(SETTINGS, Breaks)
     first = model._engine
     h = handler()
-    assert all(isinstance(r.inference, np.ndarray) for r in h.run_inference([doc(0)], model))
+    assert all(isinstance(r.inference[0], np.ndarray) for r in h.run_inference([doc(0)], model))
     with pytest.raises(EngineFailedError, match="illegal memory access"):
         h.run_inference([doc(i) for i in range(8)], model)
     assert first.broken_calls == 1, "no bisection: no input is to blame"
     assert first.closed, "the broken engine is closed (its GPU memory freed)"
     # The handle RunInference keeps (its shared model) serves the retried bundle with a new engine.
     results = h.run_inference([doc(i) for i in range(8)], model)
-    assert Breaks.loads == 2 and all(isinstance(r.inference, np.ndarray) for r in results)
+    assert Breaks.loads == 2 and all(isinstance(r.inference[0], np.ndarray) for r in results)
 
 
 def test_engine_dead_error_is_an_engine_failure():

@@ -2,7 +2,7 @@
 same input into the same output replaces the previous run, never appends to it.
 
 A batch run writes into ``<output>/_staging/<run_id>/`` (``vectors/``, ``dead_letter/``,
-``_summary.json``). Nothing under ``vectors/`` or ``dead_letter/`` changes until the whole job has
+``chunks/`` in chunks mode, ``_summary.json``). Nothing under ``vectors/`` or ``dead_letter/`` changes until the whole job has
 succeeded: a run that fails or is killed midway leaves the previous output as it was. Then
 ``CommitRun``, the job's last step:
 
@@ -37,13 +37,13 @@ import apache_beam as beam
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.sinks import (DEAD_LETTER_DIR, SUMMARY_FILE, TEMP_DIR, VECTORS_DIR, mkdirs,
-                             join_path)
+from transforms.sinks import (CHUNKS_DIR, DEAD_LETTER_DIR, SUMMARY_FILE, TEMP_DIR, VECTORS_DIR,
+                             join_path, mkdirs)
 
 _LOG = logging.getLogger(__name__)
 STAGING_DIR = "_staging"
 MANIFEST_FILE = "_manifest.json"
-PUBLISHED_DIRS = (VECTORS_DIR, DEAD_LETTER_DIR)
+PUBLISHED_DIRS = (VECTORS_DIR, DEAD_LETTER_DIR, CHUNKS_DIR)
 PUBLISHING, COMMITTED = "publishing", "committed"
 STALE_AFTER_S = 2 * 86400  # older staged or temporary files than this are a dead run's
 
@@ -69,6 +69,7 @@ class Manifest:
     summary: str
     counts: dict
     committed_at: Optional[str] = None
+    chunks: list = dataclasses.field(default_factory=list)  # chunks mode
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -175,6 +176,7 @@ def publish(output: str, manifest: Manifest, lease_s: float = 600, poll_s: float
         manifest, state=COMMITTED, summary=SUMMARY_FILE,
         vectors=[_published(p) for p in manifest.vectors],
         dead_letter=[_published(p) for p in manifest.dead_letter],
+        chunks=[_published(p) for p in manifest.chunks],
         committed_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
     _write(output, MANIFEST_FILE, committed.to_json().encode("utf-8"))
     _delete_tree(staging_prefix(output, manifest.run_id))
@@ -210,25 +212,34 @@ def clean_stale(output: str, older_than_s: float, now: Optional[float] = None) -
     return doomed
 
 
-def count_stored(output: str, vectors: list[str], dead_letters: list[str]) -> dict:
-    """What the files hold: rows (Parquet footers) and dead letters by reason (one JSON per line)."""
+def parquet_rows(paths: list[str]) -> int:
+    """Rows in these Parquet files, from their footers."""
     rows = 0
-    for path in vectors:
+    for path in paths:
         with FileSystems.open(path) as f:
             rows += pq.ParquetFile(f).metadata.num_rows
+    return rows
+
+
+def count_stored(output: str, vectors: list[str], dead_letters: list[str],
+                 chunks: list[str] = ()) -> dict:
+    """What the files hold: rows and chunk rows (Parquet footers), and dead letters by reason (one
+    JSON per line)."""
+    rows = parquet_rows(vectors)
     reasons = collections.Counter()
     for path in dead_letters:
         with FileSystems.open(path) as f:
             reasons.update(json.loads(line)["reason"] for line in f.read().splitlines() if line)
     return {"written": rows, "dead_lettered": sum(reasons.values()),
-            "dead_lettered_by_reason": dict(sorted(reasons.items()))}
+            "dead_lettered_by_reason": dict(sorted(reasons.items())),
+            "chunks_written": parquet_rows(list(chunks))}
 
 
 class _CommitFn(beam.DoFn):
     def __init__(self, output: str, run_id: str, summary: dict, lease_s: float):
         self._output, self._run_id, self._summary, self._lease_s = output, run_id, summary, lease_s
 
-    def process(self, _, vectors, dead_letters, tallies):
+    def process(self, _, vectors, dead_letters, chunks, tallies):
         current = read_manifest(self._output)
         if current is not None and current.run_id == self._run_id and current.state == COMMITTED:
             # A retry of a commit that went through (its staging is gone): nothing left to do.
@@ -236,18 +247,20 @@ class _CommitFn(beam.DoFn):
                 yield json.loads(f.read().decode("utf-8"))
             return
         tallies = collections.defaultdict(int, tallies)
-        stored = count_stored(self._output, sorted(vectors), sorted(dead_letters))
+        stored = count_stored(self._output, sorted(vectors), sorted(dead_letters), sorted(chunks))
         counts = {"in": tallies["in"], **stored, "duplicates": tallies["duplicates"],
                   "truncated": tallies["truncated"]}
         counts["accounted"] = counts["written"] + counts["dead_lettered"] + counts["duplicates"]
         holds = counts["in"] == counts["accounted"]
         summary = {**self._summary, "run_id": self._run_id, "counts": counts,
                    "invariant_holds": holds}
-        if not holds or stored["written"] != tallies["rows"]:
+        if (not holds or stored["written"] != tallies["rows"]
+                or stored["chunks_written"] != tallies["chunks"]):
             raise AccountingError(
                 f"run {self._run_id} does not balance, nothing published: in={counts['in']}, "
                 f"written (in storage)={counts['written']} (rows sent: {tallies['rows']}), "
-                f"dead_lettered={counts['dead_lettered']}, duplicates={counts['duplicates']}")
+                f"dead_lettered={counts['dead_lettered']}, duplicates={counts['duplicates']}, "
+                f"chunks (in storage)={counts['chunks_written']} (sent: {tallies['chunks']})")
         staging = staging_prefix(self._output, self._run_id)
         summary_path = join_path(staging, SUMMARY_FILE)
         with FileSystems.create(summary_path, mime_type="application/json") as f:
@@ -256,6 +269,7 @@ class _CommitFn(beam.DoFn):
             run_id=self._run_id, state=PUBLISHING, started_at=time.time(),
             vectors=sorted(_relative(self._output, p) for p in vectors),
             dead_letter=sorted(_relative(self._output, p) for p in dead_letters),
+            chunks=sorted(_relative(self._output, p) for p in chunks),
             summary=_relative(self._output, summary_path), counts=counts)
         publish(self._output, manifest, self._lease_s)
         # What runs killed before their commit left here (on local disk, also partial files).
@@ -270,21 +284,25 @@ def tally(pcoll, name: str, value=lambda _: 1):
 
 class CommitRun(beam.PTransform):
     """The batch job's last step (see the module docstring), applied to the pipeline. It reads the
-    staged vector and dead-letter file names (the writes' outputs, so it runs after them) and the
-    tallies ``in``, ``rows`` (sent to the writer), ``duplicates``, ``truncated`` as side inputs. Output: the
-    summary."""
+    staged vector, dead-letter and chunk file names (the writes' outputs, so it runs after them;
+    ``chunks`` None in head mode) and the tallies ``in``, ``rows`` (sent to the writer),
+    ``duplicates``, ``truncated``, ``chunks`` (sent) as side inputs. Output: the summary."""
 
     def __init__(self, output: str, run_id: str, summary: dict, *, vectors, dead_letters,
-                 tallies: list, lease_s: float = 600):
+                 tallies: list, chunks=None, lease_s: float = 600):
         super().__init__()
         self._fn = _CommitFn(output, run_id, summary, lease_s)
         self._vectors, self._dead_letters, self._tallies = vectors, dead_letters, tallies
+        self._chunks = chunks
 
     def expand(self, pbegin):
         totals = (self._tallies | "FlattenTallies" >> beam.Flatten()
                   | "SumTallies" >> beam.CombinePerKey(sum))
+        chunks = (self._chunks if self._chunks is not None
+                  else pbegin | "NoChunks" >> beam.Create([]).with_output_types(str))
         return (pbegin
                 | "Once" >> beam.Create([None])
                 | "CheckAndPublish" >> beam.ParDo(
                     self._fn, beam.pvalue.AsList(self._vectors),
-                    beam.pvalue.AsList(self._dead_letters), beam.pvalue.AsDict(totals)))
+                    beam.pvalue.AsList(self._dead_letters), beam.pvalue.AsList(chunks),
+                    beam.pvalue.AsDict(totals)))

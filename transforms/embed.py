@@ -2,6 +2,9 @@
 
 Beam's RunInference does the batching (BatchElements sized by a token budget, not a count), the model
 sharing (one engine per worker process, loaded in setup, never per bundle) and the inference metrics.
+In chunks mode a document is embedded as several inputs (its chunks, and its head if that is the
+document vector): they go to the engine mixed with other documents' inputs, in calls of at most
+``model.token_budget`` tokens, and a document with a failing input is dead-lettered whole.
 ``VLLMEmbeddingHandler`` is the ModelHandler that RunInference drives; streaming uses
 ``MicroBatchEmbeddingHandler``, which embeds one ``MicroBatch`` (a window's firing) as a unit.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import logging
 import threading
@@ -31,9 +35,11 @@ import numpy as np
 from apache_beam import pvalue
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInference
 
+from transforms.chunking import ChunkingSettings, chunk_id, mean_vector
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
 from transforms.model import ModelSettings, model_content_hash, resolve_model_path
-from transforms.schema import DeadLetter, EmbeddedDoc, MicroBatch, PreparedDoc, Reason, Step
+from transforms.schema import (ChunkRow, DeadLetter, EmbeddedDoc, MicroBatch, PreparedDoc, Reason,
+                               Step)
 
 _LOG = logging.getLogger(__name__)
 DEAD_LETTER = "dead_letter"
@@ -226,37 +232,54 @@ class _SharedEngine:
         return load_engine(self._settings)
 
 
-def token_budget_slices(docs: Sequence[PreparedDoc], budget: int) -> Iterable[list[PreparedDoc]]:
-    """Consecutive slices of at most ``budget`` tokens (a longer document stands alone)."""
+def token_budget_slices(items: Sequence, budget: int, size=len) -> Iterable[list]:
+    """Consecutive slices of at most ``budget`` tokens (``size(item)`` each; a longer item stands
+    alone)."""
     batch, tokens = [], 0
-    for doc in docs:
-        if batch and tokens + doc.token_count > budget:
+    for item in items:
+        if batch and tokens + size(item) > budget:
             yield batch
             batch, tokens = [], 0
-        batch.append(doc)
-        tokens += doc.token_count
+        batch.append(item)
+        tokens += size(item)
     if batch:
         yield batch
 
 
-class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHandle]):
-    """RunInference ModelHandler: PreparedDoc -> its vector (or an ``EmbedFailure``), in batches of
-    at most ``model.token_budget`` tokens. ``engine_factory`` replaces vLLM (tests, benchmarks)."""
+def model_inputs(doc: PreparedDoc, doc_vector: str = "head") -> list[tuple[int, ...]]:
+    """What the engine embeds for a document: its head (head mode); or its chunks, after its head
+    when that is the document vector and is not the first chunk already."""
+    if not doc.chunks:
+        return [doc.token_ids]
+    chunks = [c.token_ids for c in doc.chunks]
+    if doc_vector == "head" and chunks[0] != doc.token_ids:
+        return [doc.token_ids] + chunks
+    return chunks
 
-    def __init__(self, settings: ModelSettings, engine_factory: Optional[EngineFactory] = None):
+
+class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHandle]):
+    """RunInference ModelHandler: PreparedDoc -> its vectors (one per ``model_inputs``: the head, or
+    its chunks), or an ``EmbedFailure``. Engine calls hold at most ``model.token_budget`` tokens of
+    inputs, documents and chunks alike. ``engine_factory`` replaces vLLM (tests, benchmarks)."""
+
+    def __init__(self, settings: ModelSettings, engine_factory: Optional[EngineFactory] = None,
+                 doc_vector: str = "head"):
         super().__init__()
         self._settings = settings
         self._engine_factory = engine_factory
+        self._doc_vector = doc_vector
         self._consecutive_failures = 0
         # Pickled with the handler, so every worker process of this pipeline finds the same
         # shared engine, and no other pipeline's.
         self._shared_tag = f"newsvec-engine-{uuid.uuid4().hex}"
 
     def batch_elements_kwargs(self):
-        # Batches are weighed in tokens: each holds at most token_budget tokens.
+        # Batches are weighed in tokens: each holds at most token_budget tokens (a document with
+        # more, in chunks mode, stands alone and is embedded in several calls).
+        doc_vector = self._doc_vector
         return {"min_batch_size": self._settings.token_budget,
                 "max_batch_size": self._settings.token_budget,
-                "element_size_fn": lambda doc: doc.token_count}
+                "element_size_fn": lambda doc: sum(map(len, model_inputs(doc, doc_vector)))}
 
     def load_model(self) -> EngineHandle:
         if self._settings.share_across_processes:
@@ -273,43 +296,61 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
             return EngineHandle(self._settings, self._engine_factory)
         return load_engine(self._settings)
 
-    def _embed(self, model: EngineHandle, docs: Sequence[PreparedDoc], retried=False) -> list:
-        """A vector or an EmbedFailure per doc: a failing call is retried in halves (bisection),
-        and a single failing document once more before it is blamed."""
-        if not docs:
+    def _embed(self, model: EngineHandle, prompts: Sequence[Sequence[int]], retried=False) -> list:
+        """A vector or an EmbedFailure per prompt: a failing call is retried in halves
+        (bisection), and a single failing prompt once more before it is blamed."""
+        if not prompts:
             return []
         try:
-            return model.embed([d.token_ids for d in docs])
+            return model.embed(prompts)
         except EngineFailedError:
             raise  # no input is to blame: the bundle fails and is retried on a fresh engine
         except Exception as exc:  # pylint: disable=broad-except
-            if len(docs) == 1:
+            if len(prompts) == 1:
                 if not retried:
-                    return self._embed(model, docs, retried=True)
+                    return self._embed(model, prompts, retried=True)
                 return [EmbedFailure(f"{type(exc).__name__}: {exc}"[:2000])]
-            half = len(docs) // 2
-            _LOG.warning("Embedding a batch of %d failed (%s); retrying in halves", len(docs), exc)
-            return self._embed(model, docs[:half]) + self._embed(model, docs[half:])
+            half = len(prompts) // 2
+            _LOG.warning("Embedding a batch of %d failed (%s); retrying in halves", len(prompts),
+                         exc)
+            return self._embed(model, prompts[:half]) + self._embed(model, prompts[half:])
 
     def embed_docs(self, model: EngineHandle, docs: Sequence[PreparedDoc]) -> list:
-        """``_embed`` with the batch metrics and the broken-model stop."""
+        """Per document, its vectors (one per ``model_inputs``) or an ``EmbedFailure`` if any of
+        its inputs failed (an article is written whole or not at all). Inputs go to the engine in
+        calls of at most ``token_budget`` tokens, with the batch metrics and the broken-model
+        stop."""
         for load_ms in model.take_load_ms():
             MODEL_LOAD_MS.update(load_ms)
-        started = time.perf_counter()
-        results = self._embed(model, docs)
-        EMBED_MS.update(int((time.perf_counter() - started) * 1000))
-        BATCH_DOCS.update(len(docs))
-        BATCH_TOKENS.update(sum(d.token_count for d in docs))
-        for result in results:
-            if isinstance(result, EmbedFailure):
+        inputs = [(i, ids) for i, doc in enumerate(docs)
+                  for ids in model_inputs(doc, self._doc_vector)]
+        results = []
+        for call in token_budget_slices(inputs, self._settings.token_budget,
+                                        size=lambda item: len(item[1])):
+            started = time.perf_counter()
+            results += self._embed(model, [ids for _, ids in call])
+            EMBED_MS.update(int((time.perf_counter() - started) * 1000))
+            BATCH_DOCS.update(len(call))
+            BATCH_TOKENS.update(sum(len(ids) for _, ids in call))
+        per_doc: list = [[] for _ in docs]
+        for (i, _), result in zip(inputs, results):
+            per_doc[i].append(result)
+        out = []
+        for vectors in per_doc:
+            failed = [(k, r) for k, r in enumerate(vectors) if isinstance(r, EmbedFailure)]
+            if failed:
+                k, failure = failed[0]
+                where = f"input {k + 1} of {len(vectors)}: " if len(vectors) > 1 else ""
+                out.append(EmbedFailure(f"{where}{failure.error}"))
                 self._consecutive_failures += 1
                 if self._consecutive_failures >= self._settings.max_consecutive_failures:
                     raise ModelBrokenError(
                         f"the model failed for {self._consecutive_failures} inputs in a row "
-                        f"(last: {result.error}); stopping instead of dead-lettering everything")
+                        f"(last: {failure.error}); stopping instead of dead-lettering everything")
             else:
+                out.append(vectors)
                 self._consecutive_failures = 0
-        return results
+        return out
 
     def run_inference(self, batch: Sequence[PreparedDoc], model: EngineHandle,
                       inference_args: Optional[dict] = None) -> Iterable[PredictionResult]:
@@ -325,61 +366,94 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
 
 
 class MicroBatchEmbeddingHandler(VLLMEmbeddingHandler):
-    """Streaming: the examples are ``MicroBatch``es, each embedded whole, in slices of at most
+    """Streaming: the examples are ``MicroBatch``es, each embedded whole, in calls of at most
     ``model.token_budget`` tokens, so that its rows are written together. Use it through
     ``with_no_batching()`` on pre-batched input (a micro-batch in a 1-tuple): RunInference's
     BatchElements would stamp its batches with the end of the global window."""
 
     def run_inference(self, batch: Sequence[MicroBatch], model: EngineHandle,
                       inference_args: Optional[dict] = None) -> Iterable[PredictionResult]:
-        label, out = model.label(), []
-        for micro_batch in batch:
-            results = []
-            for docs in token_budget_slices(micro_batch.docs, self._settings.token_budget):
-                results += self.embed_docs(model, docs)
-            out.append(PredictionResult(example=micro_batch, inference=results, model_id=label))
-        return out
+        label = model.label()
+        return [PredictionResult(example=micro_batch, model_id=label,
+                                 inference=self.embed_docs(model, micro_batch.docs))
+                for micro_batch in batch]
 
     def get_num_bytes(self, batch: Sequence[MicroBatch]) -> int:
         return sum(super(MicroBatchEmbeddingHandler, self).get_num_bytes(b.docs) for b in batch)
 
 
-def _embedded_or_dead(doc: PreparedDoc, result, model: str, payload_limit: int):
-    if isinstance(result, EmbedFailure):
-        return DeadLetter.for_event(doc.event, Step.EMBED, Reason.EMBEDDING_FAILED, result.error,
-                                    payload_limit)
-    return EmbeddedDoc.of(doc, result, model, dt.datetime.now(dt.timezone.utc))
+@dataclasses.dataclass(frozen=True)
+class RowMaker:
+    """Makes an embedded document's rows (``EmbeddedDoc`` and its ``ChunkRow``s) from its vectors,
+    or its dead letter."""
+
+    chunking: ChunkingSettings
+    signature: str  # ChunkingSettings.signature: part of every chunk id
+    store_chunk_text: bool
+    payload_limit: int
+
+    def __call__(self, doc: PreparedDoc, result, model: str):
+        if isinstance(result, EmbedFailure):
+            return DeadLetter.for_event(doc.event, Step.EMBED, Reason.EMBEDDING_FAILED,
+                                        result.error, self.payload_limit)
+        now = dt.datetime.now(dt.timezone.utc)
+        if not doc.chunks:
+            return EmbeddedDoc.of(doc, result[0], model, now)
+        chunk_vectors = result[-len(doc.chunks):]
+        rows = []
+        for index, (chunk, vector) in enumerate(zip(doc.chunks, chunk_vectors)):
+            text = doc.text[chunk.char_start:chunk.char_end]
+            rows.append(ChunkRow(
+                id=doc.id, chunk_id=chunk_id(doc.id, doc.text_sha256, model, self.signature, index),
+                chunk_index=index, chunk_count=len(doc.chunks), token_start=chunk.token_start,
+                token_end=chunk.token_end, char_start=chunk.char_start, char_end=chunk.char_end,
+                chunk_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                text_sha256=doc.text_sha256, model=model, embedding=vector, embedded_at=now,
+                chunk_text=text if self.store_chunk_text else None))
+        if self.chunking.doc_vector == "mean":
+            vector = mean_vector(chunk_vectors, [c.token_end - c.token_start for c in doc.chunks])
+        else:
+            vector = result[0]  # the head's, or the first chunk's where that is the head
+        return EmbeddedDoc.of(doc, vector, model, now, doc_vector=self.chunking.doc_vector,
+                              chunks=tuple(rows))
 
 
 class _RouteFn(beam.DoFn):
-    def __init__(self, dead_letter_payload_bytes: int):
-        self._dl_bytes = dead_letter_payload_bytes
+    def __init__(self, rows: RowMaker):
+        self._rows = rows
 
     def process(self, result: PredictionResult):
-        out = _embedded_or_dead(result.example, result.inference, result.model_id, self._dl_bytes)
+        out = self._rows(result.example, result.inference, result.model_id)
         yield pvalue.TaggedOutput(DEAD_LETTER, out) if isinstance(out, DeadLetter) else out
 
 
-class EmbedWithVLLM(beam.PTransform):
-    """PreparedDoc -> EmbeddedDoc (main output) and DeadLetter (``dead_letter`` output)."""
+def _row_maker(settings: ModelSettings, chunking: ChunkingSettings, store_chunk_text: bool,
+               payload_limit: int) -> RowMaker:
+    return RowMaker(chunking, chunking.signature(settings.max_tokens, settings.document_prefix),
+                    store_chunk_text, payload_limit)
 
-    def __init__(self, settings: ModelSettings, *, dead_letter_payload_bytes: int = 4096,
+
+class EmbedWithVLLM(beam.PTransform):
+    """PreparedDoc -> EmbeddedDoc (main output, with its chunk rows in chunks mode) and DeadLetter
+    (``dead_letter`` output)."""
+
+    def __init__(self, settings: ModelSettings, *, chunking: ChunkingSettings = ChunkingSettings(),
+                 store_chunk_text: bool = False, dead_letter_payload_bytes: int = 4096,
                  engine_factory: Optional[EngineFactory] = None):
         super().__init__()
-        self._handler = VLLMEmbeddingHandler(settings, engine_factory)
-        self._dl_bytes = dead_letter_payload_bytes
+        self._handler = VLLMEmbeddingHandler(settings, engine_factory, chunking.doc_vector)
+        self._rows = _row_maker(settings, chunking, store_chunk_text, dead_letter_payload_bytes)
 
     def expand(self, docs):
         return (docs
                 | "RunInference" >> RunInference(self._handler)
-                | "Route" >> beam.ParDo(_RouteFn(self._dl_bytes)).with_outputs(
+                | "Route" >> beam.ParDo(_RouteFn(self._rows)).with_outputs(
                     DEAD_LETTER, main="embedded"))
 
 
-def _fill_micro_batch(result: PredictionResult, payload_limit: int) -> MicroBatch:
+def _fill_micro_batch(result: PredictionResult, rows: RowMaker) -> MicroBatch:
     batch: MicroBatch = result.example
-    outs = [_embedded_or_dead(doc, r, result.model_id, payload_limit)
-            for doc, r in zip(batch.docs, result.inference)]
+    outs = [rows(doc, r, result.model_id) for doc, r in zip(batch.docs, result.inference)]
     return dataclasses.replace(
         batch, docs=(), rows=tuple(o for o in outs if isinstance(o, EmbeddedDoc)),
         dead_letters=batch.dead_letters + tuple(o for o in outs if isinstance(o, DeadLetter)))
@@ -389,14 +463,16 @@ class EmbedMicroBatches(beam.PTransform):
     """Streaming: MicroBatch -> the same MicroBatch with its rows (and any embedding dead letters),
     one RunInference call per micro-batch."""
 
-    def __init__(self, settings: ModelSettings, *, dead_letter_payload_bytes: int = 4096,
+    def __init__(self, settings: ModelSettings, *, chunking: ChunkingSettings = ChunkingSettings(),
+                 store_chunk_text: bool = False, dead_letter_payload_bytes: int = 4096,
                  engine_factory: Optional[EngineFactory] = None):
         super().__init__()
-        self._handler = MicroBatchEmbeddingHandler(settings, engine_factory).with_no_batching()
-        self._dl_bytes = dead_letter_payload_bytes
+        self._handler = MicroBatchEmbeddingHandler(
+            settings, engine_factory, chunking.doc_vector).with_no_batching()
+        self._rows = _row_maker(settings, chunking, store_chunk_text, dead_letter_payload_bytes)
 
     def expand(self, batches):
         return (batches
                 | "PreBatched" >> beam.Map(lambda batch: (batch,))
                 | "RunInference" >> RunInference(self._handler)
-                | "AttachRows" >> beam.Map(_fill_micro_batch, self._dl_bytes))
+                | "AttachRows" >> beam.Map(_fill_micro_batch, self._rows))

@@ -84,6 +84,9 @@ class ModelSettings(BaseModel):
     max_tokens: int = Field(gt=2, description="Longer texts keep their head")
     token_budget: int = Field(gt=0, description="Maximum tokens in one micro-batch")
     normalize: bool = True
+    document_prefix: str = Field(
+        "", description="Put before every text (and every chunk) the model embeds, counted in its "
+                        "tokens: models such as e5 expect 'passage: '")
     trust_remote_code: bool = False
     enforce_eager: bool = True
     gpu_memory_utilization: Optional[float] = Field(None, gt=0, le=1)

@@ -1,13 +1,15 @@
 """The one home of newsvec's data types: every stage imports these, none redefines them.
 
 - ``NewsEvent``: a validated input event (the input contract, as a pydantic model).
-- ``PreparedDoc``: an event with its normalized text and model token ids.
-- ``EmbeddedDoc``: a vector row: the output columns of an embedded document, and nothing else.
+- ``PreparedDoc``: an event with its normalized text and model token ids (and its chunks).
+- ``EmbeddedDoc``: a vector row: the output columns of an embedded document, and nothing else
+  (and, in chunks mode, its ``ChunkRow``s).
+- ``ChunkRow``: a row of ``chunks/``: one chunk of an article and its vector.
 - ``DeadLetter``: an input that could not become a vector row, with the step and the reason.
 - ``OversizedPayload``: the head of an input line too large to read whole.
 - ``MicroBatch``: streaming: one firing of one window and shard, embedded and written together.
 - ``LedgerRecord``: streaming: what a micro-batch took in and wrote, a JSON file beside its data.
-- ``vector_schema(dim)``: the Parquet schema of a vector row.
+- ``vector_schema(dim)``, ``chunk_schema(dim)``: the Parquet schemas of ``vectors/`` and ``chunks/``.
 """
 from __future__ import annotations
 
@@ -70,13 +72,15 @@ class NewsEvent(BaseModel):
 
 @dataclasses.dataclass(frozen=True)
 class PreparedDoc:
-    """An event ready for the model: normalized text and the head of its token ids."""
+    """An event ready for the model: normalized text and the head of its token ids; in chunks mode
+    also its chunks (``transforms.chunking.ChunkSpan``), which cover the whole text."""
 
     event: NewsEvent
     text: str
     text_sha256: str
     token_ids: tuple[int, ...]
     truncated: bool
+    chunks: tuple = ()
 
     @property
     def token_count(self) -> int:
@@ -110,14 +114,43 @@ class EmbeddedDoc:
     truncated: bool
     embedded_at: dt.datetime
     lineage: Optional[Lineage] = None  # the Pub/Sub message, streaming
+    doc_vector: str = "head"  # what ``embedding`` is: "head" or "mean" (of the chunk vectors)
+    chunk_count: int = 0  # chunks written to chunks/ (0 in head mode)
+    chunks: tuple = ()  # ChunkRow, written to chunks/ (not a column of vectors/)
 
     @classmethod
-    def of(cls, doc: PreparedDoc, embedding, model: str, embedded_at: dt.datetime) -> "EmbeddedDoc":
+    def of(cls, doc: PreparedDoc, embedding, model: str, embedded_at: dt.datetime, *,
+           doc_vector: str = "head", chunks: tuple = ()) -> "EmbeddedDoc":
+        """The row of a document. A mean vector stands for all the text's tokens, none cut."""
         e = doc.event
+        mean = doc_vector == "mean"
         return cls(id=e.id, url=e.url, source=e.source, title=e.title, published_at=e.published_at,
                    language=e.language, model=model, embedding=embedding,
-                   text_sha256=doc.text_sha256, token_count=doc.token_count,
-                   truncated=doc.truncated, embedded_at=embedded_at, lineage=e.lineage)
+                   text_sha256=doc.text_sha256,
+                   token_count=doc.chunks[-1].token_end if mean else doc.token_count,
+                   truncated=False if mean else doc.truncated, embedded_at=embedded_at,
+                   lineage=e.lineage, doc_vector=doc_vector, chunk_count=len(chunks),
+                   chunks=chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRow:
+    """One row of ``chunks/`` (``chunk_schema``): a chunk of an article and its vector."""
+
+    id: str  # the article's id
+    chunk_id: str  # deterministic: transforms.chunking.chunk_id
+    chunk_index: int
+    chunk_count: int
+    token_start: int  # [start, end) of the text's own tokens (no special tokens, no prefix)
+    token_end: int
+    char_start: int  # [start, end) of the prepared text's characters
+    char_end: int
+    chunk_sha256: str  # sha256 of the chunk's text (the prepared text's characters above)
+    text_sha256: str  # the article's
+    model: str
+    embedding: Any  # numpy float32 array of shape (dim,)
+    embedded_at: dt.datetime
+    chunk_text: Optional[str] = None  # with sink.store_chunk_text
 
 
 class Step:
@@ -210,6 +243,30 @@ def vector_schema(dim: int) -> pa.Schema:
         pa.field("pubsub_message_id", pa.string()),
         pa.field("pubsub_publish_time", pa.timestamp("us", tz="UTC")),
         pa.field("pubsub_attributes", pa.map_(pa.string(), pa.string())),
+        # "head" or "mean" (of the article's chunk vectors), and how many chunks it has in chunks/.
+        pa.field("doc_vector", pa.string(), nullable=False),
+        pa.field("chunk_count", pa.int32(), nullable=False),
+    ])
+
+
+def chunk_schema(dim: int) -> pa.Schema:
+    """The Parquet schema of ``chunks/``: one row per chunk (chunks mode). Documented in README.md."""
+    return pa.schema([
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("chunk_id", pa.string(), nullable=False),
+        pa.field("chunk_index", pa.int32(), nullable=False),
+        pa.field("chunk_count", pa.int32(), nullable=False),
+        pa.field("token_start", pa.int32(), nullable=False),
+        pa.field("token_end", pa.int32(), nullable=False),
+        pa.field("char_start", pa.int32(), nullable=False),
+        pa.field("char_end", pa.int32(), nullable=False),
+        pa.field("chunk_sha256", pa.string(), nullable=False),
+        pa.field("text_sha256", pa.string(), nullable=False),
+        pa.field("model", pa.string(), nullable=False),
+        pa.field("dim", pa.int32(), nullable=False),
+        pa.field("embedding", pa.list_(pa.float32(), dim), nullable=False),
+        pa.field("embedded_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("chunk_text", pa.string()),
     ])
 
 
@@ -258,6 +315,8 @@ class LedgerRecord:
     vectors_file: Optional[str]  # relative to the output prefix; None when no row was written
     dead_letter_file: Optional[str]
     written_at: str
+    chunks_written: int = 0  # rows of chunks/ (chunks mode)
+    chunks_file: Optional[str] = None
 
     def balances(self) -> bool:
         return self.messages_in == self.rows_written + self.dead_lettered + self.duplicates

@@ -1,12 +1,15 @@
-"""Sinks: vector rows as Parquet under ``vectors/``, dead letters as JSON Lines under ``dead_letter/``.
+"""Sinks: vector rows as Parquet under ``vectors/`` (and chunk rows under ``chunks/``, chunks mode),
+dead letters as JSON Lines under ``dead_letter/``.
 
-Batch: ``WriteVectors`` and ``WriteDeadLetters`` write a run's files into the folder they are given
+Batch: ``WriteVectors``, ``WriteChunks`` and ``WriteDeadLetters`` write a run's files into the folder
+they are given
 (the run's staging folder, ``transforms.commit``), named by run id and shard
 (``part-<run_id>-00000-of-00004.parquet``), and return the names written; Beam writes them to a
 temporary folder there and renames them on success. ``CommitRun`` then publishes them.
 
 Streaming: ``WriteMicroBatches`` writes each ``MicroBatch`` as one set of files under
-``dt=YYYY-MM-DD/hour=HH/`` of its window start: its vectors, its dead letters, then its ledger record
+``dt=YYYY-MM-DD/hour=HH/`` of its window start: its vectors, its chunks, its dead letters, then its
+ledger record
 (``ledger/``), each written under ``_temp/`` and renamed into place. It does not use
 ``fileio.WriteToFiles``: on windowed input with late panes it loses files (see ``write_file``).
 """
@@ -31,9 +34,11 @@ from apache_beam.utils.timestamp import Timestamp
 
 from transforms.metrics import (DEAD_LETTERED, END_TO_END_MS, ROWS_WRITTEN, TRUNCATED,
                                dead_letter_counter)
-from transforms.schema import DeadLetter, EmbeddedDoc, LedgerRecord, MicroBatch, vector_schema
+from transforms.schema import (ChunkRow, DeadLetter, EmbeddedDoc, LedgerRecord, MicroBatch,
+                               chunk_schema, vector_schema)
 
 VECTORS_DIR = "vectors"
+CHUNKS_DIR = "chunks"
 DEAD_LETTER_DIR = "dead_letter"
 LEDGER_DIR = "ledger"
 SUMMARY_FILE = "_summary.json"
@@ -52,12 +57,20 @@ def join_path(prefix: str, *parts: str) -> str:
     return "/".join([prefix.rstrip("/"), *parts])
 
 
-def to_table(rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
-    """A batch of rows as one Arrow table (one Parquet row group)."""
+def _embeddings(rows, schema: pa.Schema) -> pa.FixedSizeListArray:
     dim = schema.field("embedding").type.list_size
     vectors = np.stack([r.embedding for r in rows]).astype(np.float32, copy=False)
     if vectors.shape[1] != dim:
         raise ValueError(f"embedding has {vectors.shape[1]} dimensions, the schema {dim}")
+    return pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), dim)
+
+
+def _dims(rows, schema: pa.Schema) -> pa.Array:
+    return pa.array(np.full(len(rows), schema.field("embedding").type.list_size, dtype=np.int32))
+
+
+def to_table(rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
+    """A batch of rows as one Arrow table (one Parquet row group)."""
     lineages = [r.lineage for r in rows]  # None for events read from files: null columns
     table = pa.table({
         "id": [r.id for r in rows],
@@ -67,8 +80,8 @@ def to_table(rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
         "published_at": [r.published_at for r in rows],
         "language": [r.language for r in rows],
         "model": [r.model for r in rows],
-        "dim": pa.array(np.full(len(rows), dim, dtype=np.int32)),
-        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), dim),
+        "dim": _dims(rows, schema),
+        "embedding": _embeddings(rows, schema),
         "text_sha256": [r.text_sha256 for r in rows],
         "token_count": pa.array([r.token_count for r in rows], pa.int32()),
         "truncated": [r.truncated for r in rows],
@@ -76,6 +89,8 @@ def to_table(rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
         "pubsub_message_id": [x.message_id if x else None for x in lineages],
         "pubsub_publish_time": [x.publish_time if x else None for x in lineages],
         "pubsub_attributes": [list(x.attributes) if x else None for x in lineages],
+        "doc_vector": [r.doc_vector for r in rows],
+        "chunk_count": pa.array([r.chunk_count for r in rows], pa.int32()),
     }, schema=schema)
     ROWS_WRITTEN.inc(len(rows))
     TRUNCATED.inc(sum(r.truncated for r in rows))
@@ -86,24 +101,55 @@ def to_table(rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
     return table
 
 
-class WriteVectors(beam.PTransform):
-    """EmbeddedDoc -> zstd Parquet files ``<output>/vectors/part-<run_id>-SSSSS-of-NNNNN.parquet``."""
+def chunks_table(rows: list[ChunkRow], schema: pa.Schema) -> pa.Table:
+    """A batch of chunk rows as one Arrow table (one Parquet row group)."""
+    return pa.table({
+        "id": [r.id for r in rows],
+        "chunk_id": [r.chunk_id for r in rows],
+        **{name: pa.array([getattr(r, name) for r in rows], pa.int32())
+           for name in ("chunk_index", "chunk_count", "token_start", "token_end", "char_start",
+                        "char_end")},
+        "chunk_sha256": [r.chunk_sha256 for r in rows],
+        "text_sha256": [r.text_sha256 for r in rows],
+        "model": [r.model for r in rows],
+        "dim": _dims(rows, schema),
+        "embedding": _embeddings(rows, schema),
+        "embedded_at": [r.embedded_at for r in rows],
+        "chunk_text": [r.chunk_text for r in rows],
+    }, schema=schema)
 
-    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384):
+
+class _WriteParquet(beam.PTransform):
+    def __init__(self, output: str, subdir: str, run_id: str, schema: pa.Schema, table_fn,
+                 row_group_rows: int):
         super().__init__()
-        self._prefix = join_path(output, VECTORS_DIR, f"part-{run_id}")
-        self._schema = vector_schema(dim)
-        self._row_group_rows = row_group_rows
+        self._prefix = join_path(output, subdir, f"part-{run_id}")
+        self._schema, self._table_fn, self._row_group_rows = schema, table_fn, row_group_rows
 
     def expand(self, rows):
         schema = self._schema
         return (rows
                 | "RowGroups" >> beam.BatchElements(min_batch_size=self._row_group_rows,
                                                     max_batch_size=self._row_group_rows)
-                | "ToArrow" >> beam.Map(to_table, schema)
+                | "ToArrow" >> beam.Map(self._table_fn, schema)
                 | "WriteParquet" >> beam.io.WriteToParquetBatched(
                     self._prefix, schema=schema, codec="zstd", file_name_suffix=".parquet",
                     shard_name_template=SHARD_TEMPLATE))
+
+
+class WriteVectors(_WriteParquet):
+    """EmbeddedDoc -> zstd Parquet files ``<output>/vectors/part-<run_id>-SSSSS-of-NNNNN.parquet``."""
+
+    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384):
+        super().__init__(output, VECTORS_DIR, run_id, vector_schema(dim), to_table, row_group_rows)
+
+
+class WriteChunks(_WriteParquet):
+    """ChunkRow -> zstd Parquet files ``<output>/chunks/part-<run_id>-SSSSS-of-NNNNN.parquet``."""
+
+    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384):
+        super().__init__(output, CHUNKS_DIR, run_id, chunk_schema(dim), chunks_table,
+                         row_group_rows)
 
 
 def _count_dead_letter(letter: DeadLetter) -> str:
@@ -235,10 +281,11 @@ def _require_safe_run_id(run_id: str) -> None:
         raise ValueError(f"run_id {run_id!r} must match {_SAFE_NAME.pattern}")
 
 
-def _row_group_tables(rows: Iterable[EmbeddedDoc], schema: pa.Schema, row_group_rows: int):
+def _row_group_tables(rows: Iterable, schema: pa.Schema, row_group_rows: int, table_fn=None):
+    """Tables of at most ``row_group_rows`` rows, by ``table_fn`` (default: ``to_table``)."""
     rows = iter(rows)
     while batch := list(itertools.islice(rows, row_group_rows)):
-        yield to_table(batch, schema)
+        yield (table_fn or to_table)(batch, schema)
 
 
 def micro_batch_window(batch: MicroBatch) -> IntervalWindow:
@@ -247,12 +294,13 @@ def micro_batch_window(batch: MicroBatch) -> IntervalWindow:
 
 
 class _WriteMicroBatchFn(beam.DoFn):
-    """MicroBatch -> its vectors file, its dead-letter file (each only if it has any), then its
+    """MicroBatch -> its vectors, chunks and dead-letter files (each only if it has any), then its
     ledger record, which names them: a record implies that its files are complete."""
 
-    def __init__(self, output: str, run_id: str, schema: pa.Schema, row_group_rows: int):
+    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int):
         self._output, self._run_id = output, run_id
-        self._schema, self._row_group_rows = schema, row_group_rows
+        self._schema, self._chunk_schema = vector_schema(dim), chunk_schema(dim)
+        self._row_group_rows = row_group_rows
 
     def _write(self, subdir, batch, suffix, sink, records):
         window = micro_batch_window(batch)
@@ -263,11 +311,17 @@ class _WriteMicroBatchFn(beam.DoFn):
         return f"{subdir}/{partition}/{name}"
 
     def process(self, batch: MicroBatch):
-        vectors = letters = None
+        vectors = chunks = letters = None
         if batch.rows:
             vectors = self._write(VECTORS_DIR, batch, ".parquet",
                                   ParquetTableSink(self._schema, self._row_group_rows),
                                   _row_group_tables(batch.rows, self._schema, self._row_group_rows))
+        chunk_rows = [c for row in batch.rows for c in row.chunks]
+        if chunk_rows:
+            chunks = self._write(CHUNKS_DIR, batch, ".parquet",
+                                 ParquetTableSink(self._chunk_schema, self._row_group_rows),
+                                 _row_group_tables(chunk_rows, self._chunk_schema,
+                                                   self._row_group_rows, chunks_table))
         if batch.dead_letters:
             letters = self._write(DEAD_LETTER_DIR, batch, ".jsonl", _JsonLinesSink(),
                                   map(_count_dead_letter, batch.dead_letters))
@@ -281,7 +335,8 @@ class _WriteMicroBatchFn(beam.DoFn):
                 letter.reason for letter in batch.dead_letters).items())),
             duplicates=batch.duplicates, late_reassigned=batch.late_reassigned,
             vectors_file=vectors, dead_letter_file=letters,
-            written_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"))
+            written_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),
+            chunks_written=len(chunk_rows), chunks_file=chunks)
         self._write(LEDGER_DIR, batch, ".json", _JsonLinesSink(), [record.to_json()])
         yield record
 
@@ -291,8 +346,9 @@ def _rfc3339(t: Timestamp) -> str:
 
 
 class WriteMicroBatches(beam.PTransform):
-    """Streaming: MicroBatch -> zstd Parquet vectors, JSON Lines dead letters and a JSON ledger
-    record per micro-batch, under ``vectors/``, ``dead_letter/`` and ``ledger/``, each in
+    """Streaming: MicroBatch -> zstd Parquet vectors (and chunks), JSON Lines dead letters and a
+    JSON ledger record per micro-batch, under ``vectors/`` (``chunks/``), ``dead_letter/`` and
+    ``ledger/``, each in
     ``dt=YYYY-MM-DD/hour=HH/`` of the window start, named
     ``part-<run_id>-<window start>-<pane>-<shard>-of-<n>``. Returns the ledger records."""
 
@@ -301,7 +357,7 @@ class WriteMicroBatches(beam.PTransform):
         _require_safe_run_id(run_id)
         if row_group_rows < 1:
             raise ValueError("row_group_rows must be >= 1")
-        self._fn = _WriteMicroBatchFn(output, run_id, vector_schema(dim), row_group_rows)
+        self._fn = _WriteMicroBatchFn(output, run_id, dim, row_group_rows)
 
     def expand(self, batches):
         return batches | "WriteFiles" >> beam.ParDo(self._fn)

@@ -7,6 +7,8 @@ whitespace collapsed. Title and body are joined by a newline.
 Truncation keeps the HEAD of long articles: the text is tokenized here with the model's own tokenizer,
 truncated on the right to ``max_tokens`` (special tokens included), and the ids go to vLLM as they
 are. (vLLM's ``truncate_prompt_tokens`` would keep the tail, the wrong end for news.)
+``model.document_prefix`` goes before the text and counts in its tokens. In chunks mode
+(``transforms.chunking``) the whole text is tokenized, and cut into chunks as well.
 
 Two fast paths give exactly the output of doing every step on every text (tests/reference_prepare.py
 and tests/test_text_equivalence.py, on the BBC articles and the adversarial corpus):
@@ -38,6 +40,7 @@ try:
 except ImportError:  # pragma: no cover
     import sre_parse
 
+from transforms.chunking import Chunker, ChunkingSettings
 from transforms.model import ModelSettings, resolve_model_path
 from transforms.schema import DeadLetter, NewsEvent, PreparedDoc, Reason, Step
 
@@ -302,13 +305,25 @@ def _splits_at_spaces(tokenizer) -> bool:
 
 
 class _PrepareTextFn(beam.DoFn):
-    def __init__(self, model: ModelSettings, max_text_chars: int, dead_letter_payload_bytes: int):
-        self._model = model
+    def __init__(self, model: ModelSettings, max_text_chars: int, dead_letter_payload_bytes: int,
+                 chunking: ChunkingSettings = ChunkingSettings()):
+        self._model, self._chunking = model, chunking
         self._max_text_chars, self._dl_bytes = max_text_chars, dead_letter_payload_bytes
         self._tokenizer: Optional[HeadTokenizer] = None
+        self._chunker: Optional[Chunker] = None
 
     def setup(self):
         self._tokenizer = HeadTokenizer(self._model)
+        if self._chunking.mode == "chunks":
+            self._chunker = Chunker(self._tokenizer._tok, self._chunking, self._model.max_tokens,
+                                    self._model.document_prefix)
+
+    def _tokenize_batch(self, texts: list[str]) -> list[tuple]:
+        """Per text: (head token ids, whether the head was cut, chunks)."""
+        if self._chunker is not None:
+            return self._chunker.split(texts)
+        prefix = self._model.document_prefix
+        return [(ids, cut, ()) for ids, cut in self._tokenizer.batch([prefix + t for t in texts])]
 
     def _dead_letter(self, event: NewsEvent, reason: str, detail: str):
         return pvalue.TaggedOutput(DEAD_LETTER, DeadLetter.for_event(
@@ -334,12 +349,12 @@ class _PrepareTextFn(beam.DoFn):
 
     def _tokenize(self, texts: list[str]) -> list:
         try:
-            return self._tokenizer.batch(texts)
+            return self._tokenize_batch(texts)
         except Exception:  # pylint: disable=broad-except  # find the text to blame, keep the rest
             results = []
             for text in texts:
                 try:
-                    results.append(self._tokenizer(text))
+                    results += self._tokenize_batch([text])
                 except Exception as exc:  # pylint: disable=broad-except
                     results.append(exc)
             return results
@@ -353,19 +368,20 @@ class _PrepareTextFn(beam.DoFn):
                 yield self._dead_letter(event, Reason.PREPARE_FAILED,
                                         f"tokenization failed: {type(tokens).__name__}: {tokens}"[:500])
                 continue
-            ids, truncated = tokens
+            ids, truncated, chunks = tokens
             yield PreparedDoc(event=event, text=text,
                               text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
-                              token_ids=ids, truncated=truncated)
+                              token_ids=ids, truncated=truncated, chunks=chunks)
 
 
 class PrepareText(beam.PTransform):
-    """NewsEvent -> PreparedDoc (main output) and DeadLetter (``dead_letter`` output)."""
+    """NewsEvent -> PreparedDoc (main output) and DeadLetter (``dead_letter`` output). In chunks
+    mode (``transforms.chunking``) each document also holds its chunks."""
 
-    def __init__(self, model: ModelSettings, *, max_text_chars: int = 200_000,
-                 dead_letter_payload_bytes: int = 4096):
+    def __init__(self, model: ModelSettings, *, chunking: ChunkingSettings = ChunkingSettings(),
+                 max_text_chars: int = 200_000, dead_letter_payload_bytes: int = 4096):
         super().__init__()
-        self._fn = _PrepareTextFn(model, max_text_chars, dead_letter_payload_bytes)
+        self._fn = _PrepareTextFn(model, max_text_chars, dead_letter_payload_bytes, chunking)
 
     def expand(self, events):
         return (events

@@ -1,0 +1,162 @@
+"""Retrieval evaluation of head and chunks mode, through newsvec's own output.
+``python -m pipeline.evaluate_retrieval [--k 10] [--limit N]``.
+
+On the BBC articles in ../shared/data/bbc-news, in one run of this command:
+  1. the batch pipeline in head mode, then in chunks mode (``doc_vector: mean``), each timed (after a
+     warm-up run that loads the model), each writing its Parquet output;
+  2. a query per article: a sentence from the last third of its prepared text (the one nearest the
+     middle of that third, of at least 6 words), embedded with the same engine and settings;
+  3. for each query, where its article ranks among all articles by cosine similarity, scored by:
+     head-only (the head-mode vector), best chunk (the article's best chunk in chunks/), and mean of
+     chunks (the chunks-mode document vector); recall@1 and recall@k of each.
+Prints the recalls and the throughput of chunks mode over head mode (articles/s, same process and
+engine), and writes them to ``bench-results/retrieval-<time>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from pipeline.benchmark import bbc_texts
+from pipeline.config import REPO_ROOT, load
+from transforms.chunking import ChunkingSettings
+
+_SENTENCE = re.compile(r"[^.!?]+[.!?]+[\"'”’)]*")
+MIN_QUERY_WORDS = 6
+
+
+def tail_query(text: str) -> str | None:
+    """The sentence of the last third of ``text`` nearest that third's middle (whole sentences only,
+    of at least MIN_QUERY_WORDS words), or None."""
+    third = 2 * len(text) / 3
+    middle = (third + len(text)) / 2
+    candidates = [(abs((m.start() + m.end()) / 2 - middle), m.group().strip())
+                  for m in _SENTENCE.finditer(text)
+                  if m.start() >= third and len(m.group().split()) >= MIN_QUERY_WORDS]
+    return min(candidates)[1] if candidates else None
+
+
+def _vectors(paths) -> tuple[list[str], np.ndarray]:
+    table = pq.read_table(sorted(paths))
+    matrix = table["embedding"].combine_chunks().flatten().to_numpy().reshape(table.num_rows, -1)
+    return table["id"].to_pylist(), matrix
+
+
+def recall(ranks: np.ndarray, k: int) -> float:
+    return float((ranks < k).mean())
+
+
+def ranks_by_document(scores: np.ndarray, doc_ids: list[str], targets: list[str]) -> np.ndarray:
+    """Per query row of ``scores`` (one column per document), the rank of its target document."""
+    column = {d: i for i, d in enumerate(doc_ids)}
+    target = scores[np.arange(len(targets)), [column[t] for t in targets]]
+    return (scores > target[:, None]).sum(axis=1)
+
+
+def best_chunk_scores(scores: np.ndarray, chunk_doc_ids: list[str]) -> tuple[np.ndarray, list[str]]:
+    """Per query, the best chunk score of each document: columns grouped by document."""
+    order = np.argsort(np.array(chunk_doc_ids), kind="stable")
+    sorted_ids = [chunk_doc_ids[i] for i in order]
+    starts = [i for i, d in enumerate(sorted_ids) if i == 0 or d != sorted_ids[i - 1]]
+    best = np.maximum.reduceat(scores[:, order], starts, axis=1)
+    return best, [sorted_ids[i] for i in starts]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.evaluate_retrieval",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "local.yaml"))
+    parser.add_argument("--k", type=int, default=10)
+    parser.add_argument("--limit", type=int, default=None, help="the first N articles only")
+    parser.add_argument("--chunk-tokens", type=int, default=None,
+                        help="default: the config's chunking.chunk_tokens, or model.max_tokens")
+    parser.add_argument("--overlap-tokens", type=int, default=None)
+    parser.add_argument("--sentence-end-slack-tokens", type=int, default=None)
+    parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    args = parser.parse_args(argv)
+
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from pipeline.run import run_batch
+    from transforms.embed import load_engine
+    from transforms.schema import NewsEvent
+    from transforms.text import HeadTokenizer, compose_text
+
+    config = load(args.config)
+    overrides = {key: value for key, value in (
+        ("chunk_tokens", args.chunk_tokens), ("overlap_tokens", args.overlap_tokens),
+        ("sentence_end_slack_tokens", args.sentence_end_slack_tokens)) if value is not None}
+    chunking = config.chunking.model_copy(update={"mode": "chunks", "doc_vector": "mean",
+                                                  **overrides})
+    ChunkingSettings.model_validate(chunking.model_dump())
+    texts = bbc_texts(args.limit)
+    work = Path(tempfile.mkdtemp(prefix="newsvec-retrieval-"))
+    events, queries, targets = work / "events.jsonl", [], []
+    with open(events, "w", encoding="utf-8") as f:
+        for i, text in enumerate(texts):
+            doc_id = f"bbc-{i:05d}"
+            f.write(json.dumps({"id": doc_id, "body": text}) + "\n")
+            query = tail_query(compose_text(NewsEvent(id=doc_id, body=text)))
+            if query:
+                queries.append(query)
+                targets.append(doc_id)
+    options = PipelineOptions(["--runner=FnApiRunner"])
+    warm = work / "warm.jsonl"
+    warm.write_text("".join(events.read_text().splitlines(keepends=True)[:32]))
+    run_batch(config.model_copy(update={"input": str(warm), "output": str(work / "warm")}),
+              options)  # loads the model, kept for the runs below
+
+    runs = {}
+    for mode, run_chunking in (("head", config.chunking.model_copy(update={"mode": "head"})),
+                               ("chunks", chunking)):
+        out = work / mode
+        summary = run_batch(config.model_copy(update={
+            "input": str(events), "output": str(out), "chunking": run_chunking}), options)
+        runs[mode] = {"output": str(out), "articles": summary["counts"]["written"],
+                      "chunks": summary["counts"]["chunks_written"],
+                      "run_s": summary["timings"]["run_s"],
+                      "articles_per_s": summary["counts"]["written"] / summary["timings"]["run_s"]}
+        print(f"{mode}: {runs[mode]['articles']} articles, {runs[mode]['chunks']} chunks in "
+              f"{runs[mode]['run_s']:.1f} s: {runs[mode]['articles_per_s']:.1f} articles/s")
+
+    tokenizer, engine = HeadTokenizer(config.model), load_engine(config.model)
+    query_vectors = np.stack(engine.embed([ids for ids, _ in tokenizer.batch(queries)]))
+    head_ids, head = _vectors((work / "head" / "vectors").glob("*.parquet"))
+    mean_ids, mean = _vectors((work / "chunks" / "vectors").glob("*.parquet"))
+    chunk_ids, chunks = _vectors((work / "chunks" / "chunks").glob("*.parquet"))
+    best, best_ids = best_chunk_scores(query_vectors @ chunks.T, chunk_ids)
+    ranks = {"head_only": ranks_by_document(query_vectors @ head.T, head_ids, targets),
+             "best_chunk": ranks_by_document(best, best_ids, targets),
+             "mean_of_chunks": ranks_by_document(query_vectors @ mean.T, mean_ids, targets)}
+    recalls = {name: {"recall@1": recall(r, 1), f"recall@{args.k}": recall(r, args.k)}
+               for name, r in ranks.items()}
+    cost = runs["chunks"]["articles_per_s"] / runs["head"]["articles_per_s"]
+    print(f"{len(queries)} queries (a sentence from the last third of each article), "
+          f"{len(head_ids)} articles, {len(chunk_ids)} chunks:")
+    for name, r in recalls.items():
+        print(f"  {name:15s} recall@1 {r['recall@1']:.3f}  recall@{args.k} "
+              f"{r[f'recall@{args.k}']:.3f}")
+    print(f"chunks mode / head mode, articles/s: {cost:.2f}")
+    results = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               "k": args.k, "queries": len(queries), "articles": len(head_ids),
+               "model": config.model.name, "dtype": config.model.resolved_dtype(),
+               "chunking": chunking.model_dump(), "recalls": recalls, "runs": runs,
+               "chunks_over_head_articles_per_s": cost}
+    out_dir = Path(args.results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_file = out_dir / f"retrieval-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}.json"
+    out_file.write_text(json.dumps(results, indent=2))
+    print(f"results: {out_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Chunks: a long article embedded as windows of its tokens (``chunking.mode: chunks``), and the
+document vector made from them.
+
+A model with a 256-token head sees a fraction of most news articles. In chunks mode PrepareText
+cuts the whole prepared text into windows of at most ``chunk_tokens`` tokens (the model's special
+tokens and ``model.document_prefix`` included), overlapping by at least ``overlap_tokens``, with the
+model's own tokenizer, so the engine never truncates a chunk. A window starts and ends at a word
+boundary of the tokenizer (re-tokenizing a chunk's text gives its ids again), and with
+``sentence_end_slack_tokens`` it ends at a sentence end when one lies that close before the cut.
+
+Each chunk becomes a row of ``chunks/`` (``transforms.schema.chunk_schema``), and the article keeps
+one row in ``vectors/``: the vector of its head (``doc_vector: head``, as in head mode) or the
+token-weighted mean of its chunk vectors, L2-normalized (``doc_vector: mean``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Literal, Optional, Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+_SENTENCE_ENDS = frozenset(".!?")
+_CLOSERS = frozenset("\"'”’)]")
+
+
+class ChunkingSettings(BaseModel):
+    """The ``chunking:`` section of a config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["head", "chunks"] = Field(
+        "head", description="head: one vector per article, of its first model.max_tokens tokens; "
+                            "chunks: also a vector per window of chunk_tokens, in chunks/")
+    chunk_tokens: Optional[int] = Field(
+        None, gt=2, description="Tokens per chunk, special tokens and model.document_prefix "
+                                "included; at most model.max_tokens (null: model.max_tokens)")
+    overlap_tokens: int = Field(
+        32, ge=0, description="Tokens a chunk shares with the one before (at least; a chunk "
+                              "starts at a word)")
+    sentence_end_slack_tokens: int = Field(
+        0, ge=0, description="End a chunk at a sentence end if one lies within this many tokens "
+                             "before the cut (0: cut at the last word that fits)")
+    doc_vector: Literal["head", "mean"] = Field(
+        "head", description="The article's row in vectors/ in chunks mode: head (its first "
+                            "max_tokens tokens, as in head mode) or mean (of its chunk vectors, "
+                            "weighted by their tokens, L2-normalized)")
+
+    def signature(self, max_tokens: int, document_prefix: str) -> str:
+        """Every setting that decides the chunks' ids and text, as a string (part of chunk ids)."""
+        return json.dumps({"chunk_tokens": self.chunk_tokens or max_tokens,
+                           "overlap_tokens": self.overlap_tokens,
+                           "sentence_end_slack_tokens": self.sentence_end_slack_tokens,
+                           "document_prefix": document_prefix}, sort_keys=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkSpan:
+    """One chunk of a prepared text. ``token_ids`` is what the engine embeds (special tokens and the
+    document prefix included); the other fields locate it: tokens ``[token_start, token_end)`` of
+    the text's own tokens (no special tokens, no prefix), characters ``[char_start, char_end)`` of
+    the prepared text."""
+
+    token_ids: tuple[int, ...]
+    token_start: int
+    token_end: int
+    char_start: int
+    char_end: int
+
+
+def special_tokens_around(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The special token ids a tokenizer puts before and after one sequence ([CLS] / [SEP] for
+    BERT, <s> / </s> for XLM-R), read from its own post-processor."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return tuple(full[:i]), tuple(full[i + len(plain):])
+    raise ValueError("cannot find where this tokenizer puts a sequence among its special tokens")
+
+
+class Chunker:
+    """Cuts prepared texts into ``ChunkSpan``s with the model's tokenizer (``tokenizers.Tokenizer``,
+    which it copies without truncation or padding)."""
+
+    def __init__(self, tokenizer, settings: ChunkingSettings, max_tokens: int,
+                 document_prefix: str = ""):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_str(tokenizer.to_str())
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self._lead, self._trail = special_tokens_around(self._tok)
+        self._prefix = (tuple(self._tok.encode(document_prefix, add_special_tokens=False).ids)
+                        if document_prefix else ())
+        chunk_tokens = settings.chunk_tokens or max_tokens
+        if chunk_tokens > max_tokens:
+            raise ValueError(f"chunking.chunk_tokens ({chunk_tokens}) must be at most "
+                             f"model.max_tokens ({max_tokens}): the engine would truncate chunks")
+        self.capacity = chunk_tokens - len(self._lead) - len(self._trail) - len(self._prefix)
+        if self.capacity <= settings.overlap_tokens:
+            raise ValueError(
+                f"chunking: a chunk of {chunk_tokens} tokens holds {self.capacity} tokens of text "
+                f"(after special tokens and the document prefix), not more than overlap_tokens "
+                f"({settings.overlap_tokens}): chunks would not advance")
+        self._overlap, self._slack = settings.overlap_tokens, settings.sentence_end_slack_tokens
+        self._head_room = max_tokens - len(self._lead) - len(self._trail) - len(self._prefix)
+
+    def split(self, texts: Sequence[str]) -> list[tuple[tuple[int, ...], bool, tuple[ChunkSpan, ...]]]:
+        """Per text: its head-mode input (its first tokens up to ``max_tokens``, with the prefix and
+        the special tokens), whether that head was cut, and its chunks."""
+        out = []
+        for text, e in zip(texts, self._tok.encode_batch(list(texts), add_special_tokens=False)):
+            ids = e.ids
+            head = self._lead + self._prefix + tuple(ids[:self._head_room]) + self._trail
+            out.append((head, len(ids) > self._head_room,
+                        self._spans(text, ids, e.offsets, e.word_ids)))
+        return out
+
+    def _spans(self, text: str, ids, offsets, word_ids) -> tuple[ChunkSpan, ...]:
+        n = len(ids)
+
+        def at_word_boundary(i: int) -> bool:
+            return i <= 0 or i >= n or word_ids[i] is None or word_ids[i] != word_ids[i - 1]
+
+        def ends_sentence(i: int) -> bool:  # the text's token i-1 closes a sentence
+            j = i - 1
+            while j > 0 and text[offsets[j][0]:offsets[j][1]] in _CLOSERS:
+                j -= 1
+            return text[offsets[j][0]:offsets[j][1]] in _SENTENCE_ENDS
+
+        spans, start = [], 0
+        while True:
+            end = min(start + self.capacity, n)
+            if end < n:
+                cut = next((e for e in range(end, max(start, end - self._slack), -1)
+                            if at_word_boundary(e) and ends_sentence(e)), None)
+                if cut is None:
+                    cut = next((e for e in range(end, start, -1) if at_word_boundary(e)), end)
+                end = cut  # a word longer than a chunk is cut inside, the only way on
+            spans.append(ChunkSpan(
+                token_ids=self._lead + self._prefix + tuple(ids[start:end]) + self._trail,
+                token_start=start, token_end=end,
+                char_start=offsets[start][0], char_end=offsets[end - 1][1]))
+            if end >= n:
+                return tuple(spans)
+            following = max(end - self._overlap, start + 1)
+            while following > start + 1 and not at_word_boundary(following):
+                following -= 1
+            start = following if at_word_boundary(following) else end
+
+
+def chunk_id(doc_id: str, text_sha256: str, model: str, signature: str, index: int) -> str:
+    """Deterministic: the same document, text, model and chunking settings give the same id in every
+    run and retry."""
+    key = "\0".join((doc_id, text_sha256, model, signature, str(index)))
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+
+
+def mean_vector(vectors: Sequence[np.ndarray], weights: Sequence[int]) -> np.ndarray:
+    """The weighted mean of chunk vectors, L2-normalized."""
+    mean = np.average(np.stack(vectors).astype(np.float64), axis=0, weights=np.asarray(weights))
+    norm = np.linalg.norm(mean)
+    return (mean / norm if norm else mean).astype(np.float32)
