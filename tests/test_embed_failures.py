@@ -3,7 +3,8 @@ that breaks blames no input (the bundle fails, is retried, and a fresh engine se
 that fails every input stops the job.
 
 Failures are injected into the engine the real handler calls: a FAKE engine (tests/fakes.py) for the
-unit cases, and the real vLLM engine, wrapped, for the runs through RunInference."""
+unit cases, and the real vLLM engine, wrapped, for the runs through the batch embedding step
+(EmbedWithVLLM)."""
 import threading
 
 import apache_beam as beam
@@ -105,7 +106,7 @@ def test_a_broken_engine_blames_no_input_and_the_same_handle_gets_a_fresh_one():
         h.run_inference([doc(i) for i in range(8)], model)
     assert first.broken_calls == 1, "no bisection: no input is to blame"
     assert first.closed, "the broken engine is closed (its GPU memory freed)"
-    # The handle RunInference keeps (its shared model) serves the retried bundle with a new engine.
+    # The handle the embedding step keeps serves the retried bundle with a new engine.
     results = h.run_inference([doc(i) for i in range(8)], model)
     assert Breaks.loads == 2 and all(isinstance(r.inference[0], np.ndarray) for r in results)
 

@@ -1,12 +1,14 @@
 """Embed: PreparedDoc -> EmbeddedDoc with a vLLM ``LLM`` held per worker process, or a dead letter.
 
-Beam's RunInference does the batching (BatchElements sized by a token budget, not a count), the model
-sharing (one engine per worker process, loaded in setup, never per bundle) and the inference metrics.
-In chunks mode a document is embedded as several inputs (its chunks, and its head if that is the
+``VLLMEmbeddingHandler`` is a Beam ModelHandler: it loads the engine (one per worker process, or one
+per machine shared by every process; in setup, never per bundle), sizes batches by a token budget,
+not a count (BatchElements), and embeds a batch. Batch jobs drive it with ``_EmbedBatchesFn``, which
+keeps one engine call in flight while the bundle prepares the next batch (RunInference waits for each
+call, and the bundle's core idles meanwhile: see README, Keeping the GPU busy); streaming drives
+``MicroBatchEmbeddingHandler``, which embeds one ``MicroBatch`` (a window's firing) as a unit, with
+RunInference. In chunks mode a document is embedded as several inputs (its chunks, and its head if that is the
 document vector): they go to the engine mixed with other documents' inputs, in calls of at most
 ``model.token_budget`` tokens, and a document with a failing input is dead-lettered whole.
-``VLLMEmbeddingHandler`` is the ModelHandler that RunInference drives; streaming uses
-``MicroBatchEmbeddingHandler``, which embeds one ``MicroBatch`` (a window's firing) as a unit.
 
 Two kinds of failure, told apart by a health check of the engine (a fixed canary input):
 - an INPUT failure (the canary still embeds): the batch is split in halves and retried (bisection)
@@ -14,12 +16,14 @@ Two kinds of failure, told apart by a health check of the engine (a fixed canary
 - an ENGINE failure (the canary fails too, or vLLM says its engine died; a CUDA error looks like
   this): no input is blamed. The engine is closed, ``EngineFailedError`` fails the bundle, and the
   runner retries it; the handle loads a fresh engine on its next use, so whatever still holds the
-  handle (RunInference's shared model, the retried bundle) gets a working one.
+  handle (the embedding step, RunInference's shared model, the retried bundle) gets a working one.
 A model that fails for every input while its canary passes stops the job (``ModelBrokenError``).
 """
 from __future__ import annotations
 
 import atexit
+import collections
+import concurrent.futures
 import dataclasses
 import datetime as dt
 import hashlib
@@ -34,6 +38,7 @@ import apache_beam as beam
 import numpy as np
 from apache_beam import pvalue
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInference
+from apache_beam.utils.windowed_value import WindowedValue
 
 from transforms.chunking import ChunkingSettings, chunk_id, mean_vector
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
@@ -257,6 +262,22 @@ def model_inputs(doc: PreparedDoc, doc_vector: str = "head") -> list[tuple[int, 
     return chunks
 
 
+@dataclasses.dataclass
+class EngineStats:
+    """Model loads and engine calls, kept until a bundle's thread records them as Beam metrics."""
+
+    load_ms: list = dataclasses.field(default_factory=list)
+    calls: list = dataclasses.field(default_factory=list)  # (ms, inputs, tokens) per engine call
+
+    def record(self) -> None:
+        for load_ms in self.load_ms:
+            MODEL_LOAD_MS.update(load_ms)
+        for ms, inputs, tokens in self.calls:
+            EMBED_MS.update(ms)
+            BATCH_DOCS.update(inputs)
+            BATCH_TOKENS.update(tokens)
+
+
 class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHandle]):
     """RunInference ModelHandler: PreparedDoc -> its vectors (one per ``model_inputs``: the head, or
     its chunks), or an ``EmbedFailure``. Engine calls hold at most ``model.token_budget`` tokens of
@@ -315,13 +336,16 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
                          exc)
             return self._embed(model, prompts[:half]) + self._embed(model, prompts[half:])
 
-    def embed_docs(self, model: EngineHandle, docs: Sequence[PreparedDoc]) -> list:
+    def embed_docs(self, model: EngineHandle, docs: Sequence[PreparedDoc],
+                   stats: Optional["EngineStats"] = None) -> list:
         """Per document, its vectors (one per ``model_inputs``) or an ``EmbedFailure`` if any of
         its inputs failed (an article is written whole or not at all). Inputs go to the engine in
-        calls of at most ``token_budget`` tokens, with the batch metrics and the broken-model
-        stop."""
-        for load_ms in model.take_load_ms():
-            MODEL_LOAD_MS.update(load_ms)
+        calls of at most ``token_budget`` tokens, with the broken-model stop. The batch metrics go
+        to ``stats`` when given (a thread that is not the bundle's cannot record metrics), else
+        straight to Beam's metrics."""
+        own_stats = stats is None
+        stats = EngineStats() if own_stats else stats
+        stats.load_ms += model.take_load_ms()
         inputs = [(i, ids) for i, doc in enumerate(docs)
                   for ids in model_inputs(doc, self._doc_vector)]
         results = []
@@ -329,9 +353,10 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
                                         size=lambda item: len(item[1])):
             started = time.perf_counter()
             results += self._embed(model, [ids for _, ids in call])
-            EMBED_MS.update(int((time.perf_counter() - started) * 1000))
-            BATCH_DOCS.update(len(call))
-            BATCH_TOKENS.update(sum(len(ids) for _, ids in call))
+            stats.calls.append((int((time.perf_counter() - started) * 1000), len(call),
+                                sum(len(ids) for _, ids in call)))
+        if own_stats:
+            stats.record()
         per_doc: list = [[] for _ in docs]
         for (i, _), result in zip(inputs, results):
             per_doc[i].append(result)
@@ -353,10 +378,11 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
         return out
 
     def run_inference(self, batch: Sequence[PreparedDoc], model: EngineHandle,
-                      inference_args: Optional[dict] = None) -> Iterable[PredictionResult]:
+                      inference_args: Optional[dict] = None,
+                      stats: Optional[EngineStats] = None) -> list[PredictionResult]:
         label = model.label()
         return [PredictionResult(example=doc, inference=result, model_id=label)
-                for doc, result in zip(batch, self.embed_docs(model, batch))]
+                for doc, result in zip(batch, self.embed_docs(model, batch, stats))]
 
     def get_metrics_namespace(self) -> str:
         return "newsvec.RunInference"
@@ -433,6 +459,54 @@ def _row_maker(settings: ModelSettings, chunking: ChunkingSettings, store_chunk_
                     store_chunk_text, payload_limit)
 
 
+class _EmbedBatchesFn(beam.DoFn):
+    """Batches of PreparedDoc -> a PredictionResult per document, with an engine call in flight
+    while the bundle goes on. RunInference calls its model synchronously: the bundle's core idles
+    while the engine embeds. Here each batch goes to the engine from a thread of this DoFn's own,
+    and its results are emitted when the next batch has been prepared (or at the end of the
+    bundle), so the bundle prepares batch k+1 while the engine embeds batch k, and the engine finds
+    the next call waiting. Failures surface in the bundle's thread (the bundle fails and is
+    retried), metrics are recorded there."""
+
+    def __init__(self, handler: VLLMEmbeddingHandler, in_flight: int = 2):
+        self._handler, self._in_flight = handler, in_flight
+        self._model = self._pool = None
+        self._pending: collections.deque = collections.deque()
+
+    def setup(self):
+        self._model = self._handler.load_model()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="newsvec-embed")
+
+    def start_bundle(self):
+        self._pending = collections.deque()
+
+    def _submit(self, batch):
+        stats = EngineStats()
+        return self._pool.submit(self._handler.run_inference, batch, self._model, None, stats), stats
+
+    def process(self, batch, window=beam.DoFn.WindowParam, timestamp=beam.DoFn.TimestampParam):
+        self._pending.append((*self._submit(batch), window, timestamp))
+        while len(self._pending) >= self._in_flight:
+            yield from self._results(*self._pending.popleft())
+
+    def finish_bundle(self):
+        while self._pending:
+            yield from self._results(*self._pending.popleft())
+
+    @staticmethod
+    def _results(future, stats: EngineStats, window, timestamp):
+        try:
+            results = future.result()
+        finally:
+            stats.record()
+        for result in results:
+            yield WindowedValue(result, timestamp, (window,))
+
+    def teardown(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
 class EmbedWithVLLM(beam.PTransform):
     """PreparedDoc -> EmbeddedDoc (main output, with its chunk rows in chunks mode) and DeadLetter
     (``dead_letter`` output)."""
@@ -446,7 +520,8 @@ class EmbedWithVLLM(beam.PTransform):
 
     def expand(self, docs):
         return (docs
-                | "RunInference" >> RunInference(self._handler)
+                | "Batch" >> beam.BatchElements(**self._handler.batch_elements_kwargs())
+                | "Embed" >> beam.ParDo(_EmbedBatchesFn(self._handler))
                 | "Route" >> beam.ParDo(_RouteFn(self._rows)).with_outputs(
                     DEAD_LETTER, main="embedded"))
 
