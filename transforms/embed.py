@@ -135,6 +135,14 @@ class EngineHandle:
     def label(self) -> str:
         return self._label
 
+    @property
+    def llm(self):
+        """The vLLM ``LLM`` behind the handle (the batch benchmark calls it raw, as a baseline)."""
+        with self._lock:
+            if self._engine is None:
+                self._load()
+            return self._engine._llm
+
     def take_load_ms(self) -> list[int]:
         """Load times not reported yet (metrics cannot be recorded in DoFn.setup, where loading
         happens)."""
