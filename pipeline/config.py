@@ -67,6 +67,15 @@ class SinkSettings(_Section):
                            "retrieval-augmented generation")
 
 
+class IncrementalSettings(_Section):
+    previous_outputs: list[str] = Field(
+        default_factory=list,
+        description="Batch: globs of output prefixes (may hold {model}) whose key index (keys/) "
+                    "this run consults: an article whose id, text, model and embedding settings "
+                    "are there is counted as unchanged, not embedded again. The run's own output "
+                    "is never consulted (a rerun replaces it)")
+
+
 class StreamingSettings(_Section):
     subscription: Optional[str] = Field(
         None, pattern=r"^projects/[^/]+/subscriptions/[^/]+$",
@@ -89,6 +98,7 @@ class Config(_Section):
     dedup: DedupSettings = DedupSettings()
     sink: SinkSettings = SinkSettings()
     streaming: StreamingSettings = StreamingSettings()
+    incremental: IncrementalSettings = IncrementalSettings()
     beam: dict[str, Any] = Field(default_factory=dict, description="Beam pipeline options")
 
     @model_validator(mode="after")
@@ -199,6 +209,26 @@ def parse_input_date(value: Optional[str], now: Optional[dt.datetime] = None) ->
             raise ConfigError(f"--input_date: {text!r} is not a real date ({exc})") from None
     raise ConfigError(f"--input_date: {text!r} is not a date: give YYYY-MM-DD, "
                       f"{' or '.join(INPUT_DATE_WORDS)} (UTC)")
+
+
+_MODEL_FIELD = "{model}"
+
+
+def fill_model(config: Config) -> Config:
+    """Fill ``{model}`` in ``input``, ``output`` and ``incremental.previous_outputs`` with the
+    model's safe label (``transforms.model.safe_model_label``): two models' outputs then live side
+    by side, and neither replaces the other's."""
+    fields = [config.input or "", config.output, *config.incremental.previous_outputs]
+    if not any(_MODEL_FIELD in f for f in fields):
+        return config
+    from transforms.model import safe_model_label
+
+    label = safe_model_label(config.model)
+    incremental = config.incremental.model_copy(update={"previous_outputs": [
+        p.replace(_MODEL_FIELD, label) for p in config.incremental.previous_outputs]})
+    return config.model_copy(update={
+        "input": config.input.replace(_MODEL_FIELD, label) if config.input else config.input,
+        "output": config.output.replace(_MODEL_FIELD, label), "incremental": incremental})
 
 
 def fill_date(config: Config, input_date: Optional[str] = None,

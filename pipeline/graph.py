@@ -1,8 +1,9 @@
 """The pipeline graphs, box by box as in README.md's diagram. Each box is a PTransform in transforms/.
 
-Batch:      files -> ReadJsonLines (fans out its lines) -> Parse -> PrepareText -> EmbedWithVLLM
-              -> DropDuplicates -> WriteVectors, WriteChunks (chunks mode), WriteDeadLetters
-              (into the run's staging folder) -> CommitRun
+Batch:      files -> ReadJsonLines (fans out its lines) -> Parse -> PrepareText
+              -> SkipUnchanged (with incremental.previous_outputs: ReadKeys) -> EmbedWithVLLM
+              -> DropDuplicates -> WriteVectors, WriteKeys, WriteChunks (chunks mode),
+              WriteDeadLetters (into the run's staging folder) -> CommitRun
 Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> GroupMicroBatches (with every
               dead letter so far) -> DropDuplicatesStreaming -> EmbedMicroBatches
               -> WriteMicroBatches (vectors, dead letters and a ledger record per micro-batch)
@@ -18,10 +19,12 @@ from transforms.commit import CommitRun, staging_prefix, tally
 from transforms.dedup import DropDuplicates, DropDuplicatesStreaming
 from transforms.embed import EmbedMicroBatches, EmbedWithVLLM, EngineFactory
 from transforms.microbatch import GroupMicroBatches
-from transforms.model import model_content_hash, resolve_model_path
+from transforms.incremental import ReadKeys, SkipUnchanged, embedding_signature, key_files
+from transforms.model import model_content_hash, model_label, resolve_model_path
 from transforms.parse import ParseEvents
 from transforms.read import ReadJsonLines
-from transforms.sinks import WriteChunks, WriteDeadLetters, WriteMicroBatches, WriteVectors
+from transforms.sinks import (CHUNKS_DIR, DEAD_LETTER_DIR, KEYS_DIR, VECTORS_DIR, WriteChunks,
+                              WriteDeadLetters, WriteKeys, WriteMicroBatches, WriteVectors)
 from transforms.text import PrepareText
 from transforms.windowing import FixedEventTimeWindows, WindowByEventTime
 
@@ -50,40 +53,55 @@ def summary_base(config: Config) -> dict:
     model_path = resolve_model_path(config.model.path)
     return {"input": config.input, "output": config.output,
             "chunking": config.chunking.model_dump(),
+            "incremental": {**config.incremental.model_dump(),
+                            "embedding_signature": embedding_signature(config.model,
+                                                                       config.chunking)},
             "model": {**config.model.model_dump(), "resolved_path": model_path,
+                      "label": model_label(config.model, model_path),
                       "resolved_dtype": config.model.resolved_dtype(),
                       "content_sha256": model_content_hash(model_path) or None}}
 
 
 def embed_and_write(payloads, config: Config, run_id: str,
                     engine_factory: Optional[EngineFactory] = None):
-    """Batch: raw payloads (bytes) -> Parquet vectors and JSON Lines dead letters, staged, then
-    checked and published by CommitRun. Returns the summary (a PCollection of one dict)."""
+    """Batch: raw payloads (bytes) -> Parquet vectors (and chunks), the key index and JSON Lines
+    dead letters, staged, then checked and published by CommitRun. Returns the summary (a
+    PCollection of one dict)."""
     parsed = _parse(payloads, config)
     prepared = _prepare(parsed.events, config)
+    signature = embedding_signature(config.model, config.chunking)
+    docs, tallies = prepared.docs, [tally(payloads, "in")]
+    if config.incremental.previous_outputs:
+        known = payloads.pipeline | "ReadKeys" >> ReadKeys(
+            key_files(config.incremental.previous_outputs, config.output))
+        label = model_label(config.model, resolve_model_path(config.model.path))
+        skipped = docs | "SkipUnchanged" >> SkipUnchanged(known, label, signature)
+        docs = skipped.docs
+        tallies.append(tally(skipped.unchanged, "unchanged"))
     # No grouping between preparing and embedding: in a batch job it would be a barrier, every
     # article prepared before the first is embedded. Duplicates are dropped from the vector rows.
-    embedded = prepared.docs | "EmbedWithVLLM" >> EmbedWithVLLM(
+    embedded = docs | "EmbedWithVLLM" >> EmbedWithVLLM(
         config.model, **_embed_settings(config, engine_factory))
     unique = embedded.embedded | "DropDuplicates" >> DropDuplicates(config.dedup.key)
     staging = staging_prefix(config.output, run_id)
-    vectors = unique.docs | "WriteVectors" >> WriteVectors(
-        staging, run_id, config.model.dim, config.sink.row_group_rows)
+    rows = config.sink.row_group_rows
+    files = {VECTORS_DIR: unique.docs | "WriteVectors" >> WriteVectors(
+                 staging, run_id, config.model.dim, rows),
+             KEYS_DIR: unique.docs | "WriteKeys" >> WriteKeys(staging, run_id, signature, rows)}
     chunk_rows = unique.docs | "ChunkRows" >> beam.FlatMap(lambda row: row.chunks)
-    chunks = (chunk_rows | "WriteChunks" >> WriteChunks(
-        staging, run_id, config.model.dim, config.sink.row_group_rows)
-        if config.chunking.mode == "chunks" else None)
-    dead_letters = ((parsed.dead_letter, prepared.dead_letter, embedded.dead_letter)
-                    | "CollectDeadLetters" >> beam.Flatten()
-                    | "WriteDeadLetters" >> WriteDeadLetters(staging, run_id))
-    tallies = [tally(payloads, "in"),
-               tally(unique.duplicates, "duplicates", lambda n: n),
-               tally(unique.docs, "rows"),
-               tally(unique.docs, "truncated", lambda row: int(row.truncated)),
-               tally(chunk_rows, "chunks")]
+    if config.chunking.mode == "chunks":
+        files[CHUNKS_DIR] = chunk_rows | "WriteChunks" >> WriteChunks(
+            staging, run_id, config.model.dim, rows)
+    files[DEAD_LETTER_DIR] = ((parsed.dead_letter, prepared.dead_letter, embedded.dead_letter)
+                              | "CollectDeadLetters" >> beam.Flatten()
+                              | "WriteDeadLetters" >> WriteDeadLetters(staging, run_id))
+    tallies += [tally(unique.duplicates, "duplicates", lambda n: n),
+                tally(unique.docs, "rows"),
+                tally(unique.docs, "truncated", lambda row: int(row.truncated)),
+                tally(chunk_rows, "chunks")]
     return payloads.pipeline | "CommitRun" >> CommitRun(
-        config.output, run_id, summary_base(config), vectors=vectors, dead_letters=dead_letters,
-        chunks=chunks, tallies=tallies, lease_s=config.sink.commit_lease_s)
+        config.output, run_id, summary_base(config), files=files, tallies=tallies,
+        lease_s=config.sink.commit_lease_s)
 
 
 def build_batch(pipeline: beam.Pipeline, config: Config, run_id: str,
@@ -120,7 +138,8 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
     embedded = batches | "EmbedWithVLLM" >> EmbedMicroBatches(
         config.model, **_embed_settings(config, engine_factory))
     return embedded | "WriteMicroBatches" >> WriteMicroBatches(
-        config.output, run_id, config.model.dim, config.sink.row_group_rows)
+        config.output, run_id, config.model.dim, config.sink.row_group_rows,
+        signature=embedding_signature(config.model, config.chunking))
 
 
 def build_streaming(pipeline: beam.Pipeline, config: Config, run_id: str,

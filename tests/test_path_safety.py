@@ -1,7 +1,7 @@
 """No field of an event (id, source, language, url, published_at) nor of its Pub/Sub message can
 steer where a file is written: with the adversarial corpus (../, absolute paths, NUL, shell
 metacharacters, very long strings, far-past and future dates) every file lands under the output
-prefix, under vectors/ or dead_letter/ (or is the summary), every path component is
+prefix, under vectors/, dead_letter/ or keys/ (or is the summary), every path component is
 [A-Za-z0-9._=-]+, and streaming partitions dt=/hour= are those of the window.
 
 (a) the batch pipeline: the run tests/test_adversarial.py makes (shared, real vLLM);
@@ -70,7 +70,7 @@ def test_batch_writes_only_under_the_output_prefix_with_safe_names(batch_run):
         for part in rel.split("/"):
             check_component(part, rel)
         top = rel.split("/")[0]
-        assert top in ("vectors", "dead_letter", "_summary.json", "_manifest.json"), rel
+        assert top in ("vectors", "dead_letter", "keys", "_summary.json", "_manifest.json"), rel
         if not top.startswith("_"):
             assert rel.count("/") == 1, f"batch output is flat under {top}/: {rel}"
             assert path.name.startswith(f"part-{summary['run_id']}-"), rel
@@ -79,7 +79,7 @@ def test_batch_writes_only_under_the_output_prefix_with_safe_names(batch_run):
         for part in path.relative_to(out).parts:
             check_component(part, str(path))
     names = {p.relative_to(out).parts[0] for p in all_files(out)}
-    assert names == {"vectors", "dead_letter", "_summary.json", "_manifest.json"}
+    assert names == {"vectors", "dead_letter", "keys", "_summary.json", "_manifest.json"}
 
 
 def test_batch_hostile_values_did_reach_the_output_as_data(batch_run):
@@ -178,7 +178,8 @@ def test_streaming_writes_only_under_the_output_prefix_with_safe_names(streaming
         for part in rel.split("/"):
             check_component(part, rel)
         top, partition, name = rel.split("/", 1)[0], rel.rsplit("/", 1)[0].split("/", 1)[-1], path.name
-        assert top in ("vectors", "dead_letter", "ledger"), f"{rel}: nothing left in _temp/ or elsewhere"
+        assert top in ("vectors", "dead_letter", "ledger", "keys"), \
+            f"{rel}: nothing left in _temp/ or elsewhere"
         assert PARTITION.match(partition), rel
         assert name.startswith("part-20261201T000000Z-0badc0de-"), rel
     for path in sorted(p for p in out.rglob("*") if p.is_dir()):

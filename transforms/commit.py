@@ -2,18 +2,20 @@
 same input into the same output replaces the previous run, never appends to it.
 
 A batch run writes into ``<output>/_staging/<run_id>/`` (``vectors/``, ``dead_letter/``,
-``chunks/`` in chunks mode, ``_summary.json``). Nothing under ``vectors/`` or ``dead_letter/`` changes until the whole job has
+``chunks/`` in chunks mode, ``keys/``, ``_summary.json``). Nothing under ``vectors/`` or ``dead_letter/`` changes until the whole job has
 succeeded: a run that fails or is killed midway leaves the previous output as it was. Then
 ``CommitRun``, the job's last step:
 
 1. counts what is in storage (rows from the Parquet footers, dead letters by reason from the JSON
-   Lines) and checks ``in = written + dead_lettered + duplicates`` against the job's own counts; a
-   run that does not balance fails here and publishes nothing;
+   Lines) and checks ``in = written + dead_lettered + duplicates + unchanged`` against the job's
+   own counts (and one key in ``keys/`` per row); a run that does not balance fails here and
+   publishes nothing;
 2. writes ``_manifest.json`` (state ``publishing``) naming the staged files: from this moment a reader
    that follows the manifest reads the new run, whole;
-3. deletes every file of ``vectors/`` and ``dead_letter/`` that is not this run's, then copies this
-   run's files in (a copy, so that the staged files the manifest names stay whole meanwhile): a reader that globs ``vectors/**/*.parquet`` sees part of the old run, then part
-   of the new one, never rows of two runs at once;
+3. deletes every file of the published folders (``vectors/``, ``dead_letter/``, ``chunks/``,
+   ``keys/``) that is not this run's, then copies this run's files in (a copy, so that the staged
+   files the manifest names stay whole meanwhile): a reader that globs ``vectors/**/*.parquet``
+   sees part of the old run, then part of the new one, never rows of two runs at once;
 4. copies the summary, writes the manifest again (state ``committed``, naming the published files),
    deletes the staging folder, and deletes what runs killed before they committed left in
    ``_staging/`` and ``_temp/`` more than ``STALE_AFTER_S`` ago.
@@ -37,13 +39,13 @@ import apache_beam as beam
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.sinks import (CHUNKS_DIR, DEAD_LETTER_DIR, SUMMARY_FILE, TEMP_DIR, VECTORS_DIR,
-                             join_path, mkdirs)
+from transforms.sinks import (CHUNKS_DIR, DEAD_LETTER_DIR, KEYS_DIR, SUMMARY_FILE, TEMP_DIR,
+                             VECTORS_DIR, join_path, mkdirs)
 
 _LOG = logging.getLogger(__name__)
 STAGING_DIR = "_staging"
 MANIFEST_FILE = "_manifest.json"
-PUBLISHED_DIRS = (VECTORS_DIR, DEAD_LETTER_DIR, CHUNKS_DIR)
+PUBLISHED_DIRS = (VECTORS_DIR, DEAD_LETTER_DIR, CHUNKS_DIR, KEYS_DIR)
 PUBLISHING, COMMITTED = "publishing", "committed"
 STALE_AFTER_S = 2 * 86400  # older staged or temporary files than this are a dead run's
 
@@ -70,6 +72,7 @@ class Manifest:
     counts: dict
     committed_at: Optional[str] = None
     chunks: list = dataclasses.field(default_factory=list)  # chunks mode
+    keys: list = dataclasses.field(default_factory=list)  # the key index (transforms.incremental)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -177,6 +180,7 @@ def publish(output: str, manifest: Manifest, lease_s: float = 600, poll_s: float
         vectors=[_published(p) for p in manifest.vectors],
         dead_letter=[_published(p) for p in manifest.dead_letter],
         chunks=[_published(p) for p in manifest.chunks],
+        keys=[_published(p) for p in manifest.keys],
         committed_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
     _write(output, MANIFEST_FILE, committed.to_json().encode("utf-8"))
     _delete_tree(staging_prefix(output, manifest.run_id))
@@ -239,38 +243,45 @@ class _CommitFn(beam.DoFn):
     def __init__(self, output: str, run_id: str, summary: dict, lease_s: float):
         self._output, self._run_id, self._summary, self._lease_s = output, run_id, summary, lease_s
 
-    def process(self, _, vectors, dead_letters, chunks, tallies):
+    def process(self, _, staged, tallies):
         current = read_manifest(self._output)
         if current is not None and current.run_id == self._run_id and current.state == COMMITTED:
             # A retry of a commit that went through (its staging is gone): nothing left to do.
             with FileSystems.open(join_path(self._output, SUMMARY_FILE)) as f:
                 yield json.loads(f.read().decode("utf-8"))
             return
+        files = {subdir: [] for subdir in PUBLISHED_DIRS}
+        for subdir, path in staged:
+            files[subdir].append(path)
+        files = {subdir: sorted(paths) for subdir, paths in files.items()}
         tallies = collections.defaultdict(int, tallies)
-        stored = count_stored(self._output, sorted(vectors), sorted(dead_letters), sorted(chunks))
+        stored = count_stored(self._output, files[VECTORS_DIR], files[DEAD_LETTER_DIR],
+                              files[CHUNKS_DIR])
+        keys = parquet_rows(files[KEYS_DIR])
         counts = {"in": tallies["in"], **stored, "duplicates": tallies["duplicates"],
-                  "truncated": tallies["truncated"]}
-        counts["accounted"] = counts["written"] + counts["dead_lettered"] + counts["duplicates"]
+                  "unchanged": tallies["unchanged"], "truncated": tallies["truncated"]}
+        counts["accounted"] = (counts["written"] + counts["dead_lettered"] + counts["duplicates"]
+                               + counts["unchanged"])
         holds = counts["in"] == counts["accounted"]
         summary = {**self._summary, "run_id": self._run_id, "counts": counts,
                    "invariant_holds": holds}
         if (not holds or stored["written"] != tallies["rows"]
-                or stored["chunks_written"] != tallies["chunks"]):
+                or stored["chunks_written"] != tallies["chunks"] or keys != stored["written"]):
             raise AccountingError(
                 f"run {self._run_id} does not balance, nothing published: in={counts['in']}, "
-                f"written (in storage)={counts['written']} (rows sent: {tallies['rows']}), "
-                f"dead_lettered={counts['dead_lettered']}, duplicates={counts['duplicates']}, "
-                f"chunks (in storage)={counts['chunks_written']} (sent: {tallies['chunks']})")
+                f"written (in storage)={counts['written']} (rows sent: {tallies['rows']}, keys "
+                f"{keys}), dead_lettered={counts['dead_lettered']}, duplicates="
+                f"{counts['duplicates']}, unchanged={counts['unchanged']}, chunks (in storage)="
+                f"{counts['chunks_written']} (sent: {tallies['chunks']})")
         staging = staging_prefix(self._output, self._run_id)
         summary_path = join_path(staging, SUMMARY_FILE)
         with FileSystems.create(summary_path, mime_type="application/json") as f:
             f.write(json.dumps(summary, indent=2, default=str).encode("utf-8"))
         manifest = Manifest(
             run_id=self._run_id, state=PUBLISHING, started_at=time.time(),
-            vectors=sorted(_relative(self._output, p) for p in vectors),
-            dead_letter=sorted(_relative(self._output, p) for p in dead_letters),
-            chunks=sorted(_relative(self._output, p) for p in chunks),
-            summary=_relative(self._output, summary_path), counts=counts)
+            summary=_relative(self._output, summary_path), counts=counts,
+            **{subdir: [_relative(self._output, p) for p in paths]
+               for subdir, paths in files.items()})
         publish(self._output, manifest, self._lease_s)
         # What runs killed before their commit left here (on local disk, also partial files).
         clean_stale(self._output, STALE_AFTER_S)
@@ -283,26 +294,28 @@ def tally(pcoll, name: str, value=lambda _: 1):
 
 
 class CommitRun(beam.PTransform):
-    """The batch job's last step (see the module docstring), applied to the pipeline. It reads the
-    staged vector, dead-letter and chunk file names (the writes' outputs, so it runs after them;
-    ``chunks`` None in head mode) and the tallies ``in``, ``rows`` (sent to the writer),
-    ``duplicates``, ``truncated``, ``chunks`` (sent) as side inputs. Output: the summary."""
+    """The batch job's last step (see the module docstring), applied to the pipeline. It reads, as
+    side inputs, the names of the files the run staged (``files``: the writes' outputs, so it runs
+    after them, by folder: ``vectors``, ``dead_letter``, and ``chunks``, ``keys`` where written)
+    and the tallies ``in``, ``rows`` (sent to the writer), ``duplicates``, ``unchanged``,
+    ``truncated``, ``chunks`` (sent). Output: the summary."""
 
-    def __init__(self, output: str, run_id: str, summary: dict, *, vectors, dead_letters,
-                 tallies: list, chunks=None, lease_s: float = 600):
+    def __init__(self, output: str, run_id: str, summary: dict, *, files: dict, tallies: list,
+                 lease_s: float = 600):
         super().__init__()
+        unknown = set(files) - set(PUBLISHED_DIRS)
+        if unknown:
+            raise ValueError(f"not a published folder: {sorted(unknown)}")
         self._fn = _CommitFn(output, run_id, summary, lease_s)
-        self._vectors, self._dead_letters, self._tallies = vectors, dead_letters, tallies
-        self._chunks = chunks
+        self._files, self._tallies = files, tallies
 
     def expand(self, pbegin):
         totals = (self._tallies | "FlattenTallies" >> beam.Flatten()
                   | "SumTallies" >> beam.CombinePerKey(sum))
-        chunks = (self._chunks if self._chunks is not None
-                  else pbegin | "NoChunks" >> beam.Create([]).with_output_types(str))
+        staged = (tuple(names | f"In_{subdir}" >> beam.Map(lambda p, d=subdir: (d, p))
+                        for subdir, names in self._files.items())
+                  | "StagedFiles" >> beam.Flatten())
         return (pbegin
                 | "Once" >> beam.Create([None])
                 | "CheckAndPublish" >> beam.ParDo(
-                    self._fn, beam.pvalue.AsList(self._vectors),
-                    beam.pvalue.AsList(self._dead_letters), beam.pvalue.AsList(chunks),
-                    beam.pvalue.AsDict(totals)))
+                    self._fn, beam.pvalue.AsList(staged), beam.pvalue.AsDict(totals)))

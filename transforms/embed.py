@@ -42,7 +42,7 @@ from apache_beam.utils.windowed_value import WindowedValue
 
 from transforms.chunking import ChunkingSettings, chunk_id, mean_vector
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
-from transforms.model import ModelSettings, model_content_hash, resolve_model_path
+from transforms.model import ModelSettings, model_label, resolve_model_path
 from transforms.schema import (ChunkRow, DeadLetter, EmbeddedDoc, MicroBatch, PreparedDoc, Reason,
                                Step)
 
@@ -173,13 +173,6 @@ class EngineHandle:
 def _engine_is_dead(exc: BaseException) -> bool:
     """vLLM's engine core died (its multiprocess client says so): every later call fails too."""
     return type(exc).__name__ == "EngineDeadError"
-
-
-def model_label(settings: ModelSettings, local_path: str) -> str:
-    if settings.revision:
-        return f"{settings.name}@{settings.revision}"
-    digest = model_content_hash(local_path)
-    return f"{settings.name}@sha256:{digest[:16]}" if digest else settings.name
 
 
 def load_vllm(s: ModelSettings) -> Engine:

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import importlib
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -44,6 +45,21 @@ def model_content_hash(path: str) -> str:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def model_label(settings: "ModelSettings", local_path: str) -> str:
+    """What the output's ``model`` column says: ``name@revision``, or ``name@sha256:<16 hex>`` of
+    the model's files."""
+    if settings.revision:
+        return f"{settings.name}@{settings.revision}"
+    digest = model_content_hash(local_path)
+    return f"{settings.name}@sha256:{digest[:16]}" if digest else settings.name
+
+
+def safe_model_label(settings: "ModelSettings") -> str:
+    """The model label as a path component: only [A-Za-z0-9._-] (``{model}`` in outputs)."""
+    label = model_label(settings, resolve_model_path(settings.path))
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.")
 
 
 @functools.lru_cache(maxsize=1)

@@ -9,7 +9,8 @@
 - ``OversizedPayload``: the head of an input line too large to read whole.
 - ``MicroBatch``: streaming: one firing of one window and shard, embedded and written together.
 - ``LedgerRecord``: streaming: what a micro-batch took in and wrote, a JSON file beside its data.
-- ``vector_schema(dim)``, ``chunk_schema(dim)``: the Parquet schemas of ``vectors/`` and ``chunks/``.
+- ``vector_schema(dim)``, ``chunk_schema(dim)``, ``key_schema()``: the Parquet schemas of
+  ``vectors/``, ``chunks/`` and ``keys/``.
 """
 from __future__ import annotations
 
@@ -246,6 +247,16 @@ def vector_schema(dim: int) -> pa.Schema:
         # "head" or "mean" (of the article's chunk vectors), and how many chunks it has in chunks/.
         pa.field("doc_vector", pa.string(), nullable=False),
         pa.field("chunk_count", pa.int32(), nullable=False),
+    ])
+
+
+def key_schema() -> pa.Schema:
+    """The Parquet schema of ``keys/``: the key index (``transforms.incremental``), one row per
+    article written. Documented in README.md."""
+    return pa.schema([
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("text_sha256", pa.string(), nullable=False),
     ])
 
 

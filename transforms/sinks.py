@@ -16,11 +16,12 @@ ledger record
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime as dt
 import itertools
 import re
 import uuid
-from typing import Iterable
+from typing import Iterable, Optional
 
 import apache_beam as beam
 import numpy as np
@@ -35,10 +36,11 @@ from apache_beam.utils.timestamp import Timestamp
 from transforms.metrics import (DEAD_LETTERED, END_TO_END_MS, ROWS_WRITTEN, TRUNCATED,
                                dead_letter_counter)
 from transforms.schema import (ChunkRow, DeadLetter, EmbeddedDoc, LedgerRecord, MicroBatch,
-                               chunk_schema, vector_schema)
+                               chunk_schema, key_schema, vector_schema)
 
 VECTORS_DIR = "vectors"
 CHUNKS_DIR = "chunks"
+KEYS_DIR = "keys"
 DEAD_LETTER_DIR = "dead_letter"
 LEDGER_DIR = "ledger"
 SUMMARY_FILE = "_summary.json"
@@ -119,6 +121,23 @@ def chunks_table(rows: list[ChunkRow], schema: pa.Schema) -> pa.Table:
     }, schema=schema)
 
 
+@dataclasses.dataclass(frozen=True)
+class KeysTable:
+    """Rows -> a table of their keys (``transforms.incremental.embedding_key``) under the
+    embedding signature they were made with."""
+
+    signature: str
+
+    def __call__(self, rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
+        from transforms.incremental import embedding_key
+
+        return pa.table({
+            "key": [embedding_key(r.id, r.text_sha256, r.model, self.signature) for r in rows],
+            "id": [r.id for r in rows],
+            "text_sha256": [r.text_sha256 for r in rows],
+        }, schema=schema)
+
+
 class _WriteParquet(beam.PTransform):
     def __init__(self, output: str, subdir: str, run_id: str, schema: pa.Schema, table_fn,
                  row_group_rows: int):
@@ -149,6 +168,14 @@ class WriteChunks(_WriteParquet):
 
     def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384):
         super().__init__(output, CHUNKS_DIR, run_id, chunk_schema(dim), chunks_table,
+                         row_group_rows)
+
+
+class WriteKeys(_WriteParquet):
+    """EmbeddedDoc -> the key index, ``<output>/keys/part-<run_id>-SSSSS-of-NNNNN.parquet``."""
+
+    def __init__(self, output: str, run_id: str, signature: str, row_group_rows: int = 16384):
+        super().__init__(output, KEYS_DIR, run_id, key_schema(), KeysTable(signature),
                          row_group_rows)
 
 
@@ -297,10 +324,12 @@ class _WriteMicroBatchFn(beam.DoFn):
     """MicroBatch -> its vectors, chunks and dead-letter files (each only if it has any), then its
     ledger record, which names them: a record implies that its files are complete."""
 
-    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int):
+    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int,
+                 signature: Optional[str]):
         self._output, self._run_id = output, run_id
         self._schema, self._chunk_schema = vector_schema(dim), chunk_schema(dim)
         self._row_group_rows = row_group_rows
+        self._keys = KeysTable(signature) if signature is not None else None
 
     def _write(self, subdir, batch, suffix, sink, records):
         window = micro_batch_window(batch)
@@ -322,6 +351,11 @@ class _WriteMicroBatchFn(beam.DoFn):
                                  ParquetTableSink(self._chunk_schema, self._row_group_rows),
                                  _row_group_tables(chunk_rows, self._chunk_schema,
                                                    self._row_group_rows, chunks_table))
+        if batch.rows and self._keys is not None:  # the key index, for the nightly batch jobs
+            self._write(KEYS_DIR, batch, ".parquet",
+                        ParquetTableSink(key_schema(), self._row_group_rows),
+                        _row_group_tables(batch.rows, key_schema(), self._row_group_rows,
+                                          self._keys))
         if batch.dead_letters:
             letters = self._write(DEAD_LETTER_DIR, batch, ".jsonl", _JsonLinesSink(),
                                   map(_count_dead_letter, batch.dead_letters))
@@ -348,16 +382,18 @@ def _rfc3339(t: Timestamp) -> str:
 class WriteMicroBatches(beam.PTransform):
     """Streaming: MicroBatch -> zstd Parquet vectors (and chunks), JSON Lines dead letters and a
     JSON ledger record per micro-batch, under ``vectors/`` (``chunks/``), ``dead_letter/`` and
-    ``ledger/``, each in
+    ``ledger/``, and with ``signature`` (``transforms.incremental.embedding_signature``) the keys
+    of its rows under ``keys/``, each in
     ``dt=YYYY-MM-DD/hour=HH/`` of the window start, named
     ``part-<run_id>-<window start>-<pane>-<shard>-of-<n>``. Returns the ledger records."""
 
-    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384):
+    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384,
+                 signature: Optional[str] = None):
         super().__init__()
         _require_safe_run_id(run_id)
         if row_group_rows < 1:
             raise ValueError("row_group_rows must be >= 1")
-        self._fn = _WriteMicroBatchFn(output, run_id, dim, row_group_rows)
+        self._fn = _WriteMicroBatchFn(output, run_id, dim, row_group_rows, signature)
 
     def expand(self, batches):
         return batches | "WriteFiles" >> beam.ParDo(self._fn)

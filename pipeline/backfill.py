@@ -1,0 +1,132 @@
+"""Backfill: embed an archive of daily inputs, one batch run per day, resumable.
+``python -m pipeline.backfill --config C --from YYYY-MM-DD --until YYYY-MM-DD [--force] [Beam flags]``.
+
+The config is a daily batch config: ``input`` and ``output`` hold ``{date}`` (and ``output`` usually
+``{model}``, so that a new model's vectors go to a place of their own, beside the old model's). Each
+day of ``[--from, --until]`` runs as its own batch job, in order, and commits on its own (see
+Reruns), so an interrupted backfill loses at most the day it was in:
+- a day whose output already holds a committed run with the same model and embedding settings is
+  skipped (``--force`` runs it again);
+- with ``incremental.previous_outputs`` (e.g. ``out/{model}/dt=*``), an article that another day
+  already embedded with the same text, model and settings is counted as unchanged, not embedded
+  again: exactly one row per article and model across the archive.
+Progress (days and articles done out of the total, articles/s, ETA) is logged after each day; the
+summary is printed as JSON at the end. Locally the days run here, one after another; with
+``--runner=DataflowRunner`` each day is a Dataflow job, waited for before the next.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gzip
+import json
+import logging
+import sys
+import time
+from typing import Optional, Sequence
+
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from pipeline import config as config_lib
+from transforms.commit import COMMITTED, read_manifest
+from transforms.incremental import embedding_signature
+from transforms.model import model_label, resolve_model_path
+from transforms.sinks import SUMMARY_FILE, join_path
+
+_LOG = logging.getLogger("newsvec.backfill")
+
+
+def days(start: dt.date, end: dt.date) -> list[dt.date]:
+    if end < start:
+        raise config_lib.ConfigError(f"--until {end} is before --from {start}")
+    return [start + dt.timedelta(days=i) for i in range((end - start).days + 1)]
+
+
+def count_lines(pattern: str) -> int:
+    """Input lines (articles, blank lines aside) matched by a glob, local or gs://, .gz or not."""
+    total = 0
+    for match in FileSystems.match([pattern])[0].metadata_list:
+        with FileSystems.open(match.path) as raw:
+            f = gzip.GzipFile(fileobj=raw) if match.path.endswith(".gz") else raw
+            total += sum(1 for line in f if line.strip())
+    return total
+
+
+def already_done(config: config_lib.Config) -> Optional[dict]:
+    """The summary of the committed run in this day's output, if it was made with this model and
+    these embedding settings."""
+    manifest = read_manifest(config.output)
+    if manifest is None or manifest.state != COMMITTED:
+        return None
+    with FileSystems.open(join_path(config.output, SUMMARY_FILE)) as f:
+        summary = json.loads(f.read().decode("utf-8"))
+    label = model_label(config.model, resolve_model_path(config.model.path))
+    same = (summary.get("model", {}).get("label") == label
+            and summary.get("incremental", {}).get("embedding_signature")
+            == embedding_signature(config.model, config.chunking))
+    return summary if same else None
+
+
+def backfill(config: config_lib.Config, start: dt.date, end: dt.date, options: PipelineOptions,
+             force: bool = False, engine_factory=None, log=print) -> dict:
+    from pipeline.run import run_batch
+
+    config = config_lib.fill_model(config)
+    plan = [(day, config_lib.fill_date(config, day.isoformat())) for day in days(start, end)]
+    sizes = {day: count_lines(day_config.input) for day, day_config in plan}
+    total = sum(sizes.values())
+    totals = {key: 0 for key in ("in", "written", "unchanged", "dead_lettered", "duplicates")}
+    done, ran, skipped, started = 0, 0, 0, time.monotonic()
+    embedded_articles = 0  # articles of the days run here: the rate
+    for i, (day, day_config) in enumerate(plan, 1):
+        summary = None if force else already_done(day_config)
+        if summary is not None:
+            skipped += 1
+            log(f"[{i}/{len(plan)}] {day}: already embedded with this model and these settings "
+                f"(run {summary['run_id']}), skipped")
+        else:
+            summary = run_batch(day_config, options, engine_factory=engine_factory)
+            ran += 1
+            embedded_articles += summary["counts"]["in"]
+        for key in totals:
+            totals[key] += summary["counts"].get(key, 0)
+        done += sizes[day]
+        elapsed = time.monotonic() - started
+        rate = embedded_articles / elapsed if embedded_articles else 0.0
+        left = total - done
+        eta = f"{left / rate:.0f} s" if rate else "unknown"
+        log(f"[{i}/{len(plan)}] {day}: {summary['counts']['written']} written, "
+            f"{summary['counts'].get('unchanged', 0)} unchanged; {done}/{total} articles "
+            f"({100 * done / total if total else 100:.0f}%), {rate:.1f} articles/s, ETA {eta}")
+    elapsed = time.monotonic() - started
+    return {"from": start.isoformat(), "until": end.isoformat(), "days": len(plan),
+            "days_run": ran, "days_skipped": skipped, "articles": total, "counts": totals,
+            "seconds": round(elapsed, 1),
+            "articles_per_s": round(embedded_articles / elapsed, 2) if elapsed else None,
+            "output": config.output}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.backfill",
+                                     description=__doc__.split("\n\n")[1])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--from", dest="start", required=True, type=dt.date.fromisoformat)
+    parser.add_argument("--until", dest="end", required=True, type=dt.date.fromisoformat,
+                        help="last day, inclusive")
+    parser.add_argument("--force", action="store_true",
+                        help="run days that are already embedded again")
+    args, beam_args = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    config = config_lib.load(args.config)
+    if "{date" not in (config.input or "") or "{date" not in config.output:
+        raise config_lib.ConfigError(f"{args.config}: a backfill needs {{date}} in input and output")
+    options = PipelineOptions(config.beam_flags() + beam_args)
+    summary = backfill(config, args.start, args.end, options, force=args.force,
+                       log=lambda line: print(line, flush=True))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
