@@ -3,12 +3,12 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test benchmark benchmark-streaming benchmark-feed soak clean
+.PHONY: setup run run-streaming test benchmark benchmark-streaming benchmark-feed benchmark-incremental retrieval soak clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0 -e '.[cpu,test]'
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0 -e '.[cpu,test,bench]'
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA-linked and break `from vllm import LLM` on the
 	# CPU; triton (pulled by xgrammar) is of no use there.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
@@ -19,20 +19,29 @@ setup: $(VENV)/.installed
 run: setup
 	$(PY) -m pipeline --config configs/local.yaml
 
+run-streaming: setup
+	$(PY) -m tools.streaming_demo
+
 test: setup
 	$(PY) -m pytest -q tests
 
 benchmark: setup
-	$(PY) -m pipeline.benchmark
+	$(PY) -m benchmarks.batch
 
 benchmark-streaming: setup
-	$(PY) -m pipeline.benchmark_streaming
+	$(PY) -m benchmarks.streaming
 
 benchmark-feed: setup
-	$(PY) -m pipeline.benchmark_feed
+	$(PY) -m benchmarks.feed
+
+benchmark-incremental: setup
+	$(PY) -m benchmarks.incremental
+
+retrieval: setup
+	$(PY) -m benchmarks.retrieval
 
 soak: setup
-	$(PY) -m pipeline.benchmark_soak
+	$(PY) -m benchmarks.soak
 
 clean:
 	rm -rf out bench-results

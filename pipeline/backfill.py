@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gzip
 import json
 import logging
 import sys
@@ -32,6 +31,7 @@ from pipeline import config as config_lib
 from transforms.commit import COMMITTED, read_manifest
 from transforms.incremental import embedding_signature
 from transforms.model import model_label, resolve_model_path
+from transforms.read import count_lines
 from transforms.sinks import SUMMARY_FILE, join_path
 
 _LOG = logging.getLogger("newsvec.backfill")
@@ -41,16 +41,6 @@ def days(start: dt.date, end: dt.date) -> list[dt.date]:
     if end < start:
         raise config_lib.ConfigError(f"--until {end} is before --from {start}")
     return [start + dt.timedelta(days=i) for i in range((end - start).days + 1)]
-
-
-def count_lines(pattern: str) -> int:
-    """Input lines (articles, blank lines aside) matched by a glob, local or gs://, .gz or not."""
-    total = 0
-    for match in FileSystems.match([pattern])[0].metadata_list:
-        with FileSystems.open(match.path) as raw:
-            f = gzip.GzipFile(fileobj=raw) if match.path.endswith(".gz") else raw
-            total += sum(1 for line in f if line.strip())
-    return total
 
 
 def already_done(config: config_lib.Config) -> Optional[dict]:

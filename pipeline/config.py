@@ -11,6 +11,7 @@ A config file may be local or on ``gs://`` (a Flex Template reads its config fro
 from __future__ import annotations
 
 import datetime as dt
+import json
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -43,54 +44,62 @@ class _Section(BaseModel):
 
 
 class ParseSettings(_Section):
-    max_payload_bytes: int = Field(1 << 20, gt=0, description="Larger payloads are dead-lettered")
+    max_payload_bytes: int = Field(1 << 20, gt=0, description="larger payloads are dead-lettered")
     max_future_skew_s: float = Field(
-        86400, ge=0, description="published_at further ahead of now is dead-lettered")
+        86400, ge=0, description="a `published_at` further ahead of now is dead-lettered")
 
 
 class TextSettings(_Section):
-    max_text_chars: int = Field(200_000, gt=0, description="Longer title+body is dead-lettered")
+    max_text_chars: int = Field(200_000, gt=0, description="longer title + body is dead-lettered")
 
 
 class DedupSettings(_Section):
-    key: str = Field("id", pattern="^(" + "|".join(DEDUP_KEYS) + ")$")
+    key: str = Field("id", pattern="^(" + "|".join(DEDUP_KEYS) + ")$",
+                     description="`id` or `text_sha256` (the same text under another id)")
 
 
 class SinkSettings(_Section):
-    row_group_rows: int = Field(16384, gt=0, description="Rows per Parquet row group")
-    dead_letter_payload_bytes: int = Field(4096, gt=0, description="Raw payload kept per letter")
+    row_group_rows: int = Field(16384, gt=0, description="rows per Parquet row group")
+    dead_letter_payload_bytes: int = Field(4096, gt=0,
+                                           description="raw payload kept per dead letter")
     commit_lease_s: float = Field(
-        600, gt=0, description="Batch: how long another run's unfinished publish into the same "
+        600, gt=0, description="batch: how long another run's unfinished publish into the same "
                                "output is waited for before this run takes over")
     store_chunk_text: bool = Field(
-        False, description="Chunks mode: write each chunk's text in chunks/ (chunk_text), for "
+        False, description="chunks mode: write each chunk's text (`chunk_text`), for "
                            "retrieval-augmented generation")
 
 
 class IncrementalSettings(_Section):
     previous_outputs: list[str] = Field(
         default_factory=list,
-        description="Batch: globs of output prefixes (may hold {model}) whose key index (keys/) "
-                    "this run consults: an article whose id, text, model and embedding settings "
-                    "are there is counted as unchanged, not embedded again. The run's own output "
-                    "is never consulted (a rerun replaces it)")
+        description="batch: globs of output prefixes (may hold `{model}`) whose key index "
+                    "(`keys/`) this run consults: an article already embedded there with the same "
+                    "text, model and settings is counted `unchanged`, not embedded; the run's own "
+                    "output is never consulted")
 
 
 class StreamingSettings(_Section):
     subscription: Optional[str] = Field(
         None, pattern=r"^projects/[^/]+/subscriptions/[^/]+$",
-        description="Pub/Sub subscription to read; set, the job streams")
-    window_s: float = Field(60, gt=0, description="Fixed event-time window length")
-    allowed_lateness_s: float = Field(600, ge=0, description="Late data within this is kept")
-    max_wait_s: int = Field(5, gt=0, description="Longest a micro-batch waits when traffic is light "
-                                                 "(whole seconds: Beam's processing-time trigger)")
-    dedup_horizon_s: float = Field(3600, gt=0, description="How long a dedup key is remembered")
-    batch_shards: int = Field(4, gt=0, description="Keys over which micro-batches are grouped")
+        description="`projects/P/subscriptions/S`; set, the job streams (`--subscription`)")
+    window_s: float = Field(60, gt=0, description="fixed event-time window")
+    allowed_lateness_s: float = Field(
+        600, ge=0, description="`published_at` up to this before the publish time keeps its "
+                               "window (late pane); older is windowed by publish time")
+    max_wait_s: int = Field(5, gt=0, description="longest a micro-batch waits when traffic is "
+                                                 "light (whole seconds)")
+    dedup_horizon_s: float = Field(3600, gt=0, description="how long a dedup key is remembered")
+    batch_shards: int = Field(4, gt=0, description="keys micro-batches are grouped, embedded and "
+                                                   "written over (at least `max_num_workers`)")
 
 
 class Config(_Section):
-    input: Optional[str] = Field(None, description="JSON Lines glob, local or gs://, .gz allowed")
-    output: str = Field(description="Output prefix, local or gs://")
+    input: Optional[str] = Field(None, description="JSON Lines glob, local or `gs://`, `.gz` "
+                                                   "allowed (`--input`); may hold `{date}`, "
+                                                   "`{model}`")
+    output: str = Field(description="output prefix, local or `gs://` (`--output`); may hold "
+                                    "`{date}`, `{model}`")
     model: ModelSettings
     chunking: ChunkingSettings = ChunkingSettings()
     parse: ParseSettings = ParseSettings()
@@ -99,7 +108,9 @@ class Config(_Section):
     sink: SinkSettings = SinkSettings()
     streaming: StreamingSettings = StreamingSettings()
     incremental: IncrementalSettings = IncrementalSettings()
-    beam: dict[str, Any] = Field(default_factory=dict, description="Beam pipeline options")
+    beam: dict[str, Any] = Field(default_factory=dict, description="any Beam pipeline option "
+                                 "(`runner`, `project`, `experiments`...); unknown ones fail at "
+                                 "start")
 
     @model_validator(mode="after")
     def _chunks_fit_the_model(self):
@@ -265,3 +276,41 @@ def fill_date(config: Config, input_date: Optional[str] = None,
         return day.strftime(match.group(1)) if match.group(1) else day.isoformat()
 
     return config.model_copy(update={k: _DATE_FIELD.sub(fill, v) for k, v in fields.items()})
+
+
+def _default_text(field) -> str:
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value == "":
+        return '""'
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def explain(model: type = None, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, meaning) of every config key, from the schema itself: the one source of
+    README.md's config table and of ``newsvec config --explain``."""
+    rows = []
+    for name, field in (model or Config).model_fields.items():
+        key = prefix + name
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            rows += explain(field.annotation, key + ".")
+        else:
+            rows.append((f"{key}.*" if key == "beam" else key, _default_text(field),
+                         field.description or ""))
+    return rows
+
+
+def explain_markdown() -> str:
+    """The config table of README.md (between its config-table markers), generated."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{key}` | {default} | {meaning} |" for key, default, meaning in explain()]
+    return "\n".join(lines)

@@ -22,6 +22,7 @@ from transforms.microbatch import GroupMicroBatches
 from transforms.incremental import ReadKeys, SkipUnchanged, embedding_signature, key_files
 from transforms.model import model_content_hash, model_label, resolve_model_path
 from transforms.parse import ParseEvents
+from transforms.progress import CountDone
 from transforms.read import ReadJsonLines
 from transforms.sinks import (CHUNKS_DIR, DEAD_LETTER_DIR, KEYS_DIR, VECTORS_DIR, WriteChunks,
                               WriteDeadLetters, WriteKeys, WriteMicroBatches, WriteVectors)
@@ -95,6 +96,11 @@ def embed_and_write(payloads, config: Config, run_id: str,
     files[DEAD_LETTER_DIR] = ((parsed.dead_letter, prepared.dead_letter, embedded.dead_letter)
                               | "CollectDeadLetters" >> beam.Flatten()
                               | "WriteDeadLetters" >> WriteDeadLetters(staging, run_id))
+    done = [parsed.dead_letter, prepared.dead_letter, embedded.embedded, embedded.dead_letter]
+    if config.incremental.previous_outputs:
+        done.append(skipped.unchanged)
+    for i, articles in enumerate(done):
+        articles | f"Progress{i}" >> CountDone()  # articles done: a progress bar, Dataflow metrics
     tallies += [tally(unique.duplicates, "duplicates", lambda n: n),
                 tally(unique.docs, "rows"),
                 tally(unique.docs, "truncated", lambda row: int(row.truncated)),

@@ -1,6 +1,7 @@
 """Entry point: config + flags -> pipeline options -> graph -> run -> ``_summary.json``."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -9,14 +10,16 @@ from typing import Optional, Sequence
 
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
-from apache_beam.options.pipeline_options import (GoogleCloudOptions, PipelineOptions,
-                                                  StandardOptions, TestOptions)
+from apache_beam.options.pipeline_options import (DirectOptions, GoogleCloudOptions,
+                                                  PipelineOptions, StandardOptions, TestOptions)
 
 from pipeline import config as config_lib
 from pipeline.graph import build_batch, build_streaming
 from pipeline.options import NewsvecOptions
+from pipeline.progress import ProgressReporter
 from pipeline.summary import job_statistics
 from transforms.embed import EngineFactory
+from transforms.read import count_lines
 from transforms.sinks import SUMMARY_FILE, join_path, new_run_id
 
 _LOG = logging.getLogger("newsvec")
@@ -92,11 +95,12 @@ def run_batch(config: config_lib.Config, options: PipelineOptions,
     build_batch(pipeline, config, run_id, engine_factory)
     _LOG.info("newsvec run %s: %s -> %s", run_id, config.input, config.output)
     run_started = time.perf_counter()
-    result = pipeline.run()
-    if _only_described(options):
-        _LOG.info("newsvec run %s: job described, not run here (template or dry run)", run_id)
-        return {"run_id": run_id, "state": str(result.state), "launched": True}
-    result.wait_until_finish()
+    with _progress(config, options):
+        result = pipeline.run()
+        if _only_described(options):
+            _LOG.info("newsvec run %s: job described, not run here (template or dry run)", run_id)
+            return {"run_id": run_id, "state": str(result.state), "launched": True}
+        result.wait_until_finish()
     finished = time.perf_counter()
     path = join_path(config.output, SUMMARY_FILE)
     with FileSystems.open(path) as f:
@@ -110,6 +114,16 @@ def run_batch(config: config_lib.Config, options: PipelineOptions,
         "run_s": finished - run_started,
         "total_s": finished - started,
     })}
+
+
+def _progress(config: config_lib.Config, options: PipelineOptions):
+    """A progress bar (or log lines) for a batch job that runs in this process; nothing for one
+    that runs elsewhere (Dataflow: the job's articles_done and events_in metrics) or in worker
+    processes (their counts are theirs)."""
+    mode = options.view_as(DirectOptions).direct_running_mode
+    if _runs_elsewhere(options) or mode == "multi_processing":
+        return contextlib.nullcontext()
+    return ProgressReporter(count_lines(config.input))
 
 
 def lift_emulator_receive_limit() -> None:
@@ -152,12 +166,30 @@ def _runs_elsewhere(options: PipelineOptions) -> bool:
                                                                     "TestDataflowRunner")
 
 
+def usage() -> str:
+    """newsvec's own options (``NewsvecOptions``, also the Flex Template's parameters)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="newsvec run (or python -m pipeline)",
+        description="Run the pipeline: batch over the config's input, or streaming when a "
+                    "subscription is set. Flags override the config file. Any Beam pipeline "
+                    "option may follow (--runner, --project, ...); one that neither newsvec nor "
+                    "Beam knows fails at start. Every config key: newsvec config --explain.")
+    NewsvecOptions._add_argparse_args(parser)
+    return parser.format_help()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import sys
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(usage())
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        summary = run(sys.argv[1:] if argv is None else argv)
+        summary = run(argv)
     except config_lib.ConfigError as exc:
         print(f"newsvec: bad config: {exc}", file=sys.stderr)
         return 2

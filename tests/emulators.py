@@ -1,4 +1,4 @@
-"""The emulators of ``pipeline.emulators`` for tests: one that is not installed skips the test with
+"""The emulators of ``tools.emulators`` for tests: one that is not installed skips the test with
 the reason locally, and fails it under CI (CI=true), so coverage is never lost silently."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Optional
 
 import pytest
 
-from pipeline import emulators as _emulators
+from tools import emulators as _emulators
 
 
 def skip_or_fail(reason: str):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pipeline.publish import SENT_AT, main, publish_file
+from tools.publish import SENT_AT, main, publish_file
 from tests.emulators import pubsub_emulator
 
 PROJECT = "newsvec-test"

@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline import ledger
-from pipeline.emulators import local_streaming_job
-from pipeline.publish import publish_file
+from tools.emulators import local_streaming_job
+from tools.publish import publish_file
 from tests.conftest import SAMPLE_EVENTS, make_config
 from tests.emulators import gcs_emulator, pubsub_emulator
 from transforms.schema import NewsEvent, vector_schema

@@ -32,21 +32,22 @@ class ChunkingSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     mode: Literal["head", "chunks"] = Field(
-        "head", description="head: one vector per article, of its first model.max_tokens tokens; "
-                            "chunks: also a vector per window of chunk_tokens, in chunks/")
+        "head", description="`head`: one vector per article, of its first `model.max_tokens` "
+                            "tokens; `chunks`: also a row per chunk in `chunks/`")
     chunk_tokens: Optional[int] = Field(
-        None, gt=2, description="Tokens per chunk, special tokens and model.document_prefix "
-                                "included; at most model.max_tokens (null: model.max_tokens)")
+        None, gt=2, description="tokens per chunk, special tokens and `model.document_prefix` "
+                                "included, at most `model.max_tokens` (null: "
+                                "`model.max_tokens`)")
     overlap_tokens: int = Field(
-        32, ge=0, description="Tokens a chunk shares with the one before (at least; a chunk "
+        32, ge=0, description="tokens a chunk shares with the one before (at least: a chunk "
                               "starts at a word)")
     sentence_end_slack_tokens: int = Field(
-        0, ge=0, description="End a chunk at a sentence end if one lies within this many tokens "
-                             "before the cut (0: cut at the last word that fits)")
+        0, ge=0, description="end a chunk at a sentence end within this many tokens before the "
+                             "cut (0: at the last word that fits)")
     doc_vector: Literal["head", "mean"] = Field(
-        "head", description="The article's row in vectors/ in chunks mode: head (its first "
-                            "max_tokens tokens, as in head mode) or mean (of its chunk vectors, "
-                            "weighted by their tokens, L2-normalized)")
+        "head", description="the article's row in `vectors/` in chunks mode: `head` (as in head "
+                            "mode) or `mean` (of its chunk vectors, token-weighted, "
+                            "L2-normalized)")
 
     def signature(self, max_tokens: int, document_prefix: str) -> str:
         """Every setting that decides the chunks' ids and text, as a string (part of chunk ids)."""

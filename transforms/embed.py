@@ -43,11 +43,10 @@ from apache_beam.utils.windowed_value import WindowedValue
 from transforms.chunking import ChunkingSettings, chunk_id, mean_vector
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
 from transforms.model import ModelSettings, model_label, resolve_model_path
-from transforms.schema import (ChunkRow, DeadLetter, EmbeddedDoc, MicroBatch, PreparedDoc, Reason,
-                               Step)
+from transforms.schema import (DEAD_LETTER, ChunkRow, DeadLetter, EmbeddedDoc, MicroBatch,
+                               PreparedDoc, Reason, Step)
 
 _LOG = logging.getLogger(__name__)
-DEAD_LETTER = "dead_letter"
 CANARY_TEXT = "newsvec engine check"
 
 

@@ -18,10 +18,9 @@ import pydantic_core
 from apache_beam import pvalue
 
 from transforms.metrics import EVENTS_IN
-from transforms.schema import (DeadLetter, Lineage, NewsEvent, OversizedPayload, Reason, Step,
-                               truncate_payload)
+from transforms.schema import (DEAD_LETTER, DeadLetter, Lineage, NewsEvent, OversizedPayload,
+                               Reason, Step, truncate_payload)
 
-DEAD_LETTER = "dead_letter"
 
 
 class ParseError(ValueError):

@@ -16,6 +16,7 @@ from typing import BinaryIO, Iterator, Union
 import apache_beam as beam
 from apache_beam.io import fileio
 from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
 
 from transforms.schema import OversizedPayload
 
@@ -90,3 +91,16 @@ class ReadJsonLines(beam.PTransform):
                 | "SpreadFiles" >> beam.Reshuffle()
                 | "ReadLines" >> beam.ParDo(_ReadLinesFn(self._max_line_bytes))
                 | "SpreadLines" >> beam.Reshuffle())
+
+
+def count_lines(pattern: str) -> int:
+    """Non-blank lines (articles) in the files a glob matches, local or gs://, .gz or not: the
+    total a progress report counts toward."""
+    import gzip
+
+    total = 0
+    for match in FileSystems.match([pattern])[0].metadata_list:
+        with FileSystems.open(match.path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
+            f = gzip.GzipFile(fileobj=raw) if match.path.endswith(".gz") else raw
+            total += sum(1 for line in f if line.strip())
+    return total

@@ -154,6 +154,9 @@ class ChunkRow:
     chunk_text: Optional[str] = None  # with sink.store_chunk_text
 
 
+DEAD_LETTER = "dead_letter"  # the tag of every step's dead-letter output (parse, prepare, embed)
+
+
 class Step:
     """Names of the steps that can dead-letter an input."""
 

@@ -42,9 +42,8 @@ except ImportError:  # pragma: no cover
 
 from transforms.chunking import Chunker, ChunkingSettings
 from transforms.model import ModelSettings, resolve_model_path
-from transforms.schema import DeadLetter, NewsEvent, PreparedDoc, Reason, Step
+from transforms.schema import DEAD_LETTER, DeadLetter, NewsEvent, PreparedDoc, Reason, Step
 
-DEAD_LETTER = "dead_letter"
 
 # Text past this many characters per allowed token is cut before tokenizing: real text has far more
 # tokens than max_tokens by then, so that part would be truncated anyway (and ``truncated`` is set).

@@ -172,3 +172,27 @@ def _group_alive(pgid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+@contextlib.contextmanager
+def emulated_streaming_job(config, work: Path, engine_factory=None):
+    """Google's Pub/Sub emulator (on loopback) with ``config.streaming.subscription`` and its topic,
+    and the streaming job reading it on the local runner, with heartbeats. Yields the topic; the job
+    is cancelled and the emulator stopped on exit. Used by the streaming demo and benchmarks."""
+    from google.cloud import pubsub_v1
+
+    subscription = config.streaming.subscription
+    topic = subscription.replace("/subscriptions/", "/topics/")
+    with pubsub_emulator(subscription.split("/")[1], work) as host:
+        previous = os.environ.get("PUBSUB_EMULATOR_HOST")
+        os.environ["PUBSUB_EMULATOR_HOST"] = host
+        try:
+            pubsub_v1.PublisherClient().create_topic(name=topic)
+            pubsub_v1.SubscriberClient().create_subscription(name=subscription, topic=topic)
+            with local_streaming_job(config, topic, engine_factory):
+                yield topic
+        finally:
+            if previous is None:
+                os.environ.pop("PUBSUB_EMULATOR_HOST", None)
+            else:
+                os.environ["PUBSUB_EMULATOR_HOST"] = previous

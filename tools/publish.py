@@ -1,6 +1,6 @@
 """Publish a JSON Lines file to Pub/Sub at a steady rate: for streaming demos, tests, benchmarks.
 
-``python -m pipeline.publish --topic projects/P/topics/T --file events.jsonl [--rate 50] [--limit N]
+``python -m tools.publish --topic projects/P/topics/T --file events.jsonl [--rate 50] [--limit N]
 [--repeat K] [--create-topic] [--attribute key=value ...]``
 
 Lines go out as raw bytes, never decoded or validated: malformed lines are exactly what the pipeline
@@ -99,7 +99,7 @@ def _attribute(text: str) -> tuple[str, str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.publish",
+    parser = argparse.ArgumentParser(prog="python -m tools.publish",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--topic", required=True, help="projects/P/topics/T")
     parser.add_argument("--file", required=True, type=Path, help="JSON Lines, sent as raw bytes")

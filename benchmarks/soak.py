@@ -1,4 +1,4 @@
-"""Soak run of the streaming pipeline: figures, not timed asserts. ``python -m pipeline.benchmark_soak``.
+"""Soak run of the streaming pipeline: figures, not timed asserts. ``python -m benchmarks.soak``.
 
 Through Google's Pub/Sub emulator (started here on loopback), on the BBC articles:
   1. saturation (unless ``--rate`` is given): ``--saturation-docs`` articles published at once,
@@ -27,9 +27,10 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.benchmark import bbc_texts
+from benchmarks.batch import bbc_texts
 from pipeline import ledger
-from pipeline.benchmark_streaming import (_events, _rows, _wait_for, percentile, streaming_job,
+from benchmarks import plots
+from benchmarks.streaming import (_events, _rows, _wait_for, percentile, streaming_job,
                                           warm_up)
 from pipeline.config import REPO_ROOT, load
 
@@ -87,7 +88,7 @@ def slope_per_min(samples: list[tuple[float, float]]) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.benchmark_soak",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "local-streaming.yaml"))
     parser.add_argument("--minutes", type=float, default=10)
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
     args = parser.parse_args(argv)
 
-    from pipeline.publish import publish_file
+    from tools.publish import publish_file
 
     texts = bbc_texts(None)
     work = Path(tempfile.mkdtemp(prefix="newsvec-soak-"))
@@ -179,7 +180,8 @@ def main(argv=None) -> int:
                  "published": published, "drained_s": drained_s,
                  "throughput_docs_per_s": len(soak_rows) / drained_s},
         "latency_s": {"p50": percentile(latencies, 0.5), "p95": percentile(latencies, 0.95),
-                      "p99": percentile(latencies, 0.99), "max": max(latencies)},
+                      "p99": percentile(latencies, 0.99), "max": max(latencies),
+                      "values": latencies},
         "memory_mib": {"peak": max(m for _, m in memory),
                        "per_minute_peak": dict(sorted(per_minute.items())),
                        "slope_after_settle_mib_per_min": slope_per_min(steady) if steady else None,
@@ -198,6 +200,7 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     out_file = out_dir / f"soak-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}.json"
     out_file.write_text(json.dumps(results, indent=2, default=str))
+    print(f"plot: {plots.soak(results, out_file)}")
     lat, mem = results["latency_s"], results["memory_mib"]
     print(f"\nthroughput {results['soak']['throughput_docs_per_s']:.1f} docs/s at "
           f"{rate:.1f} msg/s offered, drained in {drained_s / 60:.1f} min")

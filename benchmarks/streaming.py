@@ -1,4 +1,4 @@
-"""Streaming benchmark: figures, not timed asserts. ``python -m pipeline.benchmark_streaming``.
+"""Streaming benchmark: figures, not timed asserts. ``python -m benchmarks.streaming``.
 
 Through Google's Pub/Sub emulator (started here on loopback), on the BBC articles, in one run:
   1. saturation: every article published at once; sustained docs/s from the first publish to the
@@ -14,7 +14,6 @@ Writes ``bench-results/streaming-<time>.json``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import os
@@ -22,13 +21,14 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow.parquet as pq
 
 from pipeline import ledger
-from pipeline.benchmark import bbc_texts, write_events
+from benchmarks.batch import bbc_texts, write_events
 from pipeline.config import REPO_ROOT, load
+from benchmarks import plots
+from tools.emulators import emulated_streaming_job as streaming_job
 from transforms.embed import load_engine
 
 SUBSCRIPTION = "projects/newsvec-bench/subscriptions/news"
@@ -107,28 +107,9 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-@contextlib.contextmanager
-def streaming_job(config, work: Path, engine_factory=None) -> Iterator[str]:
-    """Google's Pub/Sub emulator (on loopback) with ``config.streaming.subscription`` and its topic,
-    and the streaming job reading it on the local runner, with heartbeats. Yields the topic; the job
-    is cancelled and the emulator stopped on exit."""
-    from google.cloud import pubsub_v1
-
-    from pipeline.emulators import local_streaming_job, pubsub_emulator
-
-    subscription = config.streaming.subscription
-    topic = subscription.replace("/subscriptions/", "/topics/")
-    with pubsub_emulator(subscription.split("/")[1], work) as host:
-        os.environ["PUBSUB_EMULATOR_HOST"] = host
-        pubsub_v1.PublisherClient().create_topic(name=topic)
-        pubsub_v1.SubscriberClient().create_subscription(name=subscription, topic=topic)
-        with local_streaming_job(config, topic, engine_factory):
-            yield topic
-
-
 def warm_up(topic: str, texts: list[str], work: Path, out: Path) -> float:
     """Seconds until 64 articles published at once are on disk: start-up and model load."""
-    from pipeline.publish import publish_file
+    from tools.publish import publish_file
 
     warm = work / "warm.jsonl"
     _events(texts[:64], warm, "warm")
@@ -139,7 +120,7 @@ def warm_up(topic: str, texts: list[str], work: Path, out: Path) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.benchmark_streaming",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.streaming",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "local-streaming.yaml"))
     parser.add_argument("--limit", type=int, default=None, help="use the first N articles only")
@@ -154,7 +135,7 @@ def main(argv=None) -> int:
 
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    from pipeline.publish import publish_file
+    from tools.publish import publish_file
     from pipeline.run import run_batch
 
     texts = bbc_texts(args.limit)
@@ -233,10 +214,11 @@ def main(argv=None) -> int:
         "batch_pipeline_docs_per_s": batch_rate,
         "ratio_streaming_over_batch": saturation / batch_rate,
         "latency": {"rate_docs_per_s": rate, "messages": n, "p50_s": p50, "p95_s": p95,
-                    "target_p95_s": config.streaming.window_s + 10},
+                    "target_p95_s": config.streaming.window_s + 10, "latencies_s": latencies},
         "latency_light": {"rate_docs_per_s": args.light_rate, "messages": n_light,
                           "p50_s": light_p50, "p95_s": light_p95,
-                          "max_wait_s": config.streaming.max_wait_s},
+                          "max_wait_s": config.streaming.max_wait_s,
+                          "latencies_s": light_latencies},
         "ledger": report.totals, "ledger_problems": report.problems[:20],
         "targets": {"ratio_streaming_over_batch": 0.9},
     })
@@ -244,6 +226,7 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     out_file = out_dir / f"streaming-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}.json"
     out_file.write_text(json.dumps(results, indent=2, default=str))
+    print(f"plot: {plots.streaming(results, out_file)}")
     print(f"\nstreaming / batch: {saturation / batch_rate:.3f} (target >= 0.9)")
     print(f"latency p50 {p50:.1f} s, p95 {p95:.1f} s (target p95 <= "
           f"{config.streaming.window_s + 10:.0f} s)")
@@ -258,6 +241,6 @@ if __name__ == "__main__":
 
     # Run from the module's importable name: a class defined in __main__ is pickled by value, and the
     # runner's copy of RecordingEngine would record into a copy of _BATCH_TOKENS.
-    from pipeline import benchmark_streaming
+    from benchmarks import streaming
 
-    sys.exit(benchmark_streaming.main())
+    sys.exit(streaming.main())

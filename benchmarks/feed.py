@@ -1,4 +1,4 @@
-"""Can the CPU side feed a GPU? Figures, not timed asserts. ``python -m pipeline.benchmark_feed``.
+"""Can the CPU side feed a GPU? Figures, not timed asserts. ``python -m benchmarks.feed``.
 
 On the BBC articles in ../shared/data/bbc-news (repeated ``--repeat`` times, each copy its own ids),
 in one run of this command:
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.benchmark import bbc_texts
+from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 
 # What the MODELED engine's rates stand for (assumptions, printed with the figures):
@@ -157,7 +157,7 @@ def graph_rate(events_path: Path, config, work: Path, workers: int, tokens_per_s
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.benchmark_feed",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.feed",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "local.yaml"))
     parser.add_argument("--repeat", type=int, default=3, help="copies of the BBC articles")
@@ -258,6 +258,6 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     # Run from the module's importable name, so that the pickled factory's class is found by name.
-    from pipeline import benchmark_feed
+    from benchmarks import feed
 
-    sys.exit(benchmark_feed.main())
+    sys.exit(feed.main())

@@ -1,4 +1,4 @@
-"""Batch benchmark: figures, not timed asserts. ``python -m pipeline.benchmark [--runs 3]``.
+"""Batch benchmark: figures, not timed asserts. ``python -m benchmarks.batch [--runs 3]``.
 
 On the BBC articles in ../shared/data/bbc-news (2,225), in one run of this command:
   1. raw in-process ``LLM.embed()`` on the prepared texts (one call, vLLM batching everything);
@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import plots
 from pipeline.config import REPO_ROOT, load
 from transforms.model import resolve_model_path
 
@@ -81,7 +82,7 @@ def sentence_transformers_docs_per_s(model_path: str, texts: list[str], dtype: s
 
 
 def _st_subprocess(args, model_path: str, dtype: str, max_tokens: int) -> dict:
-    cmd = [sys.executable, "-m", "pipeline.benchmark", "--st-only", dtype, "--runs", str(args.runs),
+    cmd = [sys.executable, "-m", "benchmarks.batch", "--st-only", dtype, "--runs", str(args.runs),
            "--model-path", model_path, "--max-tokens", str(max_tokens)]
     if args.limit:
         cmd += ["--limit", str(args.limit)]
@@ -90,7 +91,7 @@ def _st_subprocess(args, model_path: str, dtype: str, max_tokens: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.benchmark", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.batch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "local.yaml"))
     parser.add_argument("--runs", type=int, default=3)
@@ -188,6 +189,7 @@ def main(argv=None) -> int:
     if best_st:
         print(f"pipeline / best sentence-transformers ({best_st:.1f} docs/s): {pipe / best_st:.3f}"
               f"   (target >= 1.2)")
+    print(f"plot: {plots.batch(results, out_file)}")
     print(f"results: {out_file}")
     return 0
 

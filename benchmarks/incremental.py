@@ -1,5 +1,5 @@
 """Incremental embedding, measured: figures, not timed asserts.
-``python -m pipeline.benchmark_incremental [--changed 0.05] [--added 0.05]``.
+``python -m benchmarks.incremental [--changed 0.05] [--added 0.05]``.
 
 On the 2,225 BBC articles in ../shared/data/bbc-news, in one run of this command (the engine loaded
 once, by a warm-up run):
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.benchmark import bbc_texts
+from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, IncrementalSettings, fill_date, fill_model, load
 
 
@@ -40,7 +40,7 @@ def _vectors(table) -> dict[str, np.ndarray]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.benchmark_incremental",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.incremental",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "local.yaml"))
     parser.add_argument("--changed", type=float, default=0.05, help="share of articles corrected")

@@ -1,5 +1,5 @@
 """Retrieval evaluation of head and chunks mode, through newsvec's own output.
-``python -m pipeline.evaluate_retrieval [--k 10] [--limit N]``.
+``python -m benchmarks.retrieval [--k 10] [--limit N]``.
 
 On the BBC articles in ../shared/data/bbc-news, in one run of this command:
   1. the batch pipeline in head mode, then in chunks mode (``doc_vector: mean``), each timed (after a
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.benchmark import bbc_texts
+from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 from transforms.chunking import ChunkingSettings
 
@@ -71,7 +71,7 @@ def best_chunk_scores(scores: np.ndarray, chunk_doc_ids: list[str]) -> tuple[np.
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.evaluate_retrieval",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.retrieval",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "local.yaml"))
     parser.add_argument("--k", type=int, default=10)

@@ -1,0 +1,106 @@
+"""The ``newsvec`` command (a console script of ``setup.py``): the pipeline and what operators run
+beside it, one sub-command each. ``newsvec SUBCOMMAND --help`` lists a sub-command's options.
+
+  newsvec run      [--config C] [--input GLOB] [--output PREFIX] [--subscription S]
+                   [--input_date D] [Beam flags]          the pipeline (as ``python -m pipeline``)
+  newsvec config   [--config C] [--explain]               check a config, or list every key
+  newsvec search   --config C "query text" [--k 10]       the nearest articles in the output
+  newsvec ledger   --output PREFIX [--from T --until T]   check a streaming output's ledger
+  newsvec cleanup  --output PREFIX                        what killed workers and runs left
+  newsvec backfill --config C --from D --until D          embed an archive, one day at a time
+
+Demos, the publisher and the benchmarks are not part of the installed runtime: run them from the
+repository (``make run-streaming``, ``python -m tools.publish``, ``make benchmark``...).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+import yaml
+
+from pipeline import config as config_lib
+
+_DELEGATED = {  # sub-command -> (module, what it does): each parses its own options
+    "run": ("pipeline.run", "run the pipeline: batch, or streaming when a subscription is set"),
+    "ledger": ("pipeline.ledger", "check a streaming output against its ledger"),
+    "cleanup": ("pipeline.cleanup", "clean what killed workers and runs left in an output"),
+    "backfill": ("pipeline.backfill", "embed an archive of daily inputs, one run per day"),
+}
+
+
+def _config_command(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="newsvec config", description="Check a config file and print it with every default "
+        "filled in, or list every config key with its default and meaning (--explain).")
+    parser.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG),
+                        help="a config file, local or gs:// (default: configs/local.yaml)")
+    parser.add_argument("--explain", action="store_true",
+                        help="list every config key, its default and its meaning")
+    parser.add_argument("--markdown", action="store_true",
+                        help="with --explain: as the Markdown table README.md holds")
+    args = parser.parse_args(argv)
+    if args.explain:
+        if args.markdown:
+            print(config_lib.explain_markdown())
+            return 0
+        for key, default, meaning in config_lib.explain():
+            print(f"{key}\n    default: {default or '-'}\n    {meaning}")
+        return 0
+    config = config_lib.load(args.config)
+    print(yaml.safe_dump(json.loads(config.model_dump_json()), sort_keys=False), end="")
+    return 0
+
+
+def _search_command(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="newsvec search", description="Embed a query with the config's model settings (and "
+        "model.query_prefix) and print the nearest articles of the output, best first.")
+    parser.add_argument("query", help="the query text")
+    parser.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG),
+                        help="the config whose model and output to use")
+    parser.add_argument("--k", type=int, default=10, help="how many articles (default 10)")
+    parser.add_argument("--output", help="search this output prefix instead of the config's")
+    parser.add_argument("--json", action="store_true", help="print JSON lines")
+    args = parser.parse_args(argv)
+    from pipeline.search import search
+
+    config = config_lib.fill_model(config_lib.load(args.config))
+    for hit in search(config, args.query, args.k, args.output):
+        if args.json:
+            print(json.dumps(hit))
+        else:
+            where = f"  (chunk {hit['chunk_index']})" if hit["chunk_index"] is not None else ""
+            print(f"{hit['score']:.4f}  {hit['id']}  {hit['title'] or ''}{where}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {**{name: what for name, (_, what) in _DELEGATED.items()},
+                "config": "check a config, or list every key (--explain)",
+                "search": "the nearest articles of an output to a query"}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(__doc__.split("\n\n")[0] + "\n\nsub-commands:")
+        for name, what in commands.items():
+            print(f"  {name:9s} {what}")
+        print("\n`newsvec SUBCOMMAND --help` lists its options.")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "config":
+            return _config_command(rest)
+        if command == "search":
+            return _search_command(rest)
+        import importlib
+
+        return importlib.import_module(_DELEGATED[command][0]).main(rest)
+    except config_lib.ConfigError as exc:
+        print(f"newsvec: bad config: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

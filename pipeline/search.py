@@ -1,0 +1,71 @@
+"""Search newsvec's output: ``newsvec search --config C "query text" [--k 10] [--output PREFIX]``.
+
+The query is prepared like an article's text (``normalize_text``), prefixed with
+``model.query_prefix``, tokenized and embedded with the config's model settings; the nearest
+articles in the output's Parquet files are found with DuckDB's ``array_cosine_similarity``: by the
+article's best chunk when the output has ``chunks/``, else by its row in ``vectors/``. Works on a
+batch output and on a streaming one (``dt=/hour=`` partitions), local or ``gs://`` (the files are
+read through Beam's file systems and handed to DuckDB as Arrow tables, so DuckDB needs no
+extension).
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.io.filesystems import FileSystems
+
+from pipeline.config import Config
+from transforms.sinks import CHUNKS_DIR, VECTORS_DIR, join_path
+
+
+def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
+    files = [m.path for m in FileSystems.match([join_path(output, subdir, "**")])[0].metadata_list
+             if m.path.endswith(".parquet")]
+    tables = []
+    for path in sorted(files):
+        with FileSystems.open(path) as f:
+            tables.append(pq.read_table(f, columns=columns))
+    return pa.concat_tables(tables) if tables else None
+
+
+def embed_query(config: Config, query: str):
+    """The query's vector, as the engine embeds an article of the same text."""
+    from transforms.embed import load_engine
+    from transforms.text import HeadTokenizer, normalize_text
+
+    ids, _ = HeadTokenizer(config.model)(config.model.query_prefix + normalize_text(query))
+    (vector,) = load_engine(config.model).embed([ids])
+    return vector
+
+
+def search(config: Config, query: str, k: int = 10, output: str | None = None) -> list[dict]:
+    """The ``k`` nearest articles: ``{"id", "title", "score", "chunk_index"}``, best first."""
+    import duckdb
+
+    output = output or config.output
+    vectors = _read(output, VECTORS_DIR, ["id", "title", "embedding"])
+    if vectors is None:
+        raise FileNotFoundError(f"no vectors under {output}/{VECTORS_DIR}/: run the pipeline first")
+    chunks = _read(output, CHUNKS_DIR, ["id", "chunk_index", "embedding"])
+    dim = config.model.dim
+    con = duckdb.connect()
+    con.register("vectors", vectors)
+    params = [embed_query(config, query).tolist(), k]
+    if chunks is not None:
+        con.register("chunks", chunks)
+        sql = f"""
+            WITH scored AS (
+              SELECT id, chunk_index, array_cosine_similarity(
+                       embedding::FLOAT[{dim}], $1::FLOAT[{dim}]) AS score FROM chunks),
+            best AS (SELECT id, arg_max(chunk_index, score) AS chunk_index, max(score) AS score
+                     FROM scored GROUP BY id)
+            SELECT b.id, any_value(v.title) AS title, b.score, b.chunk_index
+            FROM best b LEFT JOIN vectors v USING (id)
+            GROUP BY b.id, b.score, b.chunk_index ORDER BY b.score DESC LIMIT $2"""
+    else:
+        sql = f"""
+            SELECT id, any_value(title) AS title, max(array_cosine_similarity(
+                     embedding::FLOAT[{dim}], $1::FLOAT[{dim}])) AS score, NULL AS chunk_index
+            FROM vectors GROUP BY id ORDER BY score DESC LIMIT $2"""
+    return [{"id": i, "title": t, "score": round(float(s), 4), "chunk_index": c}
+            for i, t, s, c in con.execute(sql, params).fetchall()]

@@ -1,0 +1,143 @@
+"""The ``newsvec`` command (pipeline/cli.py) and what a newcomer runs first: every sub-command's
+help, the config explained from its one schema (and README.md's table generated from it), a config
+checked, a search over the sample's output, the progress of a local batch run, and the one-command
+streaming demo (tools/streaming_demo.py) on Google's Pub/Sub emulator with real vLLM."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from pipeline import cli
+from pipeline import config as config_lib
+from pipeline.run import run_batch
+from pipeline.search import search
+from tests.conftest import REPO, SAMPLE_EVENTS, make_config
+from transforms.chunking import ChunkingSettings
+
+BATTERY_QUERY = "a factory for solid-state batteries is being built where a steelworks used to be"
+
+
+def test_newsvec_is_installed_as_a_console_script():
+    script = Path(sys.executable).parent / "newsvec"
+    assert script.exists(), "setup.py's console script (make setup installs it)"
+    out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    for command in ("run", "config", "search", "ledger", "cleanup", "backfill"):
+        assert f"  {command} " in out.stdout
+
+
+@pytest.mark.parametrize("command, options", [
+    ("run", ["--config", "--input", "--output", "--subscription", "--input_date"]),
+    ("config", ["--config", "--explain"]),
+    ("search", ["--config", "--k", "--output", "query"]),
+    ("ledger", ["--output", "--from", "--until", "--no-verify"]),
+    ("cleanup", ["--output", "--older-than-s"]),
+    ("backfill", ["--config", "--from", "--until", "--force"]),
+])
+def test_every_sub_command_lists_its_options(command, options, capsys):
+    try:
+        code = cli.main([command, "--help"])
+    except SystemExit as exc:  # argparse's own --help
+        code = exc.code
+    assert code == 0
+    shown = capsys.readouterr().out
+    assert all(option in shown for option in options), shown
+
+
+def test_config_explain_lists_every_key_and_readme_shows_the_same_table(capsys):
+    assert cli.main(["config", "--explain"]) == 0
+    shown = capsys.readouterr().out
+    keys = [key for key, _, _ in config_lib.explain()]
+    assert len(keys) > 40 and all(f"{key}\n" in shown for key in keys)
+    assert all(meaning for _, _, meaning in config_lib.explain()), "every key has a meaning"
+    for nested in ("model.query_prefix", "chunking.doc_vector", "incremental.previous_outputs",
+                   "streaming.batch_shards", "sink.store_chunk_text"):
+        assert nested in keys
+    readme = (REPO / "README.md").read_text()
+    assert config_lib.explain_markdown() in readme, "README's config table is generated: " \
+        "paste `newsvec config --explain --markdown` between its config-table markers"
+
+
+def test_config_prints_a_config_that_loads_back_the_same(tmp_path, capsys):
+    assert cli.main(["config", "--config", str(REPO / "configs" / "local.yaml")]) == 0
+    path = tmp_path / "again.yaml"
+    path.write_text(capsys.readouterr().out)
+    assert config_lib.load(path) == config_lib.load(REPO / "configs" / "local.yaml")
+    assert cli.main(["config", "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+@pytest.fixture(scope="module")
+def sample_outputs(tmp_path_factory):
+    """The sample embedded in head mode and in chunks mode (real vLLM)."""
+    out = {mode: tmp_path_factory.mktemp(mode) for mode in ("head", "chunks")}
+    options = PipelineOptions(["--runner=FnApiRunner"])
+    run_batch(make_config(input=str(SAMPLE_EVENTS), output=str(out["head"])), options)
+    run_batch(make_config(input=str(SAMPLE_EVENTS), output=str(out["chunks"]),
+                          chunking=ChunkingSettings(mode="chunks", chunk_tokens=128)), options)
+    return out
+
+
+def test_search_finds_the_sample_article_a_query_is_about(sample_outputs, capsys):
+    config = make_config()
+    hits = search(config, BATTERY_QUERY, k=5, output=str(sample_outputs["head"]))
+    assert hits[0]["id"] == "sample-0007" and hits[0]["chunk_index"] is None
+    assert "battery" in hits[0]["title"] and len(hits) == 5
+    assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
+    # Through the command, on chunks: the best chunk of each article.
+    config_file = Path(sample_outputs["chunks"]) / "config.yaml"
+    config_file.write_text(yaml.safe_dump(json.loads(make_config(
+        input="x", output=str(sample_outputs["chunks"])).model_dump_json())))
+    assert cli.main(["search", "--config", str(config_file), "--k", "3", "--json",
+                     BATTERY_QUERY]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[0]["id"] == "sample-0007" and lines[0]["chunk_index"] is not None
+    assert len(lines) == 3
+
+
+def test_a_local_batch_run_reports_its_progress(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="newsvec.progress")
+    run_batch(make_config(input=str(SAMPLE_EVENTS), output=str(tmp_path)),
+              PipelineOptions(["--runner=FnApiRunner"]))
+    lines = [r.getMessage() for r in caplog.records if r.name == "newsvec.progress"]
+    assert lines and lines[-1].startswith("progress: 48/48 articles (100%)"), lines
+    assert "articles/s" in lines[-1] and "ETA" in lines[-1]
+
+
+def test_the_streaming_demo_runs_end_to_end(tmp_path, capsys):
+    from tests.emulators import skip_or_fail
+    from tools import emulators, streaming_demo
+
+    if shutil.which("gcloud") is None:
+        skip_or_fail("the Pub/Sub emulator (gcloud) is not installed")
+    assert emulators  # the demo starts it itself
+    # The demo's config at float32, so that it shares the session's engine.
+    raw = yaml.safe_load((REPO / "configs" / "local-streaming.yaml").read_text())
+    raw["model"]["dtype"] = "float32"
+    config = tmp_path / "streaming.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    code = streaming_demo.main(["--config", str(config), "--output", str(tmp_path / "out"),
+                                "--rate", "0", "--timeout-s", "400"])
+    shown = capsys.readouterr().out
+    assert code == 0, shown
+    start = shown.index("\n{") + 1  # after the demo's progress lines
+    totals = json.loads(shown[start:shown.index("\n}", start) + 2])
+    sample = [line for line in SAMPLE_EVENTS.read_bytes().splitlines() if line.strip()]
+    assert totals["published"] == totals["messages_in"] == len(sample)
+    assert totals["rows_written"] == 40 and totals["balanced"]
+    assert list((tmp_path / "out" / "vectors").rglob("*.parquet"))
+
+
+def test_the_streaming_demo_says_how_to_install_a_missing_emulator(tmp_path, monkeypatch, capsys):
+    from tools import emulators, streaming_demo
+
+    monkeypatch.setattr(emulators.shutil, "which", lambda name: None)
+    assert streaming_demo.main(["--output", str(tmp_path / "out")]) == 2
+    assert "gcloud components install pubsub-emulator" in capsys.readouterr().err
