@@ -153,3 +153,43 @@ def test_the_engine_is_loaded_once_per_process():
     from transforms import embed
 
     assert len(embed._HANDLES) == 1, "every pipeline run of the session shared one vLLM engine"
+
+
+def test_lines_fan_out_right_after_reading_and_nothing_groups_before_the_engine():
+    """The batch graph ``python -m pipeline`` builds: the one shuffle between reading a file and
+    the engine is right after its lines are read (a day in one .jsonl.gz is read on one thread,
+    but parsed, prepared and embedded on every worker), and no grouping between parsing and
+    embedding holds the engine back until the whole input is read."""
+    import apache_beam as beam
+    from apache_beam.portability import common_urns
+
+    from pipeline import config as config_lib
+    from pipeline.graph import build_batch
+
+    pipeline = beam.Pipeline()
+    build_batch(pipeline, config_lib.load(Path("configs/local.yaml")), "20261201T000000Z-0badc0de")
+    transforms = [t for t in pipeline.to_runner_api().components.transforms.values()
+                  if not t.subtransforms]
+    producer = {pc: t for t in transforms for pc in t.outputs.values()}
+    by_name = {t.unique_name: t for t in transforms}
+
+    def upstream_path(name: str, stop: str) -> list[str]:
+        """Names on the path from ``stop`` down to ``name``, nearest first (every step on it
+        has one input in this config: no side inputs)."""
+        path, t = [], by_name[name]
+        while t.unique_name != stop:
+            path.append(t.unique_name)
+            (pc,) = t.inputs.values()
+            t = producer[pc]
+        return path
+
+    is_grouping = {t.unique_name for t in transforms
+                   if t.spec.urn == common_urns.primitives.GROUP_BY_KEY.urn}
+    (embed,) = [n for n in by_name if n.endswith("/Embed")]
+    (parse,) = [n for n in by_name if n.startswith("Parse/")]
+    read = "ReadJsonLines/ReadLines"
+    assert not is_grouping & set(upstream_path(embed, parse)), \
+        "a grouping between parsing and embedding: a barrier in a batch job"
+    assert [n for n in upstream_path(parse, read) if n in is_grouping] == \
+        ["ReadJsonLines/SpreadLines/ReshufflePerKey/GroupByKey"], \
+        "lines are redistributed before they are parsed"

@@ -236,3 +236,21 @@ def test_pubsub_lineage_columns_are_filled_for_streamed_events_only():
     assert table["pubsub_message_id"].to_pylist() == ["m1", None]
     assert table["pubsub_publish_time"].to_pylist() == [published, None]
     assert table["pubsub_attributes"].to_pylist() == [[("k", "v")], None]
+
+
+def test_an_embedded_row_carries_only_output_columns_through_the_shuffles():
+    """After embedding, what the dedup shuffle and the sinks' batches carry is the row, not the
+    document: a 100 KB body, its prepared text and its token ids are left behind, so the encoded
+    row is the size of its vector whatever the article's length."""
+    from apache_beam.coders import registry
+
+    body = "A long article. " * 6_400  # 100 KB
+    event = NewsEvent(id="long", body=body, title="t", url="https://example.com/a")
+    doc = PreparedDoc(event=event, text=body, text_sha256="0" * 64,
+                      token_ids=tuple(range(100, 356)), truncated=True)
+    embedded = EmbeddedDoc.of(doc, np.ones(384, np.float32) / np.sqrt(384), "fake@0",
+                              dt.datetime(2026, 12, 1, 10, 5, tzinfo=dt.timezone.utc))
+    encoded = registry.get_coder(EmbeddedDoc).encode(embedded)
+    assert len(encoded) < 8 * 1024, f"{len(encoded)} bytes for a 1.5 KB vector"  # pickled: ~3.6 KB
+    columns = set(vector_schema(384).names) | {"lineage", "chunks"}  # lineage: pubsub_* columns
+    assert {f.name for f in dataclasses.fields(EmbeddedDoc)} <= columns
