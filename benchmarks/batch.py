@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import plots
+from benchmarks import plots, write_results
 from pipeline.config import REPO_ROOT, load
 from transforms.model import resolve_model_path
 
@@ -179,10 +179,7 @@ def main(argv=None) -> int:
                    "pipeline_over_best_sentence_transformers": pipe / best_st if best_st else None},
         "targets": {"pipeline_over_raw": 0.95, "pipeline_over_best_sentence_transformers": 1.2},
     })
-    out_dir = Path(args.results)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_file = out_dir / f"batch-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}.json"
-    out_file.write_text(json.dumps(results, indent=2))
+    out_file = write_results(results, args.results, "batch")
     print(f"\nraw LLM.embed:  {raw:7.1f} docs/s (median of {args.runs})")
     print(f"pipeline:       {pipe:7.1f} docs/s (median, model load and start-up excluded)")
     print(f"pipeline / raw: {pipe / raw:.3f}   (target >= 0.95)")

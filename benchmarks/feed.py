@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.batch import bbc_texts
+from benchmarks import write_results
 from pipeline.config import REPO_ROOT, load
 
 # What the MODELED engine's rates stand for (assumptions, printed with the figures):
@@ -248,10 +249,7 @@ def main(argv=None) -> int:
               f"{run['steady']['docs_per_s']:.0f} ({run['whole']['docs_per_s']:.0f}) articles/s, "
               f"duty cycle {run['steady']['duty_cycle']:.2f} ({run['whole']['duty_cycle']:.2f})")
     results["modeled_l4"] = l4
-    out_dir = Path(args.results)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_file = out_dir / f"feed-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}.json"
-    out_file.write_text(json.dumps(results, indent=2, default=str))
+    out_file = write_results(results, args.results, "feed")
     print(f"results: {out_file}")
     return 0
 

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from benchmarks.batch import bbc_texts
+from benchmarks import write_results
 from pipeline.config import REPO_ROOT, IncrementalSettings, fill_date, fill_model, load
 
 
@@ -111,10 +112,7 @@ def main(argv=None) -> int:
                "embed_time_ratio": ratio, "wall_time_ratio": second["run_s"] / first["run_s"],
                "current_equals_full": {"same_ids": same_ids, "same_texts": same_texts,
                                        "min_cosine": cosine}}
-    out_dir = Path(args.results)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_file = out_dir / f"incremental-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}.json"
-    out_file.write_text(json.dumps(results, indent=2, default=str))
+    out_file = write_results(results, args.results, "incremental")
     print(f"results: {out_file}")
     return 0
 

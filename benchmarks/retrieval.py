@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from benchmarks.batch import bbc_texts
+from benchmarks import write_results
 from pipeline.config import REPO_ROOT, load
 from transforms.chunking import ChunkingSettings
 
@@ -150,10 +151,7 @@ def main(argv=None) -> int:
                "model": config.model.name, "dtype": config.model.resolved_dtype(),
                "chunking": chunking.model_dump(), "recalls": recalls, "runs": runs,
                "chunks_over_head_articles_per_s": cost}
-    out_dir = Path(args.results)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_file = out_dir / f"retrieval-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}.json"
-    out_file.write_text(json.dumps(results, indent=2))
+    out_file = write_results(results, args.results, "retrieval")
     print(f"results: {out_file}")
     return 0
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from benchmarks.batch import bbc_texts
 from pipeline import ledger
-from benchmarks import plots
+from benchmarks import plots, write_results
 from benchmarks.streaming import (_events, _rows, _wait_for, percentile, streaming_job,
                                           warm_up)
 from pipeline.config import REPO_ROOT, load
@@ -196,10 +196,7 @@ def main(argv=None) -> int:
                        "every_message_accounted_for": accounted},
         "progress": progress,
     })
-    out_dir = Path(args.results)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_file = out_dir / f"soak-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}.json"
-    out_file.write_text(json.dumps(results, indent=2, default=str))
+    out_file = write_results(results, args.results, "soak")
     print(f"plot: {plots.soak(results, out_file)}")
     lat, mem = results["latency_s"], results["memory_mib"]
     print(f"\nthroughput {results['soak']['throughput_docs_per_s']:.1f} docs/s at "

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import statistics
 import tempfile
@@ -27,7 +26,7 @@ import pyarrow.parquet as pq
 from pipeline import ledger
 from benchmarks.batch import bbc_texts, write_events
 from pipeline.config import REPO_ROOT, load
-from benchmarks import plots
+from benchmarks import plots, write_results
 from tools.emulators import emulated_streaming_job as streaming_job
 from transforms.embed import load_engine
 
@@ -222,10 +221,7 @@ def main(argv=None) -> int:
         "ledger": report.totals, "ledger_problems": report.problems[:20],
         "targets": {"ratio_streaming_over_batch": 0.9},
     })
-    out_dir = Path(args.results)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_file = out_dir / f"streaming-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}.json"
-    out_file.write_text(json.dumps(results, indent=2, default=str))
+    out_file = write_results(results, args.results, "streaming")
     print(f"plot: {plots.streaming(results, out_file)}")
     print(f"\nstreaming / batch: {saturation / batch_rate:.3f} (target >= 0.9)")
     print(f"latency p50 {p50:.1f} s, p95 {p95:.1f} s (target p95 <= "

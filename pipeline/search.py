@@ -40,7 +40,11 @@ def embed_query(config: Config, query: str):
 
 def search(config: Config, query: str, k: int = 10, output: str | None = None) -> list[dict]:
     """The ``k`` nearest articles: ``{"id", "title", "score", "chunk_index"}``, best first."""
-    import duckdb
+    try:
+        import duckdb
+    except ImportError as e:  # not in the worker image: an extra
+        raise ImportError("newsvec search needs DuckDB: pip install 'newsvec[search]' "
+                          "(make setup installs it)") from e
 
     output = output or config.output
     vectors = _read(output, VECTORS_DIR, ["id", "title", "embedding"])

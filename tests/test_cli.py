@@ -102,6 +102,20 @@ def test_search_finds_the_sample_article_a_query_is_about(sample_outputs, capsys
     assert len(lines) == 3
 
 
+def test_search_puts_model_query_prefix_before_the_query():
+    """e5 and bge expect a prefix on queries: the query is embedded as prefix + query, the
+    counterpart of ``document_prefix`` on articles (same engine: prefixes are not engine settings)."""
+    import numpy as np
+
+    from pipeline.search import embed_query
+
+    plain = make_config()
+    prefixed = make_config(model=plain.model.model_copy(update={"query_prefix": "query: "}))
+    with_prefix = embed_query(prefixed, "solid-state batteries")
+    assert np.allclose(with_prefix, embed_query(plain, "query: solid-state batteries"), atol=1e-6)
+    assert float(np.dot(with_prefix, embed_query(plain, "solid-state batteries"))) < 0.999
+
+
 def test_a_local_batch_run_reports_its_progress(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="newsvec.progress")
     run_batch(make_config(input=str(SAMPLE_EVENTS), output=str(tmp_path)),

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import apache_beam
-import pytest
 
 from tests.emulators import skip_or_fail
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,7 +15,6 @@ import time
 
 import duckdb
 import pyarrow.parquet as pq
-import pytest
 import yaml
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.io.gcp.pubsub import PubsubMessage
@@ -34,7 +32,8 @@ from pipeline.graph import embed_and_write_streaming
 from pipeline.run import run_batch
 from tests.conftest import REPO, make_config
 from tests.fakes import FakeEngine
-from tests.test_reruns import gcs, listing, rows_of, write_input  # noqa: F401  (gcs: a fixture)
+# gcs and root (local disk, then the GCS emulator) are fixtures.
+from tests.test_reruns import gcs, listing, root, rows_of, write_input  # noqa: F401
 from transforms.model import safe_model_label
 from transforms.schema import NewsEvent, key_schema
 from transforms.text import compose_text
@@ -65,14 +64,6 @@ def run_day(config, day: str, rows: list[dict], root: str, engine_factory=None) 
     write_input(root, f"in/dt={day}", rows)
     filled = config_lib.fill_date(config_lib.fill_model(config), day)
     return run_batch(filled, OPTIONS, engine_factory=engine_factory)
-
-
-@pytest.fixture(params=["local", "gcs"])
-def root(request, tmp_path):
-    if request.param == "gcs":
-        request.getfixturevalue("gcs")
-        return f"gs://newsvec-reruns/{tmp_path.name}"
-    return str(tmp_path)
 
 
 def test_an_unchanged_a_changed_and_a_new_article_across_two_runs(root):

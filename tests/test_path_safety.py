@@ -29,8 +29,7 @@ from apache_beam.utils.timestamp import Timestamp
 
 from pipeline.graph import embed_and_write_streaming
 from tests.adversarial import ALL_CASES, BY_NAME, DUPLICATE, NOW, ROW, Case, event_id
-from tests.test_adversarial import (PREPARE_REASONS, corpus_batch_run, corpus_config,
-                                    read_letters)
+from tests.test_adversarial import PREPARE_REASONS, corpus_batch_run, corpus_config
 from tests.fakes import FakeEngine
 from transforms.parse import ParseEvents
 

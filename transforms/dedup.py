@@ -25,7 +25,6 @@ from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 from transforms.metrics import DUPLICATES
-from transforms.schema import PreparedDoc
 
 # Documents (PreparedDoc, streaming) and vector rows (EmbeddedDoc, batch) both have these.
 KEYS = {
