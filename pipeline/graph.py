@@ -27,7 +27,7 @@ from transforms.read import ReadJsonLines
 from transforms.sinks import (CHUNKS_DIR, DEAD_LETTER_DIR, KEYS_DIR, VECTORS_DIR, WriteChunks,
                               WriteDeadLetters, WriteKeys, WriteMicroBatches, WriteVectors)
 from transforms.text import PrepareText
-from transforms.windowing import FixedEventTimeWindows, WindowByEventTime
+from transforms.windowing import WindowByEventTime
 
 
 def _parse(payloads, config: Config):
@@ -128,8 +128,9 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
     windows = dict(window_s=s.window_s, allowed_lateness_s=s.allowed_lateness_s,
                    max_wait_s=s.max_wait_s)
     parsed = _parse(messages, config)
-    events = parsed.events | "WindowByEventTime" >> WindowByEventTime(**windows)
-    parse_letters = parsed.dead_letter | "WindowParseDeadLetters" >> FixedEventTimeWindows(**windows)
+    by_event_time = WindowByEventTime(**windows)
+    events = parsed.events | "WindowByEventTime" >> by_event_time
+    parse_letters = parsed.dead_letter | "WindowParseDeadLetters" >> by_event_time.windows
     prepared = _prepare(events, config)
     letters = ((parse_letters, prepared.dead_letter)
                | "CollectDeadLetters" >> beam.Flatten())

@@ -87,25 +87,30 @@ class FixedEventTimeWindows(beam.PTransform):
             raise ValueError("window_s and max_wait_s must be > 0 and allowed_lateness_s >= 0")
         if max_wait_s is not None and max_wait_s != int(max_wait_s):
             raise ValueError("max_wait_s must be whole seconds (Beam's trigger keeps no fraction)")
-        self._window_s, self._lateness, self._max_wait = window_s, allowed_lateness_s, max_wait_s
+        self._window_s, self._lateness = window_s, allowed_lateness_s
+        # One trigger object for every application of this transform: Beam's AfterProcessingTime
+        # has no __eq__, so two equal triggers built apart compare unequal, and Flatten warns "All
+        # input pcollections must have the same window" about windowings that are the same.
+        early = trigger.AfterProcessingTime(int(max_wait_s)) if max_wait_s else None
+        self._trigger = trigger.AfterWatermark(early=early, late=trigger.AfterCount(1))
 
     def expand(self, pcoll):
-        early = trigger.AfterProcessingTime(int(self._max_wait)) if self._max_wait else None
         return pcoll | beam.WindowInto(
             window.FixedWindows(self._window_s),
-            trigger=trigger.AfterWatermark(early=early, late=trigger.AfterCount(1)),
+            trigger=self._trigger,
             accumulation_mode=trigger.AccumulationMode.DISCARDING,
             allowed_lateness=Duration(seconds=self._lateness + GROUPING_GRACE_S))
 
 
 class WindowByEventTime(beam.PTransform):
-    """AssignEventTime, then FixedEventTimeWindows."""
+    """AssignEventTime, then FixedEventTimeWindows (``windows``: apply the same to what must be
+    flattened with these events, such as their dead letters)."""
 
     def __init__(self, window_s: float = 60, allowed_lateness_s: float = 600,
                  max_wait_s: int | None = None):
         super().__init__()
         self._assign = AssignEventTime(allowed_lateness_s)
-        self._windows = FixedEventTimeWindows(window_s, allowed_lateness_s, max_wait_s)
+        self.windows = FixedEventTimeWindows(window_s, allowed_lateness_s, max_wait_s)
 
     def expand(self, events):
-        return events | "AssignEventTime" >> self._assign | "FixedWindows" >> self._windows
+        return events | "AssignEventTime" >> self._assign | "FixedWindows" >> self.windows
