@@ -28,11 +28,11 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline import config as config_lib
-from transforms.commit import COMMITTED, read_manifest
 from transforms.incremental import embedding_signature
+from transforms.layout import SUMMARY_FILE, join_path
+from transforms.manifest import COMMITTED, read_manifest
 from transforms.model import model_label, resolve_model_path
 from transforms.read import count_lines
-from transforms.sinks import SUMMARY_FILE, join_path
 
 _LOG = logging.getLogger("newsvec.backfill")
 

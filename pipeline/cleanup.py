@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from transforms.commit import clean_stale, repair
+from transforms.manifest import clean_stale, repair
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from transforms.chunking import ChunkingSettings
-from transforms.dedup import KEYS as DEDUP_KEYS
+from transforms.dedup import DedupKey
 from transforms.model import ModelSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -54,8 +54,7 @@ class TextSettings(_Section):
 
 
 class DedupSettings(_Section):
-    key: str = Field("id", pattern="^(" + "|".join(DEDUP_KEYS) + ")$",
-                     description="`id` or `text_sha256` (the same text under another id)")
+    key: DedupKey = Field("id", description="`id` or `text_sha256` (the same text under another id)")
 
 
 class SinkSettings(_Section):

@@ -6,7 +6,9 @@ Batch:      files -> ReadJsonLines (fans out its lines) -> Parse -> PrepareText
               WriteDeadLetters (into the run's staging folder) -> CommitRun
 Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> GroupMicroBatches (with every
               dead letter so far) -> DropDuplicatesStreaming -> EmbedMicroBatches
-              -> WriteMicroBatches (vectors, dead letters and a ledger record per micro-batch)
+              -> WriteMicroBatches (vectors, keys, dead letters and a ledger record per micro-batch)
+
+Each step is labelled with the name of its class, so the job graph on Dataflow reads like this.
 """
 from __future__ import annotations
 
@@ -15,17 +17,18 @@ from typing import Optional
 import apache_beam as beam
 
 from pipeline.config import Config
-from transforms.commit import CommitRun, staging_prefix, tally
+from transforms.commit import CommitRun, Tally, tally
 from transforms.dedup import DropDuplicates, DropDuplicatesStreaming
 from transforms.embed import EmbedMicroBatches, EmbedWithVLLM, EngineFactory
-from transforms.microbatch import GroupMicroBatches
 from transforms.incremental import ReadKeys, SkipUnchanged, embedding_signature, key_files
+from transforms.layout import CHUNKS_DIR, DEAD_LETTER_DIR, KEYS_DIR, VECTORS_DIR, staging_prefix
+from transforms.metrics import CountDone
+from transforms.microbatch import GroupMicroBatches
 from transforms.model import model_content_hash, model_label, resolve_model_path
 from transforms.parse import ParseEvents
-from transforms.progress import CountDone
 from transforms.read import ReadJsonLines
-from transforms.sinks import (CHUNKS_DIR, DEAD_LETTER_DIR, KEYS_DIR, VECTORS_DIR, WriteChunks,
-                              WriteDeadLetters, WriteKeys, WriteMicroBatches, WriteVectors)
+from transforms.sinks import (WriteChunks, WriteDeadLetters, WriteKeys, WriteMicroBatches,
+                              WriteVectors)
 from transforms.text import PrepareText
 from transforms.windowing import WindowByEventTime
 
@@ -71,14 +74,14 @@ def embed_and_write(payloads, config: Config, run_id: str,
     parsed = _parse(payloads, config)
     prepared = _prepare(parsed.events, config)
     signature = embedding_signature(config.model, config.chunking)
-    docs, tallies = prepared.docs, [tally(payloads, "in")]
+    docs, tallies = prepared.docs, [tally(payloads, Tally.IN)]
     if config.incremental.previous_outputs:
         known = payloads.pipeline | "ReadKeys" >> ReadKeys(
             key_files(config.incremental.previous_outputs, config.output))
         label = model_label(config.model, resolve_model_path(config.model.path))
         skipped = docs | "SkipUnchanged" >> SkipUnchanged(known, label, signature)
         docs = skipped.docs
-        tallies.append(tally(skipped.unchanged, "unchanged"))
+        tallies.append(tally(skipped.unchanged, Tally.UNCHANGED))
     # No grouping between preparing and embedding: in a batch job it would be a barrier, every
     # article prepared before the first is embedded. Duplicates are dropped from the vector rows.
     embedded = docs | "EmbedWithVLLM" >> EmbedWithVLLM(
@@ -101,10 +104,10 @@ def embed_and_write(payloads, config: Config, run_id: str,
         done.append(skipped.unchanged)
     for i, articles in enumerate(done):
         articles | f"Progress{i}" >> CountDone()  # articles done: a progress bar, Dataflow metrics
-    tallies += [tally(unique.duplicates, "duplicates", lambda n: n),
-                tally(unique.docs, "rows"),
-                tally(unique.docs, "truncated", lambda row: int(row.truncated)),
-                tally(chunk_rows, "chunks")]
+    tallies += [tally(unique.duplicates, Tally.DUPLICATES, lambda n: n),
+                tally(unique.docs, Tally.ROWS),
+                tally(unique.docs, Tally.TRUNCATED, lambda row: int(row.truncated)),
+                tally(chunk_rows, Tally.CHUNKS)]
     return payloads.pipeline | "CommitRun" >> CommitRun(
         config.output, run_id, summary_base(config), files=files, tallies=tallies,
         lease_s=config.sink.commit_lease_s)
@@ -140,9 +143,9 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
     batches = ((prepared.docs, letters)
                | "GroupMicroBatches" >> GroupMicroBatches(config.dedup.key, s.batch_shards,
                                                           s.allowed_lateness_s)
-               | "DropDuplicates" >> DropDuplicatesStreaming(config.dedup.key,
-                                                             s.dedup_horizon_s))
-    embedded = batches | "EmbedWithVLLM" >> EmbedMicroBatches(
+               | "DropDuplicatesStreaming" >> DropDuplicatesStreaming(config.dedup.key,
+                                                                      s.dedup_horizon_s))
+    embedded = batches | "EmbedMicroBatches" >> EmbedMicroBatches(
         config.model, **_embed_settings(config, engine_factory))
     return embedded | "WriteMicroBatches" >> WriteMicroBatches(
         config.output, run_id, config.model.dim, config.sink.row_group_rows,

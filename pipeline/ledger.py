@@ -19,18 +19,14 @@ import collections
 import dataclasses
 import datetime as dt
 import json
-import re
 import sys
 from typing import Optional
 
-import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.schema import LedgerRecord
-from transforms.sinks import CHUNKS_DIR, DEAD_LETTER_DIR, LEDGER_DIR, VECTORS_DIR, join_path
-
-# part-<run_id>-<window start>-<pane>-<shard>-of-<n>.<suffix>, as sinks.window_file_name writes it
-_NAME = re.compile(r"^part-\d{8}T\d{6}Z-[0-9a-f]{8}-(\d{8}T\d{6}Z)-\d{3}-\d{5}-of-\d{5}\.\w+$")
+from transforms.layout import (CHUNKS_DIR, DEAD_LETTER_DIR, LEDGER_DIR, VECTORS_DIR, PartFileName,
+                               join_path, parquet_rows, partitions_between)
+from transforms.schema import Counts, LedgerRecord
 
 
 @dataclasses.dataclass
@@ -49,15 +45,6 @@ def _parse_time(text: Optional[str]) -> Optional[dt.datetime]:
     return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(dt.timezone.utc)
 
 
-def _hours(start: dt.datetime, end: dt.datetime) -> list[str]:
-    hour = start.replace(minute=0, second=0, microsecond=0)
-    out = []
-    while hour < end:
-        out.append(f"dt={hour:%Y-%m-%d}/hour={hour:%H}")
-        hour += dt.timedelta(hours=1)
-    return out
-
-
 def _list(output: str, subdir: str, suffix: str, partitions: Optional[list[str]]) -> list[str]:
     patterns = ([join_path(output, subdir, "**")] if partitions is None
                 else [join_path(output, subdir, p, "*") for p in partitions])
@@ -66,20 +53,13 @@ def _list(output: str, subdir: str, suffix: str, partitions: Optional[list[str]]
 
 
 def _window_of_name(path: str) -> Optional[dt.datetime]:
-    match = _NAME.match(path.rsplit("/", 1)[-1])
-    if not match:
-        return None
-    return dt.datetime.strptime(match.group(1), "%Y%m%dT%H%M%SZ").replace(tzinfo=dt.timezone.utc)
+    name = PartFileName.parse(path)
+    return name.window_start if name else None
 
 
 def _read(path: str) -> bytes:
     with FileSystems.open(path) as f:
         return f.read()
-
-
-def _parquet_rows(path: str) -> int:
-    with FileSystems.open(path) as f:
-        return pq.ParquetFile(f).metadata.num_rows
 
 
 def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.datetime] = None,
@@ -89,7 +69,7 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
     if start is not None or end is not None:
         if start is None or end is None:
             raise ValueError("give both --from and --until, or neither")
-        partitions = _hours(start, end)
+        partitions = partitions_between(start, end)
 
     def in_range(t: Optional[dt.datetime]) -> bool:
         return t is not None and (partitions is None or start <= t < end)
@@ -101,22 +81,16 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
         if in_range(_parse_time(record.window_start)):
             records.append(record)
     problems = []
-    named = collections.Counter()
-    totals = collections.Counter()
-    reasons = collections.Counter()
+    named: collections.Counter[str] = collections.Counter()
     windows = set()
     for r in sorted(records, key=lambda r: (r.window_start, r.pane, r.shard)):
         where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
         windows.add(r.window_start)
-        for key in ("messages_in", "rows_written", "dead_lettered", "duplicates",
-                    "late_reassigned", "chunks_written"):
-            totals[key] += getattr(r, key)
-        reasons.update(r.dead_lettered_by_reason)
-        if not r.balances():
+        if not r.counts.balances():
             problems.append(f"{where}: does not balance: messages_in {r.messages_in} != rows "
                             f"{r.rows_written} + dead letters {r.dead_lettered} + duplicates "
                             f"{r.duplicates}")
-        if sum(r.dead_lettered_by_reason.values()) != r.dead_lettered:
+        if not r.counts.reasons_add_up():
             problems.append(f"{where}: dead letters by reason do not add up to {r.dead_lettered}")
         for kind, relative, count in (("vectors", r.vectors_file, r.rows_written),
                                       ("chunks", r.chunks_file, r.chunks_written),
@@ -131,7 +105,7 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
                 problems.append(f"{where}: its {kind} file {relative} is missing")
             elif verify:
                 found = (sum(1 for line in _read(path).splitlines() if line)
-                         if kind == "dead letter" else _parquet_rows(path))
+                         if kind == "dead letter" else parquet_rows([path]))
                 if found != count:
                     problems.append(f"{where}: {relative} holds {found} rows, the record says "
                                     f"{count}")
@@ -147,10 +121,15 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
             elif named[path] > 1:
                 problems.append(f"window {window:%Y-%m-%dT%H:%M:%SZ}: {path[len(prefix):]} is named "
                                 f"by {named[path]} ledger records")
-    return LedgerReport(totals={"windows": len(windows), "records": len(records), **totals,
-                                "dead_lettered_by_reason": dict(sorted(reasons.items())),
-                                "balanced": not problems},
-                        problems=problems)
+    total = Counts.total(r.counts for r in records)
+    totals = {"windows": len(windows), "records": len(records), "messages_in": total.articles_in,
+              "rows_written": total.written, "dead_lettered": total.dead_lettered,
+              "duplicates": total.duplicates,
+              "late_reassigned": sum(r.late_reassigned for r in records),
+              "chunks_written": total.chunks_written,
+              "dead_lettered_by_reason": dict(total.dead_lettered_by_reason),
+              "balanced": not problems}
+    return LedgerReport(totals=totals, problems=problems)
 
 
 def main(argv=None) -> int:

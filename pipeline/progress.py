@@ -1,7 +1,7 @@
 """A local batch run's progress: articles done out of the total, articles/s and an ETA, as a
 progress bar on a terminal and as a log line every ``interval_s`` otherwise.
 
-It reads ``transforms.progress``'s in-process counter, so it reports where the job runs in this
+It reads ``transforms.metrics``' in-process counter, so it reports where the job runs in this
 process (FnApiRunner in memory or with threads, the local configs); with worker processes the
 counts are theirs, and on Dataflow they are the job's ``articles_done`` and ``events_in`` metrics.
 """
@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from transforms import progress
+from transforms import metrics
 
 _LOG = logging.getLogger("newsvec.progress")
 
@@ -25,12 +25,12 @@ class ProgressReporter:
         self._bar = sys.stderr.isatty() if bar is None else bar
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="newsvec-progress", daemon=True)
-        self._start_count = progress.local_done()
+        self._start_count = metrics.local_done()
         self._started = time.monotonic()
         self.lines: list[str] = []  # the log lines written (for tests and the summary)
 
     def done(self) -> int:
-        return progress.local_done() - self._start_count
+        return metrics.local_done() - self._start_count
 
     def line(self) -> str:
         done, elapsed = self.done(), time.monotonic() - self._started

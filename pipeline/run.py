@@ -20,7 +20,7 @@ from pipeline.progress import ProgressReporter
 from pipeline.summary import job_statistics
 from transforms.embed import EngineFactory
 from transforms.read import count_lines
-from transforms.sinks import SUMMARY_FILE, join_path, new_run_id
+from transforms.layout import SUMMARY_FILE, join_path, new_run_id
 
 _LOG = logging.getLogger("newsvec")
 

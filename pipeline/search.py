@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from pipeline.config import Config
-from transforms.sinks import CHUNKS_DIR, VECTORS_DIR, join_path
+from transforms.layout import CHUNKS_DIR, VECTORS_DIR, join_path
 
 
 def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:

@@ -291,7 +291,7 @@ def test_chunk_ids_are_the_same_after_a_retried_bundle(tokenizer):
     chunking = ChunkingSettings(mode="chunks", chunk_tokens=64, overlap_tokens=8)
     docs = [chunked_doc(i, tokenizer, long_text(i)) for i in range(4)]
 
-    signature = chunking.signature(settings.max_tokens, settings.document_prefix)
+    signature = chunking.chunk_recipe(settings.max_tokens, settings.document_prefix)
     expected = [(d.id, k, chunk_id(d.id, d.text_sha256, FakeEngine.label, signature, k))
                 for d in docs for k in range(len(d.chunks))]
     BreaksOnce.made = 0

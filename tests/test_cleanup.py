@@ -12,7 +12,7 @@ import time
 
 from pipeline import cleanup
 from tests.conftest import REPO
-from transforms import commit
+from transforms import manifest
 
 RUN_ID = "20261201T093000Z-1a2b3c4d"
 LIFECYCLE = REPO / "configs" / "gcs-lifecycle.json"
@@ -64,11 +64,11 @@ def test_clean_stale_never_touches_published_data_or_a_run_being_published(tmp_p
                  "_staging/20261201T000000Z-11111111/vectors/y.parquet", "_temp/z.tmp"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("x")
-    publishing = commit.Manifest(run_id="20261201T000000Z-11111111", state="publishing",
+    publishing = manifest.Manifest(run_id="20261201T000000Z-11111111", state="publishing",
                                  started_at=time.time(), vectors=[], dead_letter=[],
                                  summary="_summary.json", counts={})
-    commit._write(str(tmp_path), commit.MANIFEST_FILE, publishing.to_json().encode())
-    deleted = commit.clean_stale(str(tmp_path), older_than_s=0, now=time.time() + 10)
+    manifest.write_manifest(str(tmp_path), publishing)
+    deleted = manifest.clean_stale(str(tmp_path), older_than_s=0, now=time.time() + 10)
     assert sorted(os.path.relpath(p, tmp_path) for p in deleted) == [
         "_staging/20261130T000000Z-00000000/vectors/x.parquet", "_temp/z.tmp"]
     assert set(files(tmp_path)) == {"vectors/part-a.parquet", "dead_letter/part-a.jsonl",

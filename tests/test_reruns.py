@@ -1,5 +1,5 @@
-"""Batch reruns into one output replace, never append (transforms/commit.py), on local disk and on
-gcp-storage-emulator:
+"""Batch reruns into one output replace, never append (transforms/commit.py, transforms/manifest.py),
+on local disk and on gcp-storage-emulator:
 - the same day run twice, the second time with changed input: the rows are exactly the second run's;
 - a run killed (SIGKILL, no Python exception) while writing leaves the first run's output as it was;
 - a run killed while publishing never shows two runs' rows to a reader that globs ``vectors/``, the
@@ -30,7 +30,7 @@ from pipeline.run import run_batch
 from tests.conftest import REPO, make_config
 from tests.emulators import gcs_for_beam
 from tests.fakes import FakeEngine
-from transforms import commit
+from transforms import manifest as manifest_lib
 from transforms.schema import NewsEvent
 from transforms.text import compose_text
 
@@ -168,42 +168,43 @@ def test_a_run_killed_while_publishing_never_mixes_runs_and_is_finished_by_clean
 
 def test_a_second_publish_waits_for_one_in_progress(tmp_path):
     output = str(tmp_path)
-    other = commit.Manifest(run_id="20261130T000000Z-00000000", state="publishing",
-                            started_at=time.time(), vectors=[], dead_letter=[],
-                            summary="_staging/x/_summary.json", counts={})
-    commit._write(output, commit.MANIFEST_FILE, other.to_json().encode())
-    ours = commit.Manifest(run_id="20261130T000001Z-11111111", state="publishing",
-                           started_at=time.time(), vectors=[], dead_letter=[],
-                           summary="_summary.json", counts={})
+    other = manifest_lib.Manifest(run_id="20261130T000000Z-00000000", state="publishing",
+                                  started_at=time.time(), vectors=[], dead_letter=[],
+                                        summary="_staging/x/_summary.json", counts={})
+    manifest_lib.write_manifest(output, other)
+    ours = manifest_lib.Manifest(run_id="20261130T000001Z-11111111", state="publishing",
+                                 started_at=time.time(), vectors=[], dead_letter=[],
+                                 summary="_summary.json", counts={})
     FileSystems.create(os.path.join(output, "_summary.json")).close()
     done = threading.Event()
-    waiter = threading.Thread(target=lambda: (commit.publish(output, ours, lease_s=60, poll_s=0.1),
+    waiter = threading.Thread(target=lambda: (manifest_lib.publish(output, ours, lease_s=60,
+                                                                   poll_s=0.1),
                                               done.set()), daemon=True)
     waiter.start()
     time.sleep(1.0)
-    assert not done.is_set() and commit.read_manifest(output).run_id == other.run_id, \
+    assert not done.is_set() and manifest_lib.read_manifest(output).run_id == other.run_id, \
         "it waits while the other run publishes"
     import dataclasses
 
-    commit._write(output, commit.MANIFEST_FILE,
-                  dataclasses.replace(other, state="committed").to_json().encode())
+    manifest_lib.write_manifest(output, dataclasses.replace(other, state="committed"))
     assert done.wait(10), "and goes on once that one has committed"
-    assert commit.read_manifest(output).run_id == ours.run_id
+    assert manifest_lib.read_manifest(output).run_id == ours.run_id
 
 
 def test_a_stale_publish_of_a_killed_run_is_taken_over(tmp_path):
     output = str(tmp_path)
-    dead = commit.Manifest(run_id="20261130T000000Z-00000000", state="publishing",
-                           started_at=time.time() - 120, vectors=[], dead_letter=[],
-                           summary="_staging/x/_summary.json", counts={})
-    commit._write(output, commit.MANIFEST_FILE, dead.to_json().encode())
+    dead = manifest_lib.Manifest(run_id="20261130T000000Z-00000000", state="publishing",
+                                 started_at=time.time() - 120, vectors=[], dead_letter=[],
+                                 summary="_staging/x/_summary.json", counts={})
+    manifest_lib.write_manifest(output, dead)
     FileSystems.create(os.path.join(output, "_summary.json")).close()
-    ours = commit.Manifest(run_id="20261130T000001Z-11111111", state="publishing",
-                           started_at=time.time(), vectors=[], dead_letter=[],
-                           summary="_summary.json", counts={})
+    ours = manifest_lib.Manifest(run_id="20261130T000001Z-11111111", state="publishing",
+                                 started_at=time.time(), vectors=[], dead_letter=[],
+                                 summary="_summary.json", counts={})
     started = time.monotonic()
-    commit.publish(output, ours, lease_s=60, poll_s=0.1)
-    assert time.monotonic() - started < 5 and commit.read_manifest(output).state == "committed"
+    manifest_lib.publish(output, ours, lease_s=60, poll_s=0.1)
+    assert (time.monotonic() - started < 5
+            and manifest_lib.read_manifest(output).state == "committed")
 
 
 def test_duckdb_reads_the_committed_run_through_the_manifest(tmp_path):

@@ -26,7 +26,8 @@ from transforms import sinks
 from transforms.metrics import DEAD_LETTER_NAMESPACE, NAMESPACE
 from transforms.schema import (DeadLetter, EmbeddedDoc, LedgerRecord, Lineage, MicroBatch,
                                NewsEvent, PreparedDoc, vector_schema)
-from transforms.sinks import WriteMicroBatches, partition_path, to_table, window_file_name
+from transforms.layout import PartFileName, partition_path
+from transforms.sinks import WriteMicroBatches, to_table
 
 RUN_ID = "20261201T093000Z-1a2b3c4d"
 T0 = dt.datetime(2026, 12, 1, 9, 59, tzinfo=dt.timezone.utc)  # start of the first window
@@ -112,12 +113,23 @@ def test_partition_path_is_the_window_start_in_utc():
 
 def test_file_names_differ_by_pane_and_run():
     w = IntervalWindow(at(0), at(60))
-    names = {window_file_name(run_id, w, pane, 0, 1, ".parquet")
+    names = {PartFileName.for_window(run_id, w, pane, 0, 1, ".parquet").file_name()
              for run_id in (RUN_ID, "20261201T093000Z-ffffffff") for pane in (0, 1)}
     assert len(names) == 4
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", n) for n in names)
-    assert window_file_name(RUN_ID, w, 1, 0, 1, ".parquet") == \
+    assert PartFileName.for_window(RUN_ID, w, 1, 0, 1, ".parquet").file_name() == \
         f"part-{RUN_ID}-20261201T095900Z-001-00000-of-00001.parquet"
+
+
+def test_a_file_name_parses_back_to_its_parts():
+    """The sinks write names and the ledger reads them with one type: a round trip, whatever the
+    pane (a job with more than 999 late panes of a window) or run id."""
+    w = IntervalWindow(at(0), at(60))
+    for run_id, pane, shard in ((RUN_ID, 0, 3), ("my-job.v2", 1234, 0)):
+        name = PartFileName.for_window(run_id, w, pane, shard, 4, ".jsonl")
+        assert PartFileName.parse(name.file_name()) == name
+        assert PartFileName.parse("vectors/dt=2026-12-01/hour=09/" + name.file_name()) == name
+    assert PartFileName.parse(f"part-{RUN_ID}-00000-of-00004.parquet") is None  # a batch file
 
 
 def test_unsafe_run_id_fails_at_construction():

@@ -49,8 +49,9 @@ class ChunkingSettings(BaseModel):
                             "mode) or `mean` (of its chunk vectors, token-weighted, "
                             "L2-normalized)")
 
-    def signature(self, max_tokens: int, document_prefix: str) -> str:
-        """Every setting that decides the chunks' ids and text, as a string (part of chunk ids)."""
+    def chunk_recipe(self, max_tokens: int, document_prefix: str) -> str:
+        """Every setting that decides the chunks' ids and text, as a string: part of every chunk id
+        and of the embedding signature (``transforms.incremental.embedding_signature``)."""
         return json.dumps({"chunk_tokens": self.chunk_tokens or max_tokens,
                            "overlap_tokens": self.overlap_tokens,
                            "sentence_end_slack_tokens": self.sentence_end_slack_tokens,
@@ -153,10 +154,10 @@ class Chunker:
             start = following if at_word_boundary(following) else end
 
 
-def chunk_id(doc_id: str, text_sha256: str, model: str, signature: str, index: int) -> str:
+def chunk_id(doc_id: str, text_sha256: str, model: str, chunk_recipe: str, index: int) -> str:
     """Deterministic: the same document, text, model and chunking settings give the same id in every
     run and retry."""
-    key = "\0".join((doc_id, text_sha256, model, signature, str(index)))
+    key = "\0".join((doc_id, text_sha256, model, chunk_recipe, str(index)))
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import zlib
+from typing import Callable, Literal, get_args
 
 import apache_beam as beam
 from apache_beam import pvalue
@@ -26,11 +27,21 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 
 from transforms.metrics import DUPLICATES
 
+DedupKey = Literal["id", "text_sha256"]  # the config's ``dedup.key``
 # Documents (PreparedDoc, streaming) and vector rows (EmbeddedDoc, batch) both have these.
-KEYS = {
+DEDUP_KEY_FUNCTIONS: dict[str, Callable] = {
     "id": lambda doc: doc.id,
     "text_sha256": lambda doc: doc.text_sha256,
 }
+assert set(DEDUP_KEY_FUNCTIONS) == set(get_args(DedupKey))
+
+
+def dedup_key_function(key: DedupKey) -> Callable:
+    """The function that gives a document's dedup key. The config validates ``dedup.key``; this
+    is the one check for callers that build the transforms without a config (tests, tools)."""
+    if key not in DEDUP_KEY_FUNCTIONS:
+        raise ValueError(f"dedup key must be one of {sorted(DEDUP_KEY_FUNCTIONS)}, got {key!r}")
+    return DEDUP_KEY_FUNCTIONS[key]
 DUPLICATES_TAG = "duplicates"
 _EARLIEST = dt.datetime.min.replace(tzinfo=dt.timezone.utc)  # ranks a doc without published_at
 
@@ -58,11 +69,9 @@ class DropDuplicates(beam.PTransform):
     """EmbeddedDoc -> EmbeddedDoc, one per key (main output ``docs``), and the number of copies
     dropped per key (``duplicates`` output). Batch (bounded) input."""
 
-    def __init__(self, key: str = "id"):
+    def __init__(self, key: DedupKey = "id"):
         super().__init__()
-        if key not in KEYS:
-            raise ValueError(f"dedup key must be one of {sorted(KEYS)}, got {key!r}")
-        self._key_fn = KEYS[key]
+        self._key_fn = dedup_key_function(key)
 
     def expand(self, docs):
         return (docs
@@ -126,13 +135,11 @@ class DropDuplicatesStreaming(beam.PTransform):
     (``shard_of``). One stateful call per micro-batch keeps the bundle count low.
     """
 
-    def __init__(self, key: str = "id", horizon_s: float = 3600):
+    def __init__(self, key: DedupKey = "id", horizon_s: float = 3600):
         super().__init__()
-        if key not in KEYS:
-            raise ValueError(f"dedup key must be one of {sorted(KEYS)}, got {key!r}")
         if horizon_s <= 0:
             raise ValueError(f"horizon_s must be positive, got {horizon_s!r}")
-        self._key_fn, self._horizon_s = KEYS[key], horizon_s
+        self._key_fn, self._horizon_s = dedup_key_function(key), horizon_s
 
     def expand(self, keyed_batches):
         return keyed_batches | "KeepFirstWithinHorizon" >> beam.ParDo(

@@ -414,7 +414,7 @@ class RowMaker:
     or its dead letter."""
 
     chunking: ChunkingSettings
-    signature: str  # ChunkingSettings.signature: part of every chunk id
+    chunk_recipe: str  # ChunkingSettings.chunk_recipe: part of every chunk id
     store_chunk_text: bool
     payload_limit: int
 
@@ -430,7 +430,7 @@ class RowMaker:
         for index, (chunk, vector) in enumerate(zip(doc.chunks, chunk_vectors)):
             text = doc.text[chunk.char_start:chunk.char_end]
             rows.append(ChunkRow(
-                id=doc.id, chunk_id=chunk_id(doc.id, doc.text_sha256, model, self.signature, index),
+                id=doc.id, chunk_id=chunk_id(doc.id, doc.text_sha256, model, self.chunk_recipe, index),
                 chunk_index=index, chunk_count=len(doc.chunks), token_start=chunk.token_start,
                 token_end=chunk.token_end, char_start=chunk.char_start, char_end=chunk.char_end,
                 chunk_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
@@ -455,7 +455,7 @@ class _RouteFn(beam.DoFn):
 
 def _row_maker(settings: ModelSettings, chunking: ChunkingSettings, store_chunk_text: bool,
                payload_limit: int) -> RowMaker:
-    return RowMaker(chunking, chunking.signature(settings.max_tokens, settings.document_prefix),
+    return RowMaker(chunking, chunking.chunk_recipe(settings.max_tokens, settings.document_prefix),
                     store_chunk_text, payload_limit)
 
 

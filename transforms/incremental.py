@@ -14,18 +14,20 @@ embedding them: ``in = written + dead_lettered + duplicates + unchanged``.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 
 import apache_beam as beam
+import pyarrow as pa
 from apache_beam import pvalue
 from apache_beam.io.filesystems import FileSystems
 
 from transforms.chunking import ChunkingSettings
+from transforms.layout import KEYS_DIR
 from transforms.model import ModelSettings
-from transforms.schema import PreparedDoc
-from transforms.sinks import KEYS_DIR
+from transforms.schema import EmbeddedDoc, PreparedDoc
 
 UNCHANGED = "unchanged"
 
@@ -36,7 +38,7 @@ def embedding_signature(model: ModelSettings, chunking: ChunkingSettings) -> str
     settings = {"max_tokens": model.max_tokens, "normalize": model.normalize,
                 "document_prefix": model.document_prefix, "mode": chunking.mode}
     if chunking.mode == "chunks":
-        settings.update(chunking=chunking.signature(model.max_tokens, model.document_prefix),
+        settings.update(chunking=chunking.chunk_recipe(model.max_tokens, model.document_prefix),
                         doc_vector=chunking.doc_vector)
     return json.dumps(settings, sort_keys=True)
 
@@ -45,6 +47,21 @@ def embedding_key(doc_id: str, text_sha256: str, model_label: str, signature: st
     """32 hex: the same article, text, model and settings give the same key in every run."""
     key = "\0".join((doc_id, text_sha256, model_label, signature))
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeysTable:
+    """Vector rows -> a table of their keys (``key_schema``) under the embedding signature they
+    were made with: the rows of ``keys/``."""
+
+    signature: str
+
+    def __call__(self, rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
+        return pa.table({
+            "key": [embedding_key(r.id, r.text_sha256, r.model, self.signature) for r in rows],
+            "id": [r.id for r in rows],
+            "text_sha256": [r.text_sha256 for r in rows],
+        }, schema=schema)
 
 
 def key_files(previous_outputs: list[str], own_output: str) -> list[str]:

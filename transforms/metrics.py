@@ -1,7 +1,16 @@
-"""Beam metrics shared by the stages, so each count has one name.
+"""Beam metrics shared by the stages, so each count has one name, and ``CountDone``, which counts
+the articles a batch run has finished.
 
-The run summary (``pipeline/summary.py``) reads these back from the job's result.
+The run summary (``pipeline/summary.py``) reads these back from the job's result. Dataflow shows
+them for a running job (a step's counters in the job page, or Cloud Monitoring's
+``dataflow.googleapis.com/job/user_counter``): ``events_in`` (read) and ``articles_done``
+(embedded, dead-lettered or unchanged) are a batch job's progress. Where the job runs in the
+launching process (the local configs' FnApiRunner), ``articles_done`` also goes to an in-process
+counter that the launcher reads for its progress bar (``pipeline/progress.py``).
 """
+import threading
+
+import apache_beam as beam
 from apache_beam.metrics import Metrics
 
 NAMESPACE = "newsvec"
@@ -13,6 +22,7 @@ DUPLICATES = Metrics.counter(NAMESPACE, "duplicates")
 DEAD_LETTERED = Metrics.counter(NAMESPACE, "dead_lettered")
 TRUNCATED = Metrics.counter(NAMESPACE, "truncated")
 LATE_REASSIGNED = Metrics.counter(NAMESPACE, "late_reassigned")
+ARTICLES_DONE = Metrics.counter(NAMESPACE, "articles_done")
 BATCH_DOCS = Metrics.distribution(NAMESPACE, "batch_docs")
 BATCH_TOKENS = Metrics.distribution(NAMESPACE, "batch_tokens")
 EMBED_MS = Metrics.distribution(NAMESPACE, "embed_batch_ms")
@@ -22,3 +32,26 @@ END_TO_END_MS = Metrics.distribution(NAMESPACE, "end_to_end_ms")  # publish -> P
 
 def dead_letter_counter(reason: str):
     return Metrics.counter(DEAD_LETTER_NAMESPACE, reason)
+
+
+_done_lock = threading.Lock()
+_done = 0
+
+
+def local_done() -> int:
+    """Articles done in this process since it started (all runs)."""
+    return _done
+
+
+def _mark_done(_element, weight: int = 1) -> None:
+    global _done
+    ARTICLES_DONE.inc(weight)
+    with _done_lock:
+        _done += weight
+
+
+class CountDone(beam.PTransform):
+    """A side branch that counts each element as an article done; its output is empty."""
+
+    def expand(self, pcoll):
+        return pcoll | "Count" >> beam.FlatMap(lambda element: _mark_done(element) or ())

@@ -18,12 +18,12 @@ import apache_beam as beam
 from apache_beam.transforms import window
 from apache_beam.utils.timestamp import Timestamp
 
-from transforms.dedup import KEYS, shard_of
+from transforms.dedup import DedupKey, dedup_key_function, shard_of
 from transforms.schema import DeadLetter, MicroBatch, PreparedDoc
 from transforms.windowing import windowed_by_publish_time
 
 
-def _letter_key(letter: DeadLetter) -> str:
+def _letter_shard_by(letter: DeadLetter) -> str:
     return letter.message_id or letter.event_id or letter.payload
 
 
@@ -53,20 +53,19 @@ class GroupMicroBatches(beam.PTransform):
     """(windowed PreparedDoc, windowed DeadLetter) -> (shard, MicroBatch) in the global window, with
     the timestamp of its window's end."""
 
-    def __init__(self, key: str = "id", shards: int = 4, allowed_lateness_s: float = 600):
+    def __init__(self, key: DedupKey = "id", shards: int = 4, allowed_lateness_s: float = 600):
         super().__init__()
-        if key not in KEYS:
-            raise ValueError(f"dedup key must be one of {sorted(KEYS)}, got {key!r}")
         if shards < 1:
             raise ValueError(f"shards must be at least 1, got {shards!r}")
-        self._key_fn, self._shards, self._lateness = KEYS[key], shards, allowed_lateness_s
+        self._key_fn, self._shards = dedup_key_function(key), shards
+        self._lateness = allowed_lateness_s
 
     def expand(self, docs_and_letters):
         docs, letters = docs_and_letters
         key_fn, shards = self._key_fn, self._shards
         keyed_docs = docs | "ShardDocs" >> beam.Map(lambda d: (shard_of(key_fn(d), shards), d))
         keyed_letters = letters | "ShardDeadLetters" >> beam.Map(
-            lambda letter: (shard_of(_letter_key(letter), shards), letter))
+            lambda letter: (shard_of(_letter_shard_by(letter), shards), letter))
         return ((keyed_docs, keyed_letters)
                 | "Flatten" >> beam.Flatten()
                 | "GroupPerWindowAndShard" >> beam.GroupByKey()

@@ -9,16 +9,20 @@
 - ``OversizedPayload``: the head of an input line too large to read whole.
 - ``MicroBatch``: streaming: one firing of one window and shard, embedded and written together.
 - ``LedgerRecord``: streaming: what a micro-batch took in and wrote, a JSON file beside its data.
+- ``Counts``: where the articles of a run or a micro-batch went, and whether that balances.
+- ``Step``, ``Reason``: where and why an input was dead-lettered.
 - ``vector_schema(dim)``, ``chunk_schema(dim)``, ``key_schema()``: the Parquet schemas of
   ``vectors/``, ``chunks/`` and ``keys/``.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime as dt
+import enum
 import json
 import re
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Iterable, Mapping, Optional
 
 import pyarrow as pa
 from pydantic import (AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints,
@@ -157,7 +161,7 @@ class ChunkRow:
 DEAD_LETTER = "dead_letter"  # the tag of every step's dead-letter output (parse, prepare, embed)
 
 
-class Step:
+class Step(enum.StrEnum):
     """Names of the steps that can dead-letter an input."""
 
     PARSE = "parse"
@@ -165,7 +169,7 @@ class Step:
     EMBED = "embed"
 
 
-class Reason:
+class Reason(enum.StrEnum):
     """Dead-letter reasons: stable codes, one per thing a person would fix differently."""
 
     PAYLOAD_TOO_LARGE = "payload_too_large"
@@ -187,8 +191,8 @@ class Reason:
 class DeadLetter:
     """An input that did not become a vector row. Written as one JSON line in ``dead_letter/``."""
 
-    step: str
-    reason: str
+    step: Step
+    reason: Reason
     detail: str
     payload: str  # the raw payload, truncated to a bound, undecodable bytes backslash-escaped
     payload_bytes: int  # the size of the whole raw payload
@@ -201,7 +205,7 @@ class DeadLetter:
         return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
 
     @classmethod
-    def for_event(cls, event: NewsEvent, step: str, reason: str, detail: str,
+    def for_event(cls, event: NewsEvent, step: Step, reason: Reason, detail: str,
                   payload_limit: int) -> "DeadLetter":
         """A dead letter raised after parsing: the event re-serialized as its payload, and its
         lineage's message id when streamed."""
@@ -309,9 +313,65 @@ class MicroBatch:
 
 
 @dataclasses.dataclass(frozen=True)
+class Counts:
+    """Where the articles of a run or a micro-batch went: the ledger's one type. The batch commit,
+    the streaming ledger record and ``newsvec ledger`` all count with it, and it alone says what
+    balancing means: every article in is written, dead-lettered, a dropped duplicate or unchanged.
+
+    ``truncated`` (rows whose text was cut to the model's length) and ``chunks_written`` (rows of
+    ``chunks/``) describe written rows; they are not destinations and are not in the balance.
+    """
+
+    articles_in: int = 0
+    written: int = 0
+    dead_lettered: int = 0
+    duplicates: int = 0
+    unchanged: int = 0  # incremental runs: already embedded with the same text and settings
+    truncated: int = 0
+    chunks_written: int = 0
+    dead_lettered_by_reason: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def accounted(self) -> int:
+        return self.written + self.dead_lettered + self.duplicates + self.unchanged
+
+    def balances(self) -> bool:
+        return self.articles_in == self.accounted
+
+    def reasons_add_up(self) -> bool:
+        """The dead letters by reason sum to the dead letters."""
+        return sum(self.dead_lettered_by_reason.values()) == self.dead_lettered
+
+    def __add__(self, other: "Counts") -> "Counts":
+        reasons = collections.Counter(self.dead_lettered_by_reason)
+        reasons.update(other.dead_lettered_by_reason)
+        return Counts(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                         for f in dataclasses.fields(self) if f.name != "dead_lettered_by_reason"},
+                      dead_lettered_by_reason=dict(sorted(reasons.items())))
+
+    @classmethod
+    def total(cls, counts: Iterable["Counts"]) -> "Counts":
+        return sum(counts, cls())
+
+    @staticmethod
+    def by_reason(reasons: Iterable[str]) -> dict[str, int]:
+        """Dead letters by reason, sorted by reason (the form every output writes)."""
+        return dict(sorted(collections.Counter(reasons).items()))
+
+    def to_summary(self) -> dict:
+        """The ``counts`` of a batch run's ``_summary.json`` and manifest (docs/output.md)."""
+        return {"in": self.articles_in, "written": self.written,
+                "dead_lettered": self.dead_lettered,
+                "dead_lettered_by_reason": dict(self.dead_lettered_by_reason),
+                "chunks_written": self.chunks_written, "duplicates": self.duplicates,
+                "unchanged": self.unchanged, "truncated": self.truncated,
+                "accounted": self.accounted}
+
+
+@dataclasses.dataclass(frozen=True)
 class LedgerRecord:
     """Streaming: the ledger of one micro-batch, ``ledger/dt=../hour=../<name>.json``. Written after
-    its data files, so a record names files that exist. It balances on its own:
+    its data files, so a record names files that exist. It balances on its own (``Counts``):
     ``messages_in = rows_written + dead_lettered + duplicates``."""
 
     run_id: str
@@ -332,8 +392,15 @@ class LedgerRecord:
     chunks_written: int = 0  # rows of chunks/ (chunks mode)
     chunks_file: Optional[str] = None
 
+    @property
+    def counts(self) -> Counts:
+        return Counts(articles_in=self.messages_in, written=self.rows_written,
+                      dead_lettered=self.dead_lettered, duplicates=self.duplicates,
+                      chunks_written=self.chunks_written,
+                      dead_lettered_by_reason=self.dead_lettered_by_reason)
+
     def balances(self) -> bool:
-        return self.messages_in == self.rows_written + self.dead_lettered + self.duplicates
+        return self.counts.balances()
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -1,27 +1,23 @@
-"""Sinks: vector rows as Parquet under ``vectors/`` (and chunk rows under ``chunks/``, chunks mode),
-dead letters as JSON Lines under ``dead_letter/``.
+"""Sinks: vector rows as Parquet under ``vectors/`` (and chunk rows under ``chunks/``, chunks mode;
+their keys under ``keys/``), dead letters as JSON Lines under ``dead_letter/``. Folder and file
+names come from ``transforms.layout``.
 
-Batch: ``WriteVectors``, ``WriteChunks`` and ``WriteDeadLetters`` write a run's files into the folder
-they are given
-(the run's staging folder, ``transforms.commit``), named by run id and shard
+Batch: ``WriteVectors``, ``WriteChunks``, ``WriteKeys`` and ``WriteDeadLetters`` write a run's files
+into the folder they are given (the run's staging folder), named by run id and shard
 (``part-<run_id>-00000-of-00004.parquet``), and return the names written; Beam writes them to a
-temporary folder there and renames them on success. ``CommitRun`` then publishes them.
+temporary folder there and renames them on success. ``CommitRun`` (``transforms.commit``) then
+publishes them.
 
 Streaming: ``WriteMicroBatches`` writes each ``MicroBatch`` as one set of files under
-``dt=YYYY-MM-DD/hour=HH/`` of its window start: its vectors, its chunks, its dead letters, then its
-ledger record
-(``ledger/``), each written under ``_temp/`` and renamed into place. It does not use
+``dt=YYYY-MM-DD/hour=HH/`` of its window start: its vectors, its chunks, its keys, its dead letters,
+then its ledger record (``ledger/``), each written whole (``layout.write_whole``). It does not use
 ``fileio.WriteToFiles``: on windowed input with late panes it loses files (see ``write_file``).
 """
 from __future__ import annotations
 
-import collections
-import dataclasses
 import datetime as dt
 import itertools
-import re
-import uuid
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import apache_beam as beam
 import numpy as np
@@ -29,71 +25,49 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io import fileio
 from apache_beam.io.filesystem import CompressionTypes
-from apache_beam.io.filesystems import FileSystems
 from apache_beam.transforms.window import IntervalWindow
 from apache_beam.utils.timestamp import Timestamp
 
+from transforms.incremental import KeysTable
+from transforms.layout import (CHUNKS_DIR, DEAD_LETTER_DIR, KEYS_DIR, LEDGER_DIR, SHARD_TEMPLATE,
+                               VECTORS_DIR, PartFileName, join_path, partition_path,
+                               require_safe_run_id, write_whole)
 from transforms.metrics import (DEAD_LETTERED, END_TO_END_MS, ROWS_WRITTEN, TRUNCATED,
-                               dead_letter_counter)
-from transforms.schema import (ChunkRow, DeadLetter, EmbeddedDoc, LedgerRecord, MicroBatch,
+                                dead_letter_counter)
+from transforms.schema import (ChunkRow, Counts, DeadLetter, EmbeddedDoc, LedgerRecord, MicroBatch,
                                chunk_schema, key_schema, vector_schema)
 
-VECTORS_DIR = "vectors"
-CHUNKS_DIR = "chunks"
-KEYS_DIR = "keys"
-DEAD_LETTER_DIR = "dead_letter"
-LEDGER_DIR = "ledger"
-SUMMARY_FILE = "_summary.json"
-SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
-TEMP_DIR = "_temp"
-_SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
-
-def new_run_id(now: dt.datetime | None = None) -> str:
-    """A sortable, collision-free id safe in any file name: 20261201T093000Z-1a2b3c4d."""
-    now = now or dt.datetime.now(dt.timezone.utc)
-    return f"{now:%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
-
-
-def join_path(prefix: str, *parts: str) -> str:
-    return "/".join([prefix.rstrip("/"), *parts])
-
-
-def _embeddings(rows, schema: pa.Schema) -> pa.FixedSizeListArray:
+def _column(rows, field: pa.Field, schema: pa.Schema) -> pa.Array:
+    """A column of a Parquet schema from the rows' attribute of the same name; ``embedding`` as a
+    fixed-size list (zero-copy from numpy) and ``dim`` as its length."""
     dim = schema.field("embedding").type.list_size
-    vectors = np.stack([r.embedding for r in rows]).astype(np.float32, copy=False)
-    if vectors.shape[1] != dim:
-        raise ValueError(f"embedding has {vectors.shape[1]} dimensions, the schema {dim}")
-    return pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), dim)
+    if field.name == "dim":
+        return pa.array(np.full(len(rows), dim, dtype=np.int32))
+    if field.name == "embedding":
+        vectors = np.stack([r.embedding for r in rows]).astype(np.float32, copy=False)
+        if vectors.shape[1] != dim:
+            raise ValueError(f"embedding has {vectors.shape[1]} dimensions, the schema {dim}")
+        return pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), dim)
+    return pa.array([getattr(r, field.name) for r in rows], field.type)
 
 
-def _dims(rows, schema: pa.Schema) -> pa.Array:
-    return pa.array(np.full(len(rows), schema.field("embedding").type.list_size, dtype=np.int32))
+def rows_table(rows, schema: pa.Schema, columns: Optional[dict] = None) -> pa.Table:
+    """A batch of rows as one Arrow table (one Parquet row group): each column of ``schema`` from
+    ``columns`` where given, else from the rows' attribute of its name (``_column``)."""
+    columns = columns or {}
+    return pa.table({f.name: columns[f.name] if f.name in columns else _column(rows, f, schema)
+                     for f in schema}, schema=schema)
 
 
 def to_table(rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
-    """A batch of rows as one Arrow table (one Parquet row group)."""
-    lineages = [r.lineage for r in rows]  # None for events read from files: null columns
-    table = pa.table({
-        "id": [r.id for r in rows],
-        "url": [r.url for r in rows],
-        "source": [r.source for r in rows],
-        "title": [r.title for r in rows],
-        "published_at": [r.published_at for r in rows],
-        "language": [r.language for r in rows],
-        "model": [r.model for r in rows],
-        "dim": _dims(rows, schema),
-        "embedding": _embeddings(rows, schema),
-        "text_sha256": [r.text_sha256 for r in rows],
-        "token_count": pa.array([r.token_count for r in rows], pa.int32()),
-        "truncated": [r.truncated for r in rows],
-        "embedded_at": [r.embedded_at for r in rows],
+    """Vector rows as one Arrow table, their Pub/Sub lineage as columns (null for events read
+    from files), counted as written."""
+    lineages = [r.lineage for r in rows]
+    table = rows_table(rows, schema, {
         "pubsub_message_id": [x.message_id if x else None for x in lineages],
         "pubsub_publish_time": [x.publish_time if x else None for x in lineages],
-        "pubsub_attributes": [list(x.attributes) if x else None for x in lineages],
-        "doc_vector": [r.doc_vector for r in rows],
-        "chunk_count": pa.array([r.chunk_count for r in rows], pa.int32()),
-    }, schema=schema)
+        "pubsub_attributes": [list(x.attributes) if x else None for x in lineages]})
     ROWS_WRITTEN.inc(len(rows))
     TRUNCATED.inc(sum(r.truncated for r in rows))
     now = dt.datetime.now(dt.timezone.utc)
@@ -104,38 +78,8 @@ def to_table(rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
 
 
 def chunks_table(rows: list[ChunkRow], schema: pa.Schema) -> pa.Table:
-    """A batch of chunk rows as one Arrow table (one Parquet row group)."""
-    return pa.table({
-        "id": [r.id for r in rows],
-        "chunk_id": [r.chunk_id for r in rows],
-        **{name: pa.array([getattr(r, name) for r in rows], pa.int32())
-           for name in ("chunk_index", "chunk_count", "token_start", "token_end", "char_start",
-                        "char_end")},
-        "chunk_sha256": [r.chunk_sha256 for r in rows],
-        "text_sha256": [r.text_sha256 for r in rows],
-        "model": [r.model for r in rows],
-        "dim": _dims(rows, schema),
-        "embedding": _embeddings(rows, schema),
-        "embedded_at": [r.embedded_at for r in rows],
-        "chunk_text": [r.chunk_text for r in rows],
-    }, schema=schema)
-
-
-@dataclasses.dataclass(frozen=True)
-class KeysTable:
-    """Rows -> a table of their keys (``transforms.incremental.embedding_key``) under the
-    embedding signature they were made with."""
-
-    signature: str
-
-    def __call__(self, rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
-        from transforms.incremental import embedding_key
-
-        return pa.table({
-            "key": [embedding_key(r.id, r.text_sha256, r.model, self.signature) for r in rows],
-            "id": [r.id for r in rows],
-            "text_sha256": [r.text_sha256 for r in rows],
-        }, schema=schema)
+    """Chunk rows as one Arrow table."""
+    return rows_table(rows, schema)
 
 
 class _WriteParquet(beam.PTransform):
@@ -201,28 +145,6 @@ class WriteDeadLetters(beam.PTransform):
 
 # Streaming: windowed input, one file per window, pane and shard.
 
-def partition_path(window: IntervalWindow) -> str:
-    """``dt=YYYY-MM-DD/hour=HH`` of the window start (UTC). Never from an event's fields, which the
-    publisher controls; digits by construction, so safe in any path."""
-    if not isinstance(window, IntervalWindow):
-        raise ValueError(f"an event-time window is needed to partition by, got {window!r}")
-    start = window.start.to_utc_datetime()
-    return f"dt={start:%Y-%m-%d}/hour={start:%H}"
-
-
-def window_file_name(run_id: str, window: IntervalWindow, pane_index: int, shard: int, shards: int,
-                     suffix: str) -> str:
-    """``part-<run_id>-<window start>-<pane>-<shard>-of-<n><suffix>``: a late pane never replaces
-    the on-time file of its window, nor one run another's. Only [A-Za-z0-9._-] (BigQuery, gsutil,
-    shells)."""
-    start = window.start.to_utc_datetime()
-    name = (f"part-{run_id}-{start:%Y%m%dT%H%M%SZ}-{pane_index:03d}-{shard:05d}-of-{shards:05d}"
-            f"{suffix}")
-    if not _SAFE_NAME.fullmatch(name):
-        raise ValueError(f"unsafe file name {name!r}")
-    return name
-
-
 class ParquetTableSink(fileio.FileSink):
     """pyarrow Tables -> one zstd Parquet file, a row group per table of up to ``row_group_rows``.
 
@@ -256,26 +178,10 @@ class _JsonLinesSink(fileio.TextSink):
                                    compression_type=CompressionTypes.UNCOMPRESSED)
 
 
-def mkdirs(path: str) -> None:
-    try:
-        FileSystems.mkdirs(path)
-    except IOError:
-        pass  # it exists (another shard, another worker); a real failure fails the rename after
-
-
-def _delete_quietly(path: str) -> None:
-    try:
-        FileSystems.delete([path])
-    except IOError:
-        pass  # never created; the error that brought us here matters more
-
-
 def write_file(output: str, run_id: str, final_dir: str, name: str, sink: fileio.FileSink,
                records: Iterable) -> str:
-    """Write ``records`` through ``sink`` to ``<final_dir>/<name>``: first to
-    ``<output>/_temp/<run_id>/<random>.tmp``, then renamed into place, so nothing half-written is
-    ever visible where readers look (a worker killed mid-write leaves only the temp file: see
-    ``transforms.commit.clean_stale``). A retry with the same name replaces the file whole.
+    """Write ``records`` through ``sink`` to ``<final_dir>/<name>``, whole (``layout.write_whole``:
+    under ``<output>/_temp/<run_id>/`` first, then renamed into place).
 
     Why not ``fileio.WriteToFiles`` (Beam 2.77, tried on TestStream): by default it names files
     without the pane (pane=None), so each firing of a window overwrote the last; with
@@ -283,32 +189,21 @@ def write_file(output: str, run_id: str, final_dir: str, name: str, sink: fileio
     ``file_naming`` cannot see, so two late panes got one name; and a name with a subfolder fails to
     rename on local disk (no such folder), logged at DEBUG, the files left in its temp folder.
     """
-    temp_dir = join_path(output, TEMP_DIR, run_id)
-    temp = join_path(temp_dir, f"{uuid.uuid4().hex}.tmp")
-    mkdirs(temp_dir)
-    try:
-        with FileSystems.create(temp, **sink.create_metadata(final_dir, temp)._asdict()) as fh:
-            sink.open(fh)
-            try:
-                for record in records:
-                    sink.write(record)
-            finally:
-                sink.flush()  # also on failure: a Parquet writer must not outlive its handle
-    except BaseException:
-        _delete_quietly(temp)
-        raise
-    mkdirs(final_dir)
-    final = join_path(final_dir, name)
-    FileSystems.rename([temp], [final])
-    return final
+    def write(handle) -> None:
+        sink.open(handle)
+        try:
+            for record in records:
+                sink.write(record)
+        finally:
+            sink.flush()  # also on failure: a Parquet writer must not outlive its handle
+
+    metadata = sink.create_metadata(final_dir, name)
+    return write_whole(output, join_path(final_dir, name), write, run_id=run_id, mime_type=metadata.mime_type,
+                       compression_type=metadata.compression_type)
 
 
-def _require_safe_run_id(run_id: str) -> None:
-    if not _SAFE_NAME.fullmatch(run_id):
-        raise ValueError(f"run_id {run_id!r} must match {_SAFE_NAME.pattern}")
-
-
-def _row_group_tables(rows: Iterable, schema: pa.Schema, row_group_rows: int, table_fn=None):
+def _row_group_tables(rows: Iterable, schema: pa.Schema, row_group_rows: int,
+                      table_fn: Optional[Callable[[list, pa.Schema], pa.Table]] = None):
     """Tables of at most ``row_group_rows`` rows, by ``table_fn`` (default: ``to_table``)."""
     rows = iter(rows)
     while batch := list(itertools.islice(rows, row_group_rows)):
@@ -334,7 +229,8 @@ class _WriteMicroBatchFn(beam.DoFn):
     def _write(self, subdir, batch, suffix, sink, records):
         window = micro_batch_window(batch)
         partition = partition_path(window)
-        name = window_file_name(self._run_id, window, batch.pane, batch.shard, batch.shards, suffix)
+        name = PartFileName.for_window(self._run_id, window, batch.pane, batch.shard,
+                                       batch.shards, suffix).file_name()
         write_file(self._output, self._run_id, join_path(self._output, subdir, partition), name,
                    sink, records)
         return f"{subdir}/{partition}/{name}"
@@ -365,8 +261,8 @@ class _WriteMicroBatchFn(beam.DoFn):
             pane=batch.pane, shard=batch.shard, shards=batch.shards,
             messages_in=batch.messages_in, rows_written=len(batch.rows),
             dead_lettered=len(batch.dead_letters),
-            dead_lettered_by_reason=dict(sorted(collections.Counter(
-                letter.reason for letter in batch.dead_letters).items())),
+            dead_lettered_by_reason=Counts.by_reason(
+                letter.reason for letter in batch.dead_letters),
             duplicates=batch.duplicates, late_reassigned=batch.late_reassigned,
             vectors_file=vectors, dead_letter_file=letters,
             written_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),
@@ -383,14 +279,13 @@ class WriteMicroBatches(beam.PTransform):
     """Streaming: MicroBatch -> zstd Parquet vectors (and chunks), JSON Lines dead letters and a
     JSON ledger record per micro-batch, under ``vectors/`` (``chunks/``), ``dead_letter/`` and
     ``ledger/``, and with ``signature`` (``transforms.incremental.embedding_signature``) the keys
-    of its rows under ``keys/``, each in
-    ``dt=YYYY-MM-DD/hour=HH/`` of the window start, named
-    ``part-<run_id>-<window start>-<pane>-<shard>-of-<n>``. Returns the ledger records."""
+    of its rows under ``keys/``, each in ``dt=YYYY-MM-DD/hour=HH/`` of the window start, named by
+    ``layout.PartFileName``. Returns the ledger records."""
 
     def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384,
                  signature: Optional[str] = None):
         super().__init__()
-        _require_safe_run_id(run_id)
+        require_safe_run_id(run_id)
         if row_group_rows < 1:
             raise ValueError("row_group_rows must be >= 1")
         self._fn = _WriteMicroBatchFn(output, run_id, dim, row_group_rows, signature)

@@ -1,0 +1,192 @@
+"""The output layout's one home: folder and file names, run ids, and writing a file whole.
+
+An output prefix holds (docs/output.md)::
+
+    vectors/  chunks/  keys/  dead_letter/   the published data (batch: one run's files; streaming:
+                                             one file per micro-batch under dt=YYYY-MM-DD/hour=HH/)
+    ledger/                                  streaming: a record per micro-batch
+    _manifest.json  _summary.json            batch: the committed run and its summary
+    _staging/<run_id>/                       batch: a run's files until it commits
+    _temp/                                   files being written, renamed into place when whole
+
+Every writer (the sinks, the commit, the manifest) and every reader (the ledger, the clean-up, the
+incremental key lookup) takes its names from here, so a name is formatted and parsed in one place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import re
+import uuid
+from typing import IO, Callable, Iterable, Optional
+
+import pyarrow.parquet as pq
+from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
+from apache_beam.transforms.window import IntervalWindow
+
+VECTORS_DIR = "vectors"
+CHUNKS_DIR = "chunks"
+KEYS_DIR = "keys"
+DEAD_LETTER_DIR = "dead_letter"
+LEDGER_DIR = "ledger"
+TEMP_DIR = "_temp"
+STAGING_DIR = "_staging"
+SUMMARY_FILE = "_summary.json"
+MANIFEST_FILE = "_manifest.json"
+# The folders a batch commit publishes (and a rerun replaces), in the order it replaces them.
+PUBLISHED_DIRS = (VECTORS_DIR, DEAD_LETTER_DIR, CHUNKS_DIR, KEYS_DIR)
+# Beam's shard template for a batch run's files: part-<run_id>-00000-of-00004.parquet.
+SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
+SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")  # what BigQuery, gsutil and shells take unquoted
+
+
+def new_run_id(now: Optional[dt.datetime] = None) -> str:
+    """A sortable, collision-free id safe in any file name: 20261201T093000Z-1a2b3c4d."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    return f"{now:%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
+
+
+def require_safe_run_id(run_id: str) -> None:
+    if not SAFE_NAME.fullmatch(run_id):
+        raise ValueError(f"run_id {run_id!r} must match {SAFE_NAME.pattern}")
+
+
+def join_path(prefix: str, *parts: str) -> str:
+    return "/".join([prefix.rstrip("/"), *parts])
+
+
+def relative_to(output: str, path: str) -> str:
+    """``path`` relative to the output prefix (the form the manifest and the ledger record)."""
+    prefix = output.rstrip("/") + "/"
+    if not path.startswith(prefix):
+        raise ValueError(f"{path} is not under {prefix}")
+    return path[len(prefix):]
+
+
+def staging_prefix(output: str, run_id: str) -> str:
+    """Where a batch run writes its files until it commits."""
+    return join_path(output, STAGING_DIR, run_id)
+
+
+def partition_path(window: IntervalWindow) -> str:
+    """``dt=YYYY-MM-DD/hour=HH`` of the window start (UTC). Never from an event's fields, which the
+    publisher controls; digits by construction, so safe in any path."""
+    if not isinstance(window, IntervalWindow):
+        raise ValueError(f"an event-time window is needed to partition by, got {window!r}")
+    start = window.start.to_utc_datetime()
+    return f"dt={start:%Y-%m-%d}/hour={start:%H}"
+
+
+def partitions_between(start: dt.datetime, end: dt.datetime) -> list[str]:
+    """The ``dt=/hour=`` partitions of the hours that ``[start, end)`` touches."""
+    hour = start.replace(minute=0, second=0, microsecond=0)
+    out = []
+    while hour < end:
+        out.append(f"dt={hour:%Y-%m-%d}/hour={hour:%H}")
+        hour += dt.timedelta(hours=1)
+    return out
+
+
+_WINDOW_FORMAT = "%Y%m%dT%H%M%SZ"
+
+
+@dataclasses.dataclass(frozen=True)
+class PartFileName:
+    """A streaming micro-batch's file name: ``part-<run_id>-<window start>-<pane>-<shard>-of-<n>
+    <suffix>``, e.g. ``part-20261201T093000Z-1a2b3c4d-20261201T095900Z-001-00000-of-00004.parquet``.
+
+    The window start and pane keep a late pane from replacing its window's on-time file, the run id
+    one launch's files from another's. ``file_name()`` writes it, ``parse()`` reads it back: the
+    sinks and the ledger share this one definition.
+    """
+
+    run_id: str
+    window_start: dt.datetime  # UTC
+    pane: int
+    shard: int
+    shards: int
+    suffix: str  # ".parquet", ".jsonl", ".json"
+
+    _PATTERN = re.compile(r"part-(?P<run_id>[A-Za-z0-9._-]+)-(?P<window>\d{8}T\d{6}Z)"
+                          r"-(?P<pane>\d{3,})-(?P<shard>\d{5,})-of-(?P<shards>\d{5,})"
+                          r"(?P<suffix>\.[A-Za-z0-9]+)")
+
+    @classmethod
+    def for_window(cls, run_id: str, window: IntervalWindow, pane: int, shard: int, shards: int,
+                   suffix: str) -> "PartFileName":
+        return cls(run_id, window.start.to_utc_datetime(has_tz=True), pane, shard, shards, suffix)
+
+    def file_name(self) -> str:
+        name = (f"part-{self.run_id}-{self.window_start:{_WINDOW_FORMAT}}-{self.pane:03d}"
+                f"-{self.shard:05d}-of-{self.shards:05d}{self.suffix}")
+        if not SAFE_NAME.fullmatch(name):
+            raise ValueError(f"unsafe file name {name!r}")
+        return name
+
+    @classmethod
+    def parse(cls, name: str) -> Optional["PartFileName"]:
+        """The parts of a file name (a bare name or a path), or None if it is not one of ours."""
+        match = cls._PATTERN.fullmatch(name.rsplit("/", 1)[-1])
+        if not match:
+            return None
+        window_start = dt.datetime.strptime(match["window"], _WINDOW_FORMAT).replace(
+            tzinfo=dt.timezone.utc)
+        return cls(match["run_id"], window_start, int(match["pane"]), int(match["shard"]),
+                   int(match["shards"]), match["suffix"])
+
+
+def mkdirs(path: str) -> None:
+    try:
+        FileSystems.mkdirs(path)
+    except IOError:
+        pass  # it exists (another shard, another worker); a real failure fails the rename after
+
+
+def _delete_quietly(path: str) -> None:
+    try:
+        FileSystems.delete([path])
+    except IOError:
+        pass  # never created; the error that brought us here matters more
+
+
+def temp_path(output: str, run_id: Optional[str] = None) -> str:
+    """A fresh name under ``<output>/_temp/`` (``_temp/<run_id>/`` for a run's files), its folder
+    made. ``transforms.manifest.clean_stale`` deletes what a killed worker leaves there."""
+    folder = join_path(output, TEMP_DIR, run_id) if run_id else join_path(output, TEMP_DIR)
+    mkdirs(folder)
+    return join_path(folder, f"{uuid.uuid4().hex}.tmp")
+
+
+def write_whole(output: str, target: str, write: Callable[[IO[bytes]], None], *,
+                run_id: Optional[str] = None, mime_type: str = "application/octet-stream",
+                compression_type: str = CompressionTypes.UNCOMPRESSED) -> str:
+    """Write ``target`` whole, by ``write(handle)``: first to a temp file under ``<output>/_temp/``,
+    then renamed into place, so nothing half-written is ever visible where readers look (a worker
+    killed mid-write leaves only the temp file). A retry with the same target replaces it whole.
+    An object upload is atomic on GCS, a rename on local disk. Returns ``target``."""
+    temp = temp_path(output, run_id)
+    try:
+        with FileSystems.create(temp, mime_type=mime_type,
+                                compression_type=compression_type) as handle:
+            write(handle)
+    except BaseException:
+        _delete_quietly(temp)
+        raise
+    mkdirs(target.rsplit("/", 1)[0])
+    FileSystems.rename([temp], [target])
+    return target
+
+
+def list_files(pattern: str) -> dict[str, int]:
+    """{path: size} of the files matching a glob; {} when none."""
+    return {m.path: m.size_in_bytes for m in FileSystems.match([pattern])[0].metadata_list}
+
+
+def parquet_rows(paths: Iterable[str]) -> int:
+    """Rows in these Parquet files, from their footers."""
+    rows = 0
+    for path in paths:
+        with FileSystems.open(path) as f:
+            rows += pq.ParquetFile(f).metadata.num_rows
+    return rows
