@@ -1,5 +1,6 @@
 """Backfill: embed an archive of daily inputs, one batch run per day, resumable.
-``python -m pipeline.backfill --config C --from YYYY-MM-DD --until YYYY-MM-DD [--force] [Beam flags]``.
+``python -m pipeline.backfill --config C --from YYYY-MM-DD --until YYYY-MM-DD [--force]
+[Beam flags]``.
 
 The config is a daily batch config: ``input`` and ``output`` hold ``{date}`` (and ``output`` usually
 ``{model}``, so that a new model's vectors go to a place of their own, beside the old model's). Each
@@ -110,7 +111,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     config = config_lib.load(args.config)
     if "{date" not in (config.input or "") or "{date" not in config.output:
-        raise config_lib.ConfigError(f"{args.config}: a backfill needs {{date}} in input and output")
+        raise config_lib.ConfigError(
+            f"{args.config}: a backfill needs {{date}} in input and output")
     options = PipelineOptions(config.beam_flags() + beam_args)
     summary = backfill(config, args.start, args.end, options, force=args.force,
                        log=lambda line: print(line, flush=True))

@@ -1,5 +1,5 @@
-"""Clean an output prefix after killed workers and runs: ``python -m pipeline.cleanup --output PREFIX
-[--older-than-s 86400]``.
+"""Clean an output prefix after killed workers and runs: ``python -m pipeline.cleanup --output
+PREFIX [--older-than-s 86400]``.
 
 1. A batch publish that was killed midway (``_manifest.json`` still says ``publishing``) is finished
    from its staged files, so readers that glob ``vectors/`` see the whole run again.

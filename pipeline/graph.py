@@ -1,4 +1,5 @@
-"""The pipeline graphs, box by box as in README.md's diagram. Each box is a PTransform in transforms/.
+"""The pipeline graphs, box by box as in README.md's diagram. Each box is a PTransform in
+transforms/.
 
 Batch:      files -> ReadJsonLines (fans out its lines) -> Parse -> PrepareText
               -> SkipUnchanged (with incremental.previous_outputs: ReadKeys) -> EmbedWithVLLM
@@ -27,8 +28,13 @@ from transforms.microbatch import GroupMicroBatches
 from transforms.model import model_content_hash, model_label, resolve_model_path
 from transforms.parse import ParseEvents
 from transforms.read import ReadJsonLines
-from transforms.sinks import (WriteChunks, WriteDeadLetters, WriteKeys, WriteMicroBatches,
-                              WriteVectors)
+from transforms.sinks import (
+    WriteChunks,
+    WriteDeadLetters,
+    WriteKeys,
+    WriteMicroBatches,
+    WriteVectors,
+)
 from transforms.text import PrepareText
 from transforms.windowing import WindowByEventTime
 
@@ -53,7 +59,7 @@ def _embed_settings(config: Config, engine_factory) -> dict:
 
 
 def summary_base(config: Config) -> dict:
-    """What a run's ``_summary.json`` says about its settings (the counts are added by CommitRun)."""
+    """What a run's ``_summary.json`` says about its settings (CommitRun adds the counts)."""
     model_path = resolve_model_path(config.model.path)
     return {"input": config.input, "output": config.output,
             "chunking": config.chunking.model_dump(),

@@ -1,9 +1,9 @@
 """Check a streaming output against its ledger: ``python -m pipeline.ledger --output PREFIX
 [--from T] [--until T] [--no-verify]``.
 
-Each micro-batch of a streaming job writes a ledger record (``ledger/dt=../hour=../*.json``) after its
-data files. This sums the records whose window starts in ``[--from, --until)`` (RFC 3339, UTC; both
-optional), prints the totals as JSON, and exits 1, naming each window, if:
+Each micro-batch of a streaming job writes a ledger record (``ledger/dt=../hour=../*.json``) after
+its data files. This sums the records whose window starts in ``[--from, --until)`` (RFC 3339, UTC;
+both optional), prints the totals as JSON, and exits 1, naming each window, if:
 - a record does not balance (``messages_in != rows_written + dead_lettered + duplicates``);
 - a record names a file that is missing or, with verification on (the default), holds another number
   of rows (Parquet footer) or dead letters (lines) than the record says;
@@ -24,8 +24,16 @@ from typing import Optional
 
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.layout import (CHUNKS_DIR, DEAD_LETTER_DIR, LEDGER_DIR, VECTORS_DIR, PartFileName,
-                               join_path, parquet_rows, partitions_between)
+from transforms.layout import (
+    CHUNKS_DIR,
+    DEAD_LETTER_DIR,
+    LEDGER_DIR,
+    VECTORS_DIR,
+    PartFileName,
+    join_path,
+    parquet_rows,
+    partitions_between,
+)
 from transforms.schema import Counts, LedgerRecord
 
 
@@ -119,8 +127,8 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
                 problems.append(f"window {window:%Y-%m-%dT%H:%M:%SZ}: {path[len(prefix):]} has no "
                                 f"ledger record")
             elif named[path] > 1:
-                problems.append(f"window {window:%Y-%m-%dT%H:%M:%SZ}: {path[len(prefix):]} is named "
-                                f"by {named[path]} ledger records")
+                problems.append(f"window {window:%Y-%m-%dT%H:%M:%SZ}: {path[len(prefix):]} is "
+                                f"named by {named[path]} ledger records")
     total = Counts.total(r.counts for r in records)
     totals = {"windows": len(windows), "records": len(records), "messages_in": total.articles_in,
               "rows_written": total.written, "dead_lettered": total.dead_lettered,

@@ -2,13 +2,13 @@
 so that a rerun of the same input into the same output replaces the previous run, never appends to
 it.
 
-``CommitRun`` counts what is in the run's staging folder (rows from the Parquet footers, dead letters
-by reason from the JSON Lines) and checks ``in = written + dead_lettered + duplicates + unchanged``
-(``Counts``) against the job's own tallies (and one key in ``keys/`` per row). A run that does not
-balance fails here and publishes nothing: a run that fails or is killed midway leaves the previous
-output as it was. Then it writes the run's ``_summary.json`` and publishes the run under the output's
-manifest (``transforms.manifest``), and deletes what runs killed before they committed left in
-``_staging/`` and ``_temp/`` more than ``STALE_AFTER_S`` ago.
+``CommitRun`` counts what is in the run's staging folder (rows from the Parquet footers, dead
+letters by reason from the JSON Lines) and checks ``in = written + dead_lettered + duplicates +
+unchanged`` (``Counts``) against the job's own tallies (and one key in ``keys/`` per row). A run
+that does not balance fails here and publishes nothing: a run that fails or is killed midway leaves
+the previous output as it was. Then it writes the run's ``_summary.json``, publishes the run under
+the output's manifest (``transforms.manifest``), and deletes what runs killed before they committed
+left in ``_staging/`` and ``_temp/`` more than ``STALE_AFTER_S`` ago.
 """
 from __future__ import annotations
 
@@ -21,10 +21,28 @@ import time
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.layout import (CHUNKS_DIR, DEAD_LETTER_DIR, KEYS_DIR, PUBLISHED_DIRS, SUMMARY_FILE,
-                               VECTORS_DIR, join_path, parquet_rows, relative_to, staging_prefix)
-from transforms.manifest import (COMMITTED, PUBLISHING, STALE_AFTER_S, Manifest, clean_stale,
-                                 count_stored, publish, read_manifest)
+from transforms.layout import (
+    CHUNKS_DIR,
+    DEAD_LETTER_DIR,
+    KEYS_DIR,
+    PUBLISHED_DIRS,
+    SUMMARY_FILE,
+    VECTORS_DIR,
+    join_path,
+    parquet_rows,
+    relative_to,
+    staging_prefix,
+)
+from transforms.manifest import (
+    COMMITTED,
+    PUBLISHING,
+    STALE_AFTER_S,
+    Manifest,
+    clean_stale,
+    count_stored,
+    publish,
+    read_manifest,
+)
 
 
 class AccountingError(RuntimeError):

@@ -4,8 +4,8 @@ A batch run writes into ``<output>/_staging/<run_id>/`` (``vectors/``, ``dead_le
 ``chunks/`` in chunks mode, ``keys/``, ``_summary.json``). Once the run balances (``CommitRun`` in
 ``transforms.commit``, the job's last step), ``publish``:
 
-1. writes ``_manifest.json`` (state ``publishing``) naming the staged files: from this moment a reader
-   that follows the manifest reads the new run, whole;
+1. writes ``_manifest.json`` (state ``publishing``) naming the staged files: from this moment a
+   reader that follows the manifest reads the new run, whole;
 2. deletes every file of the published folders (``vectors/``, ``dead_letter/``, ``chunks/``,
    ``keys/``) that is not this run's, then copies this run's files in (a copy, so that the staged
    files the manifest names stay whole meanwhile): a reader that globs ``vectors/**/*.parquet``
@@ -13,8 +13,8 @@ A batch run writes into ``<output>/_staging/<run_id>/`` (``vectors/``, ``dead_le
 3. copies the summary, writes the manifest again (state ``committed``, naming the published files)
    and deletes the staging folder.
 
-Every step can run again (a retried bundle, ``repair``), and only one run publishes into an output at
-a time: another run's ``publishing`` manifest younger than the lease makes the commit wait.
+Every step can run again (a retried bundle, ``repair``), and only one run publishes into an output
+at a time: another run's ``publishing`` manifest younger than the lease makes the commit wait.
 ``repair`` and ``clean_stale`` serve ``newsvec cleanup`` (``pipeline/cleanup.py``) after a kill.
 """
 from __future__ import annotations
@@ -29,9 +29,21 @@ from typing import Iterable, Optional
 
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.layout import (MANIFEST_FILE, PUBLISHED_DIRS, STAGING_DIR, SUMMARY_FILE, TEMP_DIR,
-                               join_path, list_files, mkdirs, parquet_rows, relative_to,
-                               staging_prefix, temp_path, write_whole)
+from transforms.layout import (
+    MANIFEST_FILE,
+    PUBLISHED_DIRS,
+    STAGING_DIR,
+    SUMMARY_FILE,
+    TEMP_DIR,
+    join_path,
+    list_files,
+    mkdirs,
+    parquet_rows,
+    relative_to,
+    staging_prefix,
+    temp_path,
+    write_whole,
+)
 from transforms.schema import Counts
 
 _LOG = logging.getLogger(__name__)

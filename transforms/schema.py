@@ -25,8 +25,15 @@ import re
 from typing import Annotated, Any, Iterable, Mapping, Optional
 
 import pyarrow as pa
-from pydantic import (AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints,
-                      field_validator)
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+)
 
 MAX_ID_CHARS = 256
 _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
@@ -66,7 +73,8 @@ class NewsEvent(BaseModel):
     source: Optional[str] = None
     language: Optional[str] = None
     published_at: Annotated[Optional[AwareDatetime], BeforeValidator(_require_rfc3339)] = None
-    # Set by the parse step from the Pub/Sub message, never from the payload (see _no_lineage_input).
+    # Set by the parse step from the Pub/Sub message, never from the payload
+    # (see _no_lineage_input).
     lineage: Optional[Any] = Field(default=None, exclude=True)
 
     @field_validator("lineage", mode="before")

@@ -29,13 +29,37 @@ from apache_beam.transforms.window import IntervalWindow
 from apache_beam.utils.timestamp import Timestamp
 
 from transforms.incremental import KeysTable
-from transforms.layout import (CHUNKS_DIR, DEAD_LETTER_DIR, KEYS_DIR, LEDGER_DIR, SHARD_TEMPLATE,
-                               VECTORS_DIR, PartFileName, join_path, partition_path,
-                               require_safe_run_id, write_whole)
-from transforms.metrics import (DEAD_LETTERED, END_TO_END_MS, ROWS_WRITTEN, TRUNCATED,
-                                dead_letter_counter)
-from transforms.schema import (ChunkRow, Counts, DeadLetter, EmbeddedDoc, LedgerRecord, MicroBatch,
-                               chunk_schema, key_schema, vector_schema)
+from transforms.layout import (
+    CHUNKS_DIR,
+    DEAD_LETTER_DIR,
+    KEYS_DIR,
+    LEDGER_DIR,
+    SHARD_TEMPLATE,
+    VECTORS_DIR,
+    PartFileName,
+    join_path,
+    partition_path,
+    require_safe_run_id,
+    write_whole,
+)
+from transforms.metrics import (
+    DEAD_LETTERED,
+    END_TO_END_MS,
+    ROWS_WRITTEN,
+    TRUNCATED,
+    dead_letter_counter,
+)
+from transforms.schema import (
+    ChunkRow,
+    Counts,
+    DeadLetter,
+    EmbeddedDoc,
+    LedgerRecord,
+    MicroBatch,
+    chunk_schema,
+    key_schema,
+    vector_schema,
+)
 
 
 def _column(rows, field: pa.Field, schema: pa.Schema) -> pa.Array:
@@ -101,7 +125,8 @@ class _WriteParquet(beam.PTransform):
 
 
 class WriteVectors(_WriteParquet):
-    """EmbeddedDoc -> zstd Parquet files ``<output>/vectors/part-<run_id>-SSSSS-of-NNNNN.parquet``."""
+    """EmbeddedDoc -> zstd Parquet files
+    ``<output>/vectors/part-<run_id>-SSSSS-of-NNNNN.parquet``."""
 
     def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384):
         super().__init__(output, VECTORS_DIR, run_id, vector_schema(dim), to_table, row_group_rows)
@@ -198,8 +223,8 @@ def write_file(output: str, run_id: str, final_dir: str, name: str, sink: fileio
             sink.flush()  # also on failure: a Parquet writer must not outlive its handle
 
     metadata = sink.create_metadata(final_dir, name)
-    return write_whole(output, join_path(final_dir, name), write, run_id=run_id, mime_type=metadata.mime_type,
-                       compression_type=metadata.compression_type)
+    return write_whole(output, join_path(final_dir, name), write, run_id=run_id,
+                       mime_type=metadata.mime_type, compression_type=metadata.compression_type)
 
 
 def _row_group_tables(rows: Iterable, schema: pa.Schema, row_group_rows: int,
@@ -257,7 +282,8 @@ class _WriteMicroBatchFn(beam.DoFn):
                                   map(_count_dead_letter, batch.dead_letters))
         window = micro_batch_window(batch)
         record = LedgerRecord(
-            run_id=self._run_id, window_start=_rfc3339(window.start), window_end=_rfc3339(window.end),
+            run_id=self._run_id, window_start=_rfc3339(window.start),
+            window_end=_rfc3339(window.end),
             pane=batch.pane, shard=batch.shard, shards=batch.shards,
             messages_in=batch.messages_in, rows_written=len(batch.rows),
             dead_lettered=len(batch.dead_letters),
