@@ -34,6 +34,7 @@ from transforms.layout import SUMMARY_FILE, join_path
 from transforms.manifest import COMMITTED, read_manifest
 from transforms.model import model_label, resolve_model_path
 from transforms.read import count_lines
+from transforms.schema import Counts
 
 _LOG = logging.getLogger("newsvec.backfill")
 
@@ -63,11 +64,13 @@ def backfill(config: config_lib.Config, start: dt.date, end: dt.date, options: P
              force: bool = False, engine_factory=None, log=print) -> dict:
     from pipeline.run import run_batch
 
+    if not config.input:
+        raise config_lib.ConfigError("a backfill needs an input (with {date})")
     config = config_lib.fill_model(config)
     plan = [(day, config_lib.fill_date(config, day.isoformat())) for day in days(start, end)]
-    sizes = {day: count_lines(day_config.input) for day, day_config in plan}
+    sizes = {day: count_lines(day_config.input) for day, day_config in plan if day_config.input}
     total = sum(sizes.values())
-    totals = {key: 0 for key in ("in", "written", "unchanged", "dead_lettered", "duplicates")}
+    totals = Counts()
     done, ran, skipped, started = 0, 0, 0, time.monotonic()
     embedded_articles = 0  # articles of the days run here: the rate
     for i, (day, day_config) in enumerate(plan, 1):
@@ -80,8 +83,7 @@ def backfill(config: config_lib.Config, start: dt.date, end: dt.date, options: P
             summary = run_batch(day_config, options, engine_factory=engine_factory)
             ran += 1
             embedded_articles += summary["counts"]["in"]
-        for key in totals:
-            totals[key] += summary["counts"].get(key, 0)
+        totals += Counts.from_summary(summary["counts"])
         done += sizes[day]
         elapsed = time.monotonic() - started
         rate = embedded_articles / elapsed if embedded_articles else 0.0
@@ -92,7 +94,8 @@ def backfill(config: config_lib.Config, start: dt.date, end: dt.date, options: P
             f"({100 * done / total if total else 100:.0f}%), {rate:.1f} articles/s, ETA {eta}")
     elapsed = time.monotonic() - started
     return {"from": start.isoformat(), "until": end.isoformat(), "days": len(plan),
-            "days_run": ran, "days_skipped": skipped, "articles": total, "counts": totals,
+            "days_run": ran, "days_skipped": skipped, "articles": total,
+            "counts": totals.to_summary(),
             "seconds": round(elapsed, 1),
             "articles_per_s": round(embedded_articles / elapsed, 2) if elapsed else None,
             "output": config.output}

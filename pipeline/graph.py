@@ -134,10 +134,9 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
     """Streaming: Pub/Sub messages -> per-micro-batch Parquet vectors, dead letters and ledger
     records. Returns the ledger records (a PCollection of ``LedgerRecord``)."""
     s = config.streaming
-    windows = dict(window_s=s.window_s, allowed_lateness_s=s.allowed_lateness_s,
-                   max_wait_s=s.max_wait_s)
     parsed = _parse(messages, config)
-    by_event_time = WindowByEventTime(**windows)
+    by_event_time = WindowByEventTime(window_s=s.window_s, allowed_lateness_s=s.allowed_lateness_s,
+                                      max_wait_s=s.max_wait_s)
     events = parsed.events | "WindowByEventTime" >> by_event_time
     parse_letters = parsed.dead_letter | "WindowParseDeadLetters" >> by_event_time.windows
     prepared = _prepare(events, config)

@@ -80,7 +80,9 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
         partitions = partitions_between(start, end)
 
     def in_range(t: Optional[dt.datetime]) -> bool:
-        return t is not None and (partitions is None or start <= t < end)
+        if t is None:
+            return False
+        return start is None or end is None or start <= t < end
 
     prefix = output.rstrip("/") + "/"
     records = []

@@ -95,11 +95,13 @@ class _CommitFn(beam.DoFn):
         summary_path = join_path(staging, SUMMARY_FILE)
         with FileSystems.create(summary_path, mime_type="application/json") as f:
             f.write(json.dumps(summary, indent=2, default=str).encode("utf-8"))
+        relative = {subdir: [relative_to(self._output, p) for p in paths]
+                    for subdir, paths in files.items()}
         manifest = Manifest(
             run_id=self._run_id, state=PUBLISHING, started_at=time.time(),
             summary=relative_to(self._output, summary_path), counts=counts.to_summary(),
-            **{subdir: [relative_to(self._output, p) for p in paths]
-               for subdir, paths in files.items()})
+            vectors=relative[VECTORS_DIR], dead_letter=relative[DEAD_LETTER_DIR],
+            chunks=relative[CHUNKS_DIR], keys=relative[KEYS_DIR])
         publish(self._output, manifest, self._lease_s)
         # What runs killed before their commit left here (on local disk, also partial files).
         clean_stale(self._output, STALE_AFTER_S)

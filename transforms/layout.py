@@ -158,7 +158,7 @@ def temp_path(output: str, run_id: Optional[str] = None) -> str:
     return join_path(folder, f"{uuid.uuid4().hex}.tmp")
 
 
-def write_whole(output: str, target: str, write: Callable[[IO[bytes]], None], *,
+def write_whole(output: str, target: str, write: Callable[[IO[bytes]], object], *,
                 run_id: Optional[str] = None, mime_type: str = "application/octet-stream",
                 compression_type: str = CompressionTypes.UNCOMPRESSED) -> str:
     """Write ``target`` whole, by ``write(handle)``: first to a temp file under ``<output>/_temp/``,

@@ -43,15 +43,17 @@ def local_done() -> int:
     return _done
 
 
-def _mark_done(_element, weight: int = 1) -> None:
+def _mark_done(_element) -> tuple:
+    """Count an article done; nothing to emit."""
     global _done
-    ARTICLES_DONE.inc(weight)
+    ARTICLES_DONE.inc()
     with _done_lock:
-        _done += weight
+        _done += 1
+    return ()
 
 
 class CountDone(beam.PTransform):
     """A side branch that counts each element as an article done; its output is empty."""
 
     def expand(self, pcoll):
-        return pcoll | "Count" >> beam.FlatMap(lambda element: _mark_done(element) or ())
+        return pcoll | "Count" >> beam.FlatMap(_mark_done)

@@ -366,6 +366,13 @@ class Counts:
         """Dead letters by reason, sorted by reason (the form every output writes)."""
         return dict(sorted(collections.Counter(reasons).items()))
 
+    @classmethod
+    def from_summary(cls, counts: Mapping[str, Any]) -> "Counts":
+        """The counts of a ``_summary.json`` (``to_summary``); keys it lacks count 0."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"articles_in"}
+        return cls(articles_in=counts.get("in", 0),
+                   **{name: value for name, value in counts.items() if name in names})
+
     def to_summary(self) -> dict:
         """The ``counts`` of a batch run's ``_summary.json`` and manifest (docs/output.md)."""
         return {"in": self.articles_in, "written": self.written,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import apache_beam as beam
 import numpy as np
@@ -180,7 +180,7 @@ class ParquetTableSink(fileio.FileSink):
     def __init__(self, schema: pa.Schema, row_group_rows: int = 16384):
         self._schema = schema
         self._row_group_rows = row_group_rows
-        self._writer = None
+        self._writer: Any = None  # a pyarrow.parquet.ParquetWriter while a file is open
 
     def create_metadata(self, destination, full_file_name) -> fileio.FileMetadata:
         # AUTO would guess a compression from the name; Parquet compresses its own pages.
