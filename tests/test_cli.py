@@ -61,9 +61,9 @@ def test_config_explain_lists_every_key_and_readme_shows_the_same_table(capsys):
     for nested in ("model.query_prefix", "chunking.doc_vector", "incremental.previous_outputs",
                    "streaming.batch_shards", "sink.store_chunk_text"):
         assert nested in keys
-    readme = (REPO / "README.md").read_text()
-    assert config_lib.explain_markdown() in readme, "README's config table is generated: " \
-        "paste `newsvec config --explain --markdown` between its config-table markers"
+    readme = (REPO / "docs" / "configuration.md").read_text()
+    assert config_lib.explain_markdown() in readme, "docs/configuration.md's config table is " \
+        "generated: paste `newsvec config --explain --markdown` between its config-table markers"
 
 
 def test_config_prints_a_config_that_loads_back_the_same(tmp_path, capsys):

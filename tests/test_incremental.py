@@ -105,8 +105,8 @@ def test_the_current_vector_of_every_article_across_days(tmp_path):
     got = duckdb.connect().execute(f"SELECT id, text_sha256, dt FROM ({sql})").fetchall()
     assert {i: s for i, s, _ in got} == expected
     assert {i: str(d) for i, _, d in got}["e1"] == "2026-12-02", "the correction is current"
-    readme = (REPO / "README.md").read_text()
-    assert CURRENT_VECTORS_SQL in readme, "README shows the query the code defines"
+    readme = (REPO / "docs" / "incremental.md").read_text()
+    assert CURRENT_VECTORS_SQL in readme, "docs/incremental.md shows the query the code defines"
 
 
 def test_two_models_write_side_by_side(tmp_path):

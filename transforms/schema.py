@@ -22,6 +22,7 @@ import datetime as dt
 import enum
 import json
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Iterable, Mapping, Optional
 
 import pyarrow as pa
@@ -239,61 +240,145 @@ def truncate_payload(raw: bytes, limit: int) -> str:
     return raw[:limit].decode("utf-8", errors="backslashreplace")
 
 
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One Parquet column, defined once: the schema is built from it and the docs' table generated.
+
+    ``type`` is an Arrow type, or a function of the embedding dimension for the vector column."""
+    name: str
+    type: pa.DataType | Callable[[int], pa.DataType]
+    nullable: bool
+    description: str
+
+    def field(self, dim: int = 0) -> pa.Field:
+        return pa.field(self.name, self.type(dim) if callable(self.type) else self.type,
+                        nullable=self.nullable)
+
+
+_TIMESTAMP = pa.timestamp("us", tz="UTC")
+
+
+def _from_event(name: str, type_: pa.DataType) -> Column:
+    return Column(name, type_, True, "from the event")
+
+
+# The columns vectors/ and chunks/ (and keys/) share, with one meaning in each.
+_ID = Column("id", pa.string(), False,
+             "the event id: the article's (`chunks/` and `keys/` join to `vectors/` on it)")
+_TEXT_SHA256 = Column("text_sha256", pa.string(), False,
+                      "sha256 of the article's prepared text (normalized title + newline + body)")
+_MODEL = Column("model", pa.string(), False,
+                "`name@revision`, or `name@sha256:<16 hex>` of the model files")
+_DIM = Column("dim", pa.int32(), False, "embedding dimension")
+_EMBEDDING = Column("embedding", lambda dim: pa.list_(pa.float32(), dim), False,
+                    "the vector (L2-normalized if `model.normalize`)")
+_EMBEDDED_AT = Column("embedded_at", _TIMESTAMP, False, "when the vector was computed")
+_CHUNK_COUNT = Column("chunk_count", pa.int32(), False,
+                      "the article's number of chunks: its rows in `chunks/` (0 in head mode)")
+
+VECTOR_COLUMNS = (
+    _ID, _from_event("url", pa.string()), _from_event("source", pa.string()),
+    _from_event("title", pa.string()), _from_event("published_at", _TIMESTAMP),
+    _from_event("language", pa.string()),
+    _MODEL, _DIM, _EMBEDDING, _TEXT_SHA256,
+    Column("token_count", pa.int32(), False,
+           "tokens the vector stands for: the head's, special tokens and the document prefix "
+           "included (≤ `model.max_tokens`); for a mean vector, the whole text's (no special "
+           "tokens)"),
+    Column("truncated", pa.bool_(), False,
+           "whether the text was longer than `model.max_tokens` (its head was kept); false for a "
+           "mean vector"),
+    _EMBEDDED_AT,
+    # Lineage of streamed events (null for events read from files).
+    Column("pubsub_message_id", pa.string(), True,
+           "streaming: the Pub/Sub message id (null in batch)"),
+    Column("pubsub_publish_time", _TIMESTAMP, True,
+           "streaming: when the message was published"),
+    Column("pubsub_attributes", pa.map_(pa.string(), pa.string()), True,
+           "streaming: the message attributes"),
+    Column("doc_vector", pa.string(), False,
+           "what `embedding` is: `head` (head mode, or `chunking.doc_vector: head`) or `mean` (of "
+           "the article's chunk vectors)"),
+    _CHUNK_COUNT,
+)
+"""``vectors/``: one row per article."""
+
+CHUNK_COLUMNS = (
+    _ID,
+    Column("chunk_id", pa.string(), False,
+           "deterministic: `sha256(id, text_sha256, model, chunking settings, chunk index)` "
+           "(32 hex), the same in every run and retry"),
+    Column("chunk_index", pa.int32(), False, "this chunk's place in its article"),
+    _CHUNK_COUNT,
+    Column("token_start", pa.int32(), False,
+           "`[token_start, token_end)`: the chunk's span of the text's own tokens (no special "
+           "tokens, no prefix)"),
+    Column("token_end", pa.int32(), False, "see `token_start`"),
+    Column("char_start", pa.int32(), False,
+           "`[char_start, char_end)` of the prepared text's characters: "
+           "`text[char_start:char_end]` is the chunk's text"),
+    Column("char_end", pa.int32(), False, "see `char_start`"),
+    Column("chunk_sha256", pa.string(), False, "sha256 of the chunk's text"),
+    _TEXT_SHA256, _MODEL, _DIM, _EMBEDDING, _EMBEDDED_AT,
+    Column("chunk_text", pa.string(), True,
+           "the chunk's text, with `sink.store_chunk_text: true` (retrieval-augmented "
+           "generation); null otherwise"),
+)
+"""``chunks/``: one row per chunk (chunks mode)."""
+
+KEY_COLUMNS = (
+    Column("key", pa.string(), False,
+           "`sha256(id, text_sha256, model label, embedding signature)` (32 hex): "
+           "`transforms.incremental.embedding_key`"),
+    _ID, _TEXT_SHA256,
+)
+"""``keys/``: the key index (``transforms.incremental``), one row per article written."""
+
+PARQUET_COLUMNS = {"vectors": VECTOR_COLUMNS, "chunks": CHUNK_COLUMNS, "keys": KEY_COLUMNS}
+"""Every Parquet output folder and its columns: the schemas and the tables of docs/output.md."""
+
+
+def parquet_schema(columns: tuple[Column, ...], dim: int = 0) -> pa.Schema:
+    return pa.schema([column.field(dim) for column in columns])
+
+
 def vector_schema(dim: int) -> pa.Schema:
-    """The Parquet schema of ``vectors/``: one row per article. Documented in README.md."""
-    return pa.schema([
-        pa.field("id", pa.string(), nullable=False),
-        pa.field("url", pa.string()),
-        pa.field("source", pa.string()),
-        pa.field("title", pa.string()),
-        pa.field("published_at", pa.timestamp("us", tz="UTC")),
-        pa.field("language", pa.string()),
-        pa.field("model", pa.string(), nullable=False),
-        pa.field("dim", pa.int32(), nullable=False),
-        pa.field("embedding", pa.list_(pa.float32(), dim), nullable=False),
-        pa.field("text_sha256", pa.string(), nullable=False),
-        pa.field("token_count", pa.int32(), nullable=False),
-        pa.field("truncated", pa.bool_(), nullable=False),
-        pa.field("embedded_at", pa.timestamp("us", tz="UTC"), nullable=False),
-        # Lineage of streamed events (null for events read from files).
-        pa.field("pubsub_message_id", pa.string()),
-        pa.field("pubsub_publish_time", pa.timestamp("us", tz="UTC")),
-        pa.field("pubsub_attributes", pa.map_(pa.string(), pa.string())),
-        # "head" or "mean" (of the article's chunk vectors), and how many chunks it has in chunks/.
-        pa.field("doc_vector", pa.string(), nullable=False),
-        pa.field("chunk_count", pa.int32(), nullable=False),
-    ])
-
-
-def key_schema() -> pa.Schema:
-    """The Parquet schema of ``keys/``: the key index (``transforms.incremental``), one row per
-    article written. Documented in README.md."""
-    return pa.schema([
-        pa.field("key", pa.string(), nullable=False),
-        pa.field("id", pa.string(), nullable=False),
-        pa.field("text_sha256", pa.string(), nullable=False),
-    ])
+    """The Parquet schema of ``vectors/``: one row per article."""
+    return parquet_schema(VECTOR_COLUMNS, dim)
 
 
 def chunk_schema(dim: int) -> pa.Schema:
-    """The Parquet schema of ``chunks/``: one row per chunk (chunks mode). Documented in README.md."""
-    return pa.schema([
-        pa.field("id", pa.string(), nullable=False),
-        pa.field("chunk_id", pa.string(), nullable=False),
-        pa.field("chunk_index", pa.int32(), nullable=False),
-        pa.field("chunk_count", pa.int32(), nullable=False),
-        pa.field("token_start", pa.int32(), nullable=False),
-        pa.field("token_end", pa.int32(), nullable=False),
-        pa.field("char_start", pa.int32(), nullable=False),
-        pa.field("char_end", pa.int32(), nullable=False),
-        pa.field("chunk_sha256", pa.string(), nullable=False),
-        pa.field("text_sha256", pa.string(), nullable=False),
-        pa.field("model", pa.string(), nullable=False),
-        pa.field("dim", pa.int32(), nullable=False),
-        pa.field("embedding", pa.list_(pa.float32(), dim), nullable=False),
-        pa.field("embedded_at", pa.timestamp("us", tz="UTC"), nullable=False),
-        pa.field("chunk_text", pa.string()),
-    ])
+    """The Parquet schema of ``chunks/``: one row per chunk (chunks mode)."""
+    return parquet_schema(CHUNK_COLUMNS, dim)
+
+
+def key_schema() -> pa.Schema:
+    """The Parquet schema of ``keys/``: the key index, one row per article written."""
+    return parquet_schema(KEY_COLUMNS)
+
+
+def _type_text(type_: pa.DataType) -> str:
+    """An Arrow type as the docs write it; the embedding's length is the dimension, ``dim``."""
+    if pa.types.is_timestamp(type_):
+        return f"timestamp[{type_.unit}, {type_.tz}]"
+    if pa.types.is_fixed_size_list(type_):
+        return f"fixed_size_list<{_type_text(type_.value_type)}>[dim]"
+    if pa.types.is_map(type_):
+        return f"map<{_type_text(type_.key_type)}, {_type_text(type_.item_type)}>"
+    if pa.types.is_floating(type_):
+        return f"float{type_.bit_width}"
+    return str(type_)
+
+
+def schema_markdown(columns: tuple[Column, ...]) -> str:
+    """The Markdown table of a Parquet schema (docs/output.md holds one per folder, generated)."""
+    lines = ["| column | Arrow type | meaning |", "|---|---|---|"]
+    for column in columns:
+        type_text = _type_text(column.field(dim=1).type)
+        if not column.nullable:
+            type_text += ", not null"
+        lines.append(f"| `{column.name}` | {type_text} | {column.description} |")
+    return "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True)
