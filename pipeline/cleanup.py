@@ -6,7 +6,8 @@ PREFIX [--older-than-s 86400]``.
 2. Files under ``_temp/`` (a streaming file a killed worker was writing) and ``_staging/<run_id>/``
    (a batch run killed before it committed) last written more than ``--older-than-s`` ago are
    deleted. Published data is never touched.
-On GCS, a lifecycle rule does step 2 without a command: ``configs/gcs-lifecycle.json`` (README).
+On GCS, a lifecycle rule does step 2 without a command: ``configs/gcs-lifecycle.json``
+(docs/dataflow.md).
 Prints what it did as JSON.
 """
 from __future__ import annotations

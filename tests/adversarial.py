@@ -1,7 +1,7 @@
 """A hand-made corpus of malformed and adversarial news events, as data (no tests here).
 
 Each ``Case`` is a raw payload (the bytes of one JSON Lines line or one Pub/Sub message) and the one
-outcome the input contract (README.md, "Input contract" and the dead-letter reasons table) gives it:
+outcome the input contract (docs/input.md: the contract and the dead-letter reasons table) gives it:
 - a dead-letter reason (``Reason``): the specific code a person would act on;
 - ``ROW``: valid, however nasty (markup, invisible characters, path-like ids...): exactly one row;
 - ``DUPLICATE``: valid, but another case with the same id survives the batch dedup rule (the copy
@@ -44,7 +44,7 @@ class Case:
     @property
     def batch_compatible(self) -> bool:
         """Whether the payload survives as ONE line of a JSON Lines file. A line ends at b"\\n" and
-        loses a final b"\\r" (README: JSON Lines), so such payloads can only arrive as Pub/Sub
+        loses a final b"\\r" (docs/input.md: JSON Lines), so such payloads can only arrive as Pub/Sub
         messages; the batch test leaves them out rather than test something else."""
         return b"\n" not in self.payload and not self.payload.endswith(b"\r")
 
@@ -209,7 +209,7 @@ CORPUS: list[Case] = [
     Case("invalid_escape", b'{"id": "escape", "body": "\\x41"}', Reason.INVALID_JSON),
     Case("lone_surrogate_escape", b'{"id": "\\udc00", "body": "x"}', Reason.INVALID_JSON),
     Case("deep_nesting", b'{"id": "deep", "body": "x", "d": ' + b"[" * 5000 + b"]" * 5000 + b"}",
-         Reason.INVALID_JSON, note="README: nesting too deep is invalid_json"),
+         Reason.INVALID_JSON, note="docs/input.md: nesting too deep is invalid_json"),
     Case("huge_integer_in_unknown_field", b'{"id": "huge-int", "body": "x", "n": ' + b"9" * 5000
          + b"}", Reason.INVALID_JSON, note="over the parser's number limit (RFC 8259 allows one)"),
     Case("nan_in_unknown_field", b'{"id": "nan", "body": "x", "score": NaN}', Reason.INVALID_JSON,
@@ -327,7 +327,7 @@ CORPUS: list[Case] = [
 
     # ---- prepare_failed ----
     Case("hostile_marked_section", ev(id="fail-markup", body="<p>x</p><![foo]> text"),
-         Reason.PREPARE_FAILED, note="html.parser raises on it (README: hostile markup)"),
+         Reason.PREPARE_FAILED, note="html.parser raises on it (docs/input.md: hostile markup)"),
 ]
 
 # Plain good events to go with the corpus in the batch run.

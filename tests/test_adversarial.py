@@ -25,7 +25,7 @@ from tests.conftest import make_config
 from transforms.parse import ParseError, parse_event
 from transforms.schema import PreparedDoc, Reason
 
-# The README's dead-letter table: the step that gives each reason.
+# docs/input.md's dead-letter table: the step that gives each reason.
 PARSE_REASONS = {Reason.PAYLOAD_TOO_LARGE, Reason.INVALID_UTF8, Reason.INVALID_JSON,
                  Reason.NOT_AN_OBJECT, Reason.MISSING_ID, Reason.INVALID_ID, Reason.INVALID_FIELD,
                  Reason.NO_TEXT, Reason.PUBLISHED_IN_FUTURE}
@@ -44,7 +44,7 @@ def corpus_config(**changes):
 
 
 def dead_letter_head(raw: bytes) -> str:
-    """What a parse dead letter keeps of a raw payload (README: the head, undecodable bytes
+    """What a parse dead letter keeps of a raw payload (docs/input.md: the head, undecodable bytes
     backslash-escaped)."""
     return raw[:DEAD_LETTER_PAYLOAD_BYTES].decode("utf-8", errors="backslashreplace")
 

@@ -1,7 +1,7 @@
 """Late data is never dropped silently: the whole streaming graph (embed_and_write_streaming, a FAKE
 engine that takes its time, so that processing lags between steps) on a TestStream of Pub/Sub
 messages at the edges of the allowed lateness; every message ends in the ledger, as a row in the
-window README's rule gives it.
+window docs/streaming.md's rule gives it.
 
 Edges (window_s 60, allowed_lateness_s 600, and the grouping's GROUPING_GRACE_S beyond it):
 - published_at exactly allowed_lateness_s before the publish time: its own event-time window;

@@ -114,7 +114,7 @@ def messages() -> list[TimestampedValue]:
 
 
 def expected_event_time(case: Case, i: int) -> Timestamp:
-    """README, Streaming: published_at, unless more than the allowed lateness before the publish
+    """docs/streaming.md: published_at, unless more than the allowed lateness before the publish
     time (then the publish time). Computed here from the payload, independently of windowing.py."""
     published = publish_time(i)
     raw = json.loads(case.payload.decode("utf-8"))
@@ -242,7 +242,7 @@ def test_streaming_accounts_for_every_message(streaming_run):
 def test_streaming_survives_a_date_whose_utc_instant_is_year_0():
     """published_at "0001-01-01T00:00:00+01:00" is valid RFC 3339 and passes parse, but its UTC
     instant (year 0) overflowed Python's datetime in WindowByEventTime, which failed the job (on
-    Dataflow: a bundle retried forever). It is far older than the allowed lateness, so README's
+    Dataflow: a bundle retried forever). It is far older than the allowed lateness, so docs/streaming.md's
     rule windows it by its publish time."""
     from transforms.windowing import WindowByEventTime
 

@@ -5,7 +5,7 @@ on local disk and on gcp-storage-emulator:
 - a run killed while publishing never shows two runs' rows to a reader that globs ``vectors/``, the
   manifest gives the whole new run meanwhile, and ``python -m pipeline.cleanup`` finishes it;
 - a second commit waits for one in progress;
-- DuckDB reads the committed run through the manifest (the README's query).
+- DuckDB reads the committed run through the manifest (docs/output.md's query).
 The runs here use a FAKE engine: what is tested is storage, and the real one is in
 test_batch_pipeline.py (which now also runs through the commit)."""
 from __future__ import annotations
@@ -213,7 +213,7 @@ def test_duckdb_reads_the_committed_run_through_the_manifest(tmp_path):
     output = str(tmp_path / "out")
     summary = run(write_input(str(tmp_path), "in", DAY_1), output)
     con = duckdb.connect()
-    # README, "Reading a batch output consistently"
+    # docs/output.md, "Reruns replace, never append"
     con.execute(f"""SET VARIABLE files = (SELECT list_transform(vectors, lambda f: '{output}/' || f)
                     FROM read_json('{output}/_manifest.json'))""")
     n, runs = con.execute("""SELECT count(*), count(DISTINCT model)
