@@ -17,7 +17,8 @@ import apache_beam as beam
 from pipeline.config import Config
 from transforms.commit import CommitRun, staging_prefix, tally
 from transforms.dedup import DropDuplicates, DropDuplicatesStreaming
-from transforms.embed import EmbedMicroBatches, EmbedWithVLLM, EngineFactory
+from transforms.embed import EmbedMicroBatches, EmbedWithVLLM
+from transforms.engine import EngineFactory
 from transforms.microbatch import GroupMicroBatches
 from transforms.incremental import ReadKeys, SkipUnchanged, embedding_signature, key_files
 from transforms.model import model_content_hash, model_label, resolve_model_path
