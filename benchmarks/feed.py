@@ -35,7 +35,8 @@ from benchmarks import write_results
 from pipeline.config import REPO_ROOT, load
 
 # What the MODELED engine's rates stand for (assumptions, printed with the figures):
-L4_BERT_BASE_TOKENS_PER_S = 500 * 405  # ~500 articles/s of bge-base at a 512-token cap (README)
+L4_BERT_BASE_TOKENS_PER_S = 500 * 405  # ~500 articles/s of bge-base at a 512-token cap
+# (docs/performance.md)
 L4_MINILM_TOKENS_PER_S = 10 * L4_BERT_BASE_TOKENS_PER_S  # a MiniLM-class model: ~10x less work
 
 
@@ -212,7 +213,8 @@ def main(argv=None) -> int:
 
     workers = args.workers
     one, two = median_run(workers, None, 0.0, cores=1), median_run(workers, None, 0.0, cores=2)
-    scaling = {span: two[span]["docs_per_s"] / one[span]["docs_per_s"] for span in ("steady", "whole")}
+    scaling = {span: two[span]["docs_per_s"] / one[span]["docs_per_s"]
+               for span in ("steady", "whole")}
     results["free_engine"] = {"1_core": one, "2_cores": two}
     results["free_engine_scaling_1_to_2_cores"] = scaling
     print(f"batch graph, FREE engine, {workers} worker processes, articles/s steady (whole run): "
@@ -237,7 +239,8 @@ def main(argv=None) -> int:
               f"{steady['engine_capacity_docs_per_s']:6.0f} with its per-call cost): "
               f"{steady['docs_per_s']:6.0f} ({whole['docs_per_s']:6.0f}) articles/s = "
               f"{steady['docs_per_s'] / bound:.2f} ({whole['docs_per_s'] / bound:.2f}) of "
-              f"min(engine, CPU); duty cycle {steady['duty_cycle']:.2f} ({whole['duty_cycle']:.2f})")
+              f"min(engine, CPU); duty cycle {steady['duty_cycle']:.2f} "
+              f"({whole['duty_cycle']:.2f})")
     results["modeled_sweep"] = sweep
     l4 = {}
     for name, tokens_per_s in (("L4, BERT-base", L4_BERT_BASE_TOKENS_PER_S),

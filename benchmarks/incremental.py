@@ -5,12 +5,13 @@ On the 2,225 BBC articles in ../shared/data/bbc-news, in one run of this command
 once, by a warm-up run):
   1. day 1: every article, into ``<work>/<model>/dt=2026-12-01`` (a daily config consulting
      ``<work>/<model>/dt=*``);
-  2. day 2: the same articles with ``--changed`` of them corrected (a sentence added) and ``--added``
-     new ones: only those are embedded, the rest are counted as unchanged;
+  2. day 2: the same articles with ``--changed`` of them corrected (a sentence added) and
+     ``--added`` new ones: only those are embedded, the rest are counted as unchanged;
   3. a full re-embed of day 2's articles into a separate output, without the key index.
 Reports the embedding time (inside ``LLM.embed``) and wall time of each run, day 2's over day 1's,
 and checks that the current vectors across days 1 and 2 (``pipeline.current``) are those of the full
-re-embed: the same ids and texts, cosine >= 0.9999. Writes ``bench-results/incremental-<time>.json``.
+re-embed: the same ids and texts, cosine >= 0.9999. Writes
+``bench-results/incremental-<time>.json``.
 """
 from __future__ import annotations
 

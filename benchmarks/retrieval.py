@@ -2,8 +2,8 @@
 ``python -m benchmarks.retrieval [--k 10] [--limit N]``.
 
 On the BBC articles in ../shared/data/bbc-news, in one run of this command:
-  1. the batch pipeline in head mode, then in chunks mode (``doc_vector: mean``), each timed (after a
-     warm-up run that loads the model), each writing its Parquet output;
+  1. the batch pipeline in head mode, then in chunks mode (``doc_vector: mean``), each timed (after
+     a warm-up run that loads the model), each writing its Parquet output;
   2. a query per article: a sentence from the last third of its prepared text (the one nearest the
      middle of that third, of at least 6 words), embedded with the same engine and settings;
   3. for each query, where its article ranks among all articles by cosine similarity, scored by:
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     from apache_beam.options.pipeline_options import PipelineOptions
 
     from pipeline.run import run_batch
-    from transforms.embed import load_engine
+    from transforms.engine import load_engine
     from transforms.schema import NewsEvent
     from transforms.text import HeadTokenizer, compose_text
 

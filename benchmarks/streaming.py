@@ -28,7 +28,7 @@ from benchmarks.batch import bbc_texts, write_events
 from pipeline.config import REPO_ROOT, load
 from benchmarks import plots, write_results
 from tools.emulators import emulated_streaming_job as streaming_job
-from transforms.embed import load_engine
+from transforms.engine import load_engine
 
 SUBSCRIPTION = "projects/newsvec-bench/subscriptions/news"
 
@@ -192,10 +192,12 @@ def main(argv=None) -> int:
               f"p95 {light_p95:.1f} s (max_wait_s {config.streaming.max_wait_s})", flush=True)
         time.sleep(2 * config.streaming.max_wait_s)  # the last panes' ledger records
     report = ledger.check(str(work / "out"))
-    print(f"ledger: {report.totals['messages_in']} messages in, {report.totals['rows_written']} rows, "
-          f"{report.totals['duplicates']} duplicates, {report.totals['dead_lettered']} dead letters "
+    print(f"ledger: {report.totals['messages_in']} messages in, "
+          f"{report.totals['rows_written']} rows, {report.totals['duplicates']} duplicates, "
+          f"{report.totals['dead_lettered']} dead letters "
           f"over {report.totals['windows']} windows: "
-          f"{'balanced' if report.ok else 'PROBLEMS: ' + '; '.join(report.problems[:5])}", flush=True)
+          f"{'balanced' if report.ok else 'PROBLEMS: ' + '; '.join(report.problems[:5])}",
+          flush=True)
 
     events = work / "batch.jsonl"
     write_events(texts, events)
@@ -235,8 +237,8 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     import sys
 
-    # Run from the module's importable name: a class defined in __main__ is pickled by value, and the
-    # runner's copy of RecordingEngine would record into a copy of _BATCH_TOKENS.
+    # Run from the module's importable name: a class defined in __main__ is pickled by value, and
+    # the runner's copy of RecordingEngine would record into a copy of _BATCH_TOKENS.
     from benchmarks import streaming
 
     sys.exit(streaming.main())

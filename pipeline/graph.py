@@ -20,7 +20,8 @@ import apache_beam as beam
 from pipeline.config import Config
 from transforms.commit import CommitRun, Tally, tally
 from transforms.dedup import DropDuplicates, DropDuplicatesStreaming
-from transforms.embed import EmbedMicroBatches, EmbedWithVLLM, EngineFactory
+from transforms.embed import EmbedMicroBatches, EmbedWithVLLM
+from transforms.engine import EngineFactory
 from transforms.incremental import ReadKeys, SkipUnchanged, embedding_signature, key_files
 from transforms.layout import CHUNKS_DIR, DEAD_LETTER_DIR, KEYS_DIR, VECTORS_DIR, staging_prefix
 from transforms.metrics import CountDone

@@ -18,7 +18,7 @@ from pipeline.graph import build_batch, build_streaming
 from pipeline.options import NewsvecOptions
 from pipeline.progress import ProgressReporter
 from pipeline.summary import job_statistics
-from transforms.embed import EngineFactory
+from transforms.engine import EngineFactory
 from transforms.read import count_lines
 from transforms.layout import SUMMARY_FILE, join_path, new_run_id
 

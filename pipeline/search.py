@@ -30,7 +30,7 @@ def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
 
 def embed_query(config: Config, query: str):
     """The query's vector, as the engine embeds an article of the same text."""
-    from transforms.embed import load_engine
+    from transforms.engine import load_engine
     from transforms.text import HeadTokenizer, normalize_text
 
     ids, _ = HeadTokenizer(config.model)(config.model.query_prefix + normalize_text(query))

@@ -1,4 +1,5 @@
-"""Shared fixtures. The vLLM engine is loaded once per test session (transforms.embed caches it)."""
+"""Shared fixtures. The vLLM engine is loaded once per test session (transforms.engine keeps
+it)."""
 from __future__ import annotations
 
 import os

@@ -1,5 +1,5 @@
 """FAKE embedding engines for tests of something other than the model (paths, sinks, windowing,
-failure handling). They have the members of ``transforms.embed.Engine``: ``label``, ``embed``,
+failure handling). They are ``transforms.engine.EmbeddingEngine``s: ``label``, ``embed``,
 ``healthy``, ``close``. The real engine (vLLM) is tested in test_batch_pipeline.py and elsewhere."""
 from __future__ import annotations
 

@@ -150,9 +150,9 @@ def test_command_line_with_gzip_input_and_overrides(tmp_path):
 
 
 def test_the_engine_is_loaded_once_per_process():
-    from transforms import embed
+    from transforms import engine
 
-    assert len(embed._HANDLES) == 1, "every pipeline run of the session shared one vLLM engine"
+    assert len(engine._HANDLES) == 1, "every pipeline run of the session shared one vLLM engine"
 
 
 def test_lines_fan_out_right_after_reading_and_nothing_groups_before_the_engine():

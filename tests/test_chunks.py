@@ -34,7 +34,8 @@ from tests.conftest import BBC, make_config
 from tests.emulators import skip_or_fail
 from tests.fakes import POISON, FakeEngine
 from transforms.chunking import Chunker, ChunkingSettings, ChunkSpan, chunk_id
-from transforms.embed import EmbedWithVLLM, EngineHandle, VLLMEmbeddingHandler
+from transforms.embed import EmbedWithVLLM, VLLMEmbeddingHandler
+from transforms.engine import EngineHandle
 from transforms.schema import NewsEvent, PreparedDoc, Reason, chunk_schema
 from transforms.text import compose_text
 

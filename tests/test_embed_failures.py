@@ -1,6 +1,6 @@
 """The embed step under failure: an input that fails is dead-lettered alone (bisection), an engine
-that breaks blames no input (the bundle fails, is retried, and a fresh engine serves it), and a model
-that fails every input stops the job.
+that breaks blames no input (the bundle fails, is retried, and a fresh engine serves it), and a
+model that fails every input stops the job.
 
 Failures are injected into the engine the real handler calls: a FAKE engine (tests/fakes.py) for the
 unit cases, and the real vLLM engine, wrapped, for the runs through the batch embedding step
@@ -16,8 +16,8 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from tests.conftest import make_config
 from tests.fakes import POISON, FakeEngine
-from transforms.embed import (EmbedFailure, Engine, EngineFailedError, EngineHandle, EmbedWithVLLM,
-                              ModelBrokenError, VLLMEmbeddingHandler, load_engine)
+from transforms.embed import EmbedFailure, EmbedWithVLLM, ModelBrokenError, VLLMEmbeddingHandler
+from transforms.engine import Engine, EngineFailedError, EngineHandle, load_engine
 from transforms.schema import NewsEvent, PreparedDoc, Reason
 
 SETTINGS = make_config().model

@@ -14,7 +14,8 @@ from apache_beam.utils.timestamp import MIN_TIMESTAMP
 from tests.conftest import make_config
 from tests.fakes import FakeEngine
 from tests.test_embed_failures import doc
-from transforms.embed import EngineFailedError, VLLMEmbeddingHandler, _EmbedBatchesFn
+from transforms.embed import VLLMEmbeddingHandler, _EmbedBatchesFn
+from transforms.engine import EngineFailedError
 
 SETTINGS = make_config().model
 

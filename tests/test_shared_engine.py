@@ -3,8 +3,8 @@ worker process reaches through a proxy (Beam's multi_process_shared, spawn_proce
 
 The batch pipeline runs on FnApiRunner with two worker processes and a FAKE engine that records
 each load and each call with its process id: one load, in a process other than this one, which
-served every call; every row written once; and an engine failure crosses the proxy as itself, so the handler
-still tells it from an input failure."""
+served every call; every row written once; and an engine failure crosses the proxy as itself, so
+the handler still tells it from an input failure."""
 from __future__ import annotations
 
 import json
@@ -18,7 +18,8 @@ from pipeline.run import run_batch
 from tests.conftest import make_config
 from tests.fakes import FakeEngine
 from tests.test_embed_failures import Breaks
-from transforms.embed import EngineFailedError, VLLMEmbeddingHandler, _SharedEngine
+from transforms.embed import VLLMEmbeddingHandler
+from transforms.engine import EngineFailedError, _SharedEngine
 
 
 class LoggingEngine(FakeEngine):

@@ -1,53 +1,52 @@
-"""Embed: PreparedDoc -> EmbeddedDoc with a vLLM ``LLM`` held per worker process, or a dead letter.
+"""Embed: PreparedDoc -> EmbeddedDoc (with its chunk rows in chunks mode) with the engine of
+``transforms.engine``, or a dead letter.
 
-``VLLMEmbeddingHandler`` is a Beam ModelHandler: it loads the engine (one per worker process, or one
-per machine shared by every process; in setup, never per bundle), sizes batches by a token budget,
-not a count (BatchElements), and embeds a batch. Batch jobs drive it with ``_EmbedBatchesFn``, which
-keeps one engine call in flight while the bundle prepares the next batch (RunInference waits for each
-call, and the bundle's core idles meanwhile: see README, Keeping the GPU busy); streaming drives
-``MicroBatchEmbeddingHandler``, which embeds one ``MicroBatch`` (a window's firing) as a unit, with
-RunInference. In chunks mode a document is embedded as several inputs (its chunks, and its head if that is the
+Two Beam ModelHandlers, and the Beam steps that drive them:
+- ``VLLMEmbeddingHandler`` embeds documents: it loads the engine (one per worker process, or one per
+  machine shared by every process; in setup, never per bundle), sizes batches by a token budget, not
+  a count (BatchElements), and embeds a batch. Batch jobs (``EmbedWithVLLM``) drive it with
+  ``_EmbedBatchesFn``, which keeps one engine call in flight while the bundle prepares the next
+  batch (RunInference waits for each call, and the bundle's core idles meanwhile: see
+  docs/performance.md, Keeping the GPU busy);
+- ``MicroBatchEmbeddingHandler`` wraps it for streaming (``EmbedMicroBatches``): it embeds one
+  ``MicroBatch`` (a window's firing) as a unit, with RunInference.
+In chunks mode a document is embedded as several inputs (its chunks, and its head if that is the
 document vector): they go to the engine mixed with other documents' inputs, in calls of at most
 ``model.token_budget`` tokens, and a document with a failing input is dead-lettered whole.
 
-Two kinds of failure, told apart by a health check of the engine (a fixed canary input):
-- an INPUT failure (the canary still embeds): the batch is split in halves and retried (bisection)
-  until the failing inputs stand alone; only those are dead-lettered (``embedding_failed``);
-- an ENGINE failure (the canary fails too, or vLLM says its engine died; a CUDA error looks like
-  this): no input is blamed. The engine is closed, ``EngineFailedError`` fails the bundle, and the
-  runner retries it; the handle loads a fresh engine on its next use, so whatever still holds the
-  handle (the embedding step, RunInference's shared model, the retried bundle) gets a working one.
-A model that fails for every input while its canary passes stops the job (``ModelBrokenError``).
+A failed engine call is an INPUT failure or an ENGINE failure (``transforms.engine`` tells them
+apart with a canary input). An input failure is split in halves and retried (bisection) until the
+failing inputs stand alone; only those are dead-lettered (``embedding_failed``). An engine failure
+(``EngineFailedError``) blames no input: it fails the bundle, which the runner retries on a fresh
+engine. A model that fails for every input while its canary passes stops the job
+(``ModelBrokenError``).
 """
 from __future__ import annotations
 
-import atexit
 import collections
 import concurrent.futures
 import dataclasses
 import datetime as dt
 import hashlib
-import json
 import logging
-import threading
 import time
 import uuid
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import apache_beam as beam
-import numpy as np
 from apache_beam import pvalue
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInference
 from apache_beam.utils.windowed_value import WindowedValue
 
 from transforms.chunking import ChunkingSettings, chunk_id, mean_vector
+from transforms.engine import (EngineFactory, EngineFailedError, EngineHandle, process_engine,
+                               shared_engine)
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
-from transforms.model import ModelSettings, model_label, resolve_model_path
+from transforms.model import ModelSettings
 from transforms.schema import (DEAD_LETTER, ChunkRow, DeadLetter, EmbeddedDoc, MicroBatch,
                                PreparedDoc, Reason, Step)
 
 _LOG = logging.getLogger(__name__)
-CANARY_TEXT = "newsvec engine check"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,184 +56,6 @@ class EmbedFailure:
 
 class ModelBrokenError(RuntimeError):
     """The model failed for every input in a long run: a broken model, not poison documents."""
-
-
-class EngineFailedError(RuntimeError):
-    """The engine failed, not an input: the bundle fails (and is retried on a fresh engine)."""
-
-
-class Engine:
-    """``vllm.LLM(runner="pooling")`` behind the calls newsvec makes: embed token ids, check health,
-    close. A stand-in (a FAKE in a test, the MODELED engine of a benchmark) has the same four
-    members: ``label``, ``embed``, ``healthy``, ``close``."""
-
-    def __init__(self, llm, settings: ModelSettings, label: str):
-        self._llm, self._normalize, self.label = llm, settings.normalize, label
-        self._canary = [list(llm.get_tokenizer().encode(CANARY_TEXT))]
-
-    def embed(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        from vllm import PoolingParams
-        from vllm.inputs import TokensPrompt
-
-        # vLLM aborts a failed call's requests itself (tests/test_embed_failures.py checks it), so
-        # none of them can finish in a later call and be returned with its outputs.
-        outputs = self._llm.embed(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-            pooling_params=PoolingParams(use_activation=self._normalize), use_tqdm=False)
-        if len(outputs) != len(prompts):
-            raise RuntimeError(f"{len(outputs)} outputs for {len(prompts)} inputs")
-        for output, prompt in zip(outputs, prompts):
-            if list(output.prompt_token_ids) != list(prompt):
-                raise RuntimeError("an output does not belong to its input")
-        return [np.asarray(o.outputs.embedding, dtype=np.float32) for o in outputs]
-
-    def healthy(self) -> bool:
-        """Whether the canary still embeds to a finite vector: an engine that fails it is broken,
-        whatever the inputs were."""
-        try:
-            (vector,) = self.embed(self._canary)
-            return bool(np.isfinite(vector).all())
-        except Exception:  # pylint: disable=broad-except  # any failure of the canary is the answer
-            return False
-
-    def close(self) -> None:
-        """Stop vLLM's engine core; a process that does not may abort at exit (rc 134)."""
-        try:
-            self._llm.llm_engine.engine_core.shutdown()
-        except Exception:  # pylint: disable=broad-except
-            pass
-
-
-EngineFactory = Callable[[ModelSettings], Any]  # settings -> Engine (or a stand-in)
-
-
-class EngineHandle:
-    """What RunInference holds as its model: the engine for some settings, loaded at once, and
-    loaded again after an engine failure.
-
-    One handle serves every DoFn thread of a process; ``LLM.embed()`` collects every finished
-    request, so concurrent calls could take each other's outputs: calls are serialized.
-    """
-
-    def __init__(self, settings: ModelSettings, factory: EngineFactory):
-        self._settings, self._factory = settings, factory
-        self._lock = threading.Lock()
-        self._engine = None
-        self._unreported_load_ms: list[int] = []
-        self._label = ""
-        with self._lock:
-            self._load()
-
-    def _load(self) -> None:
-        started = time.perf_counter()
-        self._engine = self._factory(self._settings)
-        self._label = self._engine.label
-        self._unreported_load_ms.append(int((time.perf_counter() - started) * 1000))
-
-    def label(self) -> str:
-        return self._label
-
-    @property
-    def llm(self):
-        """The vLLM ``LLM`` behind the handle (the batch benchmark calls it raw, as a baseline)."""
-        with self._lock:
-            if self._engine is None:
-                self._load()
-            return self._engine._llm
-
-    def take_load_ms(self) -> list[int]:
-        """Load times not reported yet (metrics cannot be recorded in DoFn.setup, where loading
-        happens)."""
-        with self._lock:
-            taken, self._unreported_load_ms = self._unreported_load_ms, []
-            return taken
-
-    def embed(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """A vector per prompt. Raises ``EngineFailedError`` when the engine broke (it is closed,
-        and the next call loads a fresh one), or the engine's own error when the inputs failed."""
-        with self._lock:
-            if self._engine is None:
-                self._load()
-            engine = self._engine
-            try:
-                return engine.embed(prompts)
-            except Exception as exc:  # pylint: disable=broad-except
-                if not _engine_is_dead(exc) and engine.healthy():
-                    raise  # the engine works: the inputs are to blame
-                _LOG.error("the embedding engine failed (%s: %s); closing it, the next call loads "
-                           "a fresh one", type(exc).__name__, exc)
-                self._engine = None
-                engine.close()
-                raise EngineFailedError(f"the embedding engine failed, not the inputs: "
-                                        f"{type(exc).__name__}: {exc}"[:2000]) from exc
-
-
-def _engine_is_dead(exc: BaseException) -> bool:
-    """vLLM's engine core died (its multiprocess client says so): every later call fails too."""
-    return type(exc).__name__ == "EngineDeadError"
-
-
-def load_vllm(s: ModelSettings) -> Engine:
-    """A real vLLM engine for these settings (the default ``EngineFactory``)."""
-    s.apply_engine_env()
-    from vllm import LLM  # imported on the worker, after the engine environment is set
-
-    path = resolve_model_path(s.path)
-    kwargs = dict(model=path, runner="pooling", dtype=s.resolved_dtype(), revision=s.revision,
-                  max_model_len=s.max_tokens, trust_remote_code=s.trust_remote_code,
-                  enforce_eager=s.enforce_eager, seed=0)
-    if s.gpu_memory_utilization is not None:
-        kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
-    if s.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = s.max_num_seqs
-    if s.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
-    _LOG.info("loading %s at %s", s.name, kwargs["dtype"])
-    engine = Engine(LLM(**kwargs), s, model_label(s, path))
-    atexit.register(engine.close)
-    size = engine._llm.llm_engine.model_config.embedding_size  # the pooler's output size
-    if size != s.dim:
-        engine.close()
-        raise ValueError(f"model.dim is {s.dim} in the config but the model {s.path} "
-                         f"gives {size}-dimensional embeddings")
-    return engine
-
-
-_HANDLES: dict[str, EngineHandle] = {}
-_HANDLES_LOCK = threading.Lock()
-
-
-def _engine_key(settings: ModelSettings) -> str:
-    """What the engine depends on; batching and failure settings may differ and share it."""
-    fields = ("name", "path", "revision", "dim", "dtype", "max_tokens", "trust_remote_code",
-              "enforce_eager", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
-              "engine_env")
-    return json.dumps(settings.model_dump(include=set(fields)), sort_keys=True)
-
-
-def load_engine(settings: ModelSettings) -> EngineHandle:
-    """The process's one vLLM engine handle for these settings, loaded on first use.
-
-    RunInference already keeps one model per DoFn; this cache also spans pipelines run one after
-    another in a process (tests, a retried bundle's new DoFn), so a worker never holds two engines.
-    """
-    key = _engine_key(settings)
-    with _HANDLES_LOCK:
-        if key not in _HANDLES:
-            _HANDLES[key] = EngineHandle(settings, load_vllm)
-        return _HANDLES[key]
-
-
-class _SharedEngine:
-    """Makes the shared engine's handle in the process multi_process_shared spawns for it."""
-
-    def __init__(self, settings: ModelSettings, factory: Optional[EngineFactory]):
-        self._settings, self._factory = settings, factory
-
-    def __call__(self) -> EngineHandle:
-        if self._factory is not None:
-            return EngineHandle(self._settings, self._factory)
-        return load_engine(self._settings)
 
 
 def token_budget_slices(items: Sequence, budget: int, size=len) -> Iterable[list]:
@@ -304,18 +125,8 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
 
     def load_model(self) -> EngineHandle:
         if self._settings.share_across_processes:
-            # One engine per machine, in a process of its own that Beam's multi_process_shared
-            # spawns: every SDK process reaches it through a proxy, and none of them prepares text
-            # in the engine's process, where it would hold the GIL the engine needs. (RunInference's
-            # own share_model_across_processes puts the model in one of the SDK processes.)
-            from apache_beam.utils import multi_process_shared
-
-            return multi_process_shared.MultiProcessShared(
-                _SharedEngine(self._settings, self._engine_factory), tag=self._shared_tag,
-                always_proxy=True, spawn_process=True).acquire()
-        if self._engine_factory is not None:
-            return EngineHandle(self._settings, self._engine_factory)
-        return load_engine(self._settings)
+            return shared_engine(self._settings, self._engine_factory, self._shared_tag)
+        return process_engine(self._settings, self._engine_factory)
 
     def _embed(self, model: EngineHandle, prompts: Sequence[Sequence[int]], retried=False) -> list:
         """A vector or an EmbedFailure per prompt: a failing call is retried in halves
@@ -391,21 +202,53 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
         return sum(len(d.text.encode("utf-8")) for d in batch)
 
 
-class MicroBatchEmbeddingHandler(VLLMEmbeddingHandler):
-    """Streaming: the examples are ``MicroBatch``es, each embedded whole, in calls of at most
-    ``model.token_budget`` tokens, so that its rows are written together. Use it through
+class MicroBatchEmbeddingHandler(ModelHandler[MicroBatch, PredictionResult, EngineHandle]):
+    """Streaming: the examples are ``MicroBatch``es, each embedded whole by the wrapped document
+    handler (in calls of at most ``model.token_budget`` tokens, with its failure handling and its
+    count of consecutive failures), so that its rows are written together. Use it through
     ``with_no_batching()`` on pre-batched input (a micro-batch in a 1-tuple): RunInference's
-    BatchElements would stamp its batches with the end of the global window."""
+    BatchElements would stamp its batches with the end of the global window.
+
+    It wraps the handler as Beam's ``_PrebatchedModelHandler`` does, and delegates what RunInference
+    asks of a handler and means the same for a micro-batch: the model, its sharing, metrics,
+    resource hints. It does not delegate what concerns single documents: the base's batching
+    (micro-batches are never batched) and its pre- and post-processing (none)."""
+
+    def __init__(self, base: VLLMEmbeddingHandler):
+        super().__init__()
+        self._base = base
+        self._env_vars = getattr(base, "_env_vars", {})
+
+    def load_model(self) -> EngineHandle:
+        return self._base.load_model()
 
     def run_inference(self, batch: Sequence[MicroBatch], model: EngineHandle,
                       inference_args: Optional[dict] = None) -> Iterable[PredictionResult]:
         label = model.label()
         return [PredictionResult(example=micro_batch, model_id=label,
-                                 inference=self.embed_docs(model, micro_batch.docs))
+                                 inference=self._base.embed_docs(model, micro_batch.docs))
                 for micro_batch in batch]
 
     def get_num_bytes(self, batch: Sequence[MicroBatch]) -> int:
-        return sum(super(MicroBatchEmbeddingHandler, self).get_num_bytes(b.docs) for b in batch)
+        return sum(self._base.get_num_bytes(b.docs) for b in batch)
+
+    def get_metrics_namespace(self) -> str:
+        return self._base.get_metrics_namespace()
+
+    def get_resource_hints(self) -> dict:
+        return self._base.get_resource_hints()
+
+    def validate_inference_args(self, inference_args: Optional[dict]):
+        return self._base.validate_inference_args(inference_args)
+
+    def share_model_across_processes(self) -> bool:
+        return self._base.share_model_across_processes()
+
+    def model_copies(self) -> int:
+        return self._base.model_copies()
+
+    def override_metrics(self, metrics_namespace: str = "") -> bool:
+        return self._base.override_metrics(metrics_namespace)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,7 +325,8 @@ class _EmbedBatchesFn(beam.DoFn):
 
     def _submit(self, batch):
         stats = EngineStats()
-        return self._pool.submit(self._handler.run_inference, batch, self._model, None, stats), stats
+        future = self._pool.submit(self._handler.run_inference, batch, self._model, None, stats)
+        return future, stats
 
     def process(self, batch, window=beam.DoFn.WindowParam, timestamp=beam.DoFn.TimestampParam):
         self._pending.append((*self._submit(batch), window, timestamp))
@@ -542,8 +386,8 @@ class EmbedMicroBatches(beam.PTransform):
                  store_chunk_text: bool = False, dead_letter_payload_bytes: int = 4096,
                  engine_factory: Optional[EngineFactory] = None):
         super().__init__()
-        self._handler = MicroBatchEmbeddingHandler(
-            settings, engine_factory, chunking.doc_vector).with_no_batching()
+        self._handler = MicroBatchEmbeddingHandler(VLLMEmbeddingHandler(
+            settings, engine_factory, chunking.doc_vector)).with_no_batching()
         self._rows = _row_maker(settings, chunking, store_chunk_text, dead_letter_payload_bytes)
 
     def expand(self, batches):

@@ -1,0 +1,246 @@
+"""The embedding engine: what turns token ids into vectors, loaded once per worker process (or once
+per machine, in a process of its own), never per bundle.
+
+An engine (``EmbeddingEngine``) has four members: a ``label`` (the model and its content hash,
+written with every row), ``embed`` (a vector per prompt of token ids, in one call), ``healthy``
+(whether a fixed canary input still embeds) and ``close``. ``Engine`` is the real one, vLLM's
+``LLM(runner="pooling")``; a test's FAKE or a benchmark's MODELED engine stands in for it through an
+``EngineFactory``.
+
+``EngineHandle`` is what a ModelHandler holds as its model. A failed call is either an INPUT failure
+or an ENGINE failure, told apart by the canary:
+- the canary still embeds: the inputs are to blame; the engine's error is raised as is, and the
+  handler (``transforms.embed``) bisects the call to find them;
+- the canary fails too, or vLLM says its engine died (a CUDA error looks like this): no input is
+  blamed. The engine is closed, ``EngineFailedError`` fails the bundle, and the runner retries it;
+  the handle loads a fresh engine on its next use, so whatever still holds the handle (the
+  embedding step, RunInference's shared model, the retried bundle) gets a working one.
+
+Where the engine lives: ``process_engine`` gives a handle in this process (``load_engine`` keeps one
+per process for given engine settings), ``shared_engine`` a proxy to one engine per machine, in a
+process of its own (``model.share_across_processes``).
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import numpy as np
+
+from transforms.model import ModelSettings, model_label, resolve_model_path
+
+_LOG = logging.getLogger(__name__)
+CANARY_TEXT = "newsvec engine check"
+
+
+class EmbeddingEngine(Protocol):
+    """What an engine is: vLLM's (``Engine``) or a stand-in (a FAKE in a test, the MODELED engine
+    of a benchmark)."""
+
+    label: str  # the model and the hash of its files: written with every row
+
+    def embed(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """A vector per prompt, in one call; raises if the call failed."""
+
+    def healthy(self) -> bool:
+        """Whether the engine still works (after a failed call: is it the engine or the inputs)."""
+
+    def close(self) -> None:
+        """Release the engine; it is not used again."""
+
+
+EngineFactory = Callable[[ModelSettings], EmbeddingEngine]
+
+
+class EngineFailedError(RuntimeError):
+    """The engine failed, not an input: the bundle fails (and is retried on a fresh engine)."""
+
+
+class Engine:
+    """``vllm.LLM(runner="pooling")`` behind the calls newsvec makes: embed token ids, check health,
+    close (an ``EmbeddingEngine``)."""
+
+    def __init__(self, llm, settings: ModelSettings, label: str):
+        self._llm, self._normalize, self.label = llm, settings.normalize, label
+        self._canary = [list(llm.get_tokenizer().encode(CANARY_TEXT))]
+
+    @property
+    def llm(self):
+        """The vLLM ``LLM`` itself (the batch benchmark calls it raw, as a baseline)."""
+        return self._llm
+
+    def embed(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        from vllm import PoolingParams
+        from vllm.inputs import TokensPrompt
+
+        # vLLM aborts a failed call's requests itself (tests/test_embed_failures.py checks it), so
+        # none of them can finish in a later call and be returned with its outputs.
+        outputs = self._llm.embed(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+            pooling_params=PoolingParams(use_activation=self._normalize), use_tqdm=False)
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"{len(outputs)} outputs for {len(prompts)} inputs")
+        for output, prompt in zip(outputs, prompts):
+            if list(output.prompt_token_ids) != list(prompt):
+                raise RuntimeError("an output does not belong to its input")
+        return [np.asarray(o.outputs.embedding, dtype=np.float32) for o in outputs]
+
+    def healthy(self) -> bool:
+        """Whether the canary still embeds to a finite vector: an engine that fails it is broken,
+        whatever the inputs were."""
+        try:
+            (vector,) = self.embed(self._canary)
+            return bool(np.isfinite(vector).all())
+        except Exception:  # pylint: disable=broad-except  # any failure of the canary is the answer
+            return False
+
+    def close(self) -> None:
+        """Stop vLLM's engine core; a process that does not may abort at exit (rc 134)."""
+        try:
+            self._llm.llm_engine.engine_core.shutdown()
+        except Exception:  # pylint: disable=broad-except
+            pass
+
+
+class EngineHandle:
+    """What RunInference holds as its model: the engine for some settings, loaded at once, and
+    loaded again after an engine failure.
+
+    One handle serves every DoFn thread of a process; ``LLM.embed()`` collects every finished
+    request, so concurrent calls could take each other's outputs: calls are serialized.
+    """
+
+    def __init__(self, settings: ModelSettings, factory: EngineFactory):
+        self._settings, self._factory = settings, factory
+        self._lock = threading.Lock()
+        self._engine: Optional[EmbeddingEngine] = None
+        self._unreported_load_ms: list[int] = []
+        self._label = ""
+        with self._lock:
+            self._load()
+
+    def _load(self) -> EmbeddingEngine:
+        started = time.perf_counter()
+        self._engine = engine = self._factory(self._settings)
+        self._label = engine.label
+        self._unreported_load_ms.append(int((time.perf_counter() - started) * 1000))
+        return engine
+
+    def label(self) -> str:
+        return self._label
+
+    def take_load_ms(self) -> list[int]:
+        """Load times not reported yet (metrics cannot be recorded in DoFn.setup, where loading
+        happens)."""
+        with self._lock:
+            taken, self._unreported_load_ms = self._unreported_load_ms, []
+            return taken
+
+    def embed(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """A vector per prompt. Raises ``EngineFailedError`` when the engine broke (it is closed,
+        and the next call loads a fresh one), or the engine's own error when the inputs failed."""
+        with self._lock:
+            engine = self._engine if self._engine is not None else self._load()
+            try:
+                return engine.embed(prompts)
+            except Exception as exc:  # pylint: disable=broad-except
+                if not _engine_is_dead(exc) and engine.healthy():
+                    raise  # the engine works: the inputs are to blame
+                _LOG.error("the embedding engine failed (%s: %s); closing it, the next call loads "
+                           "a fresh one", type(exc).__name__, exc)
+                self._engine = None
+                engine.close()
+                raise EngineFailedError(f"the embedding engine failed, not the inputs: "
+                                        f"{type(exc).__name__}: {exc}"[:2000]) from exc
+
+
+def _engine_is_dead(exc: BaseException) -> bool:
+    """vLLM's engine core died (its multiprocess client says so): every later call fails too."""
+    return type(exc).__name__ == "EngineDeadError"
+
+
+def load_vllm(s: ModelSettings) -> Engine:
+    """A real vLLM engine for these settings (the default ``EngineFactory``)."""
+    s.apply_engine_env()
+    from vllm import LLM  # imported on the worker, after the engine environment is set
+
+    path = resolve_model_path(s.path)
+    kwargs: dict[str, Any] = dict(
+        model=path, runner="pooling", dtype=s.resolved_dtype(), revision=s.revision,
+        max_model_len=s.max_tokens, trust_remote_code=s.trust_remote_code,
+        enforce_eager=s.enforce_eager, seed=0)
+    if s.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+    if s.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = s.max_num_seqs
+    if s.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
+    _LOG.info("loading %s at %s", s.name, kwargs["dtype"])
+    engine = Engine(LLM(**kwargs), s, model_label(s, path))
+    atexit.register(engine.close)
+    size = engine.llm.llm_engine.model_config.embedding_size  # the pooler's output size
+    if size != s.dim:
+        engine.close()
+        raise ValueError(f"model.dim is {s.dim} in the config but the model {s.path} "
+                         f"gives {size}-dimensional embeddings")
+    return engine
+
+
+_HANDLES: dict[str, EngineHandle] = {}
+_HANDLES_LOCK = threading.Lock()
+
+
+def _engine_identity(settings: ModelSettings) -> str:
+    """What the engine depends on; batching and failure settings may differ and share it."""
+    fields = ("name", "path", "revision", "dim", "dtype", "max_tokens", "trust_remote_code",
+              "enforce_eager", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
+              "engine_env")
+    return json.dumps(settings.model_dump(include=set(fields)), sort_keys=True)
+
+
+def load_engine(settings: ModelSettings) -> EngineHandle:
+    """The process's one vLLM engine handle for these settings, loaded on first use.
+
+    RunInference already keeps one model per DoFn; this cache also spans pipelines run one after
+    another in a process (tests, a retried bundle's new DoFn), so a worker never holds two engines.
+    """
+    identity = _engine_identity(settings)
+    with _HANDLES_LOCK:
+        if identity not in _HANDLES:
+            _HANDLES[identity] = EngineHandle(settings, load_vllm)
+        return _HANDLES[identity]
+
+
+def process_engine(settings: ModelSettings, factory: Optional[EngineFactory]) -> EngineHandle:
+    """A handle in this process: on a new engine from ``factory`` (tests, benchmarks), or, without
+    one, on the process's vLLM engine (``load_engine``)."""
+    if factory is not None:
+        return EngineHandle(settings, factory)
+    return load_engine(settings)
+
+
+class _SharedEngine:
+    """Makes the shared engine's handle in the process multi_process_shared spawns for it."""
+
+    def __init__(self, settings: ModelSettings, factory: Optional[EngineFactory]):
+        self._settings, self._factory = settings, factory
+
+    def __call__(self) -> EngineHandle:
+        return process_engine(self._settings, self._factory)
+
+
+def shared_engine(settings: ModelSettings, factory: Optional[EngineFactory],
+                  tag: str) -> EngineHandle:
+    """A proxy to the machine's one engine (``model.share_across_processes``), in a process of its
+    own that Beam's multi_process_shared spawns: every SDK process reaches it through the proxy,
+    and none of them prepares text in the engine's process, where it would hold the GIL the engine
+    needs. (RunInference's own share_model_across_processes puts the model in one of the SDK
+    processes.) Every process that asks with the same ``tag`` gets the same engine."""
+    from apache_beam.utils import multi_process_shared
+
+    return multi_process_shared.MultiProcessShared(
+        _SharedEngine(settings, factory), tag=tag, always_proxy=True, spawn_process=True).acquire()
