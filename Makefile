@@ -3,12 +3,12 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run run-streaming test benchmark benchmark-streaming benchmark-feed benchmark-incremental retrieval soak clean
+.PHONY: setup run run-streaming test lint benchmark benchmark-streaming benchmark-feed benchmark-incremental retrieval soak clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0 -e '.[cpu,test,bench,search]'
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0 -e '.[cpu,test,bench,search,lint]'
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA-linked and break `from vllm import LLM` on the
 	# CPU; triton (pulled by xgrammar) is of no use there.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton
@@ -24,6 +24,11 @@ run-streaming: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# Style (ruff: ruff.toml) and types (mypy on pipeline/ and transforms/: setup.cfg). CI runs it first.
+lint: setup
+	$(PY) -m ruff check
+	$(PY) -m mypy
 
 benchmark: setup
 	$(PY) -m benchmarks.batch

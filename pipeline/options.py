@@ -1,7 +1,7 @@
 """newsvec's own pipeline options, beside Beam's (runner, project, ...).
 
-These are also the user-facing parameters of the Flex Template (configs/flex-template-metadata.json);
-tests/test_dataflow.py fails if the two drift apart.
+These are also the user-facing parameters of the Flex Template
+(configs/flex-template-metadata.json); tests/test_dataflow.py fails if the two drift apart.
 """
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -17,8 +17,8 @@ class NewsvecOptions(PipelineOptions):
         parser.add_argument("--output", default=None,
                             help="Output prefix, local or gs://; overrides the config's output")
         parser.add_argument("--subscription", default=None,
-                            help="Pub/Sub subscription (projects/P/subscriptions/S): stream from it; "
-                                 "overrides the config's streaming.subscription")
+                            help="Pub/Sub subscription (projects/P/subscriptions/S): stream from "
+                                 "it; overrides the config's streaming.subscription")
         parser.add_argument("--input_date", default=None,
                             help="The date that fills {date} (or {date:STRFTIME}) in the input and "
                                  "output: YYYY-MM-DD, 'today' or 'yesterday' (UTC at launch). "

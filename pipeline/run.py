@@ -10,8 +10,13 @@ from typing import Optional, Sequence
 
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
-from apache_beam.options.pipeline_options import (DirectOptions, GoogleCloudOptions,
-                                                  PipelineOptions, StandardOptions, TestOptions)
+from apache_beam.options.pipeline_options import (
+    DirectOptions,
+    GoogleCloudOptions,
+    PipelineOptions,
+    StandardOptions,
+    TestOptions,
+)
 
 from pipeline import config as config_lib
 from pipeline.graph import build_batch, build_streaming
@@ -40,7 +45,8 @@ def resolve(argv: Optional[Sequence[str]] = None) -> tuple[config_lib.Config, Pi
     unknown = sorted(set(options.get_all_options(retain_unknown_options=True))
                      - config_lib.known_beam_options())
     if unknown:
-        raise config_lib.ConfigError(f"command line: --{unknown[0]} is not a newsvec or Beam option")
+        raise config_lib.ConfigError(
+            f"command line: --{unknown[0]} is not a newsvec or Beam option")
     return config, options
 
 
@@ -123,6 +129,7 @@ def _progress(config: config_lib.Config, options: PipelineOptions):
     mode = options.view_as(DirectOptions).direct_running_mode
     if _runs_elsewhere(options) or mode == "multi_processing":
         return contextlib.nullcontext()
+    assert config.input, "build_batch has refused a batch config without an input"
     return ProgressReporter(count_lines(config.input))
 
 
@@ -187,7 +194,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(usage())
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         summary = run(argv)
     except config_lib.ConfigError as exc:

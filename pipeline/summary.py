@@ -18,9 +18,11 @@ def _value(result):
 
 
 def read_metrics(job_result) -> tuple[dict, dict, dict]:
-    """(newsvec counters, dead letters by reason, distributions as {name: {count, sum, min, max}})."""
+    """(newsvec counters, dead letters by reason, distributions as
+    {name: {count, sum, min, max}})."""
     query = job_result.metrics().query(MetricsFilter())
-    counters, reasons = defaultdict(int), defaultdict(int)
+    counters: defaultdict[str, int] = defaultdict(int)
+    reasons: defaultdict[str, int] = defaultdict(int)
     for result in query["counters"]:
         namespace, name = result.key.metric.namespace, result.key.metric.name
         if namespace == metrics.NAMESPACE:

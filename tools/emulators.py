@@ -40,8 +40,8 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout: float) -> None:
 
 class GcsEmulator:
     """gcp-storage-emulator (PyPI) on a loopback port, with ``bucket`` created. In memory, or on
-    disk under ``data_dir``: then ``stop()`` and ``start()`` again on the same port keep the objects,
-    which is how a test makes storage unavailable for a while."""
+    disk under ``data_dir``: then ``stop()`` and ``start()`` again on the same port keep the
+    objects, which is how a test makes storage unavailable for a while."""
 
     def __init__(self, bucket: str, log_dir: Path, data_dir: Optional[Path] = None):
         self._exe = shutil.which("gcp-storage-emulator") or str(Path(sys.executable).with_name(
@@ -49,7 +49,8 @@ class GcsEmulator:
         if not Path(self._exe).exists():
             raise EmulatorMissing(
                 "gcp-storage-emulator is not installed (pip install gcp-storage-emulator)")
-        self._bucket, self._log_path, self._data_dir = bucket, log_dir / "gcs-emulator.log", data_dir
+        self._bucket, self._data_dir = bucket, data_dir
+        self._log_path = log_dir / "gcs-emulator.log"
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._process: Optional[subprocess.Popen] = None

@@ -1,4 +1,5 @@
-"""The whole streaming demo in one command: ``make run-streaming`` (``python -m tools.streaming_demo``).
+"""The whole streaming demo in one command: ``make run-streaming``
+(``python -m tools.streaming_demo``).
 
 1. starts Google's Pub/Sub emulator on loopback and creates the config's topic and subscription;
 2. starts the streaming job (``configs/local-streaming.yaml``, the local runner) and publishes the

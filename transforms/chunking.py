@@ -110,11 +110,13 @@ class Chunker:
         self._overlap, self._slack = settings.overlap_tokens, settings.sentence_end_slack_tokens
         self._head_room = max_tokens - len(self._lead) - len(self._trail) - len(self._prefix)
 
-    def split(self, texts: Sequence[str]) -> list[tuple[tuple[int, ...], bool, tuple[ChunkSpan, ...]]]:
+    def split(self, texts: Sequence[str]) -> list[
+            tuple[tuple[int, ...], bool, tuple[ChunkSpan, ...]]]:
         """Per text: its head-mode input (its first tokens up to ``max_tokens``, with the prefix and
         the special tokens), whether that head was cut, and its chunks."""
         out = []
-        for text, e in zip(texts, self._tok.encode_batch(list(texts), add_special_tokens=False)):
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        for text, e in zip(texts, encodings, strict=True):
             ids = e.ids
             head = self._lead + self._prefix + tuple(ids[:self._head_room]) + self._trail
             out.append((head, len(ids) > self._head_room,

@@ -22,7 +22,8 @@ _HASHED_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model")
 
 
 def resolve_model_path(spec: str) -> str:
-    """The local folder of a model spec. A Hugging Face id is returned as is (the config decides)."""
+    """The local folder of a model spec. A Hugging Face id is returned as is (the config
+    decides)."""
     if spec.startswith(PYPACKAGE):
         module = importlib.import_module(spec[len(PYPACKAGE):])
         return str(module.get_model_path())
@@ -82,7 +83,8 @@ def _computes_bfloat16() -> bool:
 
 
 class ModelSettings(BaseModel):
-    """Every model setting newsvec uses, read by PrepareText (tokenizer) and EmbedWithVLLM (engine)."""
+    """Every model setting newsvec uses, read by PrepareText (tokenizer) and EmbedWithVLLM
+    (engine)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -138,7 +140,8 @@ class ModelSettings(BaseModel):
         if self.token_budget < self.max_tokens:
             raise ValueError(f"token_budget ({self.token_budget}) must be at least max_tokens "
                              f"({self.max_tokens}), or a long document fits in no batch")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_tokens:
+        if (self.max_num_batched_tokens is not None
+                and self.max_num_batched_tokens < self.max_tokens):
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
                              f"least max_tokens ({self.max_tokens}): vLLM embeds a document in "
                              "one engine step")

@@ -1,8 +1,8 @@
 """Parse: raw bytes (a JSON Lines line, or the head of one too large to read: ``OversizedPayload``)
 or a Pub/Sub message -> NewsEvent, or a dead letter.
 
-A Pub/Sub message's data is parsed as the same bytes; its id, publish time and attributes are kept on
-the event as ``Lineage`` (and on its dead letter, the message id).
+A Pub/Sub message's data is parsed as the same bytes; its id, publish time and attributes are kept
+on the event as ``Lineage`` (and on its dead letter, the message id).
 
 Every payload leaves this step exactly once: on the main output as a ``NewsEvent``, or on the
 ``dead_letter`` output with a reason from ``schema.Reason``.
@@ -10,7 +10,7 @@ Every payload leaves this step exactly once: on the main output as a ``NewsEvent
 from __future__ import annotations
 
 import datetime as dt
-from typing import Iterator, Optional, Union
+from typing import Any, Iterator, Mapping, Optional, Union
 
 import apache_beam as beam
 import pydantic
@@ -18,9 +18,16 @@ import pydantic_core
 from apache_beam import pvalue
 
 from transforms.metrics import EVENTS_IN
-from transforms.schema import (DEAD_LETTER, DeadLetter, Lineage, NewsEvent, OversizedPayload,
-                               Reason, Step, truncate_payload)
-
+from transforms.schema import (
+    DEAD_LETTER,
+    DeadLetter,
+    Lineage,
+    NewsEvent,
+    OversizedPayload,
+    Reason,
+    Step,
+    truncate_payload,
+)
 
 
 class ParseError(ValueError):
@@ -29,7 +36,7 @@ class ParseError(ValueError):
         self.reason, self.detail, self.event_id = reason, detail, event_id
 
 
-def _describe(err: dict) -> str:
+def _describe(err: Mapping[str, Any]) -> str:
     loc = ".".join(str(p) for p in err.get("loc", ())) or "(root)"
     return f"{loc}: {err.get('msg', 'invalid')}"
 
@@ -62,14 +69,16 @@ def parse_event(
                          f"{payload.size} bytes is over the limit of {max_payload_bytes} bytes "
                          f"(not read whole)")
     if not isinstance(payload, (bytes, bytearray)):
-        raise ParseError(Reason.INVALID_FIELD, f"payload must be bytes, got {type(payload).__name__}")
+        raise ParseError(Reason.INVALID_FIELD,
+                         f"payload must be bytes, got {type(payload).__name__}")
     if len(payload) > max_payload_bytes:
         raise ParseError(Reason.PAYLOAD_TOO_LARGE,
                          f"{len(payload)} bytes is over the limit of {max_payload_bytes} bytes")
     try:
         text = bytes(payload).decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ParseError(Reason.INVALID_UTF8, f"not UTF-8 at byte {exc.start}: {exc.reason}") from None
+        raise ParseError(Reason.INVALID_UTF8,
+                         f"not UTF-8 at byte {exc.start}: {exc.reason}") from None
     try:
         # pydantic's JSON parser takes NaN and Infinity, which are not JSON (RFC 8259).
         pydantic_core.from_json(text, allow_inf_nan=False, cache_strings=False)
@@ -94,7 +103,8 @@ def parse_event(
 def split_message(element) -> tuple[bytes, Optional[Lineage]]:
     """(payload, lineage) of raw bytes or an ``OversizedPayload`` (no lineage), or of a Pub/Sub
     message (``PubsubMessage``)."""
-    if isinstance(element, (bytes, bytearray, OversizedPayload)) or not hasattr(element, "attributes"):
+    if (isinstance(element, (bytes, bytearray, OversizedPayload))
+            or not hasattr(element, "attributes")):
         return element, None
     publish_time = getattr(element, "publish_time", None)
     if publish_time is not None and not isinstance(publish_time, dt.datetime):
@@ -105,7 +115,8 @@ def split_message(element) -> tuple[bytes, Optional[Lineage]]:
 
 
 class _ParseFn(beam.DoFn):
-    def __init__(self, max_payload_bytes: int, max_future_skew_s: float, dead_letter_payload_bytes: int):
+    def __init__(self, max_payload_bytes: int, max_future_skew_s: float,
+                 dead_letter_payload_bytes: int):
         self._max_payload_bytes = max_payload_bytes
         self._max_future_skew = dt.timedelta(seconds=max_future_skew_s)
         self._dl_bytes = dead_letter_payload_bytes
@@ -121,7 +132,8 @@ class _ParseFn(beam.DoFn):
             if isinstance(payload, OversizedPayload):
                 raw, size = payload.head, payload.size
             else:
-                raw = bytes(payload) if isinstance(payload, (bytes, bytearray)) else repr(payload).encode()
+                raw = (bytes(payload) if isinstance(payload, (bytes, bytearray))
+                       else repr(payload).encode())
                 size = len(raw)
             yield pvalue.TaggedOutput(DEAD_LETTER, DeadLetter(
                 step=Step.PARSE, reason=exc.reason, detail=exc.detail,

@@ -1,12 +1,13 @@
-"""Prepare text: NewsEvent -> PreparedDoc (normalized text + the head of its token ids), or a dead letter.
+"""Prepare text: NewsEvent -> PreparedDoc (normalized text + the head of its token ids), or a dead
+letter.
 
-Normalization: HTML tags dropped and entities decoded, mojibake repaired (ftfy), Unicode NFC, control
-characters removed, invisible format characters (bidi controls, joiners, soft hyphens) dropped,
-whitespace collapsed. Title and body are joined by a newline.
+Normalization: HTML tags dropped and entities decoded, mojibake repaired (ftfy), Unicode NFC,
+control characters removed, invisible format characters (bidi controls, joiners, soft hyphens)
+dropped, whitespace collapsed. Title and body are joined by a newline.
 
-Truncation keeps the HEAD of long articles: the text is tokenized here with the model's own tokenizer,
-truncated on the right to ``max_tokens`` (special tokens included), and the ids go to vLLM as they
-are. (vLLM's ``truncate_prompt_tokens`` would keep the tail, the wrong end for news.)
+Truncation keeps the HEAD of long articles: the text is tokenized here with the model's own
+tokenizer, truncated on the right to ``max_tokens`` (special tokens included), and the ids go to
+vLLM as they are. (vLLM's ``truncate_prompt_tokens`` would keep the tail, the wrong end for news.)
 ``model.document_prefix`` goes before the text and counts in its tokens. In chunks mode
 (``transforms.chunking``) the whole text is tokenized, and cut into chunks as well.
 
@@ -35,15 +36,14 @@ import ftfy.badness
 import ftfy.fixes
 from apache_beam import pvalue
 
-try:
-    from re import _parser as sre_parse  # Python >= 3.11
+try:  # Python >= 3.11; typeshed has no stub for the private re._parser
+    from re import _parser as sre_parse  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover
     import sre_parse
 
 from transforms.chunking import Chunker, ChunkingSettings
 from transforms.model import ModelSettings, resolve_model_path
 from transforms.schema import DEAD_LETTER, DeadLetter, NewsEvent, PreparedDoc, Reason, Step
-
 
 # Text past this many characters per allowed token is cut before tokenizing: real text has far more
 # tokens than max_tokens by then, so that part would be truncated anyway (and ``truncated`` is set).
@@ -58,7 +58,7 @@ def _char_class(codepoints: list[int]) -> str:
     """A regex character class of these code points, as ranges (far faster to match than one
     escaped character each)."""
     ranges, start = [], None
-    for c, nxt in zip(codepoints, codepoints[1:] + [None]):
+    for c, nxt in zip(codepoints, codepoints[1:] + [None], strict=True):
         start = c if start is None else start
         if nxt != c + 1:
             ranges.append(re.escape(chr(start)) + ("" if start == c else "-" + re.escape(chr(c))))
@@ -146,7 +146,8 @@ def fix_text(text: str) -> str:
     fixed = _ftfy(_MARKER.join(pieces)).split(_MARKER)
     if len(fixed) != len(pieces):  # the marker was changed: cannot happen, but then do it whole
         return _ftfy(text)
-    return "".join(piece + middle for piece, middle in zip(fixed, middles)) + fixed[-1]
+    pairs = zip(fixed[:-1], middles, strict=True)  # the last piece has no middle after it
+    return "".join(piece + middle for piece, middle in pairs) + fixed[-1]
 
 _BLOCK_TAGS = frozenset(
     "address article aside blockquote br dd div dl dt figcaption figure footer h1 h2 h3 h4 h5 h6 "
@@ -155,7 +156,8 @@ _SKIP_TAGS = frozenset({"script", "style", "noscript", "template"})
 
 
 class _TextExtractor(html.parser.HTMLParser):
-    """Text content of an HTML fragment; block tags become spaces, scripts and styles are dropped."""
+    """Text content of an HTML fragment; block tags become spaces, scripts and styles are
+    dropped."""
 
     def __init__(self):
         super().__init__(convert_charrefs=True)
@@ -204,7 +206,8 @@ def normalize_text(text: Optional[str]) -> str:
 
 def compose_text(event: NewsEvent) -> str:
     """The text that is embedded: normalized title, a newline, normalized body."""
-    return "\n".join(part for part in (normalize_text(event.title), normalize_text(event.body)) if part)
+    parts = (normalize_text(event.title), normalize_text(event.body))
+    return "\n".join(part for part in parts if part)
 
 
 class HeadTokenizer:
@@ -239,14 +242,16 @@ class HeadTokenizer:
         texts skip the tokenizer's normalizer (see ``_without_bert_normalizer``)."""
         if self._ascii_tok is None:
             return self._batch(self._tok, texts)
-        plain = [i for i, text in enumerate(texts) if text.isascii() and not _BERT_CLEANS.search(text)]
+        plain = [i for i, text in enumerate(texts)
+                 if text.isascii() and not _BERT_CLEANS.search(text)]
         if not plain:
             return self._batch(self._tok, texts)
         results: list = [None] * len(texts)
-        for i, r in zip(plain, self._batch(self._ascii_tok, [texts[i].lower() for i in plain])):
+        lowered = self._batch(self._ascii_tok, [texts[i].lower() for i in plain])
+        for i, r in zip(plain, lowered, strict=True):
             results[i] = r
         rest = [i for i, r in enumerate(results) if r is None]
-        for i, r in zip(rest, self._batch(self._tok, [texts[i] for i in rest])):
+        for i, r in zip(rest, self._batch(self._tok, [texts[i] for i in rest]), strict=True):
             results[i] = r
         return results
 
@@ -260,12 +265,13 @@ class HeadTokenizer:
                     end = len(text) - len(words[-1]) - 1  # the _head_words-th space
                     if end <= self._max_chars:
                         heads.append((i, text[:end]))
-            for (i, _), e in zip(heads, tok.encode_batch_fast([h for _, h in heads])):
+            head_encodings = tok.encode_batch_fast([h for _, h in heads])
+            for (i, _), e in zip(heads, head_encodings, strict=True):
                 if e.overflowing:
                     results[i] = (tuple(e.ids), True)
         rest = [i for i, r in enumerate(results) if r is None]
         encodings = tok.encode_batch_fast([texts[i][: self._max_chars] for i in rest])
-        for i, e in zip(rest, encodings):
+        for i, e in zip(rest, encodings, strict=True):
             results[i] = (tuple(e.ids), len(texts[i]) > self._max_chars or bool(e.overflowing))
         return results
 
@@ -321,6 +327,7 @@ class _PrepareTextFn(beam.DoFn):
         """Per text: (head token ids, whether the head was cut, chunks)."""
         if self._chunker is not None:
             return self._chunker.split(texts)
+        assert self._tokenizer is not None, "setup() makes the tokenizer"
         prefix = self._model.document_prefix
         return [(ids, cut, ()) for ids, cut in self._tokenizer.batch([prefix + t for t in texts])]
 
@@ -338,8 +345,9 @@ class _PrepareTextFn(beam.DoFn):
         try:
             text = compose_text(event)
         except Exception as exc:  # pylint: disable=broad-except  # hostile markup must not crash
-            return self._dead_letter(event, Reason.PREPARE_FAILED,
-                                     f"text normalization failed: {type(exc).__name__}: {exc}"[:500])
+            return self._dead_letter(
+                event, Reason.PREPARE_FAILED,
+                f"text normalization failed: {type(exc).__name__}: {exc}"[:500])
         if not text:
             return self._dead_letter(event, Reason.EMPTY_AFTER_NORMALIZATION,
                                      "no text is left once HTML, control characters and whitespace "
@@ -350,7 +358,7 @@ class _PrepareTextFn(beam.DoFn):
         try:
             return self._tokenize_batch(texts)
         except Exception:  # pylint: disable=broad-except  # find the text to blame, keep the rest
-            results = []
+            results: list[tuple | Exception] = []
             for text in texts:
                 try:
                     results += self._tokenize_batch([text])
@@ -362,10 +370,12 @@ class _PrepareTextFn(beam.DoFn):
         composed = [(event, self._compose(event)) for event in events]
         yield from (text for _, text in composed if not isinstance(text, str))
         ready = [(event, text) for event, text in composed if isinstance(text, str)]
-        for (event, text), tokens in zip(ready, self._tokenize([text for _, text in ready])):
+        tokenized = self._tokenize([text for _, text in ready])
+        for (event, text), tokens in zip(ready, tokenized, strict=True):
             if isinstance(tokens, Exception):
-                yield self._dead_letter(event, Reason.PREPARE_FAILED,
-                                        f"tokenization failed: {type(tokens).__name__}: {tokens}"[:500])
+                yield self._dead_letter(
+                    event, Reason.PREPARE_FAILED,
+                    f"tokenization failed: {type(tokens).__name__}: {tokens}"[:500])
                 continue
             ids, truncated, chunks = tokens
             yield PreparedDoc(event=event, text=text,

@@ -1,5 +1,5 @@
-"""Event time and windows for streaming: NewsEvent (timestamped by Pub/Sub publish time) -> NewsEvent
-in fixed event-time windows.
+"""Event time and windows for streaming: NewsEvent (timestamped by Pub/Sub publish time) ->
+NewsEvent in fixed event-time windows.
 
 Event time is ``published_at``, falling back to the publish time (the timestamp ReadFromPubSub gives
 each message). Late data is never dropped:
@@ -41,11 +41,13 @@ def windowed_by_publish_time(event: NewsEvent, publish_time: Timestamp,
                              allowed_lateness_s: float) -> bool:
     """Whether ``published_at`` lies more than the allowed lateness before the publish time."""
     return (event.published_at is not None
-            and publish_time - _timestamp(event.published_at) > Duration(seconds=allowed_lateness_s))
+            and (publish_time - _timestamp(event.published_at)
+                 > Duration(seconds=allowed_lateness_s)))
 
 
 def event_time(event: NewsEvent, publish_time: Timestamp, allowed_lateness_s: float) -> Timestamp:
-    """``published_at`` when it is within the allowed lateness of the publish time, else the latter."""
+    """``published_at`` when it is within the allowed lateness of the publish time, else the
+    latter."""
     if event.published_at is None:
         return publish_time
     if windowed_by_publish_time(event, publish_time, allowed_lateness_s):
