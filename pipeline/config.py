@@ -54,7 +54,8 @@ class TextSettings(_Section):
 
 
 class DedupSettings(_Section):
-    key: DedupKey = Field("id", description="`id` or `text_sha256` (the same text under another id)")
+    key: DedupKey = Field(
+        "id", description="`id` or `text_sha256` (the same text under another id)")
 
 
 class SinkSettings(_Section):

@@ -7,8 +7,8 @@ for readers that use this. Ordered by day first, not by ``embedded_at``, so that
 older day does not make its older text current again. Articles are never deleted by it (there are
 no tombstones in the input contract).
 
-DuckDB (``CURRENT_VECTORS_SQL``, docs/incremental.md shows it; ``{files}`` is a glob or a list of globs of
-vector files under ``dt=`` folders):
+DuckDB (``CURRENT_VECTORS_SQL``, docs/incremental.md shows it; ``{files}`` is a glob or a list of
+globs of vector files under ``dt=`` folders):
 """
 from __future__ import annotations
 

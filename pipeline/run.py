@@ -24,8 +24,8 @@ from pipeline.options import NewsvecOptions
 from pipeline.progress import ProgressReporter
 from pipeline.summary import job_statistics
 from transforms.engine import EngineFactory
-from transforms.read import count_lines
 from transforms.layout import SUMMARY_FILE, join_path, new_run_id
+from transforms.read import count_lines
 
 _LOG = logging.getLogger("newsvec")
 

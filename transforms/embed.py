@@ -31,7 +31,7 @@ import hashlib
 import logging
 import time
 import uuid
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, cast
 
 import apache_beam as beam
 from apache_beam import pvalue
@@ -39,12 +39,25 @@ from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInf
 from apache_beam.utils.windowed_value import WindowedValue
 
 from transforms.chunking import ChunkingSettings, chunk_id, mean_vector
-from transforms.engine import (EngineFactory, EngineFailedError, EngineHandle, process_engine,
-                               shared_engine)
+from transforms.engine import (
+    EngineFactory,
+    EngineFailedError,
+    EngineHandle,
+    process_engine,
+    shared_engine,
+)
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
 from transforms.model import ModelSettings
-from transforms.schema import (DEAD_LETTER, ChunkRow, DeadLetter, EmbeddedDoc, MicroBatch,
-                               PreparedDoc, Reason, Step)
+from transforms.schema import (
+    DEAD_LETTER,
+    ChunkRow,
+    DeadLetter,
+    EmbeddedDoc,
+    MicroBatch,
+    PreparedDoc,
+    Reason,
+    Step,
+)
 
 _LOG = logging.getLogger(__name__)
 
@@ -61,7 +74,8 @@ class ModelBrokenError(RuntimeError):
 def token_budget_slices(items: Sequence, budget: int, size=len) -> Iterable[list]:
     """Consecutive slices of at most ``budget`` tokens (``size(item)`` each; a longer item stands
     alone)."""
-    batch, tokens = [], 0
+    batch: list = []
+    tokens = 0
     for item in items:
         if batch and tokens + size(item) > budget:
             yield batch
@@ -155,7 +169,8 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
         to ``stats`` when given (a thread that is not the bundle's cannot record metrics), else
         straight to Beam's metrics."""
         own_stats = stats is None
-        stats = EngineStats() if own_stats else stats
+        if stats is None:
+            stats = EngineStats()
         stats.load_ms += model.take_load_ms()
         inputs = [(i, ids) for i, doc in enumerate(docs)
                   for ids in model_inputs(doc, self._doc_vector)]
@@ -169,7 +184,7 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
         if own_stats:
             stats.record()
         per_doc: list = [[] for _ in docs]
-        for (i, _), result in zip(inputs, results):
+        for (i, _), result in zip(inputs, results, strict=True):
             per_doc[i].append(result)
         out = []
         for vectors in per_doc:
@@ -192,8 +207,9 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
                       inference_args: Optional[dict] = None,
                       stats: Optional[EngineStats] = None) -> list[PredictionResult]:
         label = model.label()
+        results = self.embed_docs(model, batch, stats)
         return [PredictionResult(example=doc, inference=result, model_id=label)
-                for doc, result in zip(batch, self.embed_docs(model, batch, stats))]
+                for doc, result in zip(batch, results, strict=True)]
 
     def get_metrics_namespace(self) -> str:
         return "newsvec.RunInference"
@@ -270,10 +286,11 @@ class RowMaker:
             return EmbeddedDoc.of(doc, result[0], model, now)
         chunk_vectors = result[-len(doc.chunks):]
         rows = []
-        for index, (chunk, vector) in enumerate(zip(doc.chunks, chunk_vectors)):
+        for index, (chunk, vector) in enumerate(zip(doc.chunks, chunk_vectors, strict=True)):
             text = doc.text[chunk.char_start:chunk.char_end]
             rows.append(ChunkRow(
-                id=doc.id, chunk_id=chunk_id(doc.id, doc.text_sha256, model, self.chunk_recipe, index),
+                id=doc.id,
+                chunk_id=chunk_id(doc.id, doc.text_sha256, model, self.chunk_recipe, index),
                 chunk_index=index, chunk_count=len(doc.chunks), token_start=chunk.token_start,
                 token_end=chunk.token_end, char_start=chunk.char_start, char_end=chunk.char_end,
                 chunk_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
@@ -292,7 +309,9 @@ class _RouteFn(beam.DoFn):
         self._rows = rows
 
     def process(self, result: PredictionResult):
-        out = self._rows(result.example, result.inference, result.model_id)
+        # Beam types PredictionResult's fields with free type variables; our handler sets them.
+        out = self._rows(cast(PreparedDoc, result.example), result.inference,
+                         cast(str, result.model_id))
         yield pvalue.TaggedOutput(DEAD_LETTER, out) if isinstance(out, DeadLetter) else out
 
 
@@ -313,7 +332,8 @@ class _EmbedBatchesFn(beam.DoFn):
 
     def __init__(self, handler: VLLMEmbeddingHandler, in_flight: int = 2):
         self._handler, self._in_flight = handler, in_flight
-        self._model = self._pool = None
+        self._model: Optional[EngineHandle] = None
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._pending: collections.deque = collections.deque()
 
     def setup(self):
@@ -325,6 +345,7 @@ class _EmbedBatchesFn(beam.DoFn):
 
     def _submit(self, batch):
         stats = EngineStats()
+        assert self._pool is not None and self._model is not None, "setup() makes them"
         future = self._pool.submit(self._handler.run_inference, batch, self._model, None, stats)
         return future, stats
 
@@ -371,8 +392,9 @@ class EmbedWithVLLM(beam.PTransform):
 
 
 def _fill_micro_batch(result: PredictionResult, rows: RowMaker) -> MicroBatch:
-    batch: MicroBatch = result.example
-    outs = [rows(doc, r, result.model_id) for doc, r in zip(batch.docs, result.inference)]
+    batch = cast(MicroBatch, result.example)  # see _RouteFn.process
+    outs = [rows(doc, r, cast(str, result.model_id))
+            for doc, r in zip(batch.docs, cast(list, result.inference), strict=True)]
     return dataclasses.replace(
         batch, docs=(), rows=tuple(o for o in outs if isinstance(o, EmbeddedDoc)),
         dead_letters=batch.dead_letters + tuple(o for o in outs if isinstance(o, DeadLetter)))

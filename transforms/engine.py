@@ -84,7 +84,7 @@ class Engine:
             pooling_params=PoolingParams(use_activation=self._normalize), use_tqdm=False)
         if len(outputs) != len(prompts):
             raise RuntimeError(f"{len(outputs)} outputs for {len(prompts)} inputs")
-        for output, prompt in zip(outputs, prompts):
+        for output, prompt in zip(outputs, prompts, strict=True):
             if list(output.prompt_token_ids) != list(prompt):
                 raise RuntimeError("an output does not belong to its input")
         return [np.asarray(o.outputs.embedding, dtype=np.float32) for o in outputs]

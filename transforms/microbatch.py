@@ -3,9 +3,9 @@ event-time window, firing (pane) and shard.
 
 This grouping is the streaming micro-batch: the windows' trigger (``FixedEventTimeWindows``) fires
 it ``max_wait_s`` after a pane's first element, when the window closes, and once per late element,
-so batches fill up under load and wait at most ``max_wait_s`` when traffic is light. Every message that
-reaches it is in exactly one micro-batch, as a document or a dead letter, which is what makes each
-micro-batch's ledger balance on its own.
+so batches fill up under load and wait at most ``max_wait_s`` when traffic is light. Every message
+that reaches it is in exactly one micro-batch, as a document or a dead letter, which is what makes
+each micro-batch's ledger balance on its own.
 
 It is also the only step that checks lateness: its output carries the window and pane as data, in
 the global window, so nothing downstream (dedup, embedding, writing) can drop what it accepted.

@@ -31,7 +31,7 @@ from transforms.schema import (
 
 
 class ParseError(ValueError):
-    def __init__(self, reason: str, detail: str, event_id: Optional[str] = None):
+    def __init__(self, reason: Reason, detail: str, event_id: Optional[str] = None):
         super().__init__(f"{reason}: {detail}")
         self.reason, self.detail, self.event_id = reason, detail, event_id
 

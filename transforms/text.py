@@ -331,7 +331,7 @@ class _PrepareTextFn(beam.DoFn):
         prefix = self._model.document_prefix
         return [(ids, cut, ()) for ids, cut in self._tokenizer.batch([prefix + t for t in texts])]
 
-    def _dead_letter(self, event: NewsEvent, reason: str, detail: str):
+    def _dead_letter(self, event: NewsEvent, reason: Reason, detail: str):
         return pvalue.TaggedOutput(DEAD_LETTER, DeadLetter.for_event(
             event, Step.PREPARE, reason, detail, self._dl_bytes))
 
