@@ -142,6 +142,7 @@ def main(argv=None) -> int:
     results["sentence_transformers"] = st
 
     from apache_beam.options.pipeline_options import PipelineOptions
+
     from pipeline.run import run_batch
 
     work = Path(tempfile.mkdtemp(prefix="newsvec-bench-"))

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.batch import bbc_texts
 from benchmarks import write_results
+from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 
 # What the MODELED engine's rates stand for (assumptions, printed with the figures):

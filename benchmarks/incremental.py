@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from benchmarks.batch import bbc_texts
 from benchmarks import write_results
+from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, IncrementalSettings, fill_date, fill_model, load
 
 
@@ -38,7 +38,7 @@ def _write(path: Path, rows: list[dict]) -> None:
 
 def _vectors(table) -> dict[str, np.ndarray]:
     matrix = table["embedding"].combine_chunks().flatten().to_numpy().reshape(table.num_rows, -1)
-    return dict(zip(table["id"].to_pylist(), matrix))
+    return dict(zip(table["id"].to_pylist(), matrix, strict=True))
 
 
 def main(argv=None) -> int:
@@ -93,8 +93,10 @@ def main(argv=None) -> int:
     reference = pq.read_table(sorted((work / "full-out" / "vectors").glob("*.parquet")))
     got, want = _vectors(current), _vectors(reference)
     same_ids = sorted(got) == sorted(want)
-    same_texts = (dict(zip(current["id"].to_pylist(), current["text_sha256"].to_pylist()))
-                  == dict(zip(reference["id"].to_pylist(), reference["text_sha256"].to_pylist())))
+    same_texts = (dict(zip(current["id"].to_pylist(), current["text_sha256"].to_pylist(),
+                           strict=True))
+                  == dict(zip(reference["id"].to_pylist(), reference["text_sha256"].to_pylist(),
+                              strict=True)))
     cosine = min(float(np.dot(got[i], want[i])) for i in want) if same_ids else None
     ratio = second["embed_s"] / first["embed_s"]
     print(f"day 1: {first['counts']['written']} written in {first['run_s']:.1f} s "

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from benchmarks.batch import bbc_texts
 from benchmarks import write_results
+from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 from transforms.chunking import ChunkingSettings
 

@@ -27,11 +27,10 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.batch import bbc_texts
-from pipeline import ledger
 from benchmarks import plots, write_results
-from benchmarks.streaming import (_events, _rows, _wait_for, percentile, streaming_job,
-                                          warm_up)
+from benchmarks.batch import bbc_texts
+from benchmarks.streaming import _events, _rows, _wait_for, percentile, streaming_job, warm_up
+from pipeline import ledger
 from pipeline.config import REPO_ROOT, load
 
 SUBSCRIPTION = "projects/newsvec-soak/subscriptions/news"
@@ -84,7 +83,7 @@ def slope_per_min(samples: list[tuple[float, float]]) -> float:
     xs, ys = [s for s, _ in samples], [m for _, m in samples]
     mx, my = statistics.mean(xs), statistics.mean(ys)
     var = sum((x - mx) ** 2 for x in xs)
-    return 60 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return 60 * sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
 
 
 def main(argv=None) -> int:

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from pipeline import ledger
-from benchmarks.batch import bbc_texts, write_events
-from pipeline.config import REPO_ROOT, load
 from benchmarks import plots, write_results
+from benchmarks.batch import bbc_texts, write_events
+from pipeline import ledger
+from pipeline.config import REPO_ROOT, load
 from tools.emulators import emulated_streaming_job as streaming_job
 from transforms.engine import load_engine
 
@@ -81,7 +81,8 @@ def _rows(out: Path) -> list[tuple[str, float, dt.datetime]]:
         table = pq.read_table(f, columns=["id", "pubsub_publish_time"])
         mtime = f.stat().st_mtime
         rows += [(i, mtime, p) for i, p in zip(table["id"].to_pylist(),
-                                              table["pubsub_publish_time"].to_pylist())]
+                                              table["pubsub_publish_time"].to_pylist(),
+                                              strict=True)]
     return rows
 
 
@@ -134,8 +135,8 @@ def main(argv=None) -> int:
 
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    from tools.publish import publish_file
     from pipeline.run import run_batch
+    from tools.publish import publish_file
 
     texts = bbc_texts(args.limit)
     work = Path(tempfile.mkdtemp(prefix="newsvec-stream-bench-"))

@@ -44,8 +44,8 @@ class Case:
     @property
     def batch_compatible(self) -> bool:
         """Whether the payload survives as ONE line of a JSON Lines file. A line ends at b"\\n" and
-        loses a final b"\\r" (docs/input.md: JSON Lines), so such payloads can only arrive as Pub/Sub
-        messages; the batch test leaves them out rather than test something else."""
+        loses a final b"\\r" (docs/input.md: JSON Lines), so such payloads can only arrive as
+        Pub/Sub messages; the batch test leaves them out rather than test something else."""
         return b"\n" not in self.payload and not self.payload.endswith(b"\r")
 
 
@@ -76,7 +76,8 @@ CORPUS: list[Case] = [
              "<iframe src='javascript:alert(1)'></iframe><style>p{color:red}</style>"), ROW),
     Case("zero_width_and_rtl_in_text", ev(
         id="row-bidi", title="Pay\u200bment \u202eslaes\u202c report",
-        body="Funds \u2066isolated\u2069 moved\u200d through \u200fthe\u200e bank\ufeff today."), ROW),
+        body="Funds \u2066isolated\u2069 moved\u200d through \u200fthe\u200e bank\ufeff today."),
+         ROW),
     Case("emoji", ev(id="row-emoji", title="Stocks \U0001F4C8\U0001F680 soar",
                      body="Families \U0001F469\u200D\U0001F469\u200D\U0001F467 cheer in "
                           "\U0001F1EC\U0001F1E7 as markets rise."), ROW),
@@ -87,11 +88,13 @@ CORPUS: list[Case] = [
     Case("very_long_title", ev(id="row-long-title", title="markets rally again " * 450,
                                body="Short body."), ROW,
          note="9,000 characters: under max_text_chars, far over max_tokens (head kept)"),
-    Case("id_path_traversal", ev(id="../../etc/passwd", title="Traversal", body="An id like a path."),
-         ROW),
+    Case("id_path_traversal", ev(
+        id="../../etc/passwd", title="Traversal", body="An id like a path."), ROW),
     Case("id_slashes_spaces_unicode", ev(id="news/2026 11/ünïcödé Ωμέγα", body="Unicode id."), ROW),
-    Case("id_windows_path", ev(id="C:\\Windows\\System32\\drivers\\etc\\hosts", body="Windows."), ROW),
-    Case("id_shell_metacharacters", ev(id="$(rm -rf /); `id` | tee >x & echo *", body="Shell."), ROW),
+    Case("id_windows_path", ev(id="C:\\Windows\\System32\\drivers\\etc\\hosts", body="Windows."),
+         ROW),
+    Case("id_shell_metacharacters", ev(id="$(rm -rf /); `id` | tee >x & echo *", body="Shell."),
+         ROW),
     Case("id_with_nul", ev(id="evt\u0000nul", body="A NUL inside the id."), ROW),
     Case("id_with_escaped_newline", ev(id="line1\nline2", body="Newline in the id, escaped."), ROW),
     Case("id_zero_width_space_only", ev(id="\u200b", body="An invisible id is still an id."), ROW,
@@ -111,8 +114,8 @@ CORPUS: list[Case] = [
     Case("very_long_source_url_language", ev(
         id="row-long-fields", body="Long optional fields.", source="s/" * 2000,
         url="https://x.example/" + "a" * 5000, language="l" * 3000), ROW),
-    Case("published_year_1", ev(id="row-year-1", body="Far past.", published_at="0001-01-01T00:00:00Z"),
-         ROW),
+    Case("published_year_1", ev(
+        id="row-year-1", body="Far past.", published_at="0001-01-01T00:00:00Z"), ROW),
     Case("published_year_1_positive_offset", ev(
         id="row-year-1-offset", body="Far past, ahead of UTC.",
         published_at="0001-01-01T00:00:00+01:00"), ROW,
@@ -120,12 +123,13 @@ CORPUS: list[Case] = [
     Case("published_just_before_epoch", ev(
         id="row-pre-epoch", body="Before 1970.", published_at="1969-12-31T23:59:59.999999Z"), ROW),
     Case("published_nanoseconds", ev(
-        id="row-nanos", body="Nine fraction digits.", published_at="2026-11-30T09:15:00.123456789Z"),
-         ROW),
+        id="row-nanos", body="Nine fraction digits.",
+        published_at="2026-11-30T09:15:00.123456789Z"), ROW),
     Case("published_offset_plus_14", ev(
         id="row-plus-14", body="Kiribati time.", published_at="2026-11-30T23:15:00+14:00"), ROW),
     Case("published_lowercase_t_z_offset_minus_12", ev(
-        id="row-minus-12", body="Baker Island time.", published_at="2026-11-29t21:15:00-12:00"), ROW),
+        id="row-minus-12", body="Baker Island time.", published_at="2026-11-29t21:15:00-12:00"),
+         ROW),
     Case("published_within_skew_but_wallclock_beyond", ev(
         id="row-offset-skew", body="20 h ahead in UTC, 43 h ahead on its wall clock.",
         published_at=rfc3339(NOW + dt.timedelta(hours=20), offset_h=23)), ROW,
@@ -144,22 +148,23 @@ CORPUS: list[Case] = [
     Case("carriage_return_as_json_whitespace", b'{"id": "row-cr",\r"body": "CR between members."}',
          ROW),
     Case("surrounding_whitespace", b' \t {"id": "row-ws", "body": "Padded object."} \t ', ROW),
-    Case("unicode_line_separators", ev(id="row-u2028", body="Line\u2028separator and\u2029paragraph."),
-         ROW),
+    Case("unicode_line_separators", ev(
+        id="row-u2028", body="Line\u2028separator and\u2029paragraph."), ROW),
     Case("escaped_nul_in_body", ev(id="row-nul-body", body="before\u0000after the NUL"), ROW),
     Case("jsonl_injection_in_body", ev(
         id="row-inject", body='"}\n{"id": "injected", "body": "forged row"}\n'), ROW,
          note="no row 'injected' may appear"),
     Case("unicode_escaped_keys_and_values", b'{"\\u0069\\u0064": "row-escaped", '
          b'"\\u0062ody": "\\u0048ello \\ud83d\\ude00"}', ROW),
-    Case("html_comment_unterminated", ev(id="row-comment", body="Real words <!-- never closed"), ROW),
+    Case("html_comment_unterminated", ev(id="row-comment", body="Real words <!-- never closed"),
+         ROW),
     Case("body_only_title_null", ev(id="row-body-only", title=None, body="Body alone."), ROW),
     Case("text_at_max_text_chars", ev(id="row-text-limit", title="t" * 100,
                                       body="word " * ((MAX_TEXT_CHARS - 100) // 5)), ROW),
     Case("payload_at_max_payload_bytes", _padded_to(
         MAX_PAYLOAD_BYTES, id="row-payload-limit", body="Exactly at the byte limit."), ROW),
-    Case("pretty_printed_multiline", b'{\n  "id": "row-pretty",\n  "body": "Pretty printed."\n}', ROW,
-         note="not one JSON Lines line: Pub/Sub only"),
+    Case("pretty_printed_multiline", b'{\n  "id": "row-pretty",\n  "body": "Pretty printed."\n}',
+         ROW, note="not one JSON Lines line: Pub/Sub only"),
     Case("crlf_terminated", b'{"id": "row-crlf", "body": "CRLF at the end."}\r\n', ROW,
          note="not one JSON Lines line: Pub/Sub only"),
 
@@ -250,19 +255,22 @@ CORPUS: list[Case] = [
     Case("published_at_epoch_number", ev(id="f-epoch", body="x", published_at=1764000000),
          Reason.INVALID_FIELD),
     Case("published_at_space_separator", ev(id="f-space", body="x",
-                                            published_at="2026-11-30 09:15:00Z"), Reason.INVALID_FIELD),
+                                            published_at="2026-11-30 09:15:00Z"),
+         Reason.INVALID_FIELD),
     Case("published_at_no_offset", ev(id="f-naive", body="x", published_at="2026-11-30T09:15:00"),
          Reason.INVALID_FIELD),
     Case("published_at_offset_without_colon", ev(id="f-colon", body="x",
                                                  published_at="2026-11-30T09:15:00+0100"),
          Reason.INVALID_FIELD),
-    Case("published_at_empty", ev(id="f-empty-date", body="x", published_at=""), Reason.INVALID_FIELD),
-    Case("published_at_february_30", ev(id="f-feb30", body="x", published_at="2026-02-30T09:15:00Z"),
+    Case("published_at_empty", ev(id="f-empty-date", body="x", published_at=""),
          Reason.INVALID_FIELD),
+    Case("published_at_february_30", ev(
+        id="f-feb30", body="x", published_at="2026-02-30T09:15:00Z"), Reason.INVALID_FIELD),
     Case("published_at_hour_24", ev(id="f-h24", body="x", published_at="2026-11-30T24:00:00Z"),
          Reason.INVALID_FIELD),
     Case("published_at_offset_24h", ev(id="f-off24", body="x",
-                                       published_at="2026-11-30T09:15:00+24:00"), Reason.INVALID_FIELD),
+                                       published_at="2026-11-30T09:15:00+24:00"),
+         Reason.INVALID_FIELD),
     Case("published_at_arabic_indic_digits", ev(
         id="f-digits", body="x", published_at="\u0662\u0660\u0662\u0666-11-30T09:15:00Z"),
          Reason.INVALID_FIELD),
@@ -288,8 +296,8 @@ CORPUS: list[Case] = [
     Case("published_9999_behind_utc", ev(id="fut-9999", body="x",
                                          published_at="9999-12-31T23:59:59-23:59"),
          Reason.PUBLISHED_IN_FUTURE, note="its UTC instant is in year 10000"),
-    Case("published_just_beyond_skew", ev(id="fut-skew", body="x",
-                                          published_at=rfc3339(NOW + _SKEW + dt.timedelta(hours=2))),
+    Case("published_just_beyond_skew", ev(
+        id="fut-skew", body="x", published_at=rfc3339(NOW + _SKEW + dt.timedelta(hours=2))),
          Reason.PUBLISHED_IN_FUTURE),
     Case("published_wallclock_near_but_utc_beyond", ev(
         id="fut-offset", body="x",

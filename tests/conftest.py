@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import config as config_lib
+from tests.emulators import gcs_for_beam
 
 # Beam leaves beam-temp* folders in TMPDIR on every run: give the session its own.
 _SESSION_TMP = tempfile.mkdtemp(prefix="newsvec-tests-")
@@ -18,6 +19,8 @@ tempfile.tempdir = None
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_EVENTS = REPO / "pipeline" / "sample_data" / "news-events.jsonl"
 BBC = REPO.parent / "shared" / "data" / "bbc-news"
+# The bucket of the `gcs` fixture (test_gcs.py has its own fixture and bucket).
+GCS_BUCKET = "newsvec-reruns"
 
 
 def make_config(**changes) -> config_lib.Config:
@@ -37,3 +40,19 @@ def tokenizer(fp32_config):
     from transforms.text import HeadTokenizer
 
     return HeadTokenizer(fp32_config.model)
+
+
+# gcs and root: used by test_reruns.py and test_incremental.py.
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    with gcs_for_beam(GCS_BUCKET, tmp_path_factory.mktemp("gcs-log")) as emulator:
+        yield emulator
+
+
+@pytest.fixture(params=["local", "gcs"])
+def root(request, tmp_path):
+    """An output root: local disk, then a folder in the GCS emulator's bucket."""
+    if request.param == "gcs":
+        request.getfixturevalue("gcs")
+        return f"gs://{GCS_BUCKET}/{tmp_path.name}"
+    return str(tmp_path)

@@ -42,18 +42,18 @@ def main() -> int:
     import pyarrow.parquet as pq
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    from transforms import manifest
-
     from pipeline.run import run_batch
     from tests.conftest import make_config
     from tests.fakes import FakeEngine
+    from transforms import manifest
 
     if args.kill_at == "write":
         _kill_after_first(pq.ParquetWriter, "write_table")
     else:
         _kill_after_first(manifest, "_copy_whole")
     config = make_config(input=args.input, output=args.output)
-    config = config.model_copy(update={"sink": config.sink.model_copy(update={"row_group_rows": 1})})
+    config = config.model_copy(update={"sink": config.sink.model_copy(update={
+        "row_group_rows": 1})})
     run_batch(config, PipelineOptions(["--runner=FnApiRunner"]), engine_factory=FakeEngine)
     return 3  # not killed: the test fails on this
 

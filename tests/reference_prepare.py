@@ -49,4 +49,4 @@ def head_tokens(tokenizer, texts: list[str], max_tokens: int) -> list[tuple[tupl
     max_chars = max_tokens * CHARS_PER_TOKEN_BOUND
     encodings = tokenizer.encode_batch([t[:max_chars] for t in texts])
     return [(tuple(e.ids), len(t) > max_chars or bool(e.overflowing))
-            for e, t in zip(encodings, texts)]
+            for e, t in zip(encodings, texts, strict=True)]

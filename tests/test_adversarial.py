@@ -18,9 +18,19 @@ from apache_beam import pvalue
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.config import ParseSettings, SinkSettings, TextSettings
-from tests.adversarial import (ALL_CASES, BY_NAME, CORPUS, DEAD_LETTER_PAYLOAD_BYTES, DUPLICATE,
-                               MAX_FUTURE_SKEW_S, MAX_PAYLOAD_BYTES, MAX_TEXT_CHARS, ROW, Case,
-                               event_id)
+from tests.adversarial import (
+    ALL_CASES,
+    BY_NAME,
+    CORPUS,
+    DEAD_LETTER_PAYLOAD_BYTES,
+    DUPLICATE,
+    MAX_FUTURE_SKEW_S,
+    MAX_PAYLOAD_BYTES,
+    MAX_TEXT_CHARS,
+    ROW,
+    Case,
+    event_id,
+)
 from tests.conftest import make_config
 from transforms.parse import ParseError, parse_event
 from transforms.schema import PreparedDoc, Reason
@@ -38,7 +48,8 @@ def corpus_config(**changes):
     """The session's fp32 config (same engine settings, so the same cached engine) with the
     corpus's limits."""
     return make_config(
-        parse=ParseSettings(max_payload_bytes=MAX_PAYLOAD_BYTES, max_future_skew_s=MAX_FUTURE_SKEW_S),
+        parse=ParseSettings(max_payload_bytes=MAX_PAYLOAD_BYTES,
+                            max_future_skew_s=MAX_FUTURE_SKEW_S),
         text=TextSettings(max_text_chars=MAX_TEXT_CHARS),
         sink=SinkSettings(dead_letter_payload_bytes=DEAD_LETTER_PAYLOAD_BYTES), **changes)
 
@@ -244,7 +255,7 @@ def test_batch_rows_keep_their_fields_as_sent(batch_run):
     micros = table["published_at"].cast(pa.int64()).to_pylist()  # year 0 does not fit datetime
     rows = table.select(["id", "title", "source", "url", "language", "truncated"]).to_pylist()
     by_id = collections.defaultdict(list)
-    for row, us in zip(rows, micros):
+    for row, us in zip(rows, micros, strict=True):
         by_id[row["id"]].append((row, us))
     for case in BATCH_CASES:
         if case.expected != ROW:

@@ -1,5 +1,6 @@
-"""The batch pipeline end to end, on the FnApiRunner with real vLLM (float32), over the repo's sample
-events: rows, Parquet types, parity with sentence-transformers, dead letters, the summary, DuckDB."""
+"""The batch pipeline end to end, on the FnApiRunner with real vLLM (float32), over the repo's
+sample events: rows, Parquet types, parity with sentence-transformers, dead letters, the summary,
+DuckDB."""
 import gzip
 import json
 import re
@@ -88,6 +89,7 @@ def test_rows_types_and_files(batch_run):
 
 def test_vectors_equal_sentence_transformers(batch_run):
     from sentence_transformers import SentenceTransformer
+
     from transforms.model import resolve_model_path
 
     _, out = batch_run
@@ -123,7 +125,8 @@ def test_duckdb_reads_the_output_as_a_user_would(batch_run):
     _, out = batch_run
     glob = str(out / "vectors" / "*.parquet")
     con = duckdb.connect()
-    n, dims = con.execute(f"SELECT count(*), min(len(embedding)) FROM read_parquet('{glob}')").fetchone()
+    n, dims = con.execute(
+        f"SELECT count(*), min(len(embedding)) FROM read_parquet('{glob}')").fetchone()
     assert (n, dims) == (read_vectors(out).num_rows, 384)
     # Nearest neighbour of an article is itself, with DuckDB's own array functions.
     nearest = con.execute(f"""

@@ -89,7 +89,8 @@ def test_long_articles_have_several_chunks_of_at_most_the_chunk_size(runs):
     chunks = table(out["a"], "chunks")
     assert chunks.schema.equals(chunk_schema(384))
     counts = {}
-    for doc_id, n in zip(chunks["id"].to_pylist(), chunks["chunk_count"].to_pylist()):
+    for doc_id, n in zip(chunks["id"].to_pylist(), chunks["chunk_count"].to_pylist(),
+                         strict=True):
         counts[doc_id] = n
     assert counts["short-1"] == 1 and max(counts.values()) >= 3
     assert sum(counts.values()) == chunks.num_rows
@@ -104,7 +105,7 @@ def test_chunk_ids_are_the_same_in_every_run(runs):
 
     def ids(t):
         return sorted(zip(t["id"].to_pylist(), t["chunk_index"].to_pylist(),
-                          t["chunk_id"].to_pylist()))
+                          t["chunk_id"].to_pylist(), strict=True))
 
     assert ids(a) == ids(b)
     assert len(set(a["chunk_id"].to_pylist())) == a.num_rows
@@ -129,7 +130,7 @@ def test_offsets_give_back_the_chunk_text_and_cover_the_article(runs, tokenizer)
         assert [c["chunk_index"] for c in chunks] == list(range(len(chunks)))
         assert chunks[0]["token_start"] == 0 and chunks[0]["char_start"] == 0
         assert chunks[-1]["char_end"] == len(texts[doc_id]), "the tail is embedded too"
-        for before, after in zip(chunks, chunks[1:]):
+        for before, after in zip(chunks, chunks[1:], strict=False):  # consecutive pairs
             assert before["token_end"] - after["token_start"] >= 32, "overlap_tokens"
 
 
@@ -168,7 +169,7 @@ def test_the_mean_document_vector_is_the_token_weighted_mean_of_its_chunks(runs)
     chunks, docs = table(out["a"], "chunks"), table(out["a"], "vectors")
     chunk_vectors = vectors_of(chunks)
     weights = np.array(chunks["token_end"]) - np.array(chunks["token_start"])
-    for row, vector in zip(docs.to_pylist(), vectors_of(docs)):
+    for row, vector in zip(docs.to_pylist(), vectors_of(docs), strict=True):
         mine = np.array(chunks["id"].to_pylist()) == row["id"]
         mean = (chunk_vectors[mine] * weights[mine, None]).sum(axis=0)
         assert np.allclose(vector, mean / np.linalg.norm(mean), atol=1e-6)

@@ -49,7 +49,8 @@ def test_a_killed_streaming_writer_leaves_only_a_temp_file_which_cleanup_removes
     left = files(tmp_path)
     assert len(left) == 1 and left[0].startswith(f"_temp/{RUN_ID}/"), left  # never in vectors/
     rules = json.loads(LIFECYCLE.read_text())["rule"]
-    assert any(left[0].endswith(s) for r in rules for s in r["condition"].get("matchesSuffix", ())), \
+    assert any(left[0].endswith(s)
+               for r in rules for s in r["condition"].get("matchesSuffix", ())), \
         "the GCS lifecycle rule matches it"
     # A fresh temp file may belong to a live writer: the default (a day) keeps it.
     assert cleanup.main(["--output", str(tmp_path)]) == 0

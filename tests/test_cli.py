@@ -104,7 +104,8 @@ def test_search_finds_the_sample_article_a_query_is_about(sample_outputs, capsys
 
 def test_search_puts_model_query_prefix_before_the_query():
     """e5 and bge expect a prefix on queries: the query is embedded as prefix + query, the
-    counterpart of ``document_prefix`` on articles (same engine: prefixes are not engine settings)."""
+    counterpart of ``document_prefix`` on articles (same engine: prefixes are not engine
+    settings)."""
     import numpy as np
 
     from pipeline.search import embed_query

@@ -147,7 +147,8 @@ def test_streaming_job_request_carries_streaming_engine_and_the_subscription(tmp
     assert options["streaming"] is True and options["enable_streaming_engine"] is True
     assert (options["config"], options["subscription"]) == (str(config), subscription)
     assert request["environment"]["workerPools"][0]["dataDisks"], "streaming has a data disk"
-    assert subscription.encode() in proto.SerializeToString(), "the read uses the flag's subscription"
+    assert subscription.encode() in proto.SerializeToString(), \
+        "the read uses the flag's subscription"
 
 
 @pytest.mark.parametrize("name", ["dataflow-streaming.yaml", "local-streaming.yaml"])
@@ -334,8 +335,10 @@ def test_template_metadata_is_valid_for_the_dataflow_api():
 def test_template_parameters_are_exactly_newsvecs_options():
     in_metadata = {p["name"] for p in metadata()["parameters"]}
     ours = newsvec_option_names()
-    assert not ours - in_metadata, f"options missing from the template metadata: {ours - in_metadata}"
-    assert not in_metadata - ours, f"template parameters newsvec does not accept: {in_metadata - ours}"
+    assert not ours - in_metadata, \
+        f"options missing from the template metadata: {ours - in_metadata}"
+    assert not in_metadata - ours, \
+        f"template parameters newsvec does not accept: {in_metadata - ours}"
     required = {p["name"] for p in metadata()["parameters"] if not p.get("isOptional", False)}
     assert required == {"config"}, "only the config is required (its default is the local CPU one)"
 

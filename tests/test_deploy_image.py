@@ -119,7 +119,8 @@ def test_dockerfile_copies_only_what_the_build_context_holds():
     text = DOCKERFILE.read_text()
     sources = [s for line in re.findall(r"^COPY (?!--from)(.+)$", text, re.M)
                for s in line.split()[:-1]]
-    assert {"setup.py", "pipeline/", "transforms/", "configs/worker-requirements.txt"} <= set(sources)
+    assert {"setup.py", "pipeline/", "transforms/",
+            "configs/worker-requirements.txt"} <= set(sources)
     for source in sources:
         assert (REPO / source).exists(), source
         assert not excluded_by_dockerignore(source), f"{source} is left out by .dockerignore"
@@ -180,7 +181,8 @@ def test_worker_requirements_resolve_for_python_3_11_on_linux():
     if (sys.platform, platform.machine()) != ("linux", "x86_64"):
         skip_or_fail("the worker image's set is resolved for Linux x86_64 (CUDA wheels)")
     python = python_311()
-    # PyPI alone, as in the image: no pip config files, wheel folders or constraints of this machine.
+    # PyPI alone, as in the image: no pip config files, wheel folders or constraints of this
+    # machine.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PIP_") or k in ("PIP_CERT", "PIP_DEFAULT_TIMEOUT")}
     env["PIP_CONFIG_FILE"] = os.devnull

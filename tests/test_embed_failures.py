@@ -174,7 +174,8 @@ def test_real_engine_breaking_mid_job_is_retried_and_dead_letters_nothing(tokeni
     BreaksOnceReal.made = 0
     docs = _real_docs(tokenizer, 12)
     settings = SETTINGS.model_copy(update={"token_budget": 2 * max(d.token_count for d in docs)})
-    expected = dict(zip([d.event.id for d in docs], real.embed([d.token_ids for d in docs])))
+    expected = dict(zip([d.event.id for d in docs], real.embed([d.token_ids for d in docs]),
+                        strict=True))
     p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions())
     out = (p | beam.Create(docs)
            | EmbedWithVLLM(settings, engine_factory=BreaksOnceReal))

@@ -26,7 +26,8 @@ hostile_text = st.text(alphabet=st.characters(codec="utf-8"), max_size=400) | st
 events = st.fixed_dictionaries({}, optional={f: json_values | hostile_text for f in FIELDS})
 payloads = (st.binary(max_size=600)
             | events.map(lambda d: json.dumps(d).encode())
-            | events.map(lambda d: json.dumps(d, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+            | events.map(lambda d: json.dumps(d, ensure_ascii=False)
+                         .encode("utf-8", "surrogatepass"))
             | st.builds(lambda d, n: json.dumps(d).encode()[:n], events, st.integers(0, 200)))
 
 

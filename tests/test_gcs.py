@@ -102,7 +102,8 @@ def test_storage_unavailable_mid_run_retries_and_loses_nothing(gcs):
     assert not [n for n in names if "beam-temp" in n or n.endswith(".tmp")], names
     vector_files = [n for n in names if n.startswith("runs/outage/vectors/")]
     assert len(vector_files) == 1 and vector_files[0].endswith("-00000-of-00001.parquet"), names
-    table = pq.read_table(io.BytesIO(client.bucket(BUCKET).blob(vector_files[0]).download_as_bytes()))
+    table = pq.read_table(io.BytesIO(
+        client.bucket(BUCKET).blob(vector_files[0]).download_as_bytes()))
     ids = table["id"].to_pylist()
     assert len(ids) == len(set(ids)) == counts["written"], "every row once"
     letters = [line for n in names if n.startswith("runs/outage/dead_letter/")

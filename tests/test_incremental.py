@@ -32,8 +32,7 @@ from pipeline.graph import embed_and_write_streaming
 from pipeline.run import run_batch
 from tests.conftest import REPO, make_config
 from tests.fakes import FakeEngine
-# gcs and root (local disk, then the GCS emulator) are fixtures.
-from tests.test_reruns import gcs, listing, root, rows_of, write_input  # noqa: F401
+from tests.test_reruns import listing, rows_of, write_input
 from transforms.model import safe_model_label
 from transforms.schema import NewsEvent, key_schema
 from transforms.text import compose_text
@@ -79,7 +78,7 @@ def test_an_unchanged_a_changed_and_a_new_article_across_two_runs(root):
     label = safe_model_label(config.model)
     files = listing(f"{root}/{label}/dt=2026-12-02")
     rows = rows_of(files)
-    assert dict(zip(rows["id"].to_pylist(), rows["text_sha256"].to_pylist())) == {
+    assert dict(zip(rows["id"].to_pylist(), rows["text_sha256"].to_pylist(), strict=True)) == {
         "e3": sha(article(3, corrected=True)), "e9": sha(article(9))}
     keys = rows_of(files, "keys")
     assert keys.schema.equals(key_schema()) and sorted(keys["id"].to_pylist()) == ["e3", "e9"]
@@ -100,7 +99,8 @@ def test_the_current_vector_of_every_article_across_days(tmp_path):
     expected = {**{f"e{i}": sha(article(i)) for i in range(4)},
                 "e1": sha(article(1, corrected=True)), "e7": sha(article(7))}
     table = current_vectors(str(base))
-    assert dict(zip(table["id"].to_pylist(), table["text_sha256"].to_pylist())) == expected
+    assert dict(zip(table["id"].to_pylist(), table["text_sha256"].to_pylist(),
+                    strict=True)) == expected
     sql = CURRENT_VECTORS_SQL.format(files=f"'{base}/dt=*/vectors/*.parquet'")
     got = duckdb.connect().execute(f"SELECT id, text_sha256, dt FROM ({sql})").fetchall()
     assert {i: s for i, s, _ in got} == expected
@@ -121,8 +121,9 @@ def test_two_models_write_side_by_side(tmp_path):
     assert second["counts"]["written"] == 3, "the new model embeds everything again"
     labels = sorted(p.name for p in tmp_path.iterdir() if p.name != "in")
     assert labels == sorted([safe_model_label(base.model), safe_model_label(other.model)])
-    assert all(set(label) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-               for label in labels)
+    assert all(
+        set(label) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+        for label in labels)
     for label in labels:
         assert rows_of(listing(f"{root}/{label}/dt=2026-12-01")).num_rows == 3
 

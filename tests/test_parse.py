@@ -36,7 +36,8 @@ def test_valid_event_parses_all_fields():
 
 
 def test_unknown_fields_are_ignored_and_optional_fields_may_be_missing():
-    event = parse_event(b'{"id": "x", "body": "text", "tags": ["a"], "extra": {"deep": 1}}', **LIMITS)
+    event = parse_event(b'{"id": "x", "body": "text", "tags": ["a"], "extra": {"deep": 1}}',
+                        **LIMITS)
     assert event.id == "x" and event.title is None and event.published_at is None
 
 

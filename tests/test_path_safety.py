@@ -29,8 +29,8 @@ from apache_beam.utils.timestamp import Timestamp
 
 from pipeline.graph import embed_and_write_streaming
 from tests.adversarial import ALL_CASES, BY_NAME, DUPLICATE, NOW, ROW, Case, event_id
-from tests.test_adversarial import PREPARE_REASONS, corpus_batch_run, corpus_config
 from tests.fakes import FakeEngine
+from tests.test_adversarial import PREPARE_REASONS, corpus_batch_run, corpus_config
 from transforms.parse import ParseEvents
 
 SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9._=-]+$")
@@ -47,7 +47,8 @@ def all_files(root: Path) -> list[Path]:
 
 
 def check_component(part: str, where: str) -> None:
-    assert SAFE_COMPONENT.match(part) and part not in (".", ".."), f"unsafe component {part!r} in {where}"
+    assert SAFE_COMPONENT.match(part) and part not in (".", ".."), \
+        f"unsafe component {part!r} in {where}"
 
 
 # ---- (a) batch ----
@@ -159,10 +160,12 @@ def stream_outputs(out: Path):
         partition = path.parent.relative_to(out / "vectors").as_posix()
         t = pq.read_table(path)
         rows += [(m, i, title, partition) for m, i, title in zip(
-            t["pubsub_message_id"].to_pylist(), t["id"].to_pylist(), t["title"].to_pylist())]
+            t["pubsub_message_id"].to_pylist(), t["id"].to_pylist(), t["title"].to_pylist(),
+            strict=True)]
     for path in all_files(out / "dead_letter"):
         partition = path.parent.relative_to(out / "dead_letter").as_posix()
-        letters += [(json.loads(line), partition) for line in path.read_bytes().split(b"\n") if line]
+        letters += [(json.loads(line), partition)
+                    for line in path.read_bytes().split(b"\n") if line]
     return rows, letters
 
 
@@ -176,7 +179,8 @@ def test_streaming_writes_only_under_the_output_prefix_with_safe_names(streaming
         rel = path.relative_to(out).as_posix()
         for part in rel.split("/"):
             check_component(part, rel)
-        top, partition, name = rel.split("/", 1)[0], rel.rsplit("/", 1)[0].split("/", 1)[-1], path.name
+        top, partition, name = (rel.split("/", 1)[0], rel.rsplit("/", 1)[0].split("/", 1)[-1],
+                                path.name)
         assert top in ("vectors", "dead_letter", "ledger", "keys"), \
             f"{rel}: nothing left in _temp/ or elsewhere"
         assert PARTITION.match(partition), rel
@@ -220,7 +224,8 @@ def test_streaming_accounts_for_every_message(streaming_run):
     for letter, _ in letters:
         case = index[letter["message_id"]]
         if letter["reason"] != case.expected:
-            problems.append(f"{case.name}: dead letter {letter['reason']}, expected {case.expected}")
+            problems.append(
+                f"{case.name}: dead letter {letter['reason']}, expected {case.expected}")
         if case.expected in PREPARE_REASONS:
             assert letter["event_id"] == event_id(case)
     lettered = {letter["message_id"] for letter, _ in letters}
@@ -233,7 +238,8 @@ def test_streaming_accounts_for_every_message(streaming_run):
     assert not problems, "\n".join(problems)
     # The three copies of dup-1 (two identical) leave exactly one row: the last published.
     dup_rows = [r for r in rows if r[1] == "dup-1"]
-    assert len(dup_rows) == 1 and dup_rows[0][2] == json.loads(BY_NAME["dup_original"].payload)["title"]
+    assert (len(dup_rows) == 1
+            and dup_rows[0][2] == json.loads(BY_NAME["dup_original"].payload)["title"])
     n_dups = sum(c.expected == DUPLICATE for c in STREAM_CASES)
     assert len(rows) + len(letters) + n_dups == len(STREAM_CASES)
     assert "pretty_printed_multiline" in {index[m].name for m in by_message}
@@ -242,8 +248,8 @@ def test_streaming_accounts_for_every_message(streaming_run):
 def test_streaming_survives_a_date_whose_utc_instant_is_year_0():
     """published_at "0001-01-01T00:00:00+01:00" is valid RFC 3339 and passes parse, but its UTC
     instant (year 0) overflowed Python's datetime in WindowByEventTime, which failed the job (on
-    Dataflow: a bundle retried forever). It is far older than the allowed lateness, so docs/streaming.md's
-    rule windows it by its publish time."""
+    Dataflow: a bundle retried forever). It is far older than the allowed lateness, so
+    docs/streaming.md's rule windows it by its publish time."""
     from transforms.windowing import WindowByEventTime
 
     case = BY_NAME["published_year_1_positive_offset"]

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from tools.publish import SENT_AT, main, publish_file
 from tests.emulators import pubsub_emulator
+from tools.publish import SENT_AT, main, publish_file
 
 PROJECT = "newsvec-test"
 VALID = [json.dumps({"id": f"ev-{i}", "title": f"title {i}", "body": "body"}).encode()

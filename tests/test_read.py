@@ -1,4 +1,5 @@
-"""ReadJsonLines / iter_lines: lines as ReadFromText splits them, and no line buffered past the limit."""
+"""ReadJsonLines / iter_lines: lines as ReadFromText splits them, and no line buffered past the
+limit."""
 from __future__ import annotations
 
 import gzip
@@ -39,7 +40,7 @@ def test_lines_match_readfromtext_whatever_the_chunking(data, chunk):
 def test_a_line_over_the_limit_is_its_head_and_size(lines, limit, chunk):
     got = list(iter_lines(io.BytesIO(b"\n".join(lines) + b"\n"), limit, chunk_bytes=chunk))
     assert len(got) == len(lines)
-    for line, item in zip(lines, got):
+    for line, item in zip(lines, got, strict=True):
         if len(line) > limit:
             assert item == OversizedPayload(head=line[:limit], size=len(line))
         else:

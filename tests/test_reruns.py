@@ -1,5 +1,5 @@
-"""Batch reruns into one output replace, never append (transforms/commit.py, transforms/manifest.py),
-on local disk and on gcp-storage-emulator:
+"""Batch reruns into one output replace, never append (transforms/commit.py,
+transforms/manifest.py), on local disk and on gcp-storage-emulator:
 - the same day run twice, the second time with changed input: the rows are exactly the second run's;
 - a run killed (SIGKILL, no Python exception) while writing leaves the first run's output as it was;
 - a run killed while publishing never shows two runs' rows to a reader that globs ``vectors/``, the
@@ -21,20 +21,16 @@ import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline import cleanup
 from pipeline.run import run_batch
 from tests.conftest import REPO, make_config
-from tests.emulators import gcs_for_beam
 from tests.fakes import FakeEngine
 from transforms import manifest as manifest_lib
 from transforms.schema import NewsEvent
 from transforms.text import compose_text
-
-BUCKET = "newsvec-reruns"
 
 
 def events(ids, changed=()) -> list[dict]:
@@ -86,7 +82,7 @@ def check_is_run(output: str, rows: list[dict], summary: dict) -> None:
     table = rows_of(files)
     valid = [r for r in rows if r.get("body")]
     assert sorted(table["id"].to_pylist()) == sorted(r["id"] for r in valid), "exactly its rows"
-    assert dict(zip(table["id"].to_pylist(), table["text_sha256"].to_pylist())) == {
+    assert dict(zip(table["id"].to_pylist(), table["text_sha256"].to_pylist(), strict=True)) == {
         r["id"]: sha(r) for r in valid}, "the new text of a corrected article"
     manifest = json.loads(files["_manifest.json"])
     assert manifest["state"] == "committed" and manifest["run_id"] == summary["run_id"]
@@ -103,20 +99,6 @@ def kill_a_run(input_path: str, output: str, at: str) -> None:
                            "--output", output, "--kill-at", at], cwd=REPO, env=os.environ.copy(),
                            capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, f"not killed (rc {proc.returncode}): {proc.stderr[-2000:]}"
-
-
-@pytest.fixture(scope="module")
-def gcs(tmp_path_factory):
-    with gcs_for_beam(BUCKET, tmp_path_factory.mktemp("gcs-log")) as emulator:
-        yield emulator
-
-
-@pytest.fixture(params=["local", "gcs"])
-def root(request, tmp_path):
-    if request.param == "gcs":
-        request.getfixturevalue("gcs")
-        return f"gs://{BUCKET}/{tmp_path.name}"
-    return str(tmp_path)
 
 
 def test_a_rerun_with_changed_input_replaces_the_first_run(root):

@@ -1,7 +1,7 @@
 """Model and secret safety.
 
-- ``trust_remote_code`` is off unless the operator's config turns it on: off by default, off in every
-  shipped config.
+- ``trust_remote_code`` is off unless the operator's config turns it on: off by default, off in
+  every shipped config.
 - The run summary's model hash (``model.content_sha256``, tests/test_batch_pipeline.py checks it is
   there) changes when a model file changes, so a silently swapped model is visible.
 - No secrets in the repository: no private keys, service-account key files, API keys or tokens in
@@ -58,7 +58,8 @@ def test_the_model_hash_sees_a_changed_renamed_or_added_model_file(tmp_path):
 
 # Patterns of real secrets, each with the public format it matches.
 SECRET_PATTERNS = {
-    "private key block": re.compile(r"-----BEGIN (?:RSA |EC |OPENSSH |DSA |ENCRYPTED )?PRIVATE KEY"),
+    "private key block": re.compile(
+        r"-----BEGIN (?:RSA |EC |OPENSSH |DSA |ENCRYPTED )?PRIVATE KEY"),
     "service-account key file": re.compile(r'"private_key(?:_id)?"\s*:\s*"'),
     "Google API key": re.compile(r"AIza[0-9A-Za-z_\-]{35}"),
     "Google OAuth token": re.compile(r"ya29\.[0-9A-Za-z_\-]{20,}"),

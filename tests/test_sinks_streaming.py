@@ -1,7 +1,7 @@
-"""The streaming sink (WriteMicroBatches): each micro-batch becomes its vectors file, its dead-letter
-file and its ledger record, under dt=/hour= of the window start, with safe names fixed by window,
-pane and shard (a late pane never overwrites the on-time file, a retry rewrites the same names), and
-nothing half-written or temporary is left where readers look.
+"""The streaming sink (WriteMicroBatches): each micro-batch becomes its vectors file, its
+dead-letter file and its ledger record, under dt=/hour= of the window start, with safe names fixed
+by window, pane and shard (a late pane never overwrites the on-time file, a retry rewrites the same
+names), and nothing half-written or temporary is left where readers look.
 
 The sink takes micro-batches as data (their window travels with them), so these tests build them
 directly; windowing and grouping are tested in test_windowing.py and test_dedup_streaming.py.
@@ -23,10 +23,18 @@ from apache_beam.utils.timestamp import Timestamp
 
 from pipeline import ledger
 from transforms import sinks
-from transforms.metrics import DEAD_LETTER_NAMESPACE, NAMESPACE
-from transforms.schema import (DeadLetter, EmbeddedDoc, LedgerRecord, Lineage, MicroBatch,
-                               NewsEvent, PreparedDoc, vector_schema)
 from transforms.layout import PartFileName, partition_path
+from transforms.metrics import DEAD_LETTER_NAMESPACE, NAMESPACE
+from transforms.schema import (
+    DeadLetter,
+    EmbeddedDoc,
+    LedgerRecord,
+    Lineage,
+    MicroBatch,
+    NewsEvent,
+    PreparedDoc,
+    vector_schema,
+)
 from transforms.sinks import WriteMicroBatches, to_table
 
 RUN_ID = "20261201T093000Z-1a2b3c4d"
@@ -95,7 +103,8 @@ def layout(tmp_path) -> dict:
     for path in files(tmp_path):
         rel = path.relative_to(tmp_path).as_posix()
         assert SAFE_PATH.match(rel) and not set("[], ") & set(rel), rel
-        subdir, partition, name = rel.split("/", 1)[0], rel.split("/", 1)[1].rsplit("/", 1)[0], path.name
+        subdir, partition, name = (rel.split("/", 1)[0], rel.split("/", 1)[1].rsplit("/", 1)[0],
+                                   path.name)
         assert subdir in ("vectors", "dead_letter", "ledger"), f"a file elsewhere: {rel}"
         match = FILE_NAME.match(name)
         assert match, name
@@ -159,12 +168,14 @@ def test_each_micro_batch_is_one_set_of_files_under_its_window_hour(tmp_path):
     assert (record.messages_in, record.rows_written, record.dead_lettered, record.duplicates) == \
         (4, 2, 1, 1)
     assert record.dead_lettered_by_reason == {"invalid_json": 1} and record.balances()
-    assert record.window_start == "2026-12-01T09:59:00Z" and record.window_end == "2026-12-01T10:00:00Z"
+    assert (record.window_start == "2026-12-01T09:59:00Z"
+            and record.window_end == "2026-12-01T10:00:00Z")
     assert record.vectors_file == found[("vectors", h09, 0, 0)].relative_to(tmp_path).as_posix()
     assert record.dead_letter_file == found[("dead_letter", h09, 0, 0)].relative_to(
         tmp_path).as_posix()
     assert LedgerRecord.from_json(found[("ledger", h09, 1, 0)].read_text()).dead_letter_file is None
-    letters = [json.loads(line) for line in found[("dead_letter", h10, 0, 1)].read_text().splitlines()]
+    letters = [json.loads(line)
+               for line in found[("dead_letter", h10, 0, 1)].read_text().splitlines()]
     assert [d["reason"] for d in letters] == ["no_text"]
     assert ledger.check(str(tmp_path)).ok
 

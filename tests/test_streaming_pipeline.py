@@ -20,10 +20,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline import ledger
-from tools.emulators import local_streaming_job
-from tools.publish import publish_file
 from tests.conftest import SAMPLE_EVENTS, make_config
 from tests.emulators import gcs_emulator, pubsub_emulator
+from tools.emulators import local_streaming_job
+from tools.publish import publish_file
 from transforms.schema import NewsEvent, vector_schema
 from transforms.text import compose_text
 
@@ -129,7 +129,8 @@ def test_every_published_message_is_accounted_for(emulators, tmp_path):
     # A redelivered/republished article (same id as line 1), a message over the size limit, then
     # messages past gRPC's default 4 MiB, each followed by an article that must not be held up.
     after = [json.dumps({"id": f"after-big-{i}", "title": f"Published after big message {i}",
-                         "body": "The market rallied on news of the deal."}).encode() for i in range(3)]
+                         "body": "The market rallied on news of the deal."}).encode()
+             for i in range(3)]
     extra.write_bytes(b"\n".join([lines[0], oversized, big[0], after[0], big[1], after[1], big[2],
                                   after[2]]) + b"\n")
     published_dups = 2  # line 46 of the sample repeats line 1; extra line 1 repeats it again
@@ -185,6 +186,7 @@ def test_every_published_message_is_accounted_for(emulators, tmp_path):
             assert SAFE_NAME.match(relative.rsplit("/", 1)[1]), relative
 
     from sentence_transformers import SentenceTransformer
+
     from transforms.model import resolve_model_path
 
     events = {}

@@ -1,6 +1,6 @@
-"""Event time and windows (TestStream on the streaming local runner): published_at drives the window,
-old articles fall back to publish time, and late data within the allowed lateness is a late pane,
-never dropped."""
+"""Event time and windows (TestStream on the streaming local runner): published_at drives the
+window, old articles fall back to publish time, and late data within the allowed lateness is a late
+pane, never dropped."""
 import datetime as dt
 
 import apache_beam as beam
@@ -33,7 +33,8 @@ def test_event_time_prefers_published_at_within_the_lateness():
     assert event_time(ev("a"), at(70), allowed_lateness_s=600) == at(70)
     assert event_time(ev("a", published_s=-10_000), at(70), allowed_lateness_s=600) == at(70)
     paris = dt.timezone(dt.timedelta(hours=1))
-    offset = NewsEvent(id="a", body="x", published_at=(T0 + dt.timedelta(seconds=5)).astimezone(paris))
+    offset = NewsEvent(id="a", body="x",
+                       published_at=(T0 + dt.timedelta(seconds=5)).astimezone(paris))
     assert event_time(offset, at(70), allowed_lateness_s=600) == at(5)
 
 
@@ -47,9 +48,10 @@ def _late_stream():
               .advance_watermark_to(at(0))
               .add_elements([TimestampedValue(ev("a"), at(10)),               # publish time 10
                              TimestampedValue(ev("b", published_s=5), at(70))])  # published at 5
-              .advance_watermark_to(at(130))                                 # [0, 60) and [60, 120) close
+              .advance_watermark_to(at(130))                   # [0, 60) and [60, 120) close
               .add_elements([TimestampedValue(ev("late", published_s=100), at(140)),  # late, kept
-                             TimestampedValue(ev("old", published_s=-10_000), at(150))])  # reassigned
+                             # reassigned:
+                             TimestampedValue(ev("old", published_s=-10_000), at(150))])
               .advance_watermark_to_infinity())
 
 
