@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 
+from transforms.lease import PublishLease
 from transforms.manifest import clean_stale, repair
 
 
@@ -24,10 +25,17 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="a newsvec output prefix, local or gs://")
     parser.add_argument("--older-than-s", type=float, default=86400,
-                        help="delete temporary and staged files older than this (default: a day)")
+                        help="delete temporary and staged files older than this (default: a day; "
+                             "longer than any batch job runs)")
+    parser.add_argument("--lease-s", type=float, default=600,
+                        help="the output's publish lease (sink.commit_lease_s): a run that holds "
+                             "it is waited for, one killed while publishing for this long on GCS")
     args = parser.parse_args(argv)
-    repaired = repair(args.output)
-    deleted = clean_stale(args.output, args.older_than_s)
+    # Under the output's publish lease: never beside a run that publishes.
+    with PublishLease(args.output, "cleanup", args.lease_s) as lease:
+        repaired = repair(args.output, lease)
+        lease.check()
+        deleted = clean_stale(args.output, args.older_than_s)
     print(json.dumps({"repaired_run": repaired.run_id if repaired else None,
                       "deleted": len(deleted), "deleted_files": deleted}, indent=2))
     return 0

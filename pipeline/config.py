@@ -63,8 +63,9 @@ class SinkSettings(_Section):
     dead_letter_payload_bytes: int = Field(4096, gt=0,
                                            description="raw payload kept per dead letter")
     commit_lease_s: float = Field(
-        600, gt=0, description="batch: how long another run's unfinished publish into the same "
-                               "output is waited for before this run takes over")
+        600, gt=0, description="batch: the output's publish lease: renewed every quarter of this "
+                               "while a run publishes; another run takes it over once it has "
+                               "stood unrenewed this long (its holder killed or stalled)")
     store_chunk_text: bool = Field(
         False, description="chunks mode: write each chunk's text (`chunk_text`), for "
                            "retrieval-augmented generation")

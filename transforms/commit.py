@@ -9,6 +9,13 @@ that does not balance fails here and publishes nothing: a run that fails or is k
 the previous output as it was. Then it writes the run's ``_summary.json``, publishes the run under
 the output's manifest (``transforms.manifest``), and deletes what runs killed before they committed
 left in ``_staging/`` and ``_temp/`` more than ``STALE_AFTER_S`` ago.
+
+All of it holds the output's publish lease (``transforms.lease``): one commit at a time per output.
+The newest run wins: run ids begin with their launch time (``layout.new_run_id``), and a run finds,
+under the lease, whether a run launched after it already holds the output; then it publishes
+nothing (its summary says ``published: false`` and ``superseded_by``). So a retried launch, a
+manual rerun or a backfill of a day replaces an older launch's output even if the older one
+finishes last, and a slow older launch never overwrites a newer one.
 """
 from __future__ import annotations
 
@@ -33,13 +40,14 @@ from transforms.layout import (
     relative_to,
     staging_prefix,
 )
+from transforms.lease import PublishLease
 from transforms.manifest import (
-    COMMITTED,
     PUBLISHING,
     STALE_AFTER_S,
     Manifest,
     clean_stale,
     count_stored,
+    delete_tree,
     publish,
     read_manifest,
 )
@@ -65,12 +73,29 @@ class _CommitFn(beam.DoFn):
         self._output, self._run_id, self._summary, self._lease_s = output, run_id, summary, lease_s
 
     def process(self, _, staged, tallies):
+        # Everything below runs under the output's publish lease, so that two attempts of this
+        # commit (a work item executed twice at once), another run, or a clean-up never act on
+        # the output together, and each decision reads the manifest as the holder left it.
+        with PublishLease(self._output, self._run_id, self._lease_s) as lease:
+            yield self._commit(staged, tallies, lease)
+
+    def _commit(self, staged, tallies, lease: PublishLease) -> dict:
         current = read_manifest(self._output)
-        if current is not None and current.run_id == self._run_id and current.state == COMMITTED:
-            # A retry of a commit that went through (its staging is gone): nothing left to do.
-            with FileSystems.open(join_path(self._output, SUMMARY_FILE)) as f:
-                yield json.loads(f.read().decode("utf-8"))
-            return
+        if current is not None and current.run_id == self._run_id:
+            # Another attempt of this commit got here first: finish its publish if it was cut
+            # off (its staged files are whole until the manifest says committed), else done.
+            if current.state == PUBLISHING:
+                publish(self._output, current, lease)
+            return self._published_summary()
+        if current is not None and current.run_id > self._run_id:
+            # A run launched after this one holds the output: the newest run wins, whichever
+            # commits last. Finish its publish if it was cut off; this run publishes nothing.
+            if current.state == PUBLISHING:
+                publish(self._output, current, lease)
+            lease.check()
+            delete_tree(staging_prefix(self._output, self._run_id))
+            return {**self._summary, "run_id": self._run_id, "published": False,
+                    "superseded_by": current.run_id}
         files: dict[str, list[str]] = {subdir: [] for subdir in PUBLISHED_DIRS}
         for subdir, path in staged:
             files[subdir].append(path)
@@ -93,6 +118,7 @@ class _CommitFn(beam.DoFn):
                 f"(sent: {sent[Tally.CHUNKS]})")
         staging = staging_prefix(self._output, self._run_id)
         summary_path = join_path(staging, SUMMARY_FILE)
+        lease.check()
         with FileSystems.create(summary_path, mime_type="application/json") as f:
             f.write(json.dumps(summary, indent=2, default=str).encode("utf-8"))
         relative = {subdir: [relative_to(self._output, p) for p in paths]
@@ -102,10 +128,14 @@ class _CommitFn(beam.DoFn):
             summary=relative_to(self._output, summary_path), counts=counts.to_summary(),
             vectors=relative[VECTORS_DIR], dead_letter=relative[DEAD_LETTER_DIR],
             chunks=relative[CHUNKS_DIR], keys=relative[KEYS_DIR])
-        publish(self._output, manifest, self._lease_s)
+        publish(self._output, manifest, lease)
         # What runs killed before their commit left here (on local disk, also partial files).
         clean_stale(self._output, STALE_AFTER_S)
-        yield summary
+        return summary
+
+    def _published_summary(self) -> dict:
+        with FileSystems.open(join_path(self._output, SUMMARY_FILE)) as f:
+            return json.loads(f.read().decode("utf-8"))
 
 
 def tally(pcoll, name: Tally, value=lambda _: 1):

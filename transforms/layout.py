@@ -34,6 +34,7 @@ TEMP_DIR = "_temp"
 STAGING_DIR = "_staging"
 SUMMARY_FILE = "_summary.json"
 MANIFEST_FILE = "_manifest.json"
+PUBLISH_LOCK_FILE = "_publish.lock"  # the publish lease (transforms.lease)
 # The folders a batch commit publishes (and a rerun replaces), in the order it replaces them.
 PUBLISHED_DIRS = (VECTORS_DIR, DEAD_LETTER_DIR, CHUNKS_DIR, KEYS_DIR)
 # Beam's shard template for a batch run's files: part-<run_id>-00000-of-00004.parquet.

@@ -13,8 +13,9 @@ A batch run writes into ``<output>/_staging/<run_id>/`` (``vectors/``, ``dead_le
 3. copies the summary, writes the manifest again (state ``committed``, naming the published files)
    and deletes the staging folder.
 
-Every step can run again (a retried bundle, ``repair``), and only one run publishes into an output
-at a time: another run's ``publishing`` manifest younger than the lease makes the commit wait.
+Every step can run again (a retried bundle, ``repair``). Only the holder of the output's publish
+lease (``transforms.lease``) publishes, and it checks the lease before every file it writes,
+deletes or copies: a publisher whose lease was taken over stops before it changes one more file.
 ``repair`` and ``clean_stale`` serve ``newsvec cleanup`` (``pipeline/cleanup.py``) after a kill.
 """
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-import logging
 import shutil
 import time
 from typing import Iterable, Optional
@@ -44,9 +44,9 @@ from transforms.layout import (
     temp_path,
     write_whole,
 )
+from transforms.lease import PublishLease
 from transforms.schema import Counts
 
-_LOG = logging.getLogger(__name__)
 PUBLISHING, COMMITTED = "publishing", "committed"
 STALE_AFTER_S = 2 * 86400  # older staged or temporary files than this are a dead run's
 
@@ -58,7 +58,7 @@ class Manifest:
 
     run_id: str
     state: str  # "publishing": the files are the staged copies; "committed": the published ones
-    started_at: float  # when publishing began (Unix seconds): the lease runs from here
+    started_at: float  # when publishing began (Unix seconds; the lease is in _publish.lock)
     vectors: list
     dead_letter: list
     summary: str
@@ -85,7 +85,7 @@ def write_manifest(output: str, manifest: Manifest) -> None:
     write_whole(output, join_path(output, MANIFEST_FILE), lambda f: f.write(data))
 
 
-def _delete_tree(path: str) -> None:
+def delete_tree(path: str) -> None:
     """Every file under ``path``, and on local disk the folders left empty."""
     files = list(list_files(join_path(path, "**")))
     if files:
@@ -110,37 +110,21 @@ def _published(relative_staged: str) -> str:
     return relative_staged.split("/", 2)[2]
 
 
-def _wait_for_other_publisher(output: str, run_id: str, lease_s: float, poll_s: float) -> None:
-    while True:
-        current = read_manifest(output)
-        if current is None or current.state == COMMITTED or current.run_id == run_id:
-            return
-        age = time.time() - current.started_at
-        if age > lease_s:
-            _LOG.warning("run %s began publishing into %s %.0f s ago and never finished (killed?): "
-                         "run %s takes over", current.run_id, output, age, run_id)
-            return
-        _LOG.info("run %s is publishing into %s; run %s waits", current.run_id, output, run_id)
-        time.sleep(poll_s)
+def publish(output: str, manifest: Manifest, lease: PublishLease) -> Manifest:
+    """Steps 1-3 of the module docstring, for a manifest in state ``publishing``, by the holder of
+    ``lease``. Returns the committed manifest."""
 
+    def change(action, *args) -> None:
+        lease.check()  # fenced: never one more change once the lease is lost
+        action(*args)
 
-def publish(output: str, manifest: Manifest, lease_s: float = 600, poll_s: float = 5) -> Manifest:
-    """Steps 1-3 of the module docstring, for a manifest in state ``publishing``. Returns the
-    committed manifest."""
-    while True:
-        _wait_for_other_publisher(output, manifest.run_id, lease_s, poll_s)
-        write_manifest(output, manifest)
-        time.sleep(min(poll_s, 1.0))  # two runs that wrote it at once: the last write stands
-        current = read_manifest(output)
-        if current is not None and current.run_id == manifest.run_id:
-            break
+    change(write_manifest, output, manifest)
     # First every old file, in every folder, then the new ones: a reader never sees two runs.
     for subdir in PUBLISHED_DIRS:
         ours = {_published(p) for p in getattr(manifest, subdir)}
-        stale = [p for p in list_files(join_path(output, subdir, "**"))
-                 if relative_to(output, p) not in ours]
-        if stale:
-            FileSystems.delete(stale)
+        for path in list_files(join_path(output, subdir, "**")):
+            if relative_to(output, path) not in ours:
+                change(FileSystems.delete, [path])
     sizes = list_files(join_path(staging_prefix(output, manifest.run_id), "**"))
     for subdir in PUBLISHED_DIRS:
         present = list_files(join_path(output, subdir, "**"))
@@ -148,10 +132,10 @@ def publish(output: str, manifest: Manifest, lease_s: float = 600, poll_s: float
         for staged in getattr(manifest, subdir):
             source, target = join_path(output, staged), join_path(output, _published(staged))
             if present.get(target) != sizes.get(source):  # not there yet, or a torn local copy
-                _copy_whole(output, source, target)
-    summary_target = join_path(output, SUMMARY_FILE)
+                change(_copy_whole, output, source, target)
     if manifest.summary != SUMMARY_FILE:
-        FileSystems.copy([join_path(output, manifest.summary)], [summary_target])
+        change(FileSystems.copy, [join_path(output, manifest.summary)],
+               [join_path(output, SUMMARY_FILE)])
     committed = dataclasses.replace(
         manifest, state=COMMITTED, summary=SUMMARY_FILE,
         vectors=[_published(p) for p in manifest.vectors],
@@ -159,18 +143,19 @@ def publish(output: str, manifest: Manifest, lease_s: float = 600, poll_s: float
         chunks=[_published(p) for p in manifest.chunks],
         keys=[_published(p) for p in manifest.keys],
         committed_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
-    write_manifest(output, committed)
-    _delete_tree(staging_prefix(output, manifest.run_id))
+    change(write_manifest, output, committed)
+    change(delete_tree, staging_prefix(output, manifest.run_id))
     return committed
 
 
-def repair(output: str, lease_s: float = 600) -> Optional[Manifest]:
+def repair(output: str, lease: PublishLease) -> Optional[Manifest]:
     """Finish a publish that was killed midway (its manifest still says ``publishing``, and its
-    staged files are whole). Returns the committed manifest, or None if there was nothing to do."""
+    staged files are whole), by the holder of ``lease``. Returns the committed manifest, or None if
+    there was nothing to do."""
     current = read_manifest(output)
     if current is None or current.state != PUBLISHING:
         return None
-    return publish(output, current, lease_s=lease_s)
+    return publish(output, current, lease)
 
 
 def clean_stale(output: str, older_than_s: float, now: Optional[float] = None) -> list[str]:
