@@ -7,7 +7,10 @@ both optional), prints the totals as JSON, and exits 1, naming each window, if:
 - a record does not balance (``messages_in != rows_written + dead_lettered + duplicates``);
 - a record names a file that is missing or, with verification on (the default), holds another number
   of rows (Parquet footer) or dead letters (lines) than the record says;
-- a data file under ``vectors/``, ``chunks/`` or ``dead_letter/`` has no record that names it.
+- a record's keys do not match its rows (``keys/``: the index the nightly incremental job trusts);
+- a data file under ``vectors/``, ``chunks/``, ``keys/`` or ``dead_letter/`` has no record that
+  names it;
+- with verification on, one Pub/Sub message has a row in two vectors files (written twice).
 A window still being written (the job is running, a late pane may come) can show a data file whose
 record is not written yet; check windows older than ``allowed_lateness_s`` plus a few minutes, or a
 drained job.
@@ -22,11 +25,13 @@ import json
 import sys
 from typing import Optional
 
+import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from transforms.layout import (
     CHUNKS_DIR,
     DEAD_LETTER_DIR,
+    KEYS_DIR,
     LEDGER_DIR,
     VECTORS_DIR,
     PartFileName,
@@ -60,9 +65,21 @@ def _list(output: str, subdir: str, suffix: str, partitions: Optional[list[str]]
             if m.path.endswith(suffix)]
 
 
-def _window_of_name(path: str) -> Optional[dt.datetime]:
-    name = PartFileName.parse(path)
-    return name.window_start if name else None
+def _written_twice(path: str, relative: str, written_in: dict[str, str]) -> list[str]:
+    """A problem for each Pub/Sub message whose row this vectors file holds and another one held
+    already: the same message written twice (two launches that each wrote a micro-batch under
+    names of their own, as releases before the digest in file names did after an update)."""
+    with FileSystems.open(path) as f:
+        ids = pq.read_table(f, columns=["pubsub_message_id"]).column(0).to_pylist()
+    problems = []
+    for message_id in ids:
+        if message_id is None:
+            continue
+        if message_id in written_in:
+            problems.append(f"message {message_id} is written twice: in {written_in[message_id]} "
+                            f"and in {relative}")
+        written_in.setdefault(message_id, relative)
+    return problems
 
 
 def _read(path: str) -> bytes:
@@ -92,6 +109,7 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
             records.append(record)
     problems = []
     named: collections.Counter[str] = collections.Counter()
+    written_in: dict[str, str] = {}  # Pub/Sub message id -> the vectors file that holds its row
     windows = set()
     for r in sorted(records, key=lambda r: (r.window_start, r.pane, r.shard)):
         where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
@@ -102,8 +120,11 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
                             f"{r.duplicates}")
         if not r.counts.reasons_add_up():
             problems.append(f"{where}: dead letters by reason do not add up to {r.dead_lettered}")
+        if r.keys_file is not None and r.keys_written != r.rows_written:
+            problems.append(f"{where}: {r.keys_written} keys for {r.rows_written} rows")
         for kind, relative, count in (("vectors", r.vectors_file, r.rows_written),
                                       ("chunks", r.chunks_file, r.chunks_written),
+                                      ("keys", r.keys_file, r.keys_written),
                                       ("dead letter", r.dead_letter_file, r.dead_lettered)):
             if relative is None:
                 if count:
@@ -119,12 +140,15 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
                 if found != count:
                     problems.append(f"{where}: {relative} holds {found} rows, the record says "
                                     f"{count}")
+                if kind == "vectors":
+                    problems += _written_twice(path, relative, written_in)
     for subdir, suffix in ((VECTORS_DIR, ".parquet"), (CHUNKS_DIR, ".parquet"),
-                           (DEAD_LETTER_DIR, ".jsonl")):
+                           (KEYS_DIR, ".parquet"), (DEAD_LETTER_DIR, ".jsonl")):
         for path in _list(output, subdir, suffix, partitions):
-            window = _window_of_name(path)
-            if not in_range(window):
-                continue
+            name = PartFileName.parse(path)
+            window = name.window_start if name else None
+            if not in_range(window) or (subdir == KEYS_DIR and name and name.digest is None):
+                continue  # out of range; or keys/ of a release whose records did not name them
             if named[path] == 0:
                 problems.append(f"window {window:%Y-%m-%dT%H:%M:%SZ}: {path[len(prefix):]} has no "
                                 f"ledger record")

@@ -72,7 +72,7 @@ def run(stream: TestStream, out: Path) -> dict[str, str]:
     p.run().wait_until_finish()
     rows = {}
     for path in (out / "vectors").rglob("*.parquet"):
-        start = path.name.split("-")[3]  # part-<run date>-<run hex>-<window start>-...
+        start = path.name.split("-")[1]  # part-<window start>-<pane>-...
         for event_id in pq.read_table(path)["id"].to_pylist():
             assert event_id not in rows, f"{event_id} written twice"
             rows[event_id] = dt.datetime.strptime(start, "%Y%m%dT%H%M%SZ").replace(

@@ -42,7 +42,7 @@ T0 = dt.datetime(2026, 12, 1, 9, 59, tzinfo=dt.timezone.utc)  # start of the fir
 BASE = Timestamp.from_utc_datetime(T0)
 SAFE_PATH = re.compile(r"^[A-Za-z0-9._=/-]+$")
 FILE_NAME = re.compile(  # group 1: the pane index
-    r"^part-" + RUN_ID + r"-\d{8}T\d{6}Z-(\d{3})-\d{5}-of-\d{5}\.(parquet|jsonl|json)$")
+    r"^part-\d{8}T\d{6}Z-(\d{3})-\d{5}-of-\d{5}-[0-9a-f]{16}\.(parquet|jsonl|json)$")
 
 
 def at(seconds: float) -> Timestamp:
@@ -79,10 +79,11 @@ BATCHES = [  # window 09:59: an on-time pane and a late one; 10:00 one pane on a
 ]
 
 
-def write(tmp_path, batches=BATCHES, row_group_rows=16384):
+def write(tmp_path, batches=BATCHES, row_group_rows=16384, run_id=RUN_ID, signature=None):
     p = TestPipeline(runner="BundleBasedDirectRunner")
     _ = (p | beam.Create(batches)
-         | WriteMicroBatches(str(tmp_path), RUN_ID, dim=384, row_group_rows=row_group_rows))
+         | WriteMicroBatches(str(tmp_path), run_id, dim=384, row_group_rows=row_group_rows,
+                             signature=signature))
     result = p.run()
     result.wait_until_finish()
     return result
@@ -108,7 +109,7 @@ def layout(tmp_path) -> dict:
         assert subdir in ("vectors", "dead_letter", "ledger"), f"a file elsewhere: {rel}"
         match = FILE_NAME.match(name)
         assert match, name
-        shard = int(name.split("-of-")[0].rsplit("-", 1)[1])
+        shard = PartFileName.parse(name).shard
         found[(subdir, partition, int(match.group(1)), shard)] = path
     return found
 
@@ -120,24 +121,31 @@ def test_partition_path_is_the_window_start_in_utc():
         partition_path(window.GlobalWindow())
 
 
-def test_file_names_differ_by_pane_and_run():
+def test_file_names_differ_by_pane_and_messages_not_by_launch():
     w = IntervalWindow(at(0), at(60))
-    names = {PartFileName.for_window(run_id, w, pane, 0, 1, ".parquet").file_name()
-             for run_id in (RUN_ID, "20261201T093000Z-ffffffff") for pane in (0, 1)}
+    names = {PartFileName.for_window(w, pane, 0, 1, digest, ".parquet").file_name()
+             for digest in ("0" * 16, "f" * 16) for pane in (0, 1)}
     assert len(names) == 4
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", n) for n in names)
-    assert PartFileName.for_window(RUN_ID, w, 1, 0, 1, ".parquet").file_name() == \
-        f"part-{RUN_ID}-20261201T095900Z-001-00000-of-00001.parquet"
+    assert PartFileName.for_window(w, 1, 0, 1, "0123456789abcdef", ".parquet").file_name() == \
+        "part-20261201T095900Z-001-00000-of-00001-0123456789abcdef.parquet"
+    batch = micro_batch(0, rows=[row("a"), row("b")], letters=[letter("x")])
+    assert sinks.micro_batch_digest(batch) == sinks.micro_batch_digest(
+        dataclasses.replace(batch, rows=batch.rows[::-1])), "the messages, not their order"
+    assert sinks.micro_batch_digest(batch) != sinks.micro_batch_digest(
+        micro_batch(0, rows=[row("a"), row("c")], letters=[letter("x")]))
 
 
 def test_a_file_name_parses_back_to_its_parts():
     """The sinks write names and the ledger reads them with one type: a round trip, whatever the
-    pane (a job with more than 999 late panes of a window) or run id."""
+    pane (a job with more than 999 late panes of a window); and the names of earlier releases."""
     w = IntervalWindow(at(0), at(60))
-    for run_id, pane, shard in ((RUN_ID, 0, 3), ("my-job.v2", 1234, 0)):
-        name = PartFileName.for_window(run_id, w, pane, shard, 4, ".jsonl")
+    for pane, shard in ((0, 3), (1234, 0)):
+        name = PartFileName.for_window(w, pane, shard, 4, "00112233445566ff", ".jsonl")
         assert PartFileName.parse(name.file_name()) == name
         assert PartFileName.parse("vectors/dt=2026-12-01/hour=09/" + name.file_name()) == name
+    earlier = PartFileName.parse(f"part-{RUN_ID}-20261201T095900Z-001-00002-of-00004.parquet")
+    assert (earlier.run_id, earlier.digest, earlier.pane, earlier.shard) == (RUN_ID, None, 1, 2)
     assert PartFileName.parse(f"part-{RUN_ID}-00000-of-00004.parquet") is None  # a batch file
 
 
@@ -277,3 +285,70 @@ def test_an_embedded_row_carries_only_output_columns_through_the_shuffles():
     assert len(encoded) < 8 * 1024, f"{len(encoded)} bytes for a 1.5 KB vector"  # pickled: ~3.6 KB
     columns = set(vector_schema(384).names) | {"lineage", "chunks"}  # lineage: pubsub_* columns
     assert {f.name for f in dataclasses.fields(EmbeddedDoc)} <= columns
+
+
+# Exactly once across launches and retries (issue 21, sections 3 and 4).
+
+def data_files(root) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in files(root)
+                  if not p.relative_to(root).as_posix().startswith("ledger/"))
+
+
+def test_a_micro_batch_redone_by_another_launch_replaces_its_files(tmp_path):
+    """After ``--update`` or a restart from a snapshot, the new job redoes the micro-batches the
+    old one wrote but did not commit. Before, their files were named by each launch's run id: two
+    sets of rows, two ledger records, and the ledger said balanced over doubled totals."""
+    write(tmp_path, signature="sig")
+    once = ledger.check(str(tmp_path))
+    before = data_files(tmp_path)
+    write(tmp_path, run_id="20261201T110000Z-5ec0dd0b", signature="sig")  # the launch after
+    again = ledger.check(str(tmp_path))
+    assert again.ok, again.problems
+    assert again.totals == once.totals, "no row, record or dead letter counted twice"
+    assert data_files(tmp_path) == before, "the same files, replaced"
+    assert again.totals["records"] == len(BATCHES) and again.totals["rows_written"] == 4
+
+
+def test_a_retry_whose_outcome_differs_leaves_nothing_of_the_first_attempt(tmp_path):
+    """Attempt 1 embedded both articles; attempt 2 (another engine, say) dead-letters them. Before,
+    attempt 2 wrote only the kinds it had rows for: attempt 1's vectors and keys stayed, and the
+    nightly incremental job trusted those keys."""
+    first = micro_batch(0, rows=[row("a"), row("b")])
+    write(tmp_path, [first], signature="sig")
+    assert {name.split("/")[0] for name in data_files(tmp_path)} == {"vectors", "keys"}
+    second = dataclasses.replace(first, rows=(), dead_letters=(
+        letter("a", "embedding_failed"), letter("b", "embedding_failed")))
+    write(tmp_path, [second], signature="sig")
+    assert {name.split("/")[0] for name in data_files(tmp_path)} == {"dead_letter"}, \
+        data_files(tmp_path)
+    report = ledger.check(str(tmp_path))
+    assert report.ok, report.problems
+    assert (report.totals["rows_written"], report.totals["dead_lettered"]) == (0, 2)
+
+
+def test_the_ledger_checks_the_key_index(tmp_path):
+    write(tmp_path, signature="sig")
+    assert ledger.check(str(tmp_path)).ok
+    keys = sorted((tmp_path / "keys").rglob("*.parquet"))
+    assert len(keys) == 3, "one key file per micro-batch with rows"
+    stray = keys[0].with_name(keys[0].name.replace("-000-", "-007-"))
+    stray.write_bytes(keys[0].read_bytes())  # keys no record names
+    keys[1].unlink()  # keys a record names, lost
+    text = "\n".join(ledger.check(str(tmp_path)).problems)
+    assert "-007-" in text and "has no ledger record" in text
+    assert f"{keys[1].name} is missing" in text
+
+
+def test_the_ledger_finds_a_message_written_twice(tmp_path):
+    """Rows of one Pub/Sub message in two files (as two launches of an earlier release wrote
+    after an update) are found however the files are named."""
+    def streamed(event_id, message_id):
+        return dataclasses.replace(row(event_id), lineage=Lineage(
+            message_id=message_id, publish_time=None))
+
+    write(tmp_path, [micro_batch(0, rows=[streamed("a", "m1"), streamed("b", "m2")]),
+                     micro_batch(0, pane=1, rows=[streamed("a", "m1")])])
+    report = ledger.check(str(tmp_path))
+    assert not report.ok
+    assert any("message m1 is written twice" in p for p in report.problems), report.problems
+    assert not any("m2" in p for p in report.problems)

@@ -94,33 +94,43 @@ _WINDOW_FORMAT = "%Y%m%dT%H%M%SZ"
 
 @dataclasses.dataclass(frozen=True)
 class PartFileName:
-    """A streaming micro-batch's file name: ``part-<run_id>-<window start>-<pane>-<shard>-of-<n>
-    <suffix>``, e.g. ``part-20261201T093000Z-1a2b3c4d-20261201T095900Z-001-00000-of-00004.parquet``.
+    """A streaming micro-batch's file name: ``part-<window start>-<pane>-<shard>-of-<n>-<digest>
+    <suffix>``, e.g. ``part-20261201T095900Z-001-00000-of-00004-0123456789abcdef.parquet``.
 
-    The window start and pane keep a late pane from replacing its window's on-time file, the run id
-    one launch's files from another's. ``file_name()`` writes it, ``parse()`` reads it back: the
-    sinks and the ledger share this one definition.
+    The window start and pane keep a late pane from replacing its window's on-time file. The digest
+    is of the micro-batch's messages (``transforms.sinks.micro_batch_digest``), not of the launch:
+    a micro-batch redone by another attempt, by the job that replaced its writer after an update,
+    or by a restart from a snapshot gets the same names and replaces its files, while different
+    messages in the same window, pane and shard (a new job's late pane after a drain) get names of
+    their own. ``file_name()`` writes it, ``parse()`` reads it back: the sinks and the ledger share
+    this one definition. ``parse()`` also reads the names of releases before, which began with the
+    launch's run id instead (``run_id``, and no digest).
     """
 
-    run_id: str
     window_start: dt.datetime  # UTC
     pane: int
     shard: int
     shards: int
+    digest: Optional[str]  # 16 hex; None in a name of an earlier release
     suffix: str  # ".parquet", ".jsonl", ".json"
+    run_id: Optional[str] = None  # only in a name of an earlier release
 
-    _PATTERN = re.compile(r"part-(?P<run_id>[A-Za-z0-9._-]+)-(?P<window>\d{8}T\d{6}Z)"
-                          r"-(?P<pane>\d{3,})-(?P<shard>\d{5,})-of-(?P<shards>\d{5,})"
-                          r"(?P<suffix>\.[A-Za-z0-9]+)")
+    _TAIL = (r"(?P<window>\d{8}T\d{6}Z)-(?P<pane>\d{3,})-(?P<shard>\d{5,})-of-(?P<shards>\d{5,})")
+    _PATTERN = re.compile(r"part-" + _TAIL
+                          + r"-(?P<digest>[0-9a-f]{16})(?P<suffix>\.[A-Za-z0-9]+)")
+    _EARLIER = re.compile(r"part-(?P<run_id>[A-Za-z0-9._-]+)-" + _TAIL
+                          + r"(?P<suffix>\.[A-Za-z0-9]+)")
 
     @classmethod
-    def for_window(cls, run_id: str, window: IntervalWindow, pane: int, shard: int, shards: int,
+    def for_window(cls, window: IntervalWindow, pane: int, shard: int, shards: int, digest: str,
                    suffix: str) -> "PartFileName":
-        return cls(run_id, window.start.to_utc_datetime(has_tz=True), pane, shard, shards, suffix)
+        return cls(window.start.to_utc_datetime(has_tz=True), pane, shard, shards, digest, suffix)
 
     def file_name(self) -> str:
-        name = (f"part-{self.run_id}-{self.window_start:{_WINDOW_FORMAT}}-{self.pane:03d}"
-                f"-{self.shard:05d}-of-{self.shards:05d}{self.suffix}")
+        if self.digest is None or not re.fullmatch(r"[0-9a-f]{16}", self.digest):
+            raise ValueError(f"a micro-batch's file name needs 16 hex of digest: {self.digest!r}")
+        name = (f"part-{self.window_start:{_WINDOW_FORMAT}}-{self.pane:03d}-{self.shard:05d}"
+                f"-of-{self.shards:05d}-{self.digest}{self.suffix}")
         if not SAFE_NAME.fullmatch(name):
             raise ValueError(f"unsafe file name {name!r}")
         return name
@@ -128,13 +138,16 @@ class PartFileName:
     @classmethod
     def parse(cls, name: str) -> Optional["PartFileName"]:
         """The parts of a file name (a bare name or a path), or None if it is not one of ours."""
-        match = cls._PATTERN.fullmatch(name.rsplit("/", 1)[-1])
+        base = name.rsplit("/", 1)[-1]
+        match = cls._PATTERN.fullmatch(base) or cls._EARLIER.fullmatch(base)
         if not match:
             return None
-        window_start = dt.datetime.strptime(match["window"], _WINDOW_FORMAT).replace(
+        groups = match.groupdict()
+        window_start = dt.datetime.strptime(groups["window"], _WINDOW_FORMAT).replace(
             tzinfo=dt.timezone.utc)
-        return cls(match["run_id"], window_start, int(match["pane"]), int(match["shard"]),
-                   int(match["shards"]), match["suffix"])
+        return cls(window_start, int(groups["pane"]), int(groups["shard"]),
+                   int(groups["shards"]), groups.get("digest"), groups["suffix"],
+                   groups.get("run_id"))
 
 
 def mkdirs(path: str) -> None:

@@ -388,8 +388,9 @@ class MicroBatch:
     Each message that reached the grouping is in it exactly once: as a document to embed (``docs``),
     as a dead letter, or counted as a duplicate. The window and pane are carried as data, so the
     steps after the grouping run in the global window and nothing there can drop it as late. It is
-    embedded as one unit and written as one set of files (vectors, dead letters, ledger record),
-    named by window, pane and shard: a retried bundle rewrites the same names.
+    embedded as one unit and written as one set of files (vectors, chunks, keys, dead letters,
+    ledger record), named by window, pane, shard and a digest of its messages: a retried bundle,
+    or the job that replaced its writer, rewrites the same names.
     """
 
     window_start_us: int  # the event-time window, in microseconds since the epoch (UTC)
@@ -491,6 +492,9 @@ class LedgerRecord:
     written_at: str
     chunks_written: int = 0  # rows of chunks/ (chunks mode)
     chunks_file: Optional[str] = None
+    keys_written: int = 0  # rows of keys/ (the key index)
+    keys_file: Optional[str] = None
+    digest: Optional[str] = None  # of the micro-batch's messages: in its files' names
 
     @property
     def counts(self) -> Counts:

@@ -16,6 +16,7 @@ then its ledger record (``ledger/``), each written whole (``layout.write_whole``
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import itertools
 from typing import Any, Callable, Iterable, Optional
 
@@ -25,6 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io import fileio
 from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystems import FileSystems
 from apache_beam.transforms.window import IntervalWindow
 from apache_beam.utils.timestamp import Timestamp
 
@@ -240,9 +242,29 @@ def micro_batch_window(batch: MicroBatch) -> IntervalWindow:
                           Timestamp(micros=batch.window_end_us))
 
 
+def micro_batch_digest(batch: MicroBatch) -> str:
+    """16 hex of what a micro-batch took in: the Pub/Sub message id of each row and dead letter (or,
+    without one, its event id, or a parse dead letter's payload), and its counts. Every attempt at
+    the same micro-batch gives the same digest, whatever it made of it: a row in one attempt may be
+    a dead letter in the next, with the same message. So do the launches of a job across an update
+    or a restart, which redo what their predecessor wrote but did not commit."""
+    identities = sorted(
+        [row.lineage.message_id if row.lineage and row.lineage.message_id
+         else f"event\0{row.id}" for row in batch.rows]
+        + [letter.message_id or (f"event\0{letter.event_id}" if letter.event_id is not None
+                                 else f"payload\0{letter.payload}")
+           for letter in batch.dead_letters])
+    identities.append(f"in={batch.messages_in} duplicates={batch.duplicates}")
+    return hashlib.sha256("\n".join(identities).encode("utf-8")).hexdigest()[:16]
+
+
 class _WriteMicroBatchFn(beam.DoFn):
-    """MicroBatch -> its vectors, chunks and dead-letter files (each only if it has any), then its
-    ledger record, which names them: a record implies that its files are complete."""
+    """MicroBatch -> its vectors, chunks, keys and dead-letter files, then its ledger record, which
+    names them: a record implies that its files are complete.
+
+    The files are one set, named by window, pane, shard and digest (``layout.PartFileName``): a
+    later attempt at the same micro-batch replaces each of them, and deletes those of its kinds it
+    has no rows for (an earlier attempt wrote vectors, this one dead-letters everything)."""
 
     def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int,
                  signature: Optional[str]):
@@ -251,49 +273,64 @@ class _WriteMicroBatchFn(beam.DoFn):
         self._row_group_rows = row_group_rows
         self._keys = KeysTable(signature) if signature is not None else None
 
-    def _write(self, subdir, batch, suffix, sink, records):
+    def _path(self, subdir: str, batch: MicroBatch, digest: str, suffix: str) -> str:
+        """``<subdir>/dt=…/hour=…/<name>``, relative to the output."""
         window = micro_batch_window(batch)
-        partition = partition_path(window)
-        name = PartFileName.for_window(self._run_id, window, batch.pane, batch.shard,
-                                       batch.shards, suffix).file_name()
-        write_file(self._output, self._run_id, join_path(self._output, subdir, partition), name,
-                   sink, records)
-        return f"{subdir}/{partition}/{name}"
+        name = PartFileName.for_window(window, batch.pane, batch.shard, batch.shards, digest,
+                                       suffix).file_name()
+        return f"{subdir}/{partition_path(window)}/{name}"
+
+    def _write(self, relative: str, sink, records) -> str:
+        folder, name = relative.rsplit("/", 1)
+        write_file(self._output, self._run_id, join_path(self._output, folder), name, sink,
+                   records)
+        return relative
+
+    def _write_or_delete(self, relative: str, sink, records: list, tables) -> Optional[str]:
+        """Write the file if there are records, else delete an earlier attempt's."""
+        if records:
+            return self._write(relative, sink, tables)
+        path = join_path(self._output, relative)
+        if FileSystems.exists(path):
+            FileSystems.delete([path])
+        return None
 
     def process(self, batch: MicroBatch):
-        vectors = chunks = letters = None
-        if batch.rows:
-            vectors = self._write(VECTORS_DIR, batch, ".parquet",
-                                  ParquetTableSink(self._schema, self._row_group_rows),
-                                  _row_group_tables(batch.rows, self._schema, self._row_group_rows))
-        chunk_rows = [c for row in batch.rows for c in row.chunks]
-        if chunk_rows:
-            chunks = self._write(CHUNKS_DIR, batch, ".parquet",
-                                 ParquetTableSink(self._chunk_schema, self._row_group_rows),
-                                 _row_group_tables(chunk_rows, self._chunk_schema,
-                                                   self._row_group_rows, chunks_table))
-        if batch.rows and self._keys is not None:  # the key index, for the nightly batch jobs
-            self._write(KEYS_DIR, batch, ".parquet",
-                        ParquetTableSink(key_schema(), self._row_group_rows),
-                        _row_group_tables(batch.rows, key_schema(), self._row_group_rows,
-                                          self._keys))
-        if batch.dead_letters:
-            letters = self._write(DEAD_LETTER_DIR, batch, ".jsonl", _JsonLinesSink(),
-                                  map(_count_dead_letter, batch.dead_letters))
+        digest = micro_batch_digest(batch)
+        rows = list(batch.rows)
+        chunk_rows = [c for row in rows for c in row.chunks]
+        key_rows = rows if self._keys is not None else []  # the key index, for the nightly jobs
+        vectors = self._write_or_delete(
+            self._path(VECTORS_DIR, batch, digest, ".parquet"),
+            ParquetTableSink(self._schema, self._row_group_rows), rows,
+            _row_group_tables(rows, self._schema, self._row_group_rows))
+        chunks = self._write_or_delete(
+            self._path(CHUNKS_DIR, batch, digest, ".parquet"),
+            ParquetTableSink(self._chunk_schema, self._row_group_rows), chunk_rows,
+            _row_group_tables(chunk_rows, self._chunk_schema, self._row_group_rows, chunks_table))
+        keys = self._write_or_delete(
+            self._path(KEYS_DIR, batch, digest, ".parquet"),
+            ParquetTableSink(key_schema(), self._row_group_rows), key_rows,
+            _row_group_tables(key_rows, key_schema(), self._row_group_rows, self._keys))
+        letters = self._write_or_delete(
+            self._path(DEAD_LETTER_DIR, batch, digest, ".jsonl"), _JsonLinesSink(),
+            list(batch.dead_letters), map(_count_dead_letter, batch.dead_letters))
         window = micro_batch_window(batch)
         record = LedgerRecord(
             run_id=self._run_id, window_start=_rfc3339(window.start),
             window_end=_rfc3339(window.end),
             pane=batch.pane, shard=batch.shard, shards=batch.shards,
-            messages_in=batch.messages_in, rows_written=len(batch.rows),
+            messages_in=batch.messages_in, rows_written=len(rows),
             dead_lettered=len(batch.dead_letters),
             dead_lettered_by_reason=Counts.by_reason(
                 letter.reason for letter in batch.dead_letters),
             duplicates=batch.duplicates, late_reassigned=batch.late_reassigned,
             vectors_file=vectors, dead_letter_file=letters,
             written_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),
-            chunks_written=len(chunk_rows), chunks_file=chunks)
-        self._write(LEDGER_DIR, batch, ".json", _JsonLinesSink(), [record.to_json()])
+            chunks_written=len(chunk_rows), chunks_file=chunks,
+            keys_written=len(key_rows), keys_file=keys, digest=digest)
+        self._write(self._path(LEDGER_DIR, batch, digest, ".json"), _JsonLinesSink(),
+                    [record.to_json()])
         yield record
 
 
