@@ -22,7 +22,13 @@ from transforms.commit import CommitRun, Tally, tally
 from transforms.dedup import DropDuplicates, DropDuplicatesStreaming
 from transforms.embed import EmbedMicroBatches, EmbedWithVLLM
 from transforms.engine import EngineFactory
-from transforms.incremental import ReadKeys, SkipUnchanged, embedding_signature, key_files
+from transforms.incremental import (
+    SKIPPED_FROM,
+    UNCHANGED,
+    ReadKeys,
+    SkipUnchanged,
+    embedding_signature,
+)
 from transforms.layout import CHUNKS_DIR, DEAD_LETTER_DIR, KEYS_DIR, VECTORS_DIR, staging_prefix
 from transforms.metrics import CountDone
 from transforms.microbatch import GroupMicroBatches
@@ -82,13 +88,14 @@ def embed_and_write(payloads, config: Config, run_id: str,
     prepared = _prepare(parsed.events, config)
     signature = embedding_signature(config.model, config.chunking)
     docs, tallies = prepared.docs, [tally(payloads, Tally.IN)]
+    skipped_from = None
     if config.incremental.previous_outputs:
-        known = payloads.pipeline | "ReadKeys" >> ReadKeys(
-            key_files(config.incremental.previous_outputs, config.output))
+        known = payloads.pipeline | "ReadKeys" >> ReadKeys(config.incremental.previous_outputs,
+                                                           config.output)
         label = model_label(config.model, resolve_model_path(config.model.path))
         skipped = docs | "SkipUnchanged" >> SkipUnchanged(known, label, signature)
-        docs = skipped.docs
-        tallies.append(tally(skipped.unchanged, Tally.UNCHANGED))
+        docs, skipped_from = skipped["docs"], skipped[SKIPPED_FROM]
+        tallies.append(tally(skipped[UNCHANGED], Tally.UNCHANGED))
     # No grouping between preparing and embedding: in a batch job it would be a barrier, every
     # article prepared before the first is embedded. Duplicates are dropped from the vector rows.
     embedded = docs | "EmbedWithVLLM" >> EmbedWithVLLM(
@@ -108,7 +115,7 @@ def embed_and_write(payloads, config: Config, run_id: str,
                               | "WriteDeadLetters" >> WriteDeadLetters(staging, run_id))
     done = [parsed.dead_letter, prepared.dead_letter, embedded.embedded, embedded.dead_letter]
     if config.incremental.previous_outputs:
-        done.append(skipped.unchanged)
+        done.append(skipped[UNCHANGED])
     for i, articles in enumerate(done):
         articles | f"Progress{i}" >> CountDone()  # articles done: a progress bar, Dataflow metrics
     tallies += [tally(unique.duplicates, Tally.DUPLICATES, lambda n: n),
@@ -117,7 +124,7 @@ def embed_and_write(payloads, config: Config, run_id: str,
                 tally(chunk_rows, Tally.CHUNKS)]
     return payloads.pipeline | "CommitRun" >> CommitRun(
         config.output, run_id, summary_base(config), files=files, tallies=tallies,
-        lease_s=config.sink.commit_lease_s)
+        skipped_from=skipped_from, lease_s=config.sink.commit_lease_s)
 
 
 def build_batch(pipeline: beam.Pipeline, config: Config, run_id: str,

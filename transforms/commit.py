@@ -24,14 +24,17 @@ import dataclasses
 import enum
 import json
 import time
+from typing import Optional
 
 import apache_beam as beam
 from apache_beam.io.filesystems import FileSystems
 
+from transforms.incremental import Snapshot, SnapshotChanged
 from transforms.layout import (
     CHUNKS_DIR,
     DEAD_LETTER_DIR,
     KEYS_DIR,
+    MANIFEST_FILE,
     PUBLISHED_DIRS,
     SUMMARY_FILE,
     VECTORS_DIR,
@@ -50,6 +53,7 @@ from transforms.manifest import (
     delete_tree,
     publish,
     read_manifest,
+    write_manifest,
 )
 
 
@@ -72,14 +76,14 @@ class _CommitFn(beam.DoFn):
     def __init__(self, output: str, run_id: str, summary: dict, lease_s: float):
         self._output, self._run_id, self._summary, self._lease_s = output, run_id, summary, lease_s
 
-    def process(self, _, staged, tallies):
+    def process(self, _, staged, tallies, skipped_from=()):
         # Everything below runs under the output's publish lease, so that two attempts of this
         # commit (a work item executed twice at once), another run, or a clean-up never act on
         # the output together, and each decision reads the manifest as the holder left it.
         with PublishLease(self._output, self._run_id, self._lease_s) as lease:
-            yield self._commit(staged, tallies, lease)
+            yield self._commit(staged, tallies, lease, list(skipped_from))
 
-    def _commit(self, staged, tallies, lease: PublishLease) -> dict:
+    def _commit(self, staged, tallies, lease: PublishLease, skipped_from: list[Snapshot]) -> dict:
         current = read_manifest(self._output)
         if current is not None and current.run_id == self._run_id:
             # Another attempt of this commit got here first: finish its publish if it was cut
@@ -128,10 +132,35 @@ class _CommitFn(beam.DoFn):
             summary=relative_to(self._output, summary_path), counts=counts.to_summary(),
             vectors=relative[VECTORS_DIR], dead_letter=relative[DEAD_LETTER_DIR],
             chunks=relative[CHUNKS_DIR], keys=relative[KEYS_DIR])
+        lease.check()
+        write_manifest(self._output, manifest)  # this run's intent, visible to the other runs
+        self._check_snapshots(skipped_from, current, lease)
         publish(self._output, manifest, lease)
         # What runs killed before their commit left here (on local disk, also partial files).
         clean_stale(self._output, STALE_AFTER_S)
         return summary
+
+    def _check_snapshots(self, skipped_from: list[Snapshot], previous: Optional[Manifest],
+                         lease: PublishLease) -> None:
+        """An article counted ``unchanged`` must stay in a committed output that holds its vector.
+        Each previous output it was found in must still hold the run that was read, checked after
+        this run's ``publishing`` manifest is written: of two runs that each skipped articles for
+        the other's output, at least one sees the other's manifest changed and publishes nothing
+        (both may; then both fail and are rerun). Else the previous manifest is put back and the
+        run fails, to be rerun with what the other run published."""
+        changed = [s for s in skipped_from if not s.still_holds()]
+        if not changed:
+            return
+        lease.check()
+        if previous is None:
+            FileSystems.delete([join_path(self._output, MANIFEST_FILE)])
+        else:
+            write_manifest(self._output, previous)
+        raise SnapshotChanged(
+            f"run {self._run_id} counted articles unchanged because "
+            + ", ".join(f"{s.prefix} (run {s.run_id})" for s in changed)
+            + " held them, but each has been republished since (or is being): nothing published;"
+              " rerun this run, which reads the new output")
 
     def _published_summary(self) -> dict:
         with FileSystems.open(join_path(self._output, SUMMARY_FILE)) as f:
@@ -149,16 +178,18 @@ class CommitRun(beam.PTransform):
     """The batch job's last step (see the module docstring), applied to the pipeline. It reads, as
     side inputs, the names of the files the run staged (``files``: the writes' outputs, so it runs
     after them, by folder: ``vectors``, ``dead_letter``, and ``chunks``, ``keys`` where written)
-    and the ``Tally`` counts (``tally``). Output: the summary."""
+    and the ``Tally`` counts (``tally``), and, in an incremental run, the previous outputs it
+    skipped articles for (``skipped_from``: ``transforms.incremental.Snapshot``). Output: the
+    summary."""
 
     def __init__(self, output: str, run_id: str, summary: dict, *, files: dict, tallies: list,
-                 lease_s: float = 600):
+                 skipped_from=None, lease_s: float = 600):
         super().__init__()
         unknown = set(files) - set(PUBLISHED_DIRS)
         if unknown:
             raise ValueError(f"not a published folder: {sorted(unknown)}")
         self._fn = _CommitFn(output, run_id, summary, lease_s)
-        self._files, self._tallies = files, tallies
+        self._files, self._tallies, self._skipped_from = files, tallies, skipped_from
 
     def expand(self, pbegin):
         totals = (self._tallies | "FlattenTallies" >> beam.Flatten()
@@ -166,7 +197,9 @@ class CommitRun(beam.PTransform):
         staged = (tuple(names | f"In_{subdir}" >> beam.Map(lambda p, d=subdir: (d, p))
                         for subdir, names in self._files.items())
                   | "StagedFiles" >> beam.Flatten())
+        side_inputs = [beam.pvalue.AsList(staged), beam.pvalue.AsDict(totals)]
+        if self._skipped_from is not None:
+            side_inputs.append(beam.pvalue.AsList(self._skipped_from))
         return (pbegin
                 | "Once" >> beam.Create([None])
-                | "CheckAndPublish" >> beam.ParDo(
-                    self._fn, beam.pvalue.AsList(staged), beam.pvalue.AsDict(totals)))
+                | "CheckAndPublish" >> beam.ParDo(self._fn, *side_inputs))
