@@ -5,8 +5,8 @@ it.
 ``CommitRun`` counts what is in the run's staging folder (rows from the Parquet footers, dead
 letters by reason from the JSON Lines) and checks ``in = written + dead_lettered + duplicates +
 unchanged`` (``Counts``) against the job's own tallies (and one key in ``keys/`` per row). A run
-that does not balance fails here and publishes nothing: a run that fails or is killed midway leaves
-the previous output as it was. Then it writes the run's ``_summary.json``, publishes the run under
+that does not balance fails here and publishes nothing: a run that fails or is killed before this
+step leaves the previous output as it was. Then it writes the run's ``_summary.json``, publishes the run under
 the output's manifest (``transforms.manifest``), and deletes what runs killed before they committed
 left in ``_staging/`` and ``_temp/`` more than ``STALE_AFTER_S`` ago.
 
