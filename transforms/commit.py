@@ -6,9 +6,9 @@ it.
 letters by reason from the JSON Lines) and checks ``in = written + dead_lettered + duplicates +
 unchanged`` (``Counts``) against the job's own tallies (and one key in ``keys/`` per row). A run
 that does not balance fails here and publishes nothing: a run that fails or is killed before this
-step leaves the previous output as it was. Then it writes the run's ``_summary.json``, publishes the run under
-the output's manifest (``transforms.manifest``), and deletes what runs killed before they committed
-left in ``_staging/`` and ``_temp/`` more than ``STALE_AFTER_S`` ago.
+step leaves the previous output as it was. Then it writes the run's ``_summary.json``, publishes
+the run under the output's manifest (``transforms.manifest``), and deletes what runs killed before
+they committed left in ``_staging/`` and ``_temp/`` more than ``STALE_AFTER_S`` ago.
 
 All of it holds the output's publish lease (``transforms.lease``): one commit at a time per output.
 The newest run wins: run ids begin with their launch time (``layout.new_run_id``), and a run finds,
