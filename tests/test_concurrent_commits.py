@@ -122,9 +122,9 @@ def _config(input_path: str, output: str, lease_s: float = 600):
         "commit_lease_s": lease_s})})
 
 
-def _slow_copies_of(monkeypatch, seconds: float, started: threading.Event):
+def _slow_copies_of(monkeypatch, seconds: float, started: threading.Event) -> list:
     """Each staged file that the first run to publish copies takes ``seconds`` more; ``started``
-    is set at its first copy."""
+    is set at its first copy. Returns a list that holds that run's id once it copies."""
     original = manifest._copy_whole
     slowed: list = []
 
@@ -138,6 +138,7 @@ def _slow_copies_of(monkeypatch, seconds: float, started: threading.Event):
         return original(output, source, target)
 
     monkeypatch.setattr(manifest, "_copy_whole", slow)
+    return slowed
 
 
 def _in_thread(fn, *args):
@@ -172,7 +173,7 @@ def test_racing_runs_end_as_the_newest_run_whole(tmp_path, monkeypatch):
     ``commit_lease_s`` and both copied into vectors/ at once."""
     root, output = str(tmp_path), f"{tmp_path}/out"
     copying = threading.Event()
-    _slow_copies_of(monkeypatch, 1.5, copying)
+    slowed = _slow_copies_of(monkeypatch, 1.5, copying)
     older, older_result = _in_thread(run_batch, _config(write_input(root, "in1", DAY_1), output,
                                                         lease_s=1.0), _options(), None, FakeEngine)
     assert copying.wait(120), "the older run reached its copy"
@@ -180,7 +181,7 @@ def test_racing_runs_end_as_the_newest_run_whole(tmp_path, monkeypatch):
                       engine_factory=FakeEngine)
     older.join(300)
     assert "error" not in older_result, older_result.get("error")
-    assert newer["run_id"] > older_result["value"]["run_id"]
+    assert newer["run_id"] > slowed[0], "the run launched second is the newer"
     assert _manifest_names_what_is_there(output)["run_id"] == newer["run_id"]
     check_is_run(output, DAY_2, newer)
 
