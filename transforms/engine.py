@@ -15,6 +15,8 @@ or an ENGINE failure, told apart by the canary:
   blamed. The engine is closed, ``EngineFailedError`` fails the bundle, and the runner retries it;
   the handle loads a fresh engine on its next use, so whatever still holds the handle (the
   embedding step, RunInference's shared model, the retried bundle) gets a working one.
+A load that fails (the first, or one after an engine failure) is an engine failure too:
+``EngineFailedError``, raised before any input is tried, so no input is ever blamed for it.
 
 Where the engine lives: ``process_engine`` gives a handle in this process (``load_engine`` keeps one
 per process for given engine settings), ``shared_engine`` a proxy to one engine per machine, in a
@@ -124,8 +126,18 @@ class EngineHandle:
             self._load()
 
     def _load(self) -> EmbeddingEngine:
+        """Load an engine. A load that fails is an engine failure (``EngineFailedError``), never
+        an input's: no input was given to it."""
         started = time.perf_counter()
-        self._engine = engine = self._factory(self._settings)
+        try:
+            engine = self._factory(self._settings)
+        except Exception as exc:  # pylint: disable=broad-except  # whatever the load raised
+            _LOG.error("the embedding engine %s could not be loaded (%s: %s)", self._settings.name,
+                       type(exc).__name__, exc)
+            raise EngineFailedError(
+                f"the embedding engine {self._settings.name} could not be loaded: "
+                f"{type(exc).__name__}: {exc}"[:2000]) from exc
+        self._engine = engine
         self._label = engine.label
         self._unreported_load_ms.append(int((time.perf_counter() - started) * 1000))
         return engine
@@ -144,18 +156,34 @@ class EngineHandle:
         """A vector per prompt. Raises ``EngineFailedError`` when the engine broke (it is closed,
         and the next call loads a fresh one), or the engine's own error when the inputs failed."""
         with self._lock:
+            # A reload that fails raises EngineFailedError here, before any input is tried.
             engine = self._engine if self._engine is not None else self._load()
             try:
                 return engine.embed(prompts)
             except Exception as exc:  # pylint: disable=broad-except
-                if not _engine_is_dead(exc) and engine.healthy():
+                if not _engine_is_dead(exc) and _healthy(engine):
                     raise  # the engine works: the inputs are to blame
                 _LOG.error("the embedding engine failed (%s: %s); closing it, the next call loads "
                            "a fresh one", type(exc).__name__, exc)
                 self._engine = None
-                engine.close()
+                _close(engine)
                 raise EngineFailedError(f"the embedding engine failed, not the inputs: "
                                         f"{type(exc).__name__}: {exc}"[:2000]) from exc
+
+
+def _healthy(engine: EmbeddingEngine) -> bool:
+    """The engine's canary; a canary that raises is a failed one."""
+    try:
+        return engine.healthy()
+    except Exception:  # pylint: disable=broad-except
+        return False
+
+
+def _close(engine: EmbeddingEngine) -> None:
+    try:
+        engine.close()
+    except Exception:  # pylint: disable=broad-except  # the engine is dropped either way
+        _LOG.exception("closing the failed embedding engine")
 
 
 def _engine_is_dead(exc: BaseException) -> bool:
@@ -215,12 +243,25 @@ def load_engine(settings: ModelSettings) -> EngineHandle:
         return _HANDLES[identity]
 
 
+_FACTORY_HANDLES: dict[tuple[type, str], EngineHandle] = {}
+_FACTORY_HANDLES_LOCK = threading.RLock()  # a test's factory may itself call load_engine
+
+
 def process_engine(settings: ModelSettings, factory: Optional[EngineFactory]) -> EngineHandle:
-    """A handle in this process: on a new engine from ``factory`` (tests, benchmarks), or, without
-    one, on the process's vLLM engine (``load_engine``)."""
-    if factory is not None:
+    """A handle in this process: without ``factory``, on the process's vLLM engine
+    (``load_engine``); with one (tests, benchmarks), on an engine from it. A factory that is a
+    class is kept like vLLM's engine, one handle per process for given settings, so that a
+    stand-in engine goes through the handle's life as the real one does (a retried bundle's new
+    DoFn finds the handle whose engine failed); any other factory gets a new handle each time."""
+    if factory is None:
+        return load_engine(settings)
+    if not isinstance(factory, type):
         return EngineHandle(settings, factory)
-    return load_engine(settings)
+    key = (factory, _engine_identity(settings))
+    with _FACTORY_HANDLES_LOCK:
+        if key not in _FACTORY_HANDLES:
+            _FACTORY_HANDLES[key] = EngineHandle(settings, factory)
+        return _FACTORY_HANDLES[key]
 
 
 class _SharedEngine:
