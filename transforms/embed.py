@@ -17,9 +17,9 @@ document vector): they go to the engine mixed with other documents' inputs, in c
 A failed engine call is an INPUT failure or an ENGINE failure (``transforms.engine`` tells them
 apart with a canary input). An input failure is split in halves and retried (bisection) until the
 failing inputs stand alone; only those are dead-lettered (``embedding_failed``). An engine failure
-(``EngineFailedError``) blames no input: it fails the bundle, which the runner retries on a fresh
-engine. A model that fails for every input while its canary passes stops the job
-(``ModelBrokenError``).
+(``EngineFailedError``, also raised when the engine cannot be loaded) blames no input: it fails
+the bundle, which the runner retries on a fresh engine. A model that fails for every input while
+its canary passes stops the job (``ModelBrokenError``, counted per process: ``FailureRun``).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import logging
+import threading
 import time
 import uuid
 from typing import Iterable, Optional, Sequence, cast
@@ -69,6 +70,43 @@ class EmbedFailure:
 
 class ModelBrokenError(RuntimeError):
     """The model failed for every input in a long run: a broken model, not poison documents."""
+
+
+class FailureRun:
+    """The documents dead-lettered in a row (``embedding_failed``: a call failed, the engine's
+    canary passed, and bisection blamed them) by one embedding step in this process, across its
+    bundles, threads and DoFn instances; a document that embeds ends the run.
+
+    Beam makes a new DoFn instance, with a fresh copy of the handler, for each thread and after
+    each failed bundle: a count kept on the handler would restart there, and a retried micro-batch
+    of a broken model would be committed as dead letters. The count is kept per process (one
+    ``FailureRun`` per step, found by the handler's id), so a bundle retried after a
+    ``ModelBrokenError`` fails again at its first failing document. Other processes keep their own
+    count: each dead-letters at most ``max_consecutive_failures - 1`` documents before it stops."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def failed(self) -> int:
+        """Count one more failed document; returns the run's length."""
+        with self._lock:
+            self._count += 1
+            return self._count
+
+    def embedded(self) -> None:
+        with self._lock:
+            self._count = 0
+
+
+_FAILURE_RUNS: dict[str, FailureRun] = {}
+_FAILURE_RUNS_LOCK = threading.Lock()
+
+
+def failure_run(step_id: str) -> FailureRun:
+    """This process's count of consecutive failures for the embedding step ``step_id``."""
+    with _FAILURE_RUNS_LOCK:
+        return _FAILURE_RUNS.setdefault(step_id, FailureRun())
 
 
 def token_budget_slices(items: Sequence, budget: int, size=len) -> Iterable[list]:
@@ -124,10 +162,11 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
         self._settings = settings
         self._engine_factory = engine_factory
         self._doc_vector = doc_vector
-        self._consecutive_failures = 0
-        # Pickled with the handler, so every worker process of this pipeline finds the same
-        # shared engine, and no other pipeline's.
-        self._shared_tag = f"newsvec-engine-{uuid.uuid4().hex}"
+        # Pickled with the handler, so every copy of it (each DoFn instance, each worker process)
+        # finds the same count of consecutive failures and the same shared engine, and no other
+        # pipeline's.
+        self._step_id = uuid.uuid4().hex
+        self._shared_tag = f"newsvec-engine-{self._step_id}"
 
     def batch_elements_kwargs(self):
         # Batches are weighed in tokens: each holds at most token_budget tokens (a document with
@@ -186,6 +225,7 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
         per_doc: list = [[] for _ in docs]
         for (i, _), result in zip(inputs, results, strict=True):
             per_doc[i].append(result)
+        failures = failure_run(self._step_id)
         out = []
         for vectors in per_doc:
             failed = [(k, r) for k, r in enumerate(vectors) if isinstance(r, EmbedFailure)]
@@ -193,14 +233,14 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
                 k, failure = failed[0]
                 where = f"input {k + 1} of {len(vectors)}: " if len(vectors) > 1 else ""
                 out.append(EmbedFailure(f"{where}{failure.error}"))
-                self._consecutive_failures += 1
-                if self._consecutive_failures >= self._settings.max_consecutive_failures:
+                in_a_row = failures.failed()
+                if in_a_row >= self._settings.max_consecutive_failures:
                     raise ModelBrokenError(
-                        f"the model failed for {self._consecutive_failures} inputs in a row "
+                        f"the model failed for {in_a_row} documents in a row in this process "
                         f"(last: {failure.error}); stopping instead of dead-lettering everything")
             else:
                 out.append(vectors)
-                self._consecutive_failures = 0
+                failures.embedded()
         return out
 
     def run_inference(self, batch: Sequence[PreparedDoc], model: EngineHandle,

@@ -129,7 +129,10 @@ class ModelSettings(BaseModel):
         False, description="one engine per machine, in a process of its own, shared by every SDK "
                            "process (true in the Dataflow configs)")
     max_consecutive_failures: int = Field(
-        64, gt=0, description="inputs failing in a row before the job stops (a broken model)")
+        64, gt=0, description="documents dead-lettered in a row (`embedding_failed`, the engine's "
+                              "canary passing) by one worker process before its bundles fail with "
+                              "`ModelBrokenError` (a broken model); counted across bundles and "
+                              "retries, reset by a document that embeds")
     engine_env: dict[str, str] = Field(
         default_factory=dict,
         description="environment for the engine, set if unset (on the CPU: "
