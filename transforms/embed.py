@@ -43,7 +43,7 @@ from transforms.chunking import ChunkingSettings, chunk_id, mean_vector
 from transforms.engine import (
     EngineFactory,
     EngineFailedError,
-    EngineHandle,
+    ModelHandle,
     process_engine,
     shared_engine,
 )
@@ -151,7 +151,7 @@ class EngineStats:
             BATCH_TOKENS.update(tokens)
 
 
-class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHandle]):
+class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, ModelHandle]):
     """RunInference ModelHandler: PreparedDoc -> its vectors (one per ``model_inputs``: the head, or
     its chunks), or an ``EmbedFailure``. Engine calls hold at most ``model.token_budget`` tokens of
     inputs, documents and chunks alike. ``engine_factory`` replaces vLLM (tests, benchmarks)."""
@@ -168,6 +168,12 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
         self._step_id = uuid.uuid4().hex
         self._shared_tag = f"newsvec-engine-{self._step_id}"
 
+    @property
+    def shared_engine_tag(self) -> str:
+        """The tag of this step's engine with ``model.share_across_processes``: every process that
+        asks for it reaches the same engine."""
+        return self._shared_tag
+
     def batch_elements_kwargs(self):
         # Batches are weighed in tokens: each holds at most token_budget tokens (a document with
         # more, in chunks mode, stands alone and is embedded in several calls).
@@ -176,12 +182,12 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
                 "max_batch_size": self._settings.token_budget,
                 "element_size_fn": lambda doc: sum(map(len, model_inputs(doc, doc_vector)))}
 
-    def load_model(self) -> EngineHandle:
+    def load_model(self) -> ModelHandle:
         if self._settings.share_across_processes:
             return shared_engine(self._settings, self._engine_factory, self._shared_tag)
         return process_engine(self._settings, self._engine_factory)
 
-    def _embed(self, model: EngineHandle, prompts: Sequence[Sequence[int]], retried=False) -> list:
+    def _embed(self, model: ModelHandle, prompts: Sequence[Sequence[int]], retried=False) -> list:
         """A vector or an EmbedFailure per prompt: a failing call is retried in halves
         (bisection), and a single failing prompt once more before it is blamed."""
         if not prompts:
@@ -200,7 +206,7 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
                          exc)
             return self._embed(model, prompts[:half]) + self._embed(model, prompts[half:])
 
-    def embed_docs(self, model: EngineHandle, docs: Sequence[PreparedDoc],
+    def embed_docs(self, model: ModelHandle, docs: Sequence[PreparedDoc],
                    stats: Optional["EngineStats"] = None) -> list:
         """Per document, its vectors (one per ``model_inputs``) or an ``EmbedFailure`` if any of
         its inputs failed (an article is written whole or not at all). Inputs go to the engine in
@@ -243,7 +249,7 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
                 failures.embedded()
         return out
 
-    def run_inference(self, batch: Sequence[PreparedDoc], model: EngineHandle,
+    def run_inference(self, batch: Sequence[PreparedDoc], model: ModelHandle,
                       inference_args: Optional[dict] = None,
                       stats: Optional[EngineStats] = None) -> list[PredictionResult]:
         label = model.label()
@@ -258,7 +264,7 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
         return sum(len(d.text.encode("utf-8")) for d in batch)
 
 
-class MicroBatchEmbeddingHandler(ModelHandler[MicroBatch, PredictionResult, EngineHandle]):
+class MicroBatchEmbeddingHandler(ModelHandler[MicroBatch, PredictionResult, ModelHandle]):
     """Streaming: the examples are ``MicroBatch``es, each embedded whole by the wrapped document
     handler (in calls of at most ``model.token_budget`` tokens, with its failure handling and its
     count of consecutive failures), so that its rows are written together. Use it through
@@ -275,10 +281,10 @@ class MicroBatchEmbeddingHandler(ModelHandler[MicroBatch, PredictionResult, Engi
         self._base = base
         self._env_vars = getattr(base, "_env_vars", {})
 
-    def load_model(self) -> EngineHandle:
+    def load_model(self) -> ModelHandle:
         return self._base.load_model()
 
-    def run_inference(self, batch: Sequence[MicroBatch], model: EngineHandle,
+    def run_inference(self, batch: Sequence[MicroBatch], model: ModelHandle,
                       inference_args: Optional[dict] = None) -> Iterable[PredictionResult]:
         label = model.label()
         return [PredictionResult(example=micro_batch, model_id=label,
@@ -372,7 +378,7 @@ class _EmbedBatchesFn(beam.DoFn):
 
     def __init__(self, handler: VLLMEmbeddingHandler, in_flight: int = 2):
         self._handler, self._in_flight = handler, in_flight
-        self._model: Optional[EngineHandle] = None
+        self._model: Optional[ModelHandle] = None
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._pending: collections.deque = collections.deque()
 
@@ -448,8 +454,9 @@ class EmbedMicroBatches(beam.PTransform):
                  store_chunk_text: bool = False, dead_letter_payload_bytes: int = 4096,
                  engine_factory: Optional[EngineFactory] = None):
         super().__init__()
-        self._handler = MicroBatchEmbeddingHandler(VLLMEmbeddingHandler(
-            settings, engine_factory, chunking.doc_vector)).with_no_batching()
+        base = VLLMEmbeddingHandler(settings, engine_factory, chunking.doc_vector)
+        self.shared_engine_tag = base.shared_engine_tag
+        self._handler = MicroBatchEmbeddingHandler(base).with_no_batching()
         self._rows = _row_maker(settings, chunking, store_chunk_text, dead_letter_payload_bytes)
 
     def expand(self, batches):
