@@ -19,8 +19,9 @@ A load that fails (the first, or one after an engine failure) is an engine failu
 ``EngineFailedError``, raised before any input is tried, so no input is ever blamed for it.
 
 Where the engine lives: ``process_engine`` gives a handle in this process (``load_engine`` keeps one
-per process for given engine settings), ``shared_engine`` a proxy to one engine per machine, in a
-process of its own (``model.share_across_processes``).
+per process for given engine settings), ``shared_engine`` a ``SharedEngineClient``: a proxy to one
+engine per machine, in a process of its own (``model.share_across_processes``), which it replaces
+when that process is gone or stuck in a call for over ``model.call_timeout_s``.
 """
 from __future__ import annotations
 
