@@ -11,9 +11,12 @@ import pytest
 from pipeline import config as config_lib
 from tests.emulators import gcs_for_beam
 
-# Beam leaves beam-temp* folders in TMPDIR on every run: give the session its own.
-_SESSION_TMP = tempfile.mkdtemp(prefix="newsvec-tests-")
-os.environ["TMPDIR"] = _SESSION_TMP
+# Beam leaves beam-temp* folders in TMPDIR on every run: give the session its own. Worker
+# processes the runners start import this module too: they keep their session's folder, where the
+# shared engine's address, lock and busy files are (every process of a machine must find them).
+_SESSION_TMP = (os.environ.get("NEWSVEC_TEST_SESSION_TMP")
+                or tempfile.mkdtemp(prefix="newsvec-tests-"))
+os.environ["NEWSVEC_TEST_SESSION_TMP"] = os.environ["TMPDIR"] = _SESSION_TMP
 tempfile.tempdir = None
 
 REPO = Path(__file__).resolve().parent.parent

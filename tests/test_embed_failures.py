@@ -5,6 +5,7 @@ model that fails every input stops the job.
 Failures are injected into the engine the real handler calls: a FAKE engine (tests/fakes.py) for the
 unit cases, and the real vLLM engine, wrapped, for the runs through the batch embedding step
 (EmbedWithVLLM)."""
+import json
 import threading
 
 import apache_beam as beam
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.test_pipeline import TestPipeline
+from apache_beam.testing.test_stream import TestStream
 from apache_beam.testing.util import assert_that, equal_to
 
 from tests.conftest import make_config
@@ -221,3 +223,148 @@ def test_a_failed_engine_call_leaves_no_request_behind(tokenizer, real, monkeypa
     vectors = engine.embed([docs[0].token_ids])
     assert len(vectors) == 1 and not llm_engine.has_unfinished_requests()
     assert np.dot(vectors[0], real.embed([docs[0].token_ids])[0]) > 0.9999
+
+
+# ---- an engine that cannot be loaded again (section 5 of issue 21) ----
+
+class LoadFailsAfterBreak(FakeEngine):
+    """FAKE: the first engine breaks for good after ``after`` calls, canary included (a CUDA error
+    poisons the device context), and every later construction raises, as a load does on a GPU whose
+    context is poisoned or whose memory is not freed yet. Class state: in-process runners only."""
+
+    loads = 0
+    after = 1
+
+    def __init__(self, settings=None):
+        type(self).loads += 1
+        if type(self).loads > 1:
+            raise RuntimeError("CUDA error: out of memory while loading the model")
+        super().__init__(settings)
+
+    def embed(self, prompts):
+        if len(self.calls) >= self.after:
+            self.calls.append(len(prompts))
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().embed(prompts)
+
+    def healthy(self):
+        return len(self.calls) < self.after
+
+
+def _failure_of(pipeline) -> str:
+    """The error the pipeline failed with, or "the pipeline finished"."""
+    try:
+        pipeline.run().wait_until_finish()
+    except Exception as exc:  # pylint: disable=broad-except  # the runner's wrapping varies
+        return f"{type(exc).__name__}: {exc}"
+    return "the pipeline finished"
+
+
+def _append(path, value):
+    with open(path, "a") as f:
+        f.write(f"{value}\n")
+    return value
+
+
+def test_a_reload_that_fails_is_an_engine_failure_not_an_input_failure():
+    LoadFailsAfterBreak.loads = 0
+    model = EngineHandle(SETTINGS, LoadFailsAfterBreak)
+    h = handler()
+    assert h.run_inference([doc(0)], model)  # the first call works
+    with pytest.raises(EngineFailedError, match="illegal memory access"):
+        h.run_inference([doc(i) for i in range(4)], model)
+    for _ in range(2):  # each retry of the bundle: the load fails, and no input is blamed
+        with pytest.raises(EngineFailedError, match="could not be loaded.*out of memory"):
+            h.run_inference([doc(i) for i in range(4)], model)
+    assert LoadFailsAfterBreak.loads == 3
+
+
+@pytest.mark.parametrize("runner", ["FnApiRunner", "BundleBasedDirectRunner"])
+def test_batch_with_an_engine_that_cannot_be_reloaded_fails_and_dead_letters_nothing(
+        runner, tmp_path):
+    # token_budget = 2 documents: the bundle makes several engine calls; the engine breaks on the
+    # second, and cannot be loaded again. BundleBasedDirectRunner retries the bundle (as Dataflow
+    # does a work item), FnApiRunner fails the job at once.
+    LoadFailsAfterBreak.loads = 0
+    settings = SETTINGS.model_copy(update={"max_tokens": 3, "token_budget": 6})
+    letters, rows = tmp_path / "dead", tmp_path / "rows"
+    p = TestPipeline(runner=runner, options=PipelineOptions())
+    out = (p | beam.Create([doc(i) for i in range(12)])
+           | EmbedWithVLLM(settings, engine_factory=LoadFailsAfterBreak))
+    _ = out.dead_letter | "Letters" >> beam.Map(lambda d: _append(letters, d.event_id))
+    _ = out.embedded | "Rows" >> beam.Map(lambda e: _append(rows, e.id))
+    error = _failure_of(p)
+    assert not letters.exists(), f"dead-lettered: {letters.read_text().split()}"
+    assert "embedding engine" in error, error
+
+
+def test_streaming_with_an_engine_that_cannot_be_reloaded_fails_and_commits_no_dead_letter(
+        tmp_path):
+    # The whole streaming graph on a TestStream: the first micro-batch embeds, the engine breaks
+    # on the second and cannot be loaded again. No micro-batch may be committed with its articles
+    # as embedding_failed dead letters: the bundle fails, and the job stops naming the engine.
+    from pipeline.config import StreamingSettings
+    from pipeline.graph import embed_and_write_streaming
+    from tests.test_late_data import T0, message
+
+    LoadFailsAfterBreak.loads = 0
+    config = make_config(output=str(tmp_path / "out"), streaming=StreamingSettings(
+        window_s=60, allowed_lateness_s=600, max_wait_s=5, batch_shards=1))
+    stream = (TestStream().advance_watermark_to(T0)
+              .add_elements([message(f"first-{i}", T0 + 1 + i) for i in range(3)])
+              .advance_watermark_to(T0 + 120)
+              .add_elements([message(f"second-{i}", T0 + 121 + i) for i in range(3)])
+              .advance_watermark_to(T0 + 240)
+              .add_elements([message(f"third-{i}", T0 + 241 + i) for i in range(3)])
+              .advance_watermark_to_infinity())
+    p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions(streaming=True))
+    embed_and_write_streaming(p | stream, config, "20261201T120000Z-1a7e1a7e",
+                              engine_factory=LoadFailsAfterBreak)
+    error = _failure_of(p)
+    letters = [json.loads(line)["event_id"] for path in (tmp_path / "out").rglob("*.jsonl")
+               for line in path.read_text().splitlines()]
+    assert letters == [], f"dead-lettered because the engine could not load: {letters}"
+    assert "embedding engine" in error, error
+
+
+def test_the_count_of_failures_in_a_row_outlives_the_handler_copy():
+    # Each DoFn instance (each thread, each retry of a failed bundle) holds its own unpickled copy
+    # of the handler: the count is the process's, for that embedding step.
+    import pickle
+
+    h = handler(max_consecutive_failures=5)
+    model = EngineHandle(SETTINGS, FailsEveryInput)
+    pickle.loads(pickle.dumps(h)).run_inference([doc(i) for i in range(3)], model)
+    with pytest.raises(ModelBrokenError, match="5 documents in a row"):
+        pickle.loads(pickle.dumps(h)).run_inference([doc(i) for i in range(3)], model)
+    with pytest.raises(ModelBrokenError, match="6 documents in a row"):  # the retried bundle
+        pickle.loads(pickle.dumps(h)).run_inference([doc(i) for i in range(3)], model)
+    other = handler(max_consecutive_failures=5)  # another pipeline's step counts on its own
+    assert len(other.run_inference([doc(i) for i in range(3)], model)) == 3
+
+
+def test_streaming_micro_batches_of_a_broken_model_stop_the_job(tmp_path):
+    # Micro-batches of 3 documents, max_consecutive_failures 4, a model that fails every input
+    # while its canary passes: the first micro-batch is dead-lettered (3 in a row), the second
+    # trips the stop, and its retries (new DoFn instances) must trip it again, not start over.
+    from pipeline.config import StreamingSettings
+    from pipeline.graph import embed_and_write_streaming
+    from tests.test_late_data import T0, message
+
+    config = make_config(output=str(tmp_path / "out"), streaming=StreamingSettings(
+        window_s=60, allowed_lateness_s=600, max_wait_s=5, batch_shards=1))
+    config = config.model_copy(update={"model": config.model.model_copy(
+        update={"max_consecutive_failures": 4})})
+    stream = TestStream().advance_watermark_to(T0)
+    for k, name in enumerate(("first", "second", "third")):
+        stream = (stream.add_elements([message(f"{name}-{i}", T0 + 120 * k + 1 + i)
+                                       for i in range(3)])
+                  .advance_watermark_to(T0 + 120 * (k + 1)))
+    p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions(streaming=True))
+    embed_and_write_streaming(p | stream.advance_watermark_to_infinity(), config,
+                              "20261201T120000Z-1a7e1a7e", engine_factory=FailsEveryInput)
+    error = _failure_of(p)
+    letters = sorted(json.loads(line)["event_id"] for path in (tmp_path / "out").rglob("*.jsonl")
+                     for line in path.read_text().splitlines())
+    assert letters == ["first-0", "first-1", "first-2"], letters
+    assert "ModelBrokenError" in error or "in a row" in error, error

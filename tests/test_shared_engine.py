@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
+import uuid
 
+import apache_beam as beam
+import pyarrow.parquet as pq
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
-from apache_beam.utils import multi_process_shared
 
 from pipeline.run import run_batch
 from tests.conftest import make_config
 from tests.fakes import FakeEngine
-from tests.test_embed_failures import Breaks
+from tests.test_embed_failures import Breaks, doc
 from transforms.embed import VLLMEmbeddingHandler
-from transforms.engine import EngineFailedError, _SharedEngine
+from transforms.engine import EngineFailedError, SharedEngineClient, _process_state
+from transforms.model import ModelSettings
 
 
 class LoggingEngine(FakeEngine):
@@ -59,14 +64,197 @@ def test_two_worker_processes_share_one_engine_in_a_process_of_its_own(tmp_path,
     assert sum(int(n) for what, _, n in lines if what == "call") == 300
 
 
-def test_an_engine_failure_crosses_the_proxy_as_itself():
+def test_an_engine_failure_crosses_the_proxy_as_itself_and_ends_that_engine():
     settings = make_config().model
-    proxy = multi_process_shared.MultiProcessShared(
-        _SharedEngine(settings, Breaks), tag=f"newsvec-test-{os.getpid()}", always_proxy=True,
-        spawn_process=True).acquire()
+    client = SharedEngineClient(settings, Breaks, tag=f"newsvec-test-{uuid.uuid4().hex}")
     handler = VLLMEmbeddingHandler(settings)
-    from tests.test_embed_failures import doc
+    first = client._process
 
-    assert handler.run_inference([doc(0)], proxy)  # the first call works
+    assert handler.run_inference([doc(0)], client)  # the first call works
     with pytest.raises(EngineFailedError):
-        handler.run_inference([doc(i) for i in range(4)], proxy)
+        handler.run_inference([doc(i) for i in range(4)], client)
+    assert _process_state(first) != "alive", "the failed engine's process is ended"
+    assert handler.run_inference([doc(0)], client), "the next call spawns a fresh engine"
+    assert client._process != first
+
+
+def test_call_timeout_defaults_from_the_token_budget_and_is_validated():
+    model = make_config().model
+    assert model.call_timeout_s is None
+    assert model.resolved_call_timeout_s() == 60 + model.token_budget / 250
+    assert model.model_copy(update={"call_timeout_s": 5.0}).resolved_call_timeout_s() == 5.0
+    for bad in (0, -1, 10**6):
+        with pytest.raises(ValueError, match="call_timeout_s"):
+            ModelSettings(**{**model.model_dump(), "call_timeout_s": bad})
+
+
+# ---- engines that die or hang, on two worker processes ----
+
+class ExitsAfter(LoggingEngine):
+    """FAKE, served as the shared engine: its process exits, as an OOM kill or a crash would end
+    it, at its ninth call, before answering. Every engine spawned after it does the same."""
+
+    def embed(self, prompts):
+        if len(self.calls) >= 8:
+            self._log("exit", len(prompts))
+            os._exit(1)
+        return super().embed(prompts)
+
+
+class NeverReturns(LoggingEngine):
+    """FAKE, served as the shared engine: its ninth call never returns (the engine hangs), and
+    neither does any later call into that process. Every engine spawned after it does the same."""
+
+    def embed(self, prompts):
+        if len(self.calls) >= 8:
+            self._log("hang", len(prompts))
+            while True:
+                time.sleep(1)
+        return super().embed(prompts)
+
+
+def _events(tmp_path, n: int):
+    events = tmp_path / "in.jsonl"
+    events.write_text("".join(json.dumps({"id": f"e{i}", "body": f"Story number {i}. " * 20})
+                              + "\n" for i in range(n)))
+    return events
+
+
+def _run_shared(tmp_path, factory, n=300, **model_changes):
+    """A batch run on two worker processes sharing one engine; its summary, the engine log's lines
+    and the ids of the rows it wrote."""
+    log = tmp_path / "engine.log"
+    config = make_config(input=str(_events(tmp_path, n)), output=str(tmp_path / "out"))
+    config = config.model_copy(update={"model": config.model.model_copy(
+        update={"share_across_processes": True, "token_budget": 1024, **model_changes})})
+    summary = run_batch(config, PipelineOptions(["--runner=FnApiRunner", "--direct_num_workers=2",
+                                                 "--direct_running_mode=multi_processing"]),
+                        engine_factory=factory)
+    lines = [line.split() for line in log.read_text().splitlines()]
+    ids = pq.read_table(sorted((tmp_path / "out" / "vectors").glob("*.parquet")))["id"]
+    return summary, lines, ids.to_pylist()
+
+
+def test_a_shared_engine_that_dies_is_replaced_and_every_article_comes_out_once(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    summary, lines, ids = _run_shared(tmp_path, ExitsAfter)
+    counts = summary["counts"]
+    assert (counts["written"], counts["dead_lettered"]) == (300, 0) and summary["invariant_holds"]
+    assert sorted(ids) == sorted(f"e{i}" for i in range(300)), "every article exactly once"
+    loads = [pid for what, pid, _ in lines if what == "load"]
+    exits = [pid for what, pid, _ in lines if what == "exit"]
+    assert len(exits) >= 2 and len(loads) == len(set(loads)) >= len(exits) + 1, lines
+    assert sum(int(n) for what, _, n in lines if what == "call") == 300, "no call answered twice"
+
+
+def test_a_shared_engine_that_hangs_is_ended_and_replaced(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    started = time.monotonic()
+    summary, lines, ids = _run_shared(tmp_path, NeverReturns, call_timeout_s=2.0)
+    counts = summary["counts"]
+    assert (counts["written"], counts["dead_lettered"]) == (300, 0) and summary["invariant_holds"]
+    assert sorted(ids) == sorted(f"e{i}" for i in range(300)), "every article exactly once"
+    hung = [pid for what, pid, _ in lines if what == "hang"]
+    assert len(hung) >= 2, lines
+    for pid in hung:
+        assert _process_state((int(pid), 0)) != "alive", "every hung engine was ended"
+    assert sum(int(n) for what, _, n in lines if what == "call") == 300
+    assert time.monotonic() - started < 60
+
+
+# ---- streaming: the process that spawned the engine dies ----
+
+class StopsWithItsSpawner(LoggingEngine):
+    """FAKE: the first engine made (in the helper process's child) answers no call: at its first
+    call it says so in $NEWSVEC_TEST_ENGINE_LOG.blocked and waits, until it ends with the process
+    that spawned it. Every later engine works."""
+
+    def __init__(self, settings=None):
+        super().__init__(settings)
+        try:
+            os.close(os.open(os.environ["NEWSVEC_TEST_ENGINE_LOG"] + ".first",
+                             os.O_CREAT | os.O_EXCL))
+            self.first = True
+        except FileExistsError:
+            self.first = False
+
+    def embed(self, prompts):
+        if self.first:
+            self._log("blocked", len(prompts))
+            with open(os.environ["NEWSVEC_TEST_ENGINE_LOG"] + ".blocked", "w"):
+                pass
+            while True:
+                time.sleep(1)
+        return super().embed(prompts)
+
+
+def _spawn_engine_and_wait(settings, tag: str) -> None:
+    """Another SDK process of the machine: it spawns the shared engine, then waits (to be
+    killed)."""
+    SharedEngineClient(settings, StopsWithItsSpawner, tag)
+    with open(os.environ["NEWSVEC_TEST_ENGINE_LOG"] + ".ready", "w"):
+        pass
+    while True:
+        time.sleep(1)
+
+
+def test_streaming_recovers_when_the_process_that_spawned_the_engine_dies(tmp_path, monkeypatch):
+    import multiprocessing
+    import threading
+
+    from apache_beam.testing.test_pipeline import TestPipeline
+    from apache_beam.testing.test_stream import TestStream
+
+    from transforms.embed import EmbedMicroBatches
+    from transforms.schema import MicroBatch
+
+    log = tmp_path / "engine.log"
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
+    settings = make_config().model.model_copy(update={"share_across_processes": True})
+    embed = EmbedMicroBatches(settings, engine_factory=StopsWithItsSpawner)
+    helper = multiprocessing.get_context("spawn").Process(
+        target=_spawn_engine_and_wait, args=(settings, embed.shared_engine_tag))
+    helper.start()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(f"{log}.ready"):
+        assert helper.is_alive() and time.monotonic() < deadline, "the helper spawned no engine"
+        time.sleep(0.1)
+
+    def kill_the_helper_once_the_engine_is_called():
+        while not os.path.exists(f"{log}.blocked") and helper.is_alive():
+            time.sleep(0.05)
+        os.kill(helper.pid, signal.SIGKILL)  # an SDK process killed (OOM): its engine ends too
+
+    killer = threading.Thread(target=kill_the_helper_once_the_engine_is_called, daemon=True)
+    killer.start()
+    batches = [MicroBatch(window_start_us=k * 60_000_000, window_end_us=(k + 1) * 60_000_000,
+                          pane=0, shard=0, shards=1, docs=tuple(doc(10 * k + i) for i in range(3)),
+                          messages_in=3) for k in range(3)]
+    stream = TestStream()
+    for k, batch in enumerate(batches):
+        stream = stream.add_elements([batch]).advance_watermark_to(60 * (k + 1))
+    out = tmp_path / "out"
+    p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions(streaming=True))
+    _ = (p | stream.advance_watermark_to_infinity() | embed
+         | beam.Map(_record_micro_batch, str(out)))
+    try:
+        p.run().wait_until_finish()
+    finally:
+        killer.join(timeout=5)
+        if helper.is_alive():
+            helper.kill()
+    rows = out.read_text().split()
+    assert sorted(rows) == sorted(f"row:d{10 * k + i}" for k in range(3) for i in range(3)), rows
+    lines = [line.split() for line in log.read_text().splitlines()]
+    loads = [pid for what, pid, _ in lines if what == "load"]
+    assert len(loads) == 2 and loads[1] != loads[0], "a new engine replaced the one that ended"
+
+
+def _record_micro_batch(batch, path: str):
+    with open(path, "a") as f:
+        for row in batch.rows:
+            f.write(f"row:{row.id}\n")
+        for letter in batch.dead_letters:
+            f.write(f"dead:{letter.event_id}\n")
+    return batch

@@ -17,9 +17,9 @@ document vector): they go to the engine mixed with other documents' inputs, in c
 A failed engine call is an INPUT failure or an ENGINE failure (``transforms.engine`` tells them
 apart with a canary input). An input failure is split in halves and retried (bisection) until the
 failing inputs stand alone; only those are dead-lettered (``embedding_failed``). An engine failure
-(``EngineFailedError``) blames no input: it fails the bundle, which the runner retries on a fresh
-engine. A model that fails for every input while its canary passes stops the job
-(``ModelBrokenError``).
+(``EngineFailedError``, also raised when the engine cannot be loaded) blames no input: it fails
+the bundle, which the runner retries on a fresh engine. A model that fails for every input while
+its canary passes stops the job (``ModelBrokenError``, counted per process: ``FailureRun``).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import logging
+import threading
 import time
 import uuid
 from typing import Iterable, Optional, Sequence, cast
@@ -42,7 +43,7 @@ from transforms.chunking import ChunkingSettings, chunk_id, mean_vector
 from transforms.engine import (
     EngineFactory,
     EngineFailedError,
-    EngineHandle,
+    ModelHandle,
     process_engine,
     shared_engine,
 )
@@ -69,6 +70,43 @@ class EmbedFailure:
 
 class ModelBrokenError(RuntimeError):
     """The model failed for every input in a long run: a broken model, not poison documents."""
+
+
+class FailureRun:
+    """The documents dead-lettered in a row (``embedding_failed``: a call failed, the engine's
+    canary passed, and bisection blamed them) by one embedding step in this process, across its
+    bundles, threads and DoFn instances; a document that embeds ends the run.
+
+    Beam makes a new DoFn instance, with a fresh copy of the handler, for each thread and after
+    each failed bundle: a count kept on the handler would restart there, and a retried micro-batch
+    of a broken model would be committed as dead letters. The count is kept per process (one
+    ``FailureRun`` per step, found by the handler's id), so a bundle retried after a
+    ``ModelBrokenError`` fails again at its first failing document. Other processes keep their own
+    count: each dead-letters at most ``max_consecutive_failures - 1`` documents before it stops."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def failed(self) -> int:
+        """Count one more failed document; returns the run's length."""
+        with self._lock:
+            self._count += 1
+            return self._count
+
+    def embedded(self) -> None:
+        with self._lock:
+            self._count = 0
+
+
+_FAILURE_RUNS: dict[str, FailureRun] = {}
+_FAILURE_RUNS_LOCK = threading.Lock()
+
+
+def failure_run(step_id: str) -> FailureRun:
+    """This process's count of consecutive failures for the embedding step ``step_id``."""
+    with _FAILURE_RUNS_LOCK:
+        return _FAILURE_RUNS.setdefault(step_id, FailureRun())
 
 
 def token_budget_slices(items: Sequence, budget: int, size=len) -> Iterable[list]:
@@ -113,7 +151,7 @@ class EngineStats:
             BATCH_TOKENS.update(tokens)
 
 
-class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHandle]):
+class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, ModelHandle]):
     """RunInference ModelHandler: PreparedDoc -> its vectors (one per ``model_inputs``: the head, or
     its chunks), or an ``EmbedFailure``. Engine calls hold at most ``model.token_budget`` tokens of
     inputs, documents and chunks alike. ``engine_factory`` replaces vLLM (tests, benchmarks)."""
@@ -124,10 +162,17 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
         self._settings = settings
         self._engine_factory = engine_factory
         self._doc_vector = doc_vector
-        self._consecutive_failures = 0
-        # Pickled with the handler, so every worker process of this pipeline finds the same
-        # shared engine, and no other pipeline's.
-        self._shared_tag = f"newsvec-engine-{uuid.uuid4().hex}"
+        # Pickled with the handler, so every copy of it (each DoFn instance, each worker process)
+        # finds the same count of consecutive failures and the same shared engine, and no other
+        # pipeline's.
+        self._step_id = uuid.uuid4().hex
+        self._shared_tag = f"newsvec-engine-{self._step_id}"
+
+    @property
+    def shared_engine_tag(self) -> str:
+        """The tag of this step's engine with ``model.share_across_processes``: every process that
+        asks for it reaches the same engine."""
+        return self._shared_tag
 
     def batch_elements_kwargs(self):
         # Batches are weighed in tokens: each holds at most token_budget tokens (a document with
@@ -137,12 +182,12 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
                 "max_batch_size": self._settings.token_budget,
                 "element_size_fn": lambda doc: sum(map(len, model_inputs(doc, doc_vector)))}
 
-    def load_model(self) -> EngineHandle:
+    def load_model(self) -> ModelHandle:
         if self._settings.share_across_processes:
             return shared_engine(self._settings, self._engine_factory, self._shared_tag)
         return process_engine(self._settings, self._engine_factory)
 
-    def _embed(self, model: EngineHandle, prompts: Sequence[Sequence[int]], retried=False) -> list:
+    def _embed(self, model: ModelHandle, prompts: Sequence[Sequence[int]], retried=False) -> list:
         """A vector or an EmbedFailure per prompt: a failing call is retried in halves
         (bisection), and a single failing prompt once more before it is blamed."""
         if not prompts:
@@ -161,7 +206,7 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
                          exc)
             return self._embed(model, prompts[:half]) + self._embed(model, prompts[half:])
 
-    def embed_docs(self, model: EngineHandle, docs: Sequence[PreparedDoc],
+    def embed_docs(self, model: ModelHandle, docs: Sequence[PreparedDoc],
                    stats: Optional["EngineStats"] = None) -> list:
         """Per document, its vectors (one per ``model_inputs``) or an ``EmbedFailure`` if any of
         its inputs failed (an article is written whole or not at all). Inputs go to the engine in
@@ -186,6 +231,7 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
         per_doc: list = [[] for _ in docs]
         for (i, _), result in zip(inputs, results, strict=True):
             per_doc[i].append(result)
+        failures = failure_run(self._step_id)
         out = []
         for vectors in per_doc:
             failed = [(k, r) for k, r in enumerate(vectors) if isinstance(r, EmbedFailure)]
@@ -193,17 +239,17 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
                 k, failure = failed[0]
                 where = f"input {k + 1} of {len(vectors)}: " if len(vectors) > 1 else ""
                 out.append(EmbedFailure(f"{where}{failure.error}"))
-                self._consecutive_failures += 1
-                if self._consecutive_failures >= self._settings.max_consecutive_failures:
+                in_a_row = failures.failed()
+                if in_a_row >= self._settings.max_consecutive_failures:
                     raise ModelBrokenError(
-                        f"the model failed for {self._consecutive_failures} inputs in a row "
+                        f"the model failed for {in_a_row} documents in a row in this process "
                         f"(last: {failure.error}); stopping instead of dead-lettering everything")
             else:
                 out.append(vectors)
-                self._consecutive_failures = 0
+                failures.embedded()
         return out
 
-    def run_inference(self, batch: Sequence[PreparedDoc], model: EngineHandle,
+    def run_inference(self, batch: Sequence[PreparedDoc], model: ModelHandle,
                       inference_args: Optional[dict] = None,
                       stats: Optional[EngineStats] = None) -> list[PredictionResult]:
         label = model.label()
@@ -218,7 +264,7 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, EngineHan
         return sum(len(d.text.encode("utf-8")) for d in batch)
 
 
-class MicroBatchEmbeddingHandler(ModelHandler[MicroBatch, PredictionResult, EngineHandle]):
+class MicroBatchEmbeddingHandler(ModelHandler[MicroBatch, PredictionResult, ModelHandle]):
     """Streaming: the examples are ``MicroBatch``es, each embedded whole by the wrapped document
     handler (in calls of at most ``model.token_budget`` tokens, with its failure handling and its
     count of consecutive failures), so that its rows are written together. Use it through
@@ -235,10 +281,10 @@ class MicroBatchEmbeddingHandler(ModelHandler[MicroBatch, PredictionResult, Engi
         self._base = base
         self._env_vars = getattr(base, "_env_vars", {})
 
-    def load_model(self) -> EngineHandle:
+    def load_model(self) -> ModelHandle:
         return self._base.load_model()
 
-    def run_inference(self, batch: Sequence[MicroBatch], model: EngineHandle,
+    def run_inference(self, batch: Sequence[MicroBatch], model: ModelHandle,
                       inference_args: Optional[dict] = None) -> Iterable[PredictionResult]:
         label = model.label()
         return [PredictionResult(example=micro_batch, model_id=label,
@@ -332,7 +378,7 @@ class _EmbedBatchesFn(beam.DoFn):
 
     def __init__(self, handler: VLLMEmbeddingHandler, in_flight: int = 2):
         self._handler, self._in_flight = handler, in_flight
-        self._model: Optional[EngineHandle] = None
+        self._model: Optional[ModelHandle] = None
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._pending: collections.deque = collections.deque()
 
@@ -408,8 +454,9 @@ class EmbedMicroBatches(beam.PTransform):
                  store_chunk_text: bool = False, dead_letter_payload_bytes: int = 4096,
                  engine_factory: Optional[EngineFactory] = None):
         super().__init__()
-        self._handler = MicroBatchEmbeddingHandler(VLLMEmbeddingHandler(
-            settings, engine_factory, chunking.doc_vector)).with_no_batching()
+        base = VLLMEmbeddingHandler(settings, engine_factory, chunking.doc_vector)
+        self.shared_engine_tag = base.shared_engine_tag
+        self._handler = MicroBatchEmbeddingHandler(base).with_no_batching()
         self._rows = _row_maker(settings, chunking, store_chunk_text, dead_letter_payload_bytes)
 
     def expand(self, batches):

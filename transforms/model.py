@@ -128,8 +128,20 @@ class ModelSettings(BaseModel):
     share_across_processes: bool = Field(
         False, description="one engine per machine, in a process of its own, shared by every SDK "
                            "process (true in the Dataflow configs)")
+    call_timeout_s: Optional[float] = Field(
+        None, gt=0, le=86_400,
+        description="with `share_across_processes`: seconds the shared engine may spend in one "
+                    "call (embed, its canary, a reload) before its process is ended and replaced "
+                    "(an engine failure; the call is retried once on the new engine); the wait "
+                    "for the engine behind other processes' calls is not counted. null: 60 + "
+                    "`token_budget` / 250 (the engine embedding at least 250 tokens/s, half the "
+                    "slowest rate measured: bfloat16 emulated on a CPU without AVX512_BF16). An "
+                    "engine in the SDK process itself is not timed")
     max_consecutive_failures: int = Field(
-        64, gt=0, description="inputs failing in a row before the job stops (a broken model)")
+        64, gt=0, description="documents dead-lettered in a row (`embedding_failed`, the engine's "
+                              "canary passing) by one worker process before its bundles fail with "
+                              "`ModelBrokenError` (a broken model); counted across bundles and "
+                              "retries, reset by a document that embeds")
     engine_env: dict[str, str] = Field(
         default_factory=dict,
         description="environment for the engine, set if unset (on the CPU: "
@@ -146,6 +158,12 @@ class ModelSettings(BaseModel):
                              f"least max_tokens ({self.max_tokens}): vLLM embeds a document in "
                              "one engine step")
         return self
+
+    def resolved_call_timeout_s(self) -> float:
+        """``call_timeout_s``, or its default from the token budget."""
+        if self.call_timeout_s is not None:
+            return self.call_timeout_s
+        return 60.0 + self.token_budget / 250
 
     def resolved_dtype(self) -> str:
         """The dtype the engine runs at on this machine."""
