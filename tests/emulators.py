@@ -37,37 +37,35 @@ def pubsub_emulator(project: str, log_dir: Path):
 
 
 @contextlib.contextmanager
-def fake_gcs_with_client(bucket: str, log_dir: Path):
-    """fake-gcs-server (GCS preconditions enforced) with google-cloud-storage pointed at it and
-    anonymous credentials; yields its endpoint. Undone after."""
+def _clients_pointed_at(endpoint: str):
+    """Beam and google-cloud-storage pointed at a GCS emulator (STORAGE_EMULATOR_HOST), and
+    anonymous credentials answered at once: none exist here, and Google's credential lookup would
+    otherwise retry four times (about 23 s) first. Undone after."""
     mp = pytest.MonkeyPatch()
-    with _or_skip(_emulators.fake_gcs_server(bucket, log_dir)) as endpoint:
-        mp.setenv("STORAGE_EMULATOR_HOST", endpoint)
-        mp.setenv("NO_GCE_CHECK", "true")
-        import google.auth
-        from google.auth.credentials import AnonymousCredentials
+    mp.setenv("STORAGE_EMULATOR_HOST", endpoint)
+    mp.setenv("NO_GCE_CHECK", "true")
+    import google.auth
+    from google.auth.credentials import AnonymousCredentials
 
-        mp.setattr(google.auth, "default", lambda *a, **k: (AnonymousCredentials(), "test"))
-        try:
-            yield endpoint
-        finally:
-            mp.undo()
+    mp.setattr(google.auth, "default", lambda *a, **k: (AnonymousCredentials(), "test"))
+    try:
+        yield
+    finally:
+        mp.undo()
 
 
 @contextlib.contextmanager
 def gcs_for_beam(bucket: str, log_dir: Path, data_dir: Optional[Path] = None):
-    """The GCS emulator with Beam and google-cloud-storage pointed at it (STORAGE_EMULATOR_HOST),
-    and anonymous credentials answered at once: none exist here, and Google's credential lookup
-    would otherwise retry four times (about 23 s) first. Yields the emulator; undone after."""
-    mp = pytest.MonkeyPatch()
-    with gcs_emulator(bucket, log_dir, data_dir) as emulator:
-        mp.setenv("STORAGE_EMULATOR_HOST", emulator.endpoint)
-        mp.setenv("NO_GCE_CHECK", "true")
-        import google.auth
-        from google.auth.credentials import AnonymousCredentials
+    """gcp-storage-emulator with the clients pointed at it; yields the emulator."""
+    with gcs_emulator(bucket, log_dir, data_dir) as emulator, \
+            _clients_pointed_at(emulator.endpoint):
+        yield emulator
 
-        mp.setattr(google.auth, "default", lambda *a, **k: (AnonymousCredentials(), "test"))
-        try:
-            yield emulator
-        finally:
-            mp.undo()
+
+@contextlib.contextmanager
+def fake_gcs_with_client(bucket: str, log_dir: Path):
+    """fake-gcs-server (GCS preconditions enforced) with the clients pointed at it; yields its
+    endpoint."""
+    with _or_skip(_emulators.fake_gcs_server(bucket, log_dir)) as endpoint, \
+            _clients_pointed_at(endpoint):
+        yield endpoint
