@@ -23,8 +23,9 @@ from tests.conftest import make_config
 from tests.fakes import FakeEngine
 from tests.test_embed_failures import Breaks, doc
 from transforms.embed import VLLMEmbeddingHandler
-from transforms.engine import EngineFailedError, SharedEngineClient, _process_state
+from transforms.engine import EngineFailedError
 from transforms.model import ModelSettings
+from transforms.shared_engine import SharedEngineClient, _process_state
 
 
 class LoggingEngine(FakeEngine):

@@ -45,7 +45,6 @@ from transforms.engine import (
     EngineFailedError,
     ModelHandle,
     process_engine,
-    shared_engine,
 )
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
 from transforms.model import ModelSettings
@@ -59,6 +58,7 @@ from transforms.schema import (
     Reason,
     Step,
 )
+from transforms.shared_engine import shared_engine
 
 _LOG = logging.getLogger(__name__)
 
