@@ -199,13 +199,18 @@ class _SkipFn(beam.DoFn):
     def __init__(self, model_label: str, signature: str):
         self._label, self._signature = model_label, signature
 
+    def start_bundle(self):
+        self._reported: set[int] = set()  # snapshots already named in this bundle
+
     def process(self, doc: PreparedDoc, known: KnownKeys):
         source = known.index.get(embedding_key(doc.id, doc.text_sha256, self._label,
                                                self._signature))
         if source is None:
             yield doc
-        else:
-            yield pvalue.TaggedOutput(UNCHANGED, doc.id)
+            return
+        yield pvalue.TaggedOutput(UNCHANGED, doc.id)
+        if source not in self._reported:  # once a bundle, not once an article
+            self._reported.add(source)
             yield pvalue.TaggedOutput(SKIPPED_FROM, known.snapshots[source])
 
 

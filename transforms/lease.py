@@ -46,10 +46,6 @@ class LeaseLost(RuntimeError):
     """This holder's lease was taken over, or could not be renewed in time: it must stop writing."""
 
 
-class LeaseTimeout(RuntimeError):
-    """The lease was not free within the time given."""
-
-
 class LockStore(Protocol):
     """A small object with generations: every change is conditional, and the storage decides."""
 
@@ -210,13 +206,11 @@ class PublishLease:
     write any more."""
 
     def __init__(self, output: str, run_id: str, lease_s: float = 600,
-                 poll_s: Optional[float] = None, store: Optional[LockStore] = None,
-                 wait_s: Optional[float] = None):
+                 poll_s: Optional[float] = None, store: Optional[LockStore] = None):
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s!r}")
         self._output, self._lease_s = output, lease_s
         self._poll_s = min(lease_s / 4, 5.0) if poll_s is None else poll_s
-        self._wait_s = wait_s  # None: wait as long as it takes
         self._store = store if store is not None else lock_store(output)
         self._body: dict[str, Any] = {
             "holder": f"{run_id}/{uuid.uuid4().hex[:8]}", "run_id": run_id,
@@ -233,7 +227,6 @@ class PublishLease:
 
     def acquire(self) -> None:
         """Wait until the lease is free, or has stood unrenewed for ``lease_s``, and take it."""
-        started = time.monotonic()
         seen: Optional[int] = None
         seen_since = 0.0
         while True:
@@ -266,9 +259,6 @@ class PublishLease:
                                                  name="newsvec-publish-lease")
                 self._renewer.start()
                 return
-            if self._wait_s is not None and now - started > self._wait_s:
-                raise LeaseTimeout(f"{self._output}: the publish lease was not free within "
-                                   f"{self._wait_s:.0f} s")
             time.sleep(self._poll_s * random.uniform(0.75, 1.25))
 
     def _renew(self) -> None:
