@@ -7,6 +7,8 @@ beside it, one sub-command each. ``newsvec SUBCOMMAND --help`` lists a sub-comma
   newsvec search   --config C "query text" [--k 10]       the nearest articles in the output
   newsvec ledger   --output PREFIX [--from T --until T]   check a streaming output's ledger
   newsvec cleanup  --output PREFIX                        what killed workers and runs left
+  newsvec compact  --config C [--day D | --hour H]        rewrite closed streaming hours into
+                                                          few large files
   newsvec backfill --config C --from D --until D          embed an archive, one day at a time
 
 Demos, the publisher and the benchmarks are not part of the installed runtime: run them from the
@@ -27,6 +29,7 @@ _DELEGATED = {  # sub-command -> (module, what it does): each parses its own opt
     "run": ("pipeline.run", "run the pipeline: batch, or streaming when a subscription is set"),
     "ledger": ("pipeline.ledger", "check a streaming output against its ledger"),
     "cleanup": ("pipeline.cleanup", "clean what killed workers and runs left in an output"),
+    "compact": ("pipeline.compact", "rewrite a streaming output's closed hours into few files"),
     "backfill": ("pipeline.backfill", "embed an archive of daily inputs, one run per day"),
 }
 

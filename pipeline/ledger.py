@@ -23,11 +23,12 @@ import dataclasses
 import datetime as dt
 import json
 import sys
-from typing import Optional
+from typing import Optional, Union
 
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
+from transforms.compaction import PartitionView, is_compacted, ledger_records, partition_of
 from transforms.layout import (
     CHUNKS_DIR,
     DEAD_LETTER_DIR,
@@ -39,7 +40,7 @@ from transforms.layout import (
     parquet_rows,
     partitions_between,
 )
-from transforms.schema import Counts, LedgerRecord
+from transforms.schema import Counts
 
 
 @dataclasses.dataclass
@@ -58,7 +59,8 @@ def _parse_time(text: Optional[str]) -> Optional[dt.datetime]:
     return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(dt.timezone.utc)
 
 
-def _list(output: str, subdir: str, suffix: str, partitions: Optional[list[str]]) -> list[str]:
+def _list(output: str, subdir: str, suffix: Union[str, tuple[str, ...]],
+          partitions: Optional[list[str]]) -> list[str]:
     patterns = ([join_path(output, subdir, "**")] if partitions is None
                 else [join_path(output, subdir, p, "*") for p in partitions])
     return [m.path for result in FileSystems.match(patterns) for m in result.metadata_list
@@ -89,7 +91,10 @@ def _read(path: str) -> bytes:
 
 def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.datetime] = None,
           verify: bool = True) -> LedgerReport:
-    """The ledger of ``output`` over windows starting in ``[start, end)``."""
+    """The ledger of ``output`` over windows starting in ``[start, end)``. Compaction-aware: a
+    record's file that a compaction replaced is resolved through the partition's compaction
+    manifest (``transforms.compaction``), and a compacted file must hold the rows of every record
+    it replaced, together."""
     partitions = None
     if start is not None or end is not None:
         if start is None or end is None:
@@ -101,50 +106,90 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
             return False
         return start is None or end is None or start <= t < end
 
+    views: dict[str, PartitionView] = {}
+
+    def view(relative: str) -> PartitionView:
+        partition = partition_of(relative)
+        if partition not in views:
+            views[partition] = PartitionView.of(output, partition)
+        return views[partition]
+
     prefix = output.rstrip("/") + "/"
-    records = []
-    for path in _list(output, LEDGER_DIR, ".json", partitions):
-        record = LedgerRecord.from_json(_read(path).decode("utf-8"))
-        if in_range(_parse_time(record.window_start)):
-            records.append(record)
+    # Every record of the partitions read (a compacted file holds the rows of all of its hour's);
+    # the totals and the balance checks are of those in range.
+    every = ledger_records(output, partitions)
+    records = [r for r in every if in_range(_parse_time(r.window_start))]
     problems = []
-    named: collections.Counter[str] = collections.Counter()
+    named: collections.Counter[str] = collections.Counter()  # micro-batch file -> records
+    expected: collections.Counter[str] = collections.Counter()  # file -> rows its records say
+    checked: dict[str, tuple[str, str, str]] = {}  # file -> (kind, first record, as named)
     written_in: dict[str, str] = {}  # Pub/Sub message id -> the vectors file that holds its row
     windows = set()
-    for r in sorted(records, key=lambda r: (r.window_start, r.pane, r.shard)):
+    for r in sorted(every, key=lambda r: (r.window_start, r.pane, r.shard)):
         where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
-        windows.add(r.window_start)
-        if not r.counts.balances():
-            problems.append(f"{where}: does not balance: messages_in {r.messages_in} != rows "
-                            f"{r.rows_written} + dead letters {r.dead_lettered} + duplicates "
-                            f"{r.duplicates}")
-        if not r.counts.reasons_add_up():
-            problems.append(f"{where}: dead letters by reason do not add up to {r.dead_lettered}")
-        if r.keys_file is not None and r.keys_written != r.rows_written:
-            problems.append(f"{where}: {r.keys_written} keys for {r.rows_written} rows")
+        ours = in_range(_parse_time(r.window_start))
+        if ours:
+            windows.add(r.window_start)
+            if not r.counts.balances():
+                problems.append(f"{where}: does not balance: messages_in {r.messages_in} != rows "
+                                f"{r.rows_written} + dead letters {r.dead_lettered} + duplicates "
+                                f"{r.duplicates}")
+            if not r.counts.reasons_add_up():
+                problems.append(f"{where}: dead letters by reason do not add up to "
+                                f"{r.dead_lettered}")
+            if r.keys_file is not None and r.keys_written != r.rows_written:
+                problems.append(f"{where}: {r.keys_written} keys for {r.rows_written} rows")
         for kind, relative, count in (("vectors", r.vectors_file, r.rows_written),
                                       ("chunks", r.chunks_file, r.chunks_written),
                                       ("keys", r.keys_file, r.keys_written),
                                       ("dead letter", r.dead_letter_file, r.dead_lettered)):
             if relative is None:
-                if count:
+                if count and ours:
                     problems.append(f"{where}: {count} {kind} rows but no {kind} file")
                 continue
-            path = prefix + relative
-            named[path] += 1
-            if not FileSystems.exists(path):
-                problems.append(f"{where}: its {kind} file {relative} is missing")
-            elif verify:
-                found = (sum(1 for line in _read(path).splitlines() if line)
-                         if kind == "dead letter" else parquet_rows([path]))
-                if found != count:
-                    problems.append(f"{where}: {relative} holds {found} rows, the record says "
-                                    f"{count}")
-                if kind == "vectors":
-                    problems += _written_twice(path, relative, written_in)
+            holder = view(relative).replaced.get(relative, relative)  # its compacted file
+            expected[holder] += count
+            if holder == relative:
+                named[prefix + relative] += 1
+            if ours and holder not in checked:
+                checked[holder] = (kind, where, relative)
+    for holder, (kind, where, relative) in sorted(checked.items()):
+        path = prefix + holder
+        compacted = is_compacted(holder)
+        if not FileSystems.exists(path):
+            problems.append(f"{where}: its {kind} file {relative} is missing" + (
+                f" (compacted into {holder})" if compacted else ""))
+        elif verify:
+            found = (sum(1 for line in _read(path).splitlines() if line)
+                     if kind == "dead letter" else parquet_rows([path]))
+            if found != expected[holder]:
+                says = (f"its ledger records say {expected[holder]}" if compacted
+                        else f"the record says {expected[holder]}")
+                problems.append(f"{where}: {holder} holds {found} rows, {says}")
+            if kind == "vectors":
+                problems += _written_twice(path, holder, written_in)
     for subdir, suffix in ((VECTORS_DIR, ".parquet"), (CHUNKS_DIR, ".parquet"),
-                           (KEYS_DIR, ".parquet"), (DEAD_LETTER_DIR, ".jsonl")):
+                           (KEYS_DIR, ".parquet"), (DEAD_LETTER_DIR, ".jsonl"),
+                           (LEDGER_DIR, (".json", ".jsonl"))):
         for path in _list(output, subdir, suffix, partitions):
+            relative = path[len(prefix):]
+            partition = partition_of(relative)
+            if is_compacted(relative):
+                if not view(relative).visible(relative):
+                    problems.append(f"partition {partition}: {relative} is named by no compaction "
+                                    f"manifest (an unfinished compaction: run newsvec compact "
+                                    f"again)")
+                elif subdir != LEDGER_DIR and relative not in expected:
+                    problems.append(f"partition {partition}: {relative} replaces no ledger "
+                                    f"record's file")
+                continue
+            if not view(relative).visible(relative):
+                problems.append(f"partition {partition}: {relative} was compacted into "
+                                f"{view(relative).replaced[relative]} but is still there (an "
+                                f"unfinished compaction: run newsvec compact again)")
+                continue
+            if subdir == LEDGER_DIR:
+                continue
             name = PartFileName.parse(path)
             window = name.window_start if name else None
             if not in_range(window) or (subdir == KEYS_DIR and name and name.digest is None):

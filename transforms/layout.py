@@ -8,6 +8,8 @@ An output prefix holds (docs/output.md)::
     _manifest.json  _summary.json            batch: the committed run and its summary
     _staging/<run_id>/                       batch: a run's files until it commits
     _temp/                                   files being written, renamed into place when whole
+    _compaction/                             streaming: per partition, which micro-batch files its
+                                             compacted-<id> files replace (transforms.compaction)
 
 Every writer (the sinks, the commit, the manifest) and every reader (the ledger, the clean-up, the
 incremental key lookup) takes its names from here, so a name is formatted and parsed in one place.
@@ -35,6 +37,10 @@ STAGING_DIR = "_staging"
 SUMMARY_FILE = "_summary.json"
 MANIFEST_FILE = "_manifest.json"
 PUBLISH_LOCK_FILE = "_publish.lock"  # the publish lease (transforms.lease)
+# Streaming compaction (transforms.compaction): a partition's manifest under _compaction/, and the
+# compacted files' names (compacted-<id>.parquet), which PartFileName never parses.
+COMPACTION_DIR = "_compaction"
+COMPACTED_PREFIX = "compacted-"
 # The folders a batch commit publishes (and a rerun replaces), in the order it replaces them.
 PUBLISHED_DIRS = (VECTORS_DIR, DEAD_LETTER_DIR, CHUNKS_DIR, KEYS_DIR)
 # Beam's shard template for a batch run's files: part-<run_id>-00000-of-00004.parquet.

@@ -1,0 +1,123 @@
+"""Compact a streaming output's closed hours: ``newsvec compact (--config C | --output PREFIX)
+[--day D | --hour H | --from T --until T]``.
+
+Rewrites each hour's micro-batch files (vectors, chunks, keys, dead letters, ledger records) into
+one file per kind, row groups of ``sink.row_group_rows`` (``transforms/compaction.py``), under the
+output's publish lease, one hour at a time. Readers that follow the ledger or the compaction
+manifest (``newsvec ledger``, the nightly incremental job's key listing) see either the hour before
+or the hour after, whenever it is killed; a rerun finishes it; an hour with nothing new is left as
+it is. Hours that are not closed yet (their end plus ``streaming.allowed_lateness_s`` plus the
+grouping's grace plus 5 minutes is after now) are skipped unless ``--closed-after-s 0``: compacting
+one is safe (a micro-batch written later stays and is merged by the next run) but wastes a rewrite.
+
+Plain Python (pyarrow over Beam's FileSystems, local or gs://), no Beam pipeline: an hour of output
+is read once and written once, streaming row groups, so it needs one CPU and memory for about two
+row groups, whatever the hour's size. Prints one JSON line per hour and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import sys
+from typing import Optional
+
+from pipeline import config as config_lib
+from transforms.compaction import CompactionResult, Hook, compact_partition
+from transforms.layout import new_run_id, partitions_between
+from transforms.lease import PublishLease
+from transforms.windowing import GROUPING_GRACE_S
+
+CLOSED_MARGIN_S = 300
+
+
+def _time(text: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(dt.timezone.utc)
+
+
+def hour_range(day: Optional[str], hour: Optional[str], start: Optional[str],
+               end: Optional[str], now: dt.datetime) -> tuple[dt.datetime, dt.datetime]:
+    """``[start, end)`` of the hours to compact: a day (YYYY-MM-DD, today, yesterday; UTC), an hour
+    (YYYY-MM-DDTHH), or two RFC 3339 times."""
+    if hour is not None:
+        first = dt.datetime.strptime(hour, "%Y-%m-%dT%H").replace(tzinfo=dt.timezone.utc)
+        return first, first + dt.timedelta(hours=1)
+    if start is not None or end is not None:
+        if start is None or end is None:
+            raise config_lib.ConfigError("give both --from and --until, or neither")
+        return _time(start), _time(end)
+    date = config_lib.parse_input_date(day or "yesterday", now)
+    first = dt.datetime.combine(date, dt.time(), dt.timezone.utc)
+    return first, first + dt.timedelta(days=1)
+
+
+def compact_range(output: str, start: dt.datetime, end: dt.datetime, row_group_rows: int,
+                  lease_s: float = 600, closed_after_s: float = 0,
+                  now: Optional[dt.datetime] = None, hook: Optional[Hook] = None
+                  ) -> list[dict]:
+    """Compact every closed hour of ``[start, end)``, one at a time, under the publish lease."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    out = []
+    with PublishLease(output, f"compact-{new_run_id()}", lease_s) as lease:
+        for partition in partitions_between(start, end):
+            hour = dt.datetime.strptime(partition, "dt=%Y-%m-%d/hour=%H").replace(
+                tzinfo=dt.timezone.utc)
+            if hour + dt.timedelta(hours=1, seconds=closed_after_s) > now:
+                out.append({"partition": partition, "skipped": "not closed yet"})
+                continue
+            result: CompactionResult = compact_partition(output, partition, lease,
+                                                         row_group_rows, hook)
+            out.append(dataclasses.asdict(result))
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="newsvec compact", description=__doc__.split("\n\n")[1])
+    parser.add_argument("--config", help="the streaming job's config (its output, "
+                                         "sink.row_group_rows, sink.commit_lease_s, "
+                                         "streaming.allowed_lateness_s), local or gs://")
+    parser.add_argument("--output", help="the streaming output prefix (instead of the config's)")
+    when = parser.add_mutually_exclusive_group()
+    when.add_argument("--day", help="YYYY-MM-DD, today or yesterday (UTC; default yesterday)")
+    when.add_argument("--hour", help="one hour, YYYY-MM-DDTHH (UTC)")
+    when.add_argument("--from", dest="start", help="with --until: the hours of [from, until)")
+    parser.add_argument("--until", dest="end", help="end of the range (exclusive), RFC 3339")
+    parser.add_argument("--row-group-rows", type=int, help="default: the config's, or 16384")
+    parser.add_argument("--lease-s", type=float, help="the output's publish lease "
+                                                      "(default: sink.commit_lease_s, 600)")
+    parser.add_argument("--closed-after-s", type=float,
+                        help="an hour is closed this long after its end (default: "
+                             "allowed_lateness_s + 3600 s of grouping grace + 300 s)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.config:
+            config = config_lib.load(args.config, output=args.output)
+            output, sink, streaming = config.output, config.sink, config.streaming
+        elif args.output:
+            output = args.output
+            sink, streaming = config_lib.SinkSettings(), config_lib.StreamingSettings()
+        else:
+            raise config_lib.ConfigError("give --config or --output")
+        if args.end and not args.start:
+            raise config_lib.ConfigError("--until needs --from")
+        now = dt.datetime.now(dt.timezone.utc)
+        start, end = hour_range(args.day, args.hour, args.start, args.end, now)
+    except (config_lib.ConfigError, ValueError) as exc:
+        print(f"newsvec compact: {exc}", file=sys.stderr)
+        return 2
+    closed_after_s = (args.closed_after_s if args.closed_after_s is not None
+                      else streaming.allowed_lateness_s + GROUPING_GRACE_S + CLOSED_MARGIN_S)
+    results = compact_range(output, start, end, args.row_group_rows or sink.row_group_rows,
+                            args.lease_s or sink.commit_lease_s, closed_after_s, now)
+    for result in results:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

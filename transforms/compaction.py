@@ -1,0 +1,373 @@
+"""Compaction of a streaming output: a closed hour's micro-batch files rewritten, one file a kind.
+
+A streaming job writes up to five small files per micro-batch (``transforms.sinks``,
+``WriteMicroBatches``): hundreds of thousands a day, which slow every reader that lists them.
+``compact_partition`` rewrites one partition (``dt=YYYY-MM-DD/hour=HH``) into one file per kind::
+
+    vectors/<partition>/compacted-<id>.parquet       row groups of ``sink.row_group_rows``
+    chunks/<partition>/compacted-<id>.parquet        (chunks mode)
+    keys/<partition>/compacted-<id>.parquet
+    dead_letter/<partition>/compacted-<id>.jsonl
+    ledger/<partition>/compacted-<id>.jsonl          the micro-batches' ledger records, one a line
+    _compaction/<partition>/manifest.json            which micro-batches those files replace
+
+It takes the micro-batches whose ledger record it finds when it starts (a record is written after
+its files, so they are whole) and nothing else: a micro-batch that lands while it runs, or a data
+file without a record yet, stays as it is, and the next run merges it with the compacted files.
+
+The order of operations makes every step safe to kill. Under the output's publish lease (one
+compaction or clean-up at a time), and checking it before each change:
+
+1. delete what a killed run left: compacted files the manifest does not name (written, never
+   adopted), and micro-batch files the manifest says it replaced (adopted, never deleted);
+2. write the new compacted files (the rows of the current compacted files, then of the new
+   micro-batches), each to ``_temp/`` and renamed into place;
+3. write the manifest (temp and rename): from this moment readers that follow it read the new
+   files, and the replaced micro-batch files are ignored wherever they are still found;
+4. delete the replaced micro-batch files and the superseded compacted files.
+
+Before step 3, readers that follow the manifest or the ledger (``resolve``, ``ledger_records``,
+``current_files``) see the old state: the new compacted files are named by no manifest, so they
+are skipped. From step 3 on they see the new one: the replaced files are skipped. So a row is never
+counted twice or not at all. A reader that only globs ``vectors/**/*.parquet`` (DuckDB) sees the
+new compacted file beside the files it replaces from step 2 until step 4 ends (seconds): rows twice.
+``newsvec ledger`` names that state (an unfinished compaction) until a run finishes it.
+
+No Beam pipeline: one process reads and writes a partition at a time, through Beam's
+``FileSystems`` (local disk or ``gs://``), streaming row groups (``ParquetWriter``), so memory is
+about two row groups whatever the size of the hour.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+from typing import Callable, Iterable, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.io.filesystems import FileSystems
+
+from transforms.layout import (
+    CHUNKS_DIR,
+    COMPACTED_PREFIX,
+    COMPACTION_DIR,
+    DEAD_LETTER_DIR,
+    KEYS_DIR,
+    LEDGER_DIR,
+    VECTORS_DIR,
+    join_path,
+    list_files,
+    new_run_id,
+    relative_to,
+    write_whole,
+)
+from transforms.lease import PublishLease
+from transforms.schema import LedgerRecord
+
+MANIFEST_NAME = "manifest.json"
+# Each kind: its folder, the compacted file's suffix, and the ledger record's field naming its file.
+PARQUET_KINDS = {VECTORS_DIR: "vectors_file", CHUNKS_DIR: "chunks_file", KEYS_DIR: "keys_file"}
+KINDS = (VECTORS_DIR, CHUNKS_DIR, KEYS_DIR, DEAD_LETTER_DIR, LEDGER_DIR)
+_SUFFIX = {VECTORS_DIR: ".parquet", CHUNKS_DIR: ".parquet", KEYS_DIR: ".parquet",
+           DEAD_LETTER_DIR: ".jsonl", LEDGER_DIR: ".jsonl"}
+# What readers take from each kind's folder: the ledger's records are .json, compacted .jsonl.
+_READ_SUFFIXES: dict[str, tuple[str, ...]] = {
+    **{kind: (suffix,) for kind, suffix in _SUFFIX.items()}, LEDGER_DIR: (".json", ".jsonl")}
+_RECORD_FIELD = {**PARQUET_KINDS, DEAD_LETTER_DIR: "dead_letter_file"}
+
+
+def is_compacted(path: str) -> bool:
+    """Whether a file (a path or a bare name) is a compacted file rather than a micro-batch's."""
+    return path.rsplit("/", 1)[-1].startswith(COMPACTED_PREFIX)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompactionManifest:
+    """``_compaction/<partition>/manifest.json``: the partition's compacted files (relative to the
+    output, with their rows or lines) and every micro-batch file they replace, grouped by
+    micro-batch (``batches``: its ledger record's path, and its data files by kind)."""
+
+    partition: str
+    compaction_id: str
+    compacted_at: str
+    files: dict  # kind -> {"path": relative path, "rows": rows or lines}
+    batches: list  # [{"record": relative path, "files": {kind: relative path}}]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    def replaced(self) -> dict[str, str]:
+        """{micro-batch file: the compacted file that holds its rows}, ledger records included."""
+        out = {}
+        for batch in self.batches:
+            out[batch["record"]] = self.files[LEDGER_DIR]["path"]
+            for kind, path in batch["files"].items():
+                out[path] = self.files[kind]["path"]
+        return out
+
+    def current(self) -> set[str]:
+        return {f["path"] for f in self.files.values()}
+
+
+def manifest_path(output: str, partition: str) -> str:
+    return join_path(output, COMPACTION_DIR, partition, MANIFEST_NAME)
+
+
+def read_compaction(output: str, partition: str) -> Optional[CompactionManifest]:
+    path = manifest_path(output, partition)
+    if not FileSystems.exists(path):
+        return None
+    with FileSystems.open(path) as f:
+        return CompactionManifest(**json.loads(f.read().decode("utf-8")))
+
+
+def partition_of(relative: str) -> str:
+    """``vectors/dt=…/hour=…/name`` -> ``dt=…/hour=…``."""
+    parts = relative.split("/")
+    return "/".join(parts[1:-1])
+
+
+def compacted_partitions(output: str) -> list[str]:
+    """The partitions that have a compaction manifest: one listing of ``_compaction/``."""
+    return sorted(partition_of(relative_to(output, p)) for p in
+                  list_files(join_path(output, COMPACTION_DIR, "**", MANIFEST_NAME)))
+
+
+@dataclasses.dataclass
+class PartitionView:
+    """What a reader that follows the manifest sees of one partition."""
+
+    manifest: Optional[CompactionManifest]
+    replaced: dict  # micro-batch file -> compacted file (relative paths)
+    current: set  # the compacted files the manifest names (relative)
+
+    @classmethod
+    def of(cls, output: str, partition: str) -> "PartitionView":
+        manifest = read_compaction(output, partition)
+        if manifest is None:
+            return cls(None, {}, set())
+        return cls(manifest, manifest.replaced(), manifest.current())
+
+    def visible(self, relative: str) -> bool:
+        """Whether a reader that follows the manifest reads this file: a compacted file the
+        manifest names, or a micro-batch file it does not say it replaced."""
+        if is_compacted(relative):
+            return relative in self.current
+        return relative not in self.replaced
+
+
+def current_files(output: str, kind: str, partitions: Optional[Iterable[str]] = None
+                  ) -> list[str]:
+    """The files of one kind (``vectors``, ``keys``...) that hold its rows, each once: the
+    compacted files of each partition plus its micro-batch files not compacted yet. One listing
+    of the kind's folder (or of each partition), and one manifest read per partition that has
+    compacted files: about 24 files and 24 manifests a compacted day."""
+    patterns = ([join_path(output, kind, "**")] if partitions is None
+                else [join_path(output, kind, p, "*") for p in partitions])
+    found = [m.path for result in FileSystems.match(patterns) for m in result.metadata_list
+             if m.path.endswith(_READ_SUFFIXES[kind])]
+    views: dict[str, PartitionView] = {}
+    out = []
+    for path in sorted(found):
+        relative = relative_to(output, path)
+        partition = partition_of(relative)
+        if partition not in views:
+            has_compacted = any(is_compacted(p) and partition_of(relative_to(output, p))
+                                == partition for p in found)
+            views[partition] = (PartitionView.of(output, partition) if has_compacted
+                                else PartitionView(None, {}, set()))
+        if views[partition].visible(relative):
+            out.append(path)
+    return out
+
+
+def current_key_files(prefix: str) -> list[str]:
+    """A streaming output's key index, compaction-aware: what ``ReadKeys`` should read."""
+    return [p for p in current_files(prefix, KEYS_DIR) if p.endswith(".parquet")]
+
+
+def ledger_records(output: str, partitions: Optional[Iterable[str]] = None
+                   ) -> list[LedgerRecord]:
+    """Every ledger record of these partitions (all without), each once: the compacted ledger
+    files the manifests name, and the record files they do not replace."""
+    records = []
+    for path in current_files(output, LEDGER_DIR, partitions):
+        with FileSystems.open(path) as f:
+            text = f.read().decode("utf-8")
+        if path.endswith(".jsonl"):  # compacted: one record a line
+            records += [LedgerRecord.from_json(line) for line in text.splitlines() if line]
+        else:
+            records.append(LedgerRecord.from_json(text))
+    return records
+
+
+# Compaction.
+
+Hook = Callable[[str], None]  # called with a step's name before it; tests kill runs there
+
+
+@dataclasses.dataclass
+class CompactionResult:
+    partition: str
+    batches: int  # micro-batches compacted by this run
+    files_before: int
+    files_after: int
+    rows: dict  # kind -> rows (lines) in the partition's compacted file
+    cleaned: int  # files a killed run left, deleted
+
+
+def _relative_files(output: str, kind: str, partition: str) -> list[str]:
+    return sorted(relative_to(output, p)
+                  for p in list_files(join_path(output, kind, partition, "*"))
+                  if p.endswith(_READ_SUFFIXES[kind]))
+
+
+def _write_parquet(output: str, target: str, sources: list[str], row_group_rows: int) -> int:
+    """Concatenate Parquet files into ``target`` (temp and rename) in row groups of
+    ``row_group_rows``, reading one batch at a time, so at most about two row groups are held.
+    Returns the rows written."""
+    rows = 0
+
+    def write(handle) -> None:
+        nonlocal rows
+        writer: Optional[pq.ParquetWriter] = None
+        pending: list[pa.RecordBatch] = []
+        try:
+            for source in sources:
+                with FileSystems.open(source) as f:
+                    parquet = pq.ParquetFile(f)
+                    if writer is None:
+                        writer = pq.ParquetWriter(handle, parquet.schema_arrow, compression="zstd")
+                    elif not parquet.schema_arrow.equals(writer.schema):
+                        raise ValueError(f"{source} has another schema than {sources[0]}: "
+                                         f"not compacted together")
+                    for batch in parquet.iter_batches(batch_size=row_group_rows):
+                        pending.append(batch)
+                        rows += batch.num_rows
+                        if sum(b.num_rows for b in pending) >= row_group_rows:
+                            pending = _write_row_groups(writer, pending, row_group_rows, False)
+            if writer is not None:
+                _write_row_groups(writer, pending, row_group_rows, True)
+        finally:
+            if writer is not None:
+                writer.close()
+
+    write_whole(output, target, write)
+    return rows
+
+
+def _write_row_groups(writer: pq.ParquetWriter, batches: list[pa.RecordBatch],
+                      row_group_rows: int, last: bool) -> list[pa.RecordBatch]:
+    """Write the whole row groups these batches make (and with ``last`` the rest); return the
+    rows left over, for the next row group."""
+    table = pa.Table.from_batches(batches, schema=writer.schema)
+    while table.num_rows >= row_group_rows or (last and table.num_rows):
+        writer.write_table(table.slice(0, row_group_rows), row_group_size=row_group_rows)
+        table = table.slice(row_group_rows)
+    return table.to_batches()
+
+
+def _write_lines(output: str, target: str, sources: list[str]) -> int:
+    """Concatenate JSON Lines (and one-record JSON) files into ``target``, one record a line."""
+    lines = 0
+
+    def write(handle) -> None:
+        nonlocal lines
+        for source in sources:
+            with FileSystems.open(source) as f:
+                for line in f.read().splitlines():
+                    if line.strip():
+                        handle.write(line.rstrip(b"\r") + b"\n")
+                        lines += 1
+
+    write_whole(output, target, write)
+    return lines
+
+
+def compact_partition(output: str, partition: str, lease: PublishLease, row_group_rows: int,
+                      hook: Optional[Hook] = None) -> CompactionResult:
+    """Compact one partition (steps 1-4 of the module docstring), by the holder of ``lease``.
+    Idempotent: a partition with nothing new is left as it is."""
+    hook = hook or (lambda step: None)
+
+    def change(step: str, action, *args):
+        hook(step)
+        lease.check()  # fenced: not one more change once the lease is lost
+        return action(*args)
+
+    def absolute(paths: Iterable[str]) -> list[str]:
+        return [join_path(output, p) for p in paths]
+
+    old = read_compaction(output, partition)
+    replaced = old.replaced() if old else {}
+    current = old.current() if old else set()
+    # The ledger first: a record is written after its files, so every file a listed record names
+    # is in the listings that follow.
+    listed = {kind: _relative_files(output, kind, partition)
+              for kind in (LEDGER_DIR, *KINDS[:-1])}
+    present = {p for paths in listed.values() for p in paths}
+    files_before = len(present)
+
+    # 1. What a killed run left: unadopted compacted files, replaced files not yet deleted.
+    leftovers = [p for kind in KINDS for p in listed[kind]
+                 if (p not in current if is_compacted(p) else p in replaced)]
+    if leftovers:
+        change("clean", FileSystems.delete, absolute(leftovers))
+
+    # The micro-batches to take: those whose ledger record is here now (their files are whole).
+    batches: list[dict] = []
+    for record_path in listed[LEDGER_DIR]:
+        if is_compacted(record_path) or record_path in replaced:
+            continue
+        with FileSystems.open(join_path(output, record_path)) as f:
+            record = LedgerRecord.from_json(f.read().decode("utf-8"))
+        named = {kind: getattr(record, field) for kind, field in _RECORD_FIELD.items()
+                 if getattr(record, field) is not None}
+        missing = sorted(set(named.values()) - present)
+        if missing:
+            raise FileNotFoundError(f"{record_path} names files that are not there: {missing} "
+                                    f"(newsvec ledger says more); {partition} is not compacted")
+        batches.append({"record": record_path, "files": named})
+    if not batches:
+        return CompactionResult(partition, 0, files_before, files_before - len(leftovers),
+                                {k: f["rows"] for k, f in (old.files if old else {}).items()},
+                                len(leftovers))
+
+    # 2. The new compacted files: the current ones' rows first, then the new micro-batches'.
+    compaction_id = new_run_id()
+    files: dict[str, dict] = {}
+    for kind in KINDS:
+        sources = ([old.files[kind]["path"]] if old and kind in old.files else [])
+        sources += ([b["record"] for b in batches] if kind == LEDGER_DIR
+                    else [b["files"][kind] for b in batches if kind in b["files"]])
+        if not sources:
+            continue
+        target = f"{kind}/{partition}/{COMPACTED_PREFIX}{compaction_id}{_SUFFIX[kind]}"
+        if kind in PARQUET_KINDS:
+            rows = change(f"write {kind}", _write_parquet, output, join_path(output, target),
+                          absolute(sources), row_group_rows)
+        else:
+            rows = change(f"write {kind}", _write_lines, output, join_path(output, target),
+                          absolute(sources))
+        files[kind] = {"path": target, "rows": rows}
+
+    # 3. Adopt them: one manifest, written whole.
+    manifest = CompactionManifest(
+        partition=partition, compaction_id=compaction_id,
+        compacted_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        files=files, batches=(old.batches if old else []) + batches)
+    data = manifest.to_json().encode("utf-8")
+    change("manifest", write_whole, output, manifest_path(output, partition),
+           lambda f: f.write(data))
+
+    # 4. Delete what they replace.
+    done = ([p for b in batches for p in (b["record"], *b["files"].values())]
+            + sorted(current - manifest.current()))
+    existing = [p for p in done if p in present]
+    if existing:
+        change("delete", FileSystems.delete, absolute(existing))
+    files_after = files_before - len(leftovers) - len(existing) + len(files)
+    return CompactionResult(partition, len(batches), files_before, files_after,
+                            {k: f["rows"] for k, f in files.items()}, len(leftovers))
+
