@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from apache_beam.io.filesystems import FileSystems
 
 from pipeline import cli, compact, ledger
 from tests import streaming_output as so
@@ -230,3 +231,28 @@ def test_the_scheduler_body_runs_newsvec_compact_with_options_it_takes():
     assert args[0] == "compact"
     parsed = compact.parser().parse_args(args[1:])
     assert parsed.config.endswith("/dataflow-streaming.yaml") and parsed.day == "yesterday"
+
+
+def test_on_gcs_a_killed_run_is_finished_by_the_next(gcs, tmp_path):
+    # The same code through Beam's GCS filesystem and the lease's GCS store (gcp-storage-emulator).
+    from tests.conftest import GCS_BUCKET
+
+    output = f"gs://{GCS_BUCKET}/{tmp_path.name}"
+    so.write(output, BATCHES[:6], row_group_rows=ROW_GROUP)
+    before = ledger.check(output)
+    keys = compaction.current_key_files(output)
+    assert before.ok and len(keys) > 3
+
+    def kill(at):
+        if at == "delete":
+            raise Killed(at)
+
+    with pytest.raises(Killed):
+        compact.compact_range(output, *HOURS, ROW_GROUP, lease_s=30, now=LATER, hook=kill)
+    assert ledger.check(output).totals["rows_written"] == before.totals["rows_written"]
+    compact.compact_range(output, *HOURS, ROW_GROUP, lease_s=30, now=LATER)
+    after = ledger.check(output)
+    assert after.ok and after.totals == before.totals, after.problems
+    assert len(compaction.current_key_files(output)) == 1
+    assert sum(pq.read_metadata(FileSystems.open(p)).num_rows
+               for p in compaction.current_files(output, "vectors")) == after.totals["rows_written"]
