@@ -10,7 +10,11 @@ both optional), prints the totals as JSON, and exits 1, naming each window, if:
 - a record's keys do not match its rows (``keys/``: the index the nightly incremental job trusts);
 - a data file under ``vectors/``, ``chunks/``, ``keys/`` or ``dead_letter/`` has no record that
   names it;
-- with verification on, one Pub/Sub message has a row in two vectors files (written twice).
+- with verification on, one Pub/Sub message has a row in two vectors files (written twice);
+- a compacted hour (``newsvec compact``) holds a compacted file that its manifest does not name, or
+  a micro-batch file that its manifest says was replaced: an unfinished compaction, which a rerun
+  of ``newsvec compact`` finishes. Over compacted hours the records are read from the compacted
+  ledger files and each record's files resolved through the manifest (``transforms.compaction``).
 A window still being written (the job is running, a late pane may come) can show a data file whose
 record is not written yet; check windows older than ``allowed_lateness_s`` plus a few minutes, or a
 drained job.
