@@ -31,7 +31,7 @@ H09 = "dt=2026-12-01/hour=09"
 KINDS = ("vectors", "chunks", "keys", "dead_letter", "ledger")
 # 90 messages in 10-minute windows over 09:00-11:00 (two partitions), 2 shards, late panes.
 BATCHES = so.micro_batches(90, windows=12, window_s=600, chunks=2)
-LATE = so.micro_batches(30, windows=5, first_id=10_000, seed=1)  # more micro-batches in 09:00
+LATE = so.micro_batches(30, windows=5, first_id=10_000, seed=1, chunks=1)  # more in 09:00
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,10 @@ def test_a_micro_batch_that_lands_during_compaction_is_kept_and_merged_next_time
     assert report.totals["messages_in"] == before.totals["messages_in"] + added
     assert len(list((output / "vectors" / H09).glob("part-*"))) == 2  # late and half: still there
 
+    chunks_file = sorted((output / "chunks" / H09).iterdir())
     run(output)  # the next run merges them with the compacted file
+    # They have no chunks: the hour's compacted chunks file stays as it was, not rewritten.
+    assert sorted((output / "chunks" / H09).iterdir()) == chunks_file
     again = ledger.check(str(output))
     assert again.ok and again.totals == report.totals
     assert [p.name[:10] for p in (output / "vectors" / H09).iterdir()] == ["compacted-"]

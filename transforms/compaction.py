@@ -338,11 +338,14 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
     compaction_id = new_run_id()
     files: dict[str, dict] = {}
     for kind in KINDS:
-        sources = ([old.files[kind]["path"]] if old and kind in old.files else [])
-        sources += ([b["record"] for b in batches] if kind == LEDGER_DIR
-                    else [b["files"][kind] for b in batches if kind in b["files"]])
-        if not sources:
+        current_file = old.files.get(kind) if old else None
+        new = ([b["record"] for b in batches] if kind == LEDGER_DIR
+               else [b["files"][kind] for b in batches if kind in b["files"]])
+        if not new:  # nothing new of this kind: its compacted file stays as it is
+            if current_file:
+                files[kind] = current_file
             continue
+        sources = ([current_file["path"]] if current_file else []) + new
         target = f"{kind}/{partition}/{COMPACTED_PREFIX}{compaction_id}{_SUFFIX[kind]}"
         if kind in PARQUET_KINDS:
             rows = change(f"write {kind}", _write_parquet, output, join_path(output, target),
