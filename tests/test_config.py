@@ -54,8 +54,9 @@ def test_unfilled_placeholders_fail_at_start_and_are_listed():
         assert name in str(info.value)
 
 
-@pytest.mark.parametrize("name", ["dataflow-batch.yaml", "dataflow-streaming.yaml"])
-def test_dataflow_configs_are_valid_once_filled(tmp_path, name):
+@pytest.mark.parametrize("name, gpus", [("dataflow-batch.yaml", 1), ("dataflow-batch-2xl4.yaml", 2),
+                                        ("dataflow-streaming.yaml", 1)])
+def test_dataflow_configs_are_valid_once_filled(tmp_path, name, gpus):
     text = (CONFIGS / name).read_text().replace("<SUBSCRIPTION>", "news")
     for key, value in {"<BUCKET>": "b", "<PROJECT_ID>": "p", "<REGION>": "europe-west4",
                        "<MODEL_NAME>": "m", "<MODEL_DIR>": "m", "<MODEL_REVISION>": "r1",
@@ -67,8 +68,9 @@ def test_dataflow_configs_are_valid_once_filled(tmp_path, name):
     assert config.beam["runner"] == "DataflowRunner"
     assert bool(config.streaming.subscription) == (name == "dataflow-streaming.yaml")
     flags = config.beam_flags()
-    assert ("--dataflow_service_options=worker_accelerator=type:nvidia-l4;count:1;"
+    assert (f"--dataflow_service_options=worker_accelerator=type:nvidia-l4;count:{gpus};"
             "install-nvidia-driver") in flags
+    assert config.model.gpus_per_worker in ("auto", gpus)
     assert not any("no_use_multiple_sdk_containers" in f for f in flags), \
         "one SDK process per vCPU: every core prepares text"
     assert config.model.share_across_processes, "and they share one engine"

@@ -87,20 +87,22 @@ def display_data(proto: beam_runner_api_pb2.Pipeline, step: str) -> bytes:
                     if t.unique_name.startswith(step) for d in t.display_data)
 
 
-def check_gpu_workers(request: dict) -> dict:
-    """What both jobs share: L4, image, one SDK process per VM, machine, disk, autoscaling."""
+def check_gpu_workers(request: dict, machine: str = "g2-standard-8", gpus: int = 1,
+                      max_workers: int = 4) -> dict:
+    """What every job shares: L4s, image, one SDK process per VM, machine, disk, autoscaling."""
+    accelerator = ACCELERATOR.replace("count:1", f"count:{gpus}")
     env = request["environment"]
-    assert env["serviceOptions"] == [ACCELERATOR]
+    assert env["serviceOptions"] == [accelerator]
     # One SDK process per vCPU (Beam adds this experiment unless told the opposite), and one
     # engine per machine that they share (tested in test_dataflow_configs_keep_...).
     assert "use_multiple_sdk_containers" in env["experiments"]
     assert "no_use_multiple_sdk_containers" not in env["experiments"]
     (pool,) = env["workerPools"]
-    assert pool["machineType"] == "g2-standard-8"
+    assert pool["machineType"] == machine
     assert pool["diskSizeGb"] == 100
     assert pool["numWorkers"] == 1
     assert pool["autoscalingSettings"] == {"algorithm": "AUTOSCALING_ALGORITHM_BASIC",
-                                           "maxNumWorkers": 4}
+                                           "maxNumWorkers": max_workers}
     assert pool["numThreadsPerWorker"] == 4
     assert pool["workerHarnessContainerImage"] == IMAGE
     assert {i["containerImage"] for i in pool["sdkHarnessContainerImages"]} == {IMAGE}
@@ -108,7 +110,7 @@ def check_gpu_workers(request: dict) -> dict:
     assert (options["project"], options["region"]) == (PROJECT, REGION)
     assert options["sdk_container_image"] == IMAGE
     assert options["service_account_email"] == f"newsvec-worker@{PROJECT}.iam.gserviceaccount.com"
-    assert options["dataflow_service_options"] == [ACCELERATOR]
+    assert options["dataflow_service_options"] == [accelerator]
     return options
 
 
@@ -131,6 +133,20 @@ def test_batch_job_request_carries_the_gpu_workers_and_newsvec_options(tmp_path)
     # newsvec and its dependencies come from the image: no setup_file tarball, no requirements.
     staged = staged_names(proto)
     assert staged <= {"pickled_main_session", "submission_environment_dependencies.txt"}, staged
+
+
+def test_two_l4_batch_job_request_asks_for_two_gpus_and_runs_an_engine_on_each(tmp_path):
+    """configs/dataflow-batch-2xl4.yaml: g2-standard-24 workers with two L4s each, and
+    ``model.gpus_per_worker`` equal to the accelerator count (tests/test_devices.py: one engine per
+    GPU, the SDK processes spread over them)."""
+    config = filled_config("dataflow-batch-2xl4.yaml", tmp_path)
+    returned, request, proto = job_request(
+        ["--config", str(config), "--input_date", "2026-11-30", "--dry_run=True"])
+    assert returned["launched"] and request["type"] == "JOB_TYPE_BATCH"
+    check_gpu_workers(request, machine="g2-standard-24", gpus=2, max_workers=2)
+    model = config_lib.load(config).model
+    assert model.share_across_processes and model.gpus_per_worker == 2
+    assert any(t.unique_name == "CommitRun" for t in proto.components.transforms.values())
 
 
 def test_streaming_job_request_carries_streaming_engine_and_the_subscription(tmp_path):
@@ -202,15 +218,18 @@ def test_unfilled_dataflow_configs_fail_at_start_naming_project_region_bucket_im
     assert "fill in the placeholder" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["dataflow-batch.yaml", "dataflow-streaming.yaml"])
-def test_dataflow_configs_keep_the_model_in_the_image_and_one_engine_per_machine(name, tmp_path):
+@pytest.mark.parametrize("name", ["dataflow-batch.yaml", "dataflow-batch-2xl4.yaml",
+                                  "dataflow-streaming.yaml"])
+def test_dataflow_configs_keep_the_model_in_the_image_and_one_engine_per_gpu(name, tmp_path):
     config = config_lib.load(filled_config(name, tmp_path))
     assert config.model.path.startswith("/models/")
     env = config.model.engine_env
     assert env["HF_HUB_OFFLINE"] == "1" and env["TRANSFORMERS_OFFLINE"] == "1"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert env["TOKENIZERS_PARALLELISM"] == "false"
-    assert config.model.share_across_processes, "one engine per machine, shared by the processes"
+    assert config.model.share_across_processes, "one engine per GPU, shared by the processes"
+    gpus = int(re.search(r"count:(\d+)", config.beam["dataflow_service_options"]).group(1))
+    assert config.model.gpus_per_worker in ("auto", gpus), "an engine on every GPU of the worker"
     assert config.model.max_num_batched_tokens == config.model.token_budget, \
         "a call to the engine is one engine step, not vLLM's default 8192-token steps"
     assert 0.5 <= config.model.gpu_memory_utilization <= 0.9
@@ -385,14 +404,117 @@ def test_the_pipeline_accepts_every_template_parameter(tmp_path):
     assert config.streaming.subscription == examples["subscription"]
 
 
-# --- Cloud Scheduler ------------------------------------------------------------------------------
+# --- The daily launch: Cloud Scheduler starts a Cloud Workflows execution -----------------------
 
-def test_scheduler_body_is_a_valid_flex_template_launch_of_yesterdays_news(tmp_path):
+WORKFLOW = CONFIGS / "workflow-daily-launch.yaml"
+LAUNCH = "googleapis.dataflow.v1b3.projects.locations.flexTemplates.launch"
+
+
+class Workflows:
+    """A tiny evaluator of the Workflows expressions (``${...}``) the daily launch uses, with the
+    standard library functions it calls, as Google documents them (time.format: ISO 8601 in UTC,
+    "2024-07-12T12:50:33.000000Z"; map.get: null for a missing key). An expression that uses
+    anything else fails the test instead of being guessed at."""
+
+    KNOWN = {"default", "map", "get", "text", "substring", "replace_all", "time", "format", "sys",
+             "now"}
+
+    def __init__(self, now: dt.datetime):
+        self.scope = {
+            "default": lambda value, fallback: fallback if value is None else value,
+            "map": argparse.Namespace(get=lambda m, key: (m or {}).get(key)),
+            "text": argparse.Namespace(substring=lambda s, start, end: s[start:end],
+                                       replace_all=lambda s, old, new: s.replace(old, new)),
+            "time": argparse.Namespace(format=lambda seconds: dt.datetime.fromtimestamp(
+                seconds, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")),
+            "sys": argparse.Namespace(now=now.timestamp),
+        }
+
+    def eval(self, value, variables: dict):
+        """``value`` with every ``${...}`` string evaluated (recursively in maps and lists)."""
+        if isinstance(value, dict):
+            return {k: self.eval(v, variables) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.eval(v, variables) for v in value]
+        if not (isinstance(value, str) and value.startswith("${") and value.endswith("}")):
+            return value
+        code = compile(value[2:-1], "<workflow expression>", "eval")
+        unknown = set(code.co_names) - self.KNOWN - set(variables)
+        assert not unknown, f"the test's evaluator does not know {unknown} in {value}"
+        return eval(code, {"__builtins__": {}}, {**self.scope, **variables})
+
+
+def workflow() -> dict:
+    return yaml.safe_load(fill(WORKFLOW.read_text()))
+
+
+def step(steps: list, name: str) -> dict:
+    (found,) = [s[name] for s in steps if name in s]
+    return found
+
+
+def daily_launch(now: dt.datetime, argument: dict) -> tuple[dict, dict]:
+    """(the variables, the evaluated arguments of the launch call) of one execution at ``now``."""
+    main = workflow()["main"]
+    assert main["params"] == ["args"]
+    evaluator, variables = Workflows(now), {"args": argument}
+    for assignment in step(main["steps"], "init")["assign"]:
+        ((name, expression),) = assignment.items()
+        variables[name] = evaluator.eval(expression, variables)
+    call = step(main["steps"], "launch")["try"]
+    assert call["call"] == LAUNCH
+    return variables, evaluator.eval(call["args"], variables)
+
+
+def scheduled_argument() -> dict:
+    """The argument Cloud Scheduler's body starts each execution with."""
     body = json.loads(fill(SCHEDULER_BODY.read_text()))
-    request = json_format.ParseDict(body, dataflow.LaunchFlexTemplateRequest.pb()())
+    assert set(body) <= {"argument", "callLogLevel"}, "a workflow executions.create body"
+    return json.loads(body["argument"])  # Workflows takes the argument as a JSON string
+
+
+@pytest.mark.parametrize("now, day", [
+    (dt.datetime(2026, 12, 1, 1, 30, tzinfo=dt.timezone.utc), "2026-11-30"),
+    (dt.datetime(2027, 1, 1, 0, 5, tzinfo=dt.timezone.utc), "2026-12-31"),
+    (dt.datetime(2028, 3, 1, 1, 30, tzinfo=dt.timezone.utc), "2028-02-29"),
+])
+def test_the_daily_launch_names_its_job_by_the_day_it_embeds(now, day):
+    argument = scheduled_argument()
+    assert "input_date" not in argument, "each execution computes its own date"
+    variables, args = daily_launch(now, argument)
+    launch = args["body"]["launchParameter"]
+    assert launch["jobName"] == "newsvec-daily-" + day.replace("-", "")
+    assert launch["parameters"]["input_date"] == day, "the job embeds the day its name says"
+    assert (variables["input_date"], variables["job_name"]) == (day, launch["jobName"])
+    assert str(config_lib.parse_input_date(day, now)) == day, "newsvec reads it as that day"
+
+
+def test_two_days_launch_two_names_so_a_running_job_blocks_no_other_day():
+    monday = daily_launch(dt.datetime(2026, 11, 30, 1, 30, tzinfo=dt.timezone.utc), {})[0]
+    tuesday = daily_launch(dt.datetime(2026, 12, 1, 1, 30, tzinfo=dt.timezone.utc), {})[0]
+    later = daily_launch(dt.datetime(2026, 12, 1, 3, 0, tzinfo=dt.timezone.utc), {})[0]
+    assert monday["job_name"] != tuesday["job_name"]
+    assert later["job_name"] == tuesday["job_name"], \
+        "a retry of the same day asks for the same name: Dataflow refuses it while that job runs"
+
+
+def test_a_given_input_date_launches_that_day():
+    now = dt.datetime(2026, 12, 1, 1, 30, tzinfo=dt.timezone.utc)
+    _, args = daily_launch(now, {"input_date": "2026-11-02"})
+    assert args["body"]["launchParameter"]["jobName"] == "newsvec-daily-20261102"
+    assert args["body"]["launchParameter"]["parameters"]["input_date"] == "2026-11-02"
+
+
+def test_the_launch_is_a_valid_flex_template_launch_of_the_batch_config():
+    now = dt.datetime(2026, 12, 1, 1, 30, tzinfo=dt.timezone.utc)
+    _, args = daily_launch(now, scheduled_argument())
+    assert (args["projectId"], args["location"]) == (PROJECT, REGION)
+    request = json_format.ParseDict(
+        {"projectId": args["projectId"], "location": args["location"], **args["body"]},
+        dataflow.LaunchFlexTemplateRequest.pb()())
     launch = request.launch_parameter
     assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", launch.job_name)
-    assert launch.container_spec_gcs_path.startswith(f"gs://{BUCKET}/")
+    assert launch.container_spec_gcs_path == f"gs://{BUCKET}/newsvec/templates/newsvec.json"
     assert launch.environment.service_account_email.startswith("newsvec-worker@")
     params = dict(launch.parameters)
     meta = {p["name"]: p for p in metadata()["parameters"]}
@@ -400,8 +522,25 @@ def test_scheduler_body_is_a_valid_flex_template_launch_of_yesterdays_news(tmp_p
     assert {n for n, p in meta.items() if not p.get("isOptional")} <= set(params)
     for name, value in params.items():
         assert re.fullmatch(meta[name]["regexes"][0], value), (name, value)
-    assert params["input_date"] == "yesterday"
     # The config it names is the batch config, whose input and output carry the date.
-    assert params["config"].endswith("/dataflow-batch.yaml")
+    assert params["config"] == f"gs://{BUCKET}/newsvec/configs/dataflow-batch.yaml"
     batch = yaml.safe_load((CONFIGS / "dataflow-batch.yaml").read_text())
     assert "{date}" in batch["input"] and "{date}" in batch["output"]
+
+
+def test_a_refused_launch_fails_the_execution_naming_the_job():
+    """Dataflow answers 409 ALREADY_EXISTS to a launch under an active job's name, and the
+    connector raises it as an HttpError: the workflow retries only what is transient and raises
+    the rest again, so the execution fails (and its alert fires) instead of ending as a success."""
+    launch = step(workflow()["main"]["steps"], "launch")
+    assert launch["retry"] == "${http.default_retry}"
+    handler = launch["except"]
+    *_, last = handler["steps"]
+    ((_, body),) = last.items()
+    assert set(body) == {"raise"}, "the error is raised again, never swallowed"
+    assert not any("return" in s or "next" in s for h in handler["steps"] for s in h.values())
+    message = Workflows(dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc)).eval(
+        body["raise"].replace("json.encode_to_string(e)", "e"),
+        {"job_name": "newsvec-daily-20261130", "input_date": "2026-11-30",
+         "e": '{"code":409,"message":"There is already an active job named ..."}'})
+    assert "newsvec-daily-20261130" in message and "409" in message

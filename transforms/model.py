@@ -13,7 +13,7 @@ import importlib
 import os
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -126,8 +126,16 @@ class ModelSettings(BaseModel):
     max_num_seqs: Optional[int] = Field(
         None, gt=0, description="sequences per vLLM engine step; null: vLLM's default (256)")
     share_across_processes: bool = Field(
-        False, description="one engine per machine, in a process of its own, shared by every SDK "
-                           "process (true in the Dataflow configs)")
+        False, description="one engine per machine (per GPU: `gpus_per_worker`), in a process "
+                           "of its own, shared by every SDK process (true in the Dataflow "
+                           "configs)")
+    gpus_per_worker: Union[Literal["auto"], int] = Field(
+        "auto", description="with `share_across_processes`: engines per machine, one per GPU, each "
+                            "pinned to its device (`CUDA_VISIBLE_DEVICES`), the SDK processes "
+                            "spread evenly over them. `auto`: the GPUs the worker sees "
+                            "(`CUDA_VISIBLE_DEVICES`, else `nvidia-smi -L`, else `/dev/nvidiaN`), "
+                            "one engine on a machine with none; a number the worker does not "
+                            "have fails the step at set-up")
     call_timeout_s: Optional[float] = Field(
         None, gt=0, le=86_400,
         description="with `share_across_processes`: seconds the shared engine may spend in one "
@@ -157,6 +165,9 @@ class ModelSettings(BaseModel):
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
                              f"least max_tokens ({self.max_tokens}): vLLM embeds a document in "
                              "one engine step")
+        if isinstance(self.gpus_per_worker, int) and not 1 <= self.gpus_per_worker <= 64:
+            raise ValueError(f"gpus_per_worker ({self.gpus_per_worker}) must be `auto` or a "
+                             "number of GPUs from 1 to 64")
         return self
 
     def resolved_call_timeout_s(self) -> float:

@@ -6,6 +6,9 @@ there, ``_ServedEngine`` serves it) and hands every SDK process a proxy. ``share
 each SDK process one ``SharedEngineClient`` per step, which replaces the engine when its process is
 gone (an out-of-memory kill, a crash) or stuck in a call for over ``model.call_timeout_s``, and
 retries that call once: a second failure is an ``EngineFailedError``, as in ``transforms.engine``.
+
+A worker with several GPUs runs one such engine per GPU (``model.gpus_per_worker``), each pinned
+to its device, and each SDK process is given one of them (``transforms.devices``).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import concurrent.futures
 import logging
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -20,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from transforms.devices import DeviceSlots, engine_devices
 from transforms.engine import EngineFactory, EngineFailedError, EngineHandle, process_engine
 from transforms.model import ModelSettings
 
@@ -55,13 +60,26 @@ class _ServedEngine:
 
 
 class _SharedEngine:
-    """Makes the shared engine's handle in the process multi_process_shared spawns for it."""
+    """Makes the shared engine's handle in the process multi_process_shared spawns for it, on
+    ``device`` where one is given: that process sees only it (``CUDA_VISIBLE_DEVICES``, set
+    before the engine imports vLLM or torch; the process is spawned, not forked, so nothing
+    there has initialized CUDA yet)."""
 
     def __init__(self, settings: ModelSettings, factory: Optional[EngineFactory],
-                 busy: "_BusyFile"):
+                 busy: "_BusyFile", device: Optional[str] = None):
         self._settings, self._factory, self._busy = settings, factory, busy
+        self._device = device
 
     def __call__(self) -> _ServedEngine:
+        if self._device is not None:
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
+                raise EngineFailedError(
+                    f"the shared engine for GPU {self._device} found CUDA already initialized in "
+                    "its process: it cannot be pinned to its device")
+            os.environ["CUDA_VISIBLE_DEVICES"] = self._device
+            _LOG.info("shared embedding engine on GPU %s (process %d)", self._device,
+                      os.getpid())
         return _ServedEngine(process_engine(self._settings, self._factory), self._busy)
 
 
@@ -174,8 +192,10 @@ class SharedEngineClient:
     its inputs, raised as is.
     """
 
-    def __init__(self, settings: ModelSettings, factory: Optional[EngineFactory], tag: str):
+    def __init__(self, settings: ModelSettings, factory: Optional[EngineFactory], tag: str,
+                 device: Optional[str] = None):
         self._settings, self._factory, self._tag = settings, factory, tag
+        self.device = device  # CUDA_VISIBLE_DEVICES of the engine's process; None: as inherited
         # Beam's address and lock files, and the busy file: the same folder in every SDK process
         # of the machine (they share /tmp and the environment).
         self._folder = tempfile.gettempdir()
@@ -201,7 +221,8 @@ class SharedEngineClient:
         for attempt in range(1, _CONNECT_ATTEMPTS + 1):
             try:
                 proxy = multi_process_shared.MultiProcessShared(
-                    _SharedEngine(self._settings, self._factory, self._busy), tag=self._tag,
+                    _SharedEngine(self._settings, self._factory, self._busy, self.device),
+                    tag=self._tag,
                     path=self._folder, always_proxy=True, spawn_process=True).acquire()
                 process, label = tuple(proxy.process()), proxy.label()
             except (EOFError, ConnectionError) as exc:
@@ -330,13 +351,35 @@ _CLIENTS_LOCK = threading.Lock()
 
 def shared_engine(settings: ModelSettings, factory: Optional[EngineFactory],
                   tag: str) -> SharedEngineClient:
-    """The machine's one engine (``model.share_across_processes``), in a process of its own that
+    """The machine's engine (``model.share_across_processes``), in a process of its own that
     Beam's multi_process_shared spawns: every SDK process reaches it through a proxy, and none of
     them prepares text in the engine's process, where it would hold the GIL the engine needs.
     (RunInference's own share_model_across_processes puts the model in one of the SDK processes.)
     Every process that asks with the same ``tag`` gets the same engine, and each process keeps
-    one ``SharedEngineClient`` per tag, which replaces a dead or hung engine for all its DoFns."""
+    one ``SharedEngineClient`` per tag, which replaces a dead or hung engine for all its DoFns.
+
+    With several GPUs (``model.gpus_per_worker``) there is one engine per GPU, tagged
+    ``{tag}-gpu{index}``, and this process is given the one with the fewest processes
+    (``transforms.devices.DeviceSlots``) for as long as it lives."""
     with _CLIENTS_LOCK:
         if tag not in _CLIENTS:
-            _CLIENTS[tag] = SharedEngineClient(settings, factory, tag)
+            _CLIENTS[tag] = _new_client(settings, factory, tag)
         return _CLIENTS[tag]
+
+
+def _new_client(settings: ModelSettings, factory: Optional[EngineFactory],
+                tag: str) -> SharedEngineClient:
+    try:
+        devices = engine_devices(settings)
+    except ValueError as exc:
+        _LOG.error("%s", exc)
+        raise EngineFailedError(str(exc)) from exc
+    if len(devices) == 1:
+        return SharedEngineClient(settings, factory, tag, devices[0])
+    slots = DeviceSlots(tempfile.gettempdir(), tag,
+                        alive=lambda process: _process_state(process) == "alive")
+    index = slots.assign(_process_identity(os.getpid()), len(devices))
+    _LOG.info("this SDK process uses the shared embedding engine on GPU %s (%d of %d; "
+              "processes per engine: %s)", devices[index], index + 1, len(devices),
+              slots.counts(len(devices)))
+    return SharedEngineClient(settings, factory, f"{tag}-gpu{index}", devices[index])
