@@ -90,10 +90,10 @@ def embed_and_write(payloads, config: Config, run_id: str,
     docs, tallies = prepared.docs, [tally(payloads, Tally.IN)]
     skipped_from = None
     if config.incremental.previous_outputs:
-        known = payloads.pipeline | "ReadKeys" >> ReadKeys(config.incremental.previous_outputs,
-                                                           config.output)
+        key_files = payloads.pipeline | "ReadKeys" >> ReadKeys(
+            config.incremental.previous_outputs, config.output)
         label = model_label(config.model, resolve_model_path(config.model.path))
-        skipped = docs | "SkipUnchanged" >> SkipUnchanged(known, label, signature)
+        skipped = docs | "SkipUnchanged" >> SkipUnchanged(key_files, label, signature)
         docs, skipped_from = skipped["docs"], skipped[SKIPPED_FROM]
         tallies.append(tally(skipped[UNCHANGED], Tally.UNCHANGED))
     # No grouping between preparing and embedding: in a batch job it would be a barrier, every

@@ -42,9 +42,21 @@ def read_metrics(job_result) -> tuple[dict, dict, dict]:
     return dict(counters), dict(reasons), dists
 
 
+def _skip_timings(counters: dict, dists: dict) -> dict:
+    """An incremental run's: the loads of the previous outputs' keys (once per process, summed),
+    the longest wait of the skip for one, and the skip's cost per article."""
+    if not counters.get("skip_lookups"):
+        return {}
+    return {"key_index_load_s": round(dists.get("key_index_load_ms", {}).get("sum", 0) / 1000, 3),
+            "key_index_wait_s": round((dists.get("key_index_wait_ms", {}).get("max") or 0)
+                                      / 1000, 3),
+            "skip_us_per_article": round(counters.get("skip_ns", 0)
+                                         / counters["skip_lookups"] / 1000, 2)}
+
+
 def job_statistics(job_result, token_budget: int, timings: dict[str, float]) -> dict:
     """{"batches": ..., "timings": ...} of a finished job."""
-    _, _, dists = read_metrics(job_result)
+    counters, _, dists = read_metrics(job_result)
     docs = dists.get("batch_docs", {"count": 0, "sum": 0})
     tokens = dists.get("batch_tokens", {"count": 0, "sum": 0})
     n_batches = docs["count"]
@@ -62,5 +74,6 @@ def job_statistics(job_result, token_budget: int, timings: dict[str, float]) -> 
             "model_load_s": round(dists.get("model_load_ms", {}).get("sum", 0) / 1000, 3),
             "model_loads": dists.get("model_load_ms", {}).get("count", 0),
             "embed_s": round(dists.get("embed_batch_ms", {}).get("sum", 0) / 1000, 3),
+            **_skip_timings(counters, dists),
         },
     }

@@ -8,12 +8,13 @@ that changes its vectors (``embedding_signature``), so a new model, a new token 
 chunking settings embed again, and a corrected text (another ``text_sha256``) does too.
 
 A batch run given ``incremental.previous_outputs`` (globs of output prefixes, its own output never
-among them) reads their keys once, when it runs (``ReadKeys``: each batch output through its
-committed manifest, a ``Snapshot``), broadcast to the workers as a side input, and
-``SkipUnchanged`` counts the articles whose key is there as ``unchanged`` instead of embedding
-them: ``in = written + dead_lettered + duplicates + unchanged``. It also says which snapshots it
-skipped articles for; the commit (``transforms.commit``) publishes only if each still holds the
-run that was read, so an article counted unchanged is always in a committed output.
+among them) resolves them when it runs (``ReadKeys``: each batch output through its committed
+manifest, a ``Snapshot``) into the list of their key files (``KeyFiles``, a small side input);
+each worker process loads those keys once (``key_index``: a ``transforms.key_index.KeyIndex``,
+17 bytes a key), and ``SkipUnchanged`` counts the articles whose key is there as ``unchanged``
+instead of embedding them: ``in = written + dead_lettered + duplicates + unchanged``. It also says
+which snapshots it skipped articles for; the commit (``transforms.commit``) publishes only if each
+still holds the run that was read, so an article counted unchanged is always in a committed output.
 """
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ from typing import Optional
 
 import apache_beam as beam
 import pyarrow as pa
-import pyarrow.parquet as pq
 from apache_beam import pvalue
 from apache_beam.io.filesystems import FileSystems
 
 from transforms.chunking import ChunkingSettings
+from transforms.key_index import KeyIndex, MissingKeyFile, ProcessCache
 from transforms.layout import KEYS_DIR, MANIFEST_FILE, join_path
 from transforms.manifest import COMMITTED, read_manifest
+from transforms.metrics import KEY_INDEX_LOAD_MS, KEY_INDEX_WAIT_MS, SKIP_LOOKUPS, SKIP_NS
 from transforms.model import ModelSettings
 from transforms.schema import EmbeddedDoc, PreparedDoc
 
@@ -93,11 +95,17 @@ class Snapshot:
 
 
 @dataclasses.dataclass(frozen=True)
-class KnownKeys:
-    """The keys of the previous outputs, each with the snapshot that holds it."""
+class KeyFiles:
+    """The previous outputs as ``ReadKeys`` resolved them: each snapshot and the key files it
+    holds (``files[i]`` for ``snapshots[i]``). The side input ``SkipUnchanged`` gets: some bytes
+    per file, not per key; each worker process loads the keys themselves (``key_index``)."""
 
     snapshots: tuple[Snapshot, ...]
-    index: dict  # key -> position of its snapshot in ``snapshots``
+    files: tuple[tuple[str, ...], ...]
+
+    @property
+    def file_count(self) -> int:
+        return sum(len(paths) for paths in self.files)
 
 
 class SnapshotUnavailable(RuntimeError):
@@ -129,56 +137,77 @@ def output_prefixes(pattern: str, own_output: str) -> list[str]:
     return sorted(found)
 
 
-def _keys_of(paths: list[str]) -> list[str]:
-    keys: list[str] = []
-    for path in paths:
-        with FileSystems.open(path) as f:
-            keys += pq.read_table(f, columns=["key"]).column(0).to_pylist()
-    return keys
+def streaming_key_files(prefix: str) -> list[str]:
+    """The key files of a streaming output (no manifest): every ``keys/**.parquet``, one per
+    micro-batch. The one place that lists them."""
+    return sorted(m.path for m in FileSystems.match([join_path(prefix, KEYS_DIR, "**")])[0]
+                  .metadata_list if m.path.endswith(".parquet"))
 
 
 class _ReadSnapshotFn(beam.DoFn):
-    """Output prefix -> (Snapshot, its keys). A batch output is read through its committed manifest:
-    the files the manifest names, then the manifest again; if a rerun published in between (a file
-    gone, another run id), it reads again. A publish in progress is waited for."""
+    """Output prefix -> (Snapshot, its key files). A batch output is resolved through its
+    committed manifest (the files it names, under the run id it names); a publish in progress is
+    waited for. The keys themselves are read later, by each worker process (``key_index``): a
+    file gone by then means the output was republished, and the run fails (``SnapshotChanged``)."""
 
     def __init__(self, attempts: int = 120, wait_s: float = 5.0):
         self._attempts, self._wait_s = attempts, wait_s
 
     def process(self, prefix: str):
         for _ in range(self._attempts):
-            before = read_manifest(prefix)
-            if before is None:  # a streaming output: files per micro-batch, never withdrawn
-                paths = [m.path for m in FileSystems.match([join_path(prefix, KEYS_DIR, "**")])[0]
-                         .metadata_list if m.path.endswith(".parquet")]
-                yield Snapshot(prefix, None), _keys_of(paths)
+            manifest = read_manifest(prefix)
+            if manifest is None:  # a streaming output: files per micro-batch, never withdrawn
+                yield Snapshot(prefix, None), tuple(streaming_key_files(prefix))
                 return
-            if before.state == COMMITTED:
-                try:
-                    keys = _keys_of([join_path(prefix, p) for p in before.keys])
-                except (IOError, OSError) as exc:
-                    _LOG.info("%s changed while its keys were read (%s); reading again", prefix,
-                              exc)
-                    keys = None
-                after = read_manifest(prefix)
-                if keys is not None and after == before:
-                    yield Snapshot(prefix, before.run_id), keys
-                    return
+            if manifest.state == COMMITTED:
+                yield (Snapshot(prefix, manifest.run_id),
+                       tuple(join_path(prefix, p) for p in manifest.keys))
+                return
             time.sleep(self._wait_s)
         raise SnapshotUnavailable(f"{prefix}: no committed run could be read whole in "
                                   f"{self._attempts * self._wait_s:.0f} s (a publish in progress "
                                   f"that never settled?)")
 
 
-def _known_keys(read: list) -> KnownKeys:
-    snapshots = tuple(snapshot for snapshot, _ in read)
-    return KnownKeys(snapshots, {key: i for i, (_, keys) in enumerate(read) for key in keys})
+_INDEXES = ProcessCache()  # KeyFiles -> KeyIndex, once per worker process
+
+
+def _build_index(files: KeyFiles) -> KeyIndex:
+    started = time.perf_counter()
+    try:
+        index = KeyIndex.build(files.files)
+    except MissingKeyFile as exc:
+        snapshot = files.snapshots[exc.group]
+        raise SnapshotChanged(
+            f"{snapshot.prefix} (run {snapshot.run_id}) was republished while this run read its "
+            f"keys: {exc.path} is gone; rerun this run, which reads the new output") from exc
+    seconds = time.perf_counter() - started
+    KEY_INDEX_LOAD_MS.update(int(seconds * 1000))
+    _LOG.info("key index: %d keys from %d files of %d outputs in %.1f s, %.0f MB", len(index),
+              files.file_count, len(files.snapshots), seconds, index.nbytes / 1e6)
+    return index
+
+
+def key_index(files: KeyFiles) -> KeyIndex:
+    """The keys of ``files``, loaded once per process (the first caller starts the load, the
+    others wait for it)."""
+    return _INDEXES.get(files, lambda: _build_index(files))
+
+
+def _key_files(read: list) -> KeyFiles:
+    """The resolved snapshots -> ``KeyFiles``; also starts loading them into this process's
+    cache, which the skip finds there if it runs in this process (locally, it does: the load then
+    overlaps the engine's)."""
+    read = sorted(read, key=lambda item: item[0].prefix)
+    files = KeyFiles(tuple(s for s, _ in read), tuple(paths for _, paths in read))
+    _INDEXES.start(files, lambda: _build_index(files))
+    return files
 
 
 class ReadKeys(beam.PTransform):
-    """``incremental.previous_outputs`` -> one ``KnownKeys`` (a PCollection of one), read when the
-    job runs: each output through its committed manifest, so that a rerun of that output
-    publishing meanwhile neither breaks the read nor leaves keys of files it has removed."""
+    """``incremental.previous_outputs`` -> one ``KeyFiles`` (a PCollection of one), resolved when
+    the job runs: each output through its committed manifest, so that a rerun of that output
+    published before this job reads it is read as it now is."""
 
     def __init__(self, previous_outputs: list[str], own_output: str):
         super().__init__()
@@ -192,40 +221,66 @@ class ReadKeys(beam.PTransform):
                 | "OnePerOutput" >> beam.Distinct()
                 | "ReadSnapshot" >> beam.ParDo(_ReadSnapshotFn())
                 | "All" >> beam.combiners.ToList()
-                | "KnownKeys" >> beam.Map(_known_keys))
+                | "KeyFiles" >> beam.Map(_key_files))
 
 
 class _SkipFn(beam.DoFn):
+    """Looks each article's key up in the process's ``KeyIndex`` of the side input's files. The
+    first article of a process waits for the whole index: an article may be skipped only if its
+    key is absent from every previous output, so nothing is embedded before every key is read."""
+
     def __init__(self, model_label: str, signature: str):
         self._label, self._signature = model_label, signature
+        self._files: Optional[KeyFiles] = None
+        self._index: Optional[KeyIndex] = None
 
     def start_bundle(self):
         self._reported: set[int] = set()  # snapshots already named in this bundle
+        self._lookup_ns, self._looked_up = 0, 0
 
-    def process(self, doc: PreparedDoc, known: KnownKeys):
-        source = known.index.get(embedding_key(doc.id, doc.text_sha256, self._label,
-                                               self._signature))
+    def _index_of(self, files: KeyFiles) -> KeyIndex:
+        if files is not self._files:  # the side input is decoded again per bundle: compare then
+            if self._index is None or files != self._files:
+                started = time.perf_counter()
+                self._index = key_index(files)
+                KEY_INDEX_WAIT_MS.update(int((time.perf_counter() - started) * 1000))
+            self._files = files
+        assert self._index is not None
+        return self._index
+
+    def process(self, doc: PreparedDoc, files: KeyFiles):
+        index = self._index_of(files)
+        started = time.perf_counter_ns()
+        source = index.lookup(embedding_key(doc.id, doc.text_sha256, self._label,
+                                            self._signature))
+        self._lookup_ns += time.perf_counter_ns() - started
+        self._looked_up += 1
         if source is None:
             yield doc
             return
         yield pvalue.TaggedOutput(UNCHANGED, doc.id)
         if source not in self._reported:  # once a bundle, not once an article
             self._reported.add(source)
-            yield pvalue.TaggedOutput(SKIPPED_FROM, known.snapshots[source])
+            yield pvalue.TaggedOutput(SKIPPED_FROM, files.snapshots[source])
+
+    def finish_bundle(self):
+        if self._looked_up:
+            SKIP_NS.inc(self._lookup_ns)
+            SKIP_LOOKUPS.inc(self._looked_up)
 
 
 class SkipUnchanged(beam.PTransform):
     """PreparedDoc -> the documents to embed (main output), the ids of those already embedded with
     these settings (``unchanged``), and the snapshots they were found in, once each
     (``skipped_from``: the commit checks that each still holds them), given ``ReadKeys``'s
-    ``KnownKeys``. Returns them as a dict by those names."""
+    ``KeyFiles``. Returns them as a dict by those names."""
 
-    def __init__(self, known_keys, model_label: str, signature: str):
+    def __init__(self, key_files, model_label: str, signature: str):
         super().__init__()
-        self._known, self._fn = known_keys, _SkipFn(model_label, signature)
+        self._files, self._fn = key_files, _SkipFn(model_label, signature)
 
     def expand(self, docs):
-        out = docs | "Skip" >> beam.ParDo(self._fn, pvalue.AsSingleton(self._known)).with_outputs(
+        out = docs | "Skip" >> beam.ParDo(self._fn, pvalue.AsSingleton(self._files)).with_outputs(
             UNCHANGED, SKIPPED_FROM, main="docs")
         skipped_from = out[SKIPPED_FROM] | "OncePerSnapshot" >> beam.Distinct()
         return {"docs": out.docs, UNCHANGED: out[UNCHANGED], SKIPPED_FROM: skipped_from}
