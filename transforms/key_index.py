@@ -85,6 +85,7 @@ class KeyIndex:
 
     def __init__(self, hi: np.ndarray, lo: np.ndarray, source: np.ndarray):
         self.hi, self.lo, self.source = hi, lo, source
+        self.load_s = 0.0  # how long ``build`` took
 
     @classmethod
     def build(cls, groups: Sequence[Sequence[str]]) -> "KeyIndex":

@@ -27,9 +27,9 @@ BATCH_DOCS = Metrics.distribution(NAMESPACE, "batch_docs")
 BATCH_TOKENS = Metrics.distribution(NAMESPACE, "batch_tokens")
 EMBED_MS = Metrics.distribution(NAMESPACE, "embed_batch_ms")
 MODEL_LOAD_MS = Metrics.distribution(NAMESPACE, "model_load_ms")
-KEY_INDEX_LOAD_MS = Metrics.distribution(NAMESPACE, "key_index_load_ms")  # once per process
+KEY_INDEX_LOAD_MS = Metrics.distribution(NAMESPACE, "key_index_load_ms")  # per process, max
 KEY_INDEX_WAIT_MS = Metrics.distribution(NAMESPACE, "key_index_wait_ms")  # the skip, for the load
-SKIP_NS = Metrics.counter(NAMESPACE, "skip_ns")  # the skip's key and lookup, summed
+SKIP_NS = Metrics.counter(NAMESPACE, "skip_ns")  # CPU time of the key and lookup, summed
 SKIP_LOOKUPS = Metrics.counter(NAMESPACE, "skip_lookups")
 END_TO_END_MS = Metrics.distribution(NAMESPACE, "end_to_end_ms")  # publish -> Parquet (streaming)
 
