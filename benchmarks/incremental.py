@@ -149,16 +149,29 @@ def main(argv=None) -> int:
 
 
 _HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
-# The run in a subprocess: the CLI's ``run`` with a config file, the first engine call noted.
+# The run in a subprocess: the CLI's ``run`` with a config file; the engine's creation and first
+# call noted, and where the code has it, the key index's load.
 _CHILD = """
 import json, sys, time
 from transforms import engine
 marks = {}
-original = engine.Engine.embed
-def embed(self, prompts):
-    marks.setdefault("first_engine_call", time.time())
-    return original(self, prompts)
-engine.Engine.embed = embed
+def noting(cls, name, first, last=None):
+    original = getattr(cls, name)
+    def wrapped(*args, **kwargs):
+        marks.setdefault(first, time.time())
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if last:
+                marks.setdefault(last, time.time())
+    setattr(cls, name, wrapped)
+noting(engine.Engine, "embed", "first_engine_call")
+noting(engine.Engine, "__init__", "engine_ready")
+try:
+    from transforms import key_index
+    noting(key_index.KeyIndex, "build", "key_load_start", "key_load_end")
+except ImportError:
+    pass
 from pipeline.run import run
 summary = run(["--config", sys.argv[1]])
 with open(sys.argv[2], "w") as f:
@@ -237,7 +250,9 @@ def _measured_run(code: str, config_file: Path, marks_file: Path, log_file: Path
     marks = json.loads(marks_file.read_text())
     timings, counts = marks["summary"]["timings"], marks["summary"]["counts"]
     return {"peak_rss_gb": peak / 1e9, "wall_s": wall,
-            "first_engine_call_s": marks.get("first_engine_call", launched) - launched,
+            **{f"{k}_s": marks[k] - launched for k in ("engine_ready", "first_engine_call",
+                                                       "key_load_start", "key_load_end")
+               if k in marks},
             "written": counts["written"], "unchanged": counts["unchanged"],
             **{k: timings[k] for k in ("model_load_s", "embed_s", "key_index_load_s",
                                        "key_index_wait_s", "skip_us_per_article")

@@ -92,6 +92,9 @@ def test_a_key_file_gone_since_the_keys_were_resolved_is_a_changed_snapshot(tmp_
                      ((present,), (str(tmp_path / "gone.parquet"),)))
     with pytest.raises(SnapshotChanged, match="out-b \\(run run-7\\) was republished"):
         key_index(files)
+    # A failed load is not kept: the bundle's retry loads again (here the file is back).
+    write_keys(tmp_path / "gone.parquet", [key_of("b")])
+    assert key_index(files).lookup(key_of("b")) == 1
 
 
 def test_one_load_per_process_across_dofn_instances_bundles_and_threads(tmp_path, monkeypatch):

@@ -10,9 +10,9 @@ million keys, once per process. A lookup is a binary search of ``hi`` and an exa
 
 The key files are read with pyarrow a record batch at a time and decoded without a Python loop:
 the Arrow string column's data buffer, 32 bytes a key, viewed as an ``(n, 32)`` array of ASCII and
-turned into nibbles through a 256-entry table. ``process_cached`` keeps one index per set of files
-in the process, built once, in a thread of its own, whichever DoFn instance, bundle or harness
-thread asks first; the others wait for the same build.
+turned into nibbles by arithmetic on whole arrays. A ``ProcessCache`` (``transforms.incremental``
+holds one) keeps one index per set of files in the process, built once, in a thread of its own,
+whichever DoFn instance, bundle or harness thread asks first; the others wait for the same build.
 """
 from __future__ import annotations
 
@@ -29,12 +29,6 @@ from apache_beam.io.filesystems import FileSystems
 
 KEY_HEX_CHARS = 32
 _BATCH_ROWS = 1 << 20  # rows decoded at a time: about 100 MB of temporaries, whatever the file
-
-_NIBBLE = np.full(256, 255, dtype=np.uint8)  # ASCII -> its hex value; 255: not a hex digit
-for _value, _char in enumerate(b"0123456789abcdef"):
-    _NIBBLE[_char] = _value
-    _NIBBLE[ord(chr(_char).upper())] = _value
-
 
 class MissingKeyFile(FileNotFoundError):
     """A key file named when the index was asked for is no longer there."""
@@ -59,9 +53,10 @@ def hex_keys_to_words(keys: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     start = int(offsets[0])  # every key 32 bytes: the keys lie one after the other from here
     ascii_ = np.frombuffer(keys.buffers()[2], dtype=np.uint8, count=n * KEY_HEX_CHARS,
                            offset=start).reshape(n, KEY_HEX_CHARS)
-    nibbles = _NIBBLE[ascii_]
-    if (nibbles == 255).any():
+    lower = ascii_ | 0x20  # digits have the bit already
+    if not (((ascii_ >= 48) & (ascii_ <= 57)) | ((lower >= 97) & (lower <= 102))).all():
         raise ValueError("a key index holds a key that is not 32 hex characters")
+    nibbles = (ascii_ & 0x0F) + 9 * (ascii_ >> 6)  # '0'-'9' -> 0-9, 'a'-'f' and 'A'-'F' -> 10-15
     raw = (nibbles[:, 0::2] << 4) | nibbles[:, 1::2]  # (n, 16) bytes
     words = raw.view(">u8")  # (n, 2) big-endian: the order of the hex strings
     return words[:, 0].astype(np.uint64), words[:, 1].astype(np.uint64)
@@ -114,7 +109,7 @@ class KeyIndex:
             return cls(empty, empty, np.empty(0, source_type))
         hi = np.concatenate(his)
         his.clear()
-        order = np.argsort(hi, kind="stable")
+        order = np.argsort(hi)  # keys equal in hi need no order: ``lookup`` compares each
         hi = hi[order]
         lo = np.concatenate(los)[order]
         los.clear()
@@ -141,8 +136,9 @@ class KeyIndex:
 
 class ProcessCache:
     """Values built once per process per key, in a thread of their own, shared by every thread
-    that asks (the first starts the build, the others wait for it); a failed build is kept and
-    raised to each. Only the latest ``size`` keys are kept: a worker serves one job."""
+    that asks (the first starts the build, the others wait for it). A failed build is raised to
+    those waiting for it and forgotten: the retry of a bundle builds again (a read that failed
+    for a moment may work). Only the latest ``size`` keys are kept: a worker serves one job."""
 
     def __init__(self, size: int = 2):
         self._size = size
@@ -168,6 +164,9 @@ class ProcessCache:
             try:
                 future.set_result(build())
             except BaseException as exc:  # pylint: disable=broad-except  # raised to each caller
+                with self._lock:
+                    if self._futures.get(key) is future:
+                        del self._futures[key]
                 future.set_exception(exc)
 
         threading.Thread(target=run, name="newsvec-key-index", daemon=True).start()
