@@ -92,6 +92,10 @@ def test_a_key_file_gone_since_the_keys_were_resolved_is_a_changed_snapshot(tmp_
                      ((present,), (str(tmp_path / "gone.parquet"),)))
     with pytest.raises(SnapshotChanged, match="out-b \\(run run-7\\) was republished"):
         key_index(files)
+    streaming = KeyFiles((Snapshot(str(tmp_path / "stream"), None),),
+                         ((str(tmp_path / "compacted-away.parquet"),),))
+    with pytest.raises(SnapshotChanged, match="stream was compacted"):
+        key_index(streaming)
     # A failed load is not kept: the bundle's retry loads again (here the file is back).
     write_keys(tmp_path / "gone.parquet", [key_of("b")])
     assert key_index(files).lookup(key_of("b")) == 1

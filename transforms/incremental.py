@@ -32,6 +32,7 @@ from apache_beam import pvalue
 from apache_beam.io.filesystems import FileSystems
 
 from transforms.chunking import ChunkingSettings
+from transforms.compaction import current_key_files
 from transforms.key_index import KeyIndex, MissingKeyFile, ProcessCache
 from transforms.layout import KEYS_DIR, MANIFEST_FILE, join_path
 from transforms.manifest import COMMITTED, read_manifest
@@ -138,10 +139,10 @@ def output_prefixes(pattern: str, own_output: str) -> list[str]:
 
 
 def streaming_key_files(prefix: str) -> list[str]:
-    """The key files of a streaming output (no manifest): every ``keys/**.parquet``, one per
-    micro-batch. The one place that lists them."""
-    return sorted(m.path for m in FileSystems.match([join_path(prefix, KEYS_DIR, "**")])[0]
-                  .metadata_list if m.path.endswith(".parquet"))
+    """The key files of a streaming output (no manifest): the compacted files of each compacted
+    partition and the micro-batch files not compacted yet (``transforms.compaction``). The one
+    place that lists them."""
+    return current_key_files(prefix)
 
 
 class _ReadSnapshotFn(beam.DoFn):
@@ -178,9 +179,11 @@ def _build_index(files: KeyFiles) -> KeyIndex:
         index = KeyIndex.build(files.files)
     except MissingKeyFile as exc:
         snapshot = files.snapshots[exc.group]
+        how = ("was compacted" if snapshot.run_id is None  # a streaming output's files rewritten
+               else f"(run {snapshot.run_id}) was republished")
         raise SnapshotChanged(
-            f"{snapshot.prefix} (run {snapshot.run_id}) was republished while this run read its "
-            f"keys: {exc.path} is gone; rerun this run, which reads the new output") from exc
+            f"{snapshot.prefix} {how} while this run read its keys: {exc.path} is gone; rerun "
+            f"this run, which reads the new files") from exc
     seconds = index.load_s = time.perf_counter() - started
     _LOG.info("key index: %d keys from %d files of %d outputs in %.1f s, %.0f MB", len(index),
               files.file_count, len(files.snapshots), seconds, index.nbytes / 1e6)
