@@ -10,8 +10,9 @@ that work and the DoFns' own, nothing of a runner's.
 
 Two designs, each in a steady state of ``--held`` keys held (in one shard: the old design's worst
 case; the new one has no shards in its state):
-- ``PerShardDictDedup (before)``: the code before, one ``{key: expiry}`` dict per shard in one
-  pickled cell, read and written whole per micro-batch, and by its prune timer;
+- ``PerShardDictDedup (before)``: the code before (``_KeepFirstPerShard``, now the local runner's
+  layout only), one ``{key: expiry}`` dict per shard in one pickled cell, read and written whole
+  per micro-batch, and by its prune timer;
 - ``PerKeyState (now)``: ``transforms.dedup``: a verdict per document from state keyed by the
   dedup key (with a timer per key), and the micro-batch put together again by its id.
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import datetime as dt
 import functools
 import gc
@@ -37,14 +37,9 @@ from typing import Any
 
 import apache_beam as beam
 from apache_beam import pvalue
-from apache_beam.coders import PickleCoder
 from apache_beam.transforms.core import _StateDoFnParam, _TimerDoFnParam
-from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import (
     BagStateSpec,
-    ReadModifyWriteStateSpec,
-    TimerSpec,
-    on_timer,
 )
 from apache_beam.utils.timestamp import Duration, Timestamp
 
@@ -55,11 +50,10 @@ from transforms.dedup import (
     _REQUESTS,
     _AskPerKey,
     _KeepFirstPerKey,
+    _KeepFirstPerShard,
     _Regroup,
     dedup_key_function,
-    survivor_rank,
 )
-from transforms.metrics import DUPLICATES
 from transforms.schema import MicroBatch, NewsEvent, PreparedDoc
 
 MODEL_NOTE = ("MODELED state store: each state cell is encoded bytes; a read decodes them with the "
@@ -69,45 +63,8 @@ HORIZON_S = 3600.0
 T0 = Timestamp(seconds=1_796_000_000)  # 2026-12-01T...: micro-batch i is at T0 + i s
 
 
-class PerShardDictDedup(beam.DoFn):
-    """The design before (transforms/dedup.py's ``_KeepFirstPerShard`` up to this change), kept
-    here as the 'before' variant: per shard, one pickled ``{dedup key: expiry}``."""
-
-    SEEN = ReadModifyWriteStateSpec("seen", PickleCoder())  # {dedup key: expiry in micros}
-    PRUNE = TimerSpec("prune", TimeDomain.WATERMARK)
-
-    def __init__(self, key_fn, horizon_s: float):
-        super().__init__()
-        self._key_fn, self._horizon = key_fn, Duration(seconds=horizon_s)
-
-    def process(self, shard_batch, timestamp=beam.DoFn.TimestampParam,
-                seen_state=beam.DoFn.StateParam(SEEN), prune=beam.DoFn.TimerParam(PRUNE)):
-        _, batch = shard_batch
-        seen = seen_state.read() or {}
-        expiry = (timestamp + self._horizon).micros
-        kept = []
-        for doc in sorted(batch.docs, key=survivor_rank, reverse=True):
-            key = self._key_fn(doc)
-            if key in seen:
-                continue
-            seen[key] = expiry
-            kept.append(doc)
-        dropped = len(batch.docs) - len(kept)
-        DUPLICATES.inc(dropped)
-        if seen:
-            seen_state.write(seen)
-            prune.set(Timestamp(micros=min(seen.values())))
-        yield dataclasses.replace(batch, docs=tuple(kept), duplicates=batch.duplicates + dropped)
-
-    @on_timer(PRUNE)
-    def prune(self, fired=beam.DoFn.TimestampParam, seen_state=beam.DoFn.StateParam(SEEN),
-              prune=beam.DoFn.TimerParam(PRUNE)):
-        seen = {k: e for k, e in (seen_state.read() or {}).items() if e > fired.micros}
-        if seen:
-            seen_state.write(seen)
-            prune.set(Timestamp(micros=min(seen.values())))
-        else:
-            seen_state.clear()
+# The design before, and the local runner's still (transforms.dedup.state_layout_for).
+PerShardDictDedup = _KeepFirstPerShard
 
 
 class ModeledStateStore:

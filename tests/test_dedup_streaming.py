@@ -16,7 +16,7 @@ from apache_beam.testing.test_stream import TestStream
 from apache_beam.testing.util import assert_that, equal_to
 from apache_beam.transforms.window import FixedWindows, TimestampedValue
 
-from transforms.dedup import DropDuplicatesStreaming
+from transforms.dedup import DropDuplicatesStreaming, state_layout_for
 from transforms.microbatch import GroupMicroBatches
 from transforms.schema import DeadLetter, MicroBatch, NewsEvent, PreparedDoc, Reason, Step
 
@@ -149,10 +149,13 @@ def test_a_micro_batch_of_duplicates_or_of_dead_letters_alone_comes_out_whole():
     p.run().wait_until_finish()
 
 
-def test_runs_on_the_fn_api_runner():
-    # The portable runner (as on Dataflow's runner v2) runs the per-key state, its timers and the
-    # regroup too. Bounded input: which micro-batch keeps "a" and "b" is the runner's order, so
-    # the test counts: each key kept once, every copy counted, every micro-batch out and balanced.
+@pytest.mark.parametrize("state", ["per_key", "per_shard"])
+def test_runs_on_the_fn_api_runner(state):
+    # The portable runner (the Fn API, as Dataflow's runner v2) runs the per-key state, its timers
+    # and the regroup too. Bounded input: which micro-batch keeps "a" and "b" is the runner's
+    # order, so the test counts: each key kept once, every copy counted, every micro-batch out and
+    # balanced. per_shard: this runner fires timers at whole milliseconds, and the prune of the
+    # code before set its timer again for ever (the test never ended).
     def mb(start_s, shard, docs=(), letters=()):
         return shard, MicroBatch(window_start_us=start_s * 10**6,
                                  window_end_us=(start_s + 10) * 10**6, pane=0, shard=shard,
@@ -164,7 +167,7 @@ def test_runs_on_the_fn_api_runner():
     with TestPipeline(runner="FnApiRunner") as p:
         batches = (p | beam.Create(keyed)
                    | beam.Map(lambda kb: TimestampedValue(kb, kb[1].window_end_us / 1e6 - 1e-6))
-                   | DropDuplicatesStreaming())
+                   | DropDuplicatesStreaming(state=state))
         summaries = batches | beam.Map(micro_batch_summary)
 
         def counted(rows):
@@ -188,3 +191,24 @@ def test_a_micro_batch_reads_the_same_state_whatever_the_number_of_keys_held():
     before = {r["keys_held"]: r for r in measure(DESIGNS["PerShardDictDedup (before)"],
                                                  [100, 10_000], batches=3, docs=20)}
     assert before[10_000]["bytes_decoded"] > 50 * before[100]["bytes_decoded"], before
+
+
+@pytest.mark.parametrize("horizon_s, expected", [
+    (60, [("a", "copy0", 10), ("b", "b", 10), ("a", "again", 220)]),
+    (300, [("a", "copy0", 10), ("b", "b", 10)]),
+])
+def test_the_local_runners_per_shard_layout_keeps_the_same_rules(horizon_s, expected):
+    # The layout the local runner gets (state_layout_for): redeliveries in later firings dropped,
+    # copies in one firing counted, a key forgotten once the watermark passes its horizon.
+    run_dedup(stream([(doc("a", "copy0"), 0), (doc("a", "copy"), 1), (doc("b", "b"), 5)], 12,
+                     [(doc("a", "copy1"), 13)], 200, [(doc("a", "again"), 210)]),
+              expected=expected, expected_duplicates=2 + (horizon_s == 300),
+              state="per_shard", horizon_s=horizon_s)
+
+
+def test_the_layout_follows_the_runner():
+    assert state_layout_for(beam.Pipeline(runner="BundleBasedDirectRunner").runner) == "per_shard"
+    assert state_layout_for(beam.Pipeline(runner="DirectRunner").runner) == "per_shard"
+    assert state_layout_for(beam.Pipeline(runner="FnApiRunner").runner) == "per_key"
+    with pytest.raises(ValueError, match="state"):
+        DropDuplicatesStreaming(state="per_window")

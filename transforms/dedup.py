@@ -28,7 +28,7 @@ from apache_beam.transforms.userstate import (
     TimerSpec,
     on_timer,
 )
-from apache_beam.utils.timestamp import Duration
+from apache_beam.utils.timestamp import Duration, Timestamp
 
 from transforms.metrics import DUPLICATES
 from transforms.schema import MicroBatch
@@ -86,6 +86,29 @@ class DropDuplicates(beam.PTransform):
                 | "KeepOne" >> beam.FlatMap(_keep_one).with_outputs(DUPLICATES_TAG, main="docs"))
 
 
+def _ms_ceiling(t: Timestamp) -> Timestamp:
+    """A timer's time rounded up to the millisecond: portable runners (FnApiRunner; Dataflow's
+    runner v2 speaks the same Fn API) deliver a timer's timestamp in milliseconds. A prune that
+    compared a microsecond expiry with the truncated firing time found nothing expired and set the
+    same timer again, for ever (seen on FnApiRunner)."""
+    return Timestamp(micros=-(-t.micros // 1000) * 1000)
+
+
+StateLayout = Literal["per_key", "per_shard"]
+# Runners that run newsvec's streaming graph locally, in this process: BundleBasedDirectRunner
+# (DirectRunner picks it for streaming when it does not use Prism).
+_LOCAL_STREAMING_RUNNERS = ("BundleBasedDirectRunner", "SwitchingDirectRunner", "DirectRunner")
+
+
+def state_layout_for(runner) -> StateLayout:
+    """``per_key`` (the default: Dataflow, the portable runners) or ``per_shard`` on the local
+    streaming runner. BundleBasedDirectRunner keeps an entry per state key it has ever seen, never
+    removed, and walks all of them each time it looks for due timers (about 6 us a key, measured:
+    0.6 s at 100,000 keys), so with a state key per dedup key a long local run slows down with its
+    age. Its runs hold few keys, and one dict per shard costs it little."""
+    return "per_shard" if type(runner).__name__ in _LOCAL_STREAMING_RUNNERS else "per_key"
+
+
 BatchId = tuple[int, int, int]  # a micro-batch's (window_start_us, pane, shard): one per firing
 Verdict = tuple[str, bool]  # (dedup key, kept)
 _REQUESTS, _HEADERS = "requests", "headers"
@@ -124,6 +147,54 @@ class _AskPerKey(beam.DoFn):
             yield pvalue.TaggedOutput(_REQUESTS, (key, bid))
 
 
+class _KeepFirstPerShard(beam.DoFn):
+    """Per shard, in the global window: the dedup keys kept within the horizon, each with its expiry
+    (event time). A key not seen before is kept; a key seen before is dropped and counted. A
+    watermark timer prunes expired keys, so the state holds one horizon of keys, not the job's life.
+
+    The local runner's layout (``state_layout_for``): it reads and writes the shard's whole dict
+    per micro-batch, so its cost grows with the keys held (benchmarks/dedup.py).
+    """
+
+    SEEN = ReadModifyWriteStateSpec("seen", PickleCoder())  # {dedup key: expiry in micros}
+    PRUNE = TimerSpec("prune", TimeDomain.WATERMARK)
+
+    def __init__(self, key_fn, horizon_s: float):
+        super().__init__()
+        self._key_fn, self._horizon = key_fn, Duration(seconds=horizon_s)
+
+    def process(self, shard_batch, timestamp=beam.DoFn.TimestampParam,
+                seen_state=beam.DoFn.StateParam(SEEN), prune=beam.DoFn.TimerParam(PRUNE)):
+        _, batch = shard_batch
+        seen = seen_state.read() or {}
+        expiry = _ms_ceiling(timestamp + self._horizon).micros
+        kept = []
+        # Within one firing, the batch rule picks the survivor (the last published); across
+        # firings, the copy kept first stays.
+        for doc in sorted(batch.docs, key=survivor_rank, reverse=True):
+            key = self._key_fn(doc)
+            if key in seen:
+                continue
+            seen[key] = expiry
+            kept.append(doc)
+        dropped = len(batch.docs) - len(kept)
+        DUPLICATES.inc(dropped)
+        if seen:
+            seen_state.write(seen)
+            prune.set(Timestamp(micros=min(seen.values())))
+        yield dataclasses.replace(batch, docs=tuple(kept), duplicates=batch.duplicates + dropped)
+
+    @on_timer(PRUNE)
+    def prune(self, fired=beam.DoFn.TimestampParam, seen_state=beam.DoFn.StateParam(SEEN),
+              prune=beam.DoFn.TimerParam(PRUNE)):
+        seen = {k: e for k, e in (seen_state.read() or {}).items() if e > fired.micros}
+        if seen:
+            seen_state.write(seen)
+            prune.set(Timestamp(micros=min(seen.values())))
+        else:
+            seen_state.clear()
+
+
 class _KeepFirstPerKey(beam.DoFn):
     """Per dedup key, in the global window: (key, batch id) -> (batch id, (key, kept)).
 
@@ -146,7 +217,7 @@ class _KeepFirstPerKey(beam.DoFn):
         key, bid = request
         held = expiry.read() is not None
         if not held:
-            until = timestamp + self._horizon
+            until = _ms_ceiling(timestamp + self._horizon)
             expiry.write(until.micros)
             forget.set(until)
         yield bid, (key, not held)
@@ -213,15 +284,24 @@ class DropDuplicatesStreaming(beam.PTransform):
     documents fan out to their keys as small verdict requests, and ``_Regroup`` puts the
     micro-batch together again by its id (window start, pane, shard), so it is embedded and written
     whole and every message stays in its ledger. Its cost on Dataflow: docs/streaming.md.
+
+    ``state="per_shard"`` keeps the layout before it, one ``{key: expiry}`` dict per shard, for the
+    local runner (``state_layout_for``); the semantics are the same.
     """
 
-    def __init__(self, key: DedupKey = "id", horizon_s: float = 3600):
+    def __init__(self, key: DedupKey = "id", horizon_s: float = 3600,
+                 state: StateLayout = "per_key"):
         super().__init__()
         if horizon_s <= 0:
             raise ValueError(f"horizon_s must be positive, got {horizon_s!r}")
-        self._key_fn, self._horizon_s = dedup_key_function(key), horizon_s
+        if state not in get_args(StateLayout):
+            raise ValueError(f"state must be one of {get_args(StateLayout)}, got {state!r}")
+        self._key_fn, self._horizon_s, self._state = dedup_key_function(key), horizon_s, state
 
     def expand(self, keyed_batches):
+        if self._state == "per_shard":
+            return keyed_batches | "KeepFirstWithinHorizon" >> beam.ParDo(
+                _KeepFirstPerShard(self._key_fn, self._horizon_s)).with_output_types(MicroBatch)
         asked = keyed_batches | "AskPerKey" >> beam.ParDo(_AskPerKey(self._key_fn)).with_outputs(
             _REQUESTS, _HEADERS, main="without_docs").with_output_types(
             MicroBatch, requests=tuple[str, BatchId], headers=tuple[BatchId, MicroBatch])
