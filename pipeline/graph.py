@@ -19,7 +19,7 @@ import apache_beam as beam
 
 from pipeline.config import Config
 from transforms.commit import CommitRun, Tally, tally
-from transforms.dedup import DropDuplicates, DropDuplicatesStreaming
+from transforms.dedup import DropDuplicates, DropDuplicatesStreaming, state_layout_for
 from transforms.embed import EmbedMicroBatches, EmbedWithVLLM
 from transforms.engine import EngineFactory
 from transforms.incremental import (
@@ -156,8 +156,9 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
     batches = ((prepared.docs, letters)
                | "GroupMicroBatches" >> GroupMicroBatches(config.dedup.key, s.batch_shards,
                                                           s.allowed_lateness_s)
-               | "DropDuplicatesStreaming" >> DropDuplicatesStreaming(config.dedup.key,
-                                                                      s.dedup_horizon_s))
+               | "DropDuplicatesStreaming" >> DropDuplicatesStreaming(
+                   config.dedup.key, s.dedup_horizon_s,
+                   state=state_layout_for(messages.pipeline.runner)))
     embedded = batches | "EmbedMicroBatches" >> EmbedMicroBatches(
         config.model, **_embed_settings(config, engine_factory))
     return embedded | "WriteMicroBatches" >> WriteMicroBatches(

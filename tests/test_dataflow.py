@@ -165,6 +165,8 @@ def test_streaming_job_request_carries_streaming_engine_and_the_subscription(tmp
     assert request["environment"]["workerPools"][0]["dataDisks"], "streaming has a data disk"
     assert subscription.encode() in proto.SerializeToString(), \
         "the read uses the flag's subscription"
+    steps = {t.unique_name for t in proto.components.transforms.values()}
+    assert "DropDuplicatesStreaming/KeepFirstPerKey" in steps, "Dataflow: dedup state per key"
 
 
 @pytest.mark.parametrize("name", ["dataflow-streaming.yaml", "local-streaming.yaml"])

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from apache_beam.io.gcp.pubsub import PubsubMessage
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.test_pipeline import TestPipeline
@@ -26,7 +27,7 @@ from apache_beam.testing.test_stream import TestStream
 from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Timestamp
 
-from pipeline import ledger
+from pipeline import graph, ledger
 from pipeline.config import StreamingSettings
 from pipeline.graph import embed_and_write_streaming
 from tests.conftest import make_config
@@ -80,7 +81,12 @@ def run(stream: TestStream, out: Path) -> dict[str, str]:
     return rows
 
 
-def test_every_message_at_the_edges_of_the_lateness_is_written_in_its_window(tmp_path):
+@pytest.mark.parametrize("dedup_state", ["per_shard", "per_key"])
+def test_every_message_at_the_edges_of_the_lateness_is_written_in_its_window(tmp_path, monkeypatch,
+                                                                              dedup_state):
+    # per_shard is this runner's dedup layout (transforms.dedup.state_layout_for); per_key, that of
+    # Dataflow, runs here too so that the whole graph, late panes included, is checked with it.
+    monkeypatch.setattr(graph, "state_layout_for", lambda runner: dedup_state)
     publish = T0 + 900
     edge = publish - LATENESS_S          # exactly the allowed lateness before its publish time
     past_edge = Timestamp(micros=edge.micros - 1)

@@ -16,16 +16,22 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import zlib
-from typing import Callable, Literal, get_args
+from typing import Any, Callable, Literal, get_args
 
 import apache_beam as beam
 from apache_beam import pvalue
-from apache_beam.coders import PickleCoder
+from apache_beam.coders import BooleanCoder, PickleCoder, StrUtf8Coder, TupleCoder, VarIntCoder
 from apache_beam.transforms.timeutil import TimeDomain
-from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, on_timer
+from apache_beam.transforms.userstate import (
+    BagStateSpec,
+    ReadModifyWriteStateSpec,
+    TimerSpec,
+    on_timer,
+)
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 from transforms.metrics import DUPLICATES
+from transforms.schema import MicroBatch
 
 DedupKey = Literal["id", "text_sha256"]  # the config's ``dedup.key``
 # Documents (PreparedDoc, streaming) and vector rows (EmbeddedDoc, batch) both have these.
@@ -80,10 +86,74 @@ class DropDuplicates(beam.PTransform):
                 | "KeepOne" >> beam.FlatMap(_keep_one).with_outputs(DUPLICATES_TAG, main="docs"))
 
 
+def _ms_ceiling(t: Timestamp) -> Timestamp:
+    """A timer's time rounded up to the millisecond: portable runners (FnApiRunner; Dataflow's
+    runner v2 speaks the same Fn API) deliver a timer's timestamp in milliseconds. A prune that
+    compared a microsecond expiry with the truncated firing time found nothing expired and set the
+    same timer again, for ever (seen on FnApiRunner)."""
+    return Timestamp(micros=-(-t.micros // 1000) * 1000)
+
+
+StateLayout = Literal["per_key", "per_shard"]
+# Runners that run newsvec's streaming graph locally, in this process: BundleBasedDirectRunner
+# (DirectRunner picks it for streaming when it does not use Prism).
+_LOCAL_STREAMING_RUNNERS = ("BundleBasedDirectRunner", "SwitchingDirectRunner", "DirectRunner")
+
+
+def state_layout_for(runner) -> StateLayout:
+    """``per_key`` (the default: Dataflow, the portable runners) or ``per_shard`` on the local
+    streaming runner. BundleBasedDirectRunner keeps an entry per state key it has ever seen, never
+    removed, and walks all of them each time it looks for due timers (about 6 us a key, measured:
+    0.6 s at 100,000 keys), so with a state key per dedup key a long local run slows down with its
+    age. Its runs hold few keys, and one dict per shard costs it little."""
+    return "per_shard" if type(runner).__name__ in _LOCAL_STREAMING_RUNNERS else "per_key"
+
+
+BatchId = tuple[int, int, int]  # a micro-batch's (window_start_us, pane, shard): one per firing
+Verdict = tuple[str, bool]  # (dedup key, kept)
+_REQUESTS, _HEADERS = "requests", "headers"
+
+
+def batch_id(batch: MicroBatch) -> BatchId:
+    return batch.window_start_us, batch.pane, batch.shard
+
+
+class _AskPerKey(beam.DoFn):
+    """(shard, MicroBatch) -> the micro-batch with one candidate per dedup key (its ``header``),
+    and one verdict request per candidate; a micro-batch without documents goes straight out.
+
+    Within a firing, the batch rule picks the candidate (the last published: ``survivor_rank``);
+    the other copies in the micro-batch are counted as duplicates here, in memory."""
+
+    def __init__(self, key_fn):
+        super().__init__()
+        self._key_fn = key_fn
+
+    def process(self, shard_batch):
+        _, batch = shard_batch
+        candidates: dict[str, object] = {}
+        for doc in sorted(batch.docs, key=survivor_rank, reverse=True):
+            candidates.setdefault(self._key_fn(doc), doc)
+        in_batch = len(batch.docs) - len(candidates)
+        DUPLICATES.inc(in_batch)
+        header = dataclasses.replace(batch, docs=tuple(candidates.values()),
+                                     duplicates=batch.duplicates + in_batch)
+        if not candidates:
+            yield header
+            return
+        bid = batch_id(batch)
+        yield pvalue.TaggedOutput(_HEADERS, (bid, header))
+        for key in candidates:
+            yield pvalue.TaggedOutput(_REQUESTS, (key, bid))
+
+
 class _KeepFirstPerShard(beam.DoFn):
     """Per shard, in the global window: the dedup keys kept within the horizon, each with its expiry
     (event time). A key not seen before is kept; a key seen before is dropped and counted. A
     watermark timer prunes expired keys, so the state holds one horizon of keys, not the job's life.
+
+    The local runner's layout (``state_layout_for``): it reads and writes the shard's whole dict
+    per micro-batch, so its cost grows with the keys held (benchmarks/dedup.py).
     """
 
     SEEN = ReadModifyWriteStateSpec("seen", PickleCoder())  # {dedup key: expiry in micros}
@@ -97,7 +167,7 @@ class _KeepFirstPerShard(beam.DoFn):
                 seen_state=beam.DoFn.StateParam(SEEN), prune=beam.DoFn.TimerParam(PRUNE)):
         _, batch = shard_batch
         seen = seen_state.read() or {}
-        expiry = (timestamp + self._horizon).micros
+        expiry = _ms_ceiling(timestamp + self._horizon).micros
         kept = []
         # Within one firing, the batch rule picks the survivor (the last published); across
         # firings, the copy kept first stays.
@@ -125,22 +195,122 @@ class _KeepFirstPerShard(beam.DoFn):
             seen_state.clear()
 
 
+class _KeepFirstPerKey(beam.DoFn):
+    """Per dedup key, in the global window: (key, batch id) -> (batch id, (key, kept)).
+
+    A key not held is kept and held until the event time of the micro-batch that kept it plus the
+    horizon; a key held is dropped (its expiry is not refreshed). A watermark timer at the expiry
+    forgets the key, so the state holds one horizon of keys. Each request reads and writes only its
+    own key's state: the cost of a micro-batch does not grow with the number of keys held. The
+    timer's watermark hold is at the expiry, in the future, so it does not hold the watermark back.
+    """
+
+    EXPIRY = ReadModifyWriteStateSpec("expiry", VarIntCoder())  # micros; absent: not held
+    FORGET = TimerSpec("forget", TimeDomain.WATERMARK)
+
+    def __init__(self, horizon_s: float):
+        super().__init__()
+        self._horizon = Duration(seconds=horizon_s)
+
+    def process(self, request, timestamp=beam.DoFn.TimestampParam,
+                expiry=beam.DoFn.StateParam(EXPIRY), forget=beam.DoFn.TimerParam(FORGET)):
+        key, bid = request
+        held = expiry.read() is not None
+        if not held:
+            until = _ms_ceiling(timestamp + self._horizon)
+            expiry.write(until.micros)
+            forget.set(until)
+        yield bid, (key, not held)
+
+    @on_timer(FORGET)
+    def forget(self, expiry=beam.DoFn.StateParam(EXPIRY)):
+        expiry.clear()
+
+
+class _Regroup(beam.DoFn):
+    """Per batch id: the header (a MicroBatch of candidates) and one verdict per candidate, in any
+    order -> the MicroBatch with the kept candidates (in the header's order) and the dropped ones
+    added to ``duplicates``, once all are in; then its state is cleared.
+
+    ``PENDING`` counts what is still missing in one small cell (the header adds its number of
+    candidates, each verdict takes one away; it is 0 only when both are complete), so an arrival
+    reads one small cell and appends to a bag; the header and the verdicts are read once, at the
+    end.
+    Every element of a micro-batch carries its timestamp, and the last one to arrive is being
+    processed when the micro-batch goes out, so the output is never behind the watermark.
+    """
+
+    HEADER = ReadModifyWriteStateSpec("header", PickleCoder())
+    VERDICTS = BagStateSpec("verdicts", TupleCoder((StrUtf8Coder(), BooleanCoder())))
+    PENDING = ReadModifyWriteStateSpec("pending", VarIntCoder())
+
+    def __init__(self, key_fn):
+        super().__init__()
+        self._key_fn = key_fn
+
+    def process(self, element, header_state=beam.DoFn.StateParam(HEADER),
+                verdicts=beam.DoFn.StateParam(VERDICTS),
+                pending_state=beam.DoFn.StateParam(PENDING)):
+        _, item = element
+        header = item if isinstance(item, MicroBatch) else None
+        pending = (pending_state.read() or 0) + (len(item.docs) if header else -1)
+        if pending:
+            pending_state.write(pending)
+            if header:
+                header_state.write(header)
+            else:
+                verdicts.add(item)
+            return
+        all_verdicts = list(verdicts.read()) + ([] if header else [item])
+        header = header or header_state.read()
+        header_state.clear()
+        verdicts.clear()
+        pending_state.clear()
+        kept_keys = {key for key, kept in all_verdicts if kept}
+        kept = tuple(doc for doc in header.docs if self._key_fn(doc) in kept_keys)
+        dropped = len(header.docs) - len(kept)
+        DUPLICATES.inc(dropped)
+        yield dataclasses.replace(header, docs=kept, duplicates=header.duplicates + dropped)
+
+
 class DropDuplicatesStreaming(beam.PTransform):
     """(shard, MicroBatch) -> MicroBatch without the documents whose key was already kept within
     ``horizon_s`` seconds of event time (Pub/Sub redeliveries, republished articles); each drop is
     counted in the micro-batch's ``duplicates`` (its ledger) and in the ``duplicates`` metric.
 
-    The state lives per shard in the global window (a fixed window would forget keys at its edges),
-    which is where ``GroupMicroBatches`` puts its output; every copy of a key is in the same shard
-    (``shard_of``). One stateful call per micro-batch keeps the bundle count low.
+    The state is kept per dedup key (``_KeepFirstPerKey``), in the global window (a fixed window
+    would forget keys at its edges), which is where ``GroupMicroBatches`` puts its output: a
+    micro-batch costs one small state read per document, whatever the number of keys held. Its
+    documents fan out to their keys as small verdict requests, and ``_Regroup`` puts the
+    micro-batch together again by its id (window start, pane, shard), so it is embedded and written
+    whole and every message stays in its ledger. Its cost on Dataflow: docs/streaming.md.
+
+    ``state="per_shard"`` keeps the layout before it, one ``{key: expiry}`` dict per shard, for the
+    local runner (``state_layout_for``); the semantics are the same.
     """
 
-    def __init__(self, key: DedupKey = "id", horizon_s: float = 3600):
+    def __init__(self, key: DedupKey = "id", horizon_s: float = 3600,
+                 state: StateLayout = "per_key"):
         super().__init__()
         if horizon_s <= 0:
             raise ValueError(f"horizon_s must be positive, got {horizon_s!r}")
-        self._key_fn, self._horizon_s = dedup_key_function(key), horizon_s
+        if state not in get_args(StateLayout):
+            raise ValueError(f"state must be one of {get_args(StateLayout)}, got {state!r}")
+        self._key_fn, self._horizon_s, self._state = dedup_key_function(key), horizon_s, state
 
     def expand(self, keyed_batches):
-        return keyed_batches | "KeepFirstWithinHorizon" >> beam.ParDo(
-            _KeepFirstPerShard(self._key_fn, self._horizon_s))
+        if self._state == "per_shard":
+            return keyed_batches | "KeepFirstWithinHorizon" >> beam.ParDo(
+                _KeepFirstPerShard(self._key_fn, self._horizon_s)).with_output_types(MicroBatch)
+        asked = keyed_batches | "AskPerKey" >> beam.ParDo(_AskPerKey(self._key_fn)).with_outputs(
+            _REQUESTS, _HEADERS, main="without_docs").with_output_types(
+            MicroBatch, requests=tuple[str, BatchId], headers=tuple[BatchId, MicroBatch])
+        verdicts = asked[_REQUESTS] | "KeepFirstPerKey" >> beam.ParDo(
+            _KeepFirstPerKey(self._horizon_s)).with_output_types(tuple[BatchId, Verdict])
+        regrouped = ((asked[_HEADERS], verdicts)
+                     | "HeadersAndVerdicts" >> beam.Flatten().with_output_types(
+                         tuple[BatchId, Any])
+                     | "Regroup" >> beam.ParDo(_Regroup(self._key_fn)).with_output_types(
+                         MicroBatch))
+        return ((asked.without_docs, regrouped)
+                | "AllMicroBatches" >> beam.Flatten().with_output_types(MicroBatch))
