@@ -1,15 +1,17 @@
 """Embed: PreparedDoc -> EmbeddedDoc (with its chunk rows in chunks mode) with the engine of
 ``transforms.engine``, or a dead letter.
 
-Two Beam ModelHandlers, and the Beam steps that drive them:
+A Beam ModelHandler, and the Beam steps that drive it with an engine call in flight (RunInference
+waits for each call, and the bundle's core idles meanwhile: see docs/performance.md, Keeping the
+GPU busy):
 - ``VLLMEmbeddingHandler`` embeds documents: it loads the engine (one per worker process, or one per
   machine shared by every process; in setup, never per bundle), sizes batches by a token budget, not
-  a count (BatchElements), and embeds a batch. Batch jobs (``EmbedWithVLLM``) drive it with
-  ``_EmbedBatchesFn``, which keeps one engine call in flight while the bundle prepares the next
-  batch (RunInference waits for each call, and the bundle's core idles meanwhile: see
-  docs/performance.md, Keeping the GPU busy);
-- ``MicroBatchEmbeddingHandler`` wraps it for streaming (``EmbedMicroBatches``): it embeds one
-  ``MicroBatch`` (a window's firing) as a unit, with RunInference.
+  a count (BatchElements), and embeds a batch;
+- batch jobs (``EmbedWithVLLM``) drive it with ``_EmbedBatchesFn``, which sends a batch to the
+  engine and goes on preparing the next one in the same bundle;
+- streaming (``EmbedMicroBatches``) embeds each ``MicroBatch`` (a window's firing) as a unit with
+  ``_EmbedInFlightFn``, which keeps it in state while the engine computes and lets the runner go on
+  with other work: preparing the next micro-batch, writing the last one.
 In chunks mode a document is embedded as several inputs (its chunks, and its head if that is the
 document vector): they go to the engine mixed with other documents' inputs, in calls of at most
 ``model.token_budget`` tokens, and a document with a failing input is dead-lettered whole.
@@ -36,7 +38,12 @@ from typing import Iterable, Optional, Sequence, cast
 
 import apache_beam as beam
 from apache_beam import pvalue
-from apache_beam.ml.inference.base import ModelHandler, PredictionResult, RunInference
+from apache_beam.coders import PickleCoder
+from apache_beam.ml.inference.base import ModelHandler, PredictionResult
+from apache_beam.transforms.timeutil import TimeDomain
+from apache_beam.transforms.userstate import BagStateSpec, TimerSpec, on_timer
+from apache_beam.transforms.window import TimestampedValue
+from apache_beam.utils.timestamp import Duration, Timestamp
 from apache_beam.utils.windowed_value import WindowedValue
 
 from transforms.chunking import ChunkingSettings, chunk_id, mean_vector
@@ -264,55 +271,6 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, ModelHand
         return sum(len(d.text.encode("utf-8")) for d in batch)
 
 
-class MicroBatchEmbeddingHandler(ModelHandler[MicroBatch, PredictionResult, ModelHandle]):
-    """Streaming: the examples are ``MicroBatch``es, each embedded whole by the wrapped document
-    handler (in calls of at most ``model.token_budget`` tokens, with its failure handling and its
-    count of consecutive failures), so that its rows are written together. Use it through
-    ``with_no_batching()`` on pre-batched input (a micro-batch in a 1-tuple): RunInference's
-    BatchElements would stamp its batches with the end of the global window.
-
-    It wraps the handler as Beam's ``_PrebatchedModelHandler`` does, and delegates what RunInference
-    asks of a handler and means the same for a micro-batch: the model, its sharing, metrics,
-    resource hints. It does not delegate what concerns single documents: the base's batching
-    (micro-batches are never batched) and its pre- and post-processing (none)."""
-
-    def __init__(self, base: VLLMEmbeddingHandler):
-        super().__init__()
-        self._base = base
-        self._env_vars = getattr(base, "_env_vars", {})
-
-    def load_model(self) -> ModelHandle:
-        return self._base.load_model()
-
-    def run_inference(self, batch: Sequence[MicroBatch], model: ModelHandle,
-                      inference_args: Optional[dict] = None) -> Iterable[PredictionResult]:
-        label = model.label()
-        return [PredictionResult(example=micro_batch, model_id=label,
-                                 inference=self._base.embed_docs(model, micro_batch.docs))
-                for micro_batch in batch]
-
-    def get_num_bytes(self, batch: Sequence[MicroBatch]) -> int:
-        return sum(self._base.get_num_bytes(b.docs) for b in batch)
-
-    def get_metrics_namespace(self) -> str:
-        return self._base.get_metrics_namespace()
-
-    def get_resource_hints(self) -> dict:
-        return self._base.get_resource_hints()
-
-    def validate_inference_args(self, inference_args: Optional[dict]):
-        return self._base.validate_inference_args(inference_args)
-
-    def share_model_across_processes(self) -> bool:
-        return self._base.share_model_across_processes()
-
-    def model_copies(self) -> int:
-        return self._base.model_copies()
-
-    def override_metrics(self, metrics_namespace: str = "") -> bool:
-        return self._base.override_metrics(metrics_namespace)
-
-
 @dataclasses.dataclass(frozen=True)
 class RowMaker:
     """Makes an embedded document's rows (``EmbeddedDoc`` and its ``ChunkRow``s) from its vectors,
@@ -446,21 +404,120 @@ def _fill_micro_batch(result: PredictionResult, rows: RowMaker) -> MicroBatch:
         dead_letters=batch.dead_letters + tuple(o for o in outs if isinstance(o, DeadLetter)))
 
 
+_IN_FLIGHT_LOCK = threading.Lock()
+_IN_FLIGHT: dict[tuple, tuple[concurrent.futures.Future, EngineStats]] = {}  # this process's calls
+_ENGINE_THREADS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}  # one per step
+_POLL_S = 0.1  # how often finished calls are looked for
+
+
+def _micro_batch_id(batch: MicroBatch) -> tuple[int, int, int]:
+    return batch.window_start_us, batch.pane, batch.shard
+
+
+class _EmbedInFlightFn(beam.DoFn):
+    """(shard, MicroBatch) -> the MicroBatch with its rows, with the engine call in flight while the
+    runner goes on with other work: preparing the next micro-batch, writing the last one.
+
+    ``process`` hands the micro-batch to this process's engine thread (one per step) and keeps it
+    in state. Two timers take the results out, each as a work item of its own (RunInference would
+    wait for the call in the bundle that made it, and the runner with it):
+    - ``POLL`` (processing time, every ``_POLL_S``) emits the micro-batches whose call is done, and
+      waits for none: the latency it adds is at most ``_POLL_S``;
+    - ``DONE`` (event time, at the micro-batch's timestamp) emits every micro-batch still held,
+      waiting for its call: what a runner whose clock does not move (TestStream's) relies on, and
+      the end of the job's last micro-batch. It clears ``POLL``.
+    The state makes it safe: a micro-batch leaves it only with its rows emitted (in one commit),
+    and a timer that finds no call of this process for it (a retry on another worker) embeds it
+    again. A call that failed is forgotten, so that the retried work item calls again."""
+
+    PENDING = BagStateSpec("pending", PickleCoder())
+    POLL = TimerSpec("poll", TimeDomain.REAL_TIME)
+    DONE = TimerSpec("done", TimeDomain.WATERMARK)
+
+    def __init__(self, handler: VLLMEmbeddingHandler, rows: RowMaker):
+        self._handler, self._rows = handler, rows
+        self._step = uuid.uuid4().hex  # pickled: the same in every copy of this DoFn
+        self._model: Optional[ModelHandle] = None
+
+    def setup(self):
+        self._model = self._handler.load_model()  # once per process (transforms.engine)
+
+    def _embed(self, batch: MicroBatch, stats: EngineStats) -> tuple[str, list]:
+        assert self._model is not None, "setup() loads the engine"
+        return self._model.label(), self._handler.embed_docs(self._model, batch.docs, stats)
+
+    def _call(self, batch: MicroBatch) -> tuple[concurrent.futures.Future, EngineStats]:
+        key = (self._step, _micro_batch_id(batch))
+        with _IN_FLIGHT_LOCK:
+            if key not in _IN_FLIGHT:
+                pool = _ENGINE_THREADS.setdefault(self._step, concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="newsvec-embed"))
+                stats = EngineStats()
+                _IN_FLIGHT[key] = (pool.submit(self._embed, batch, stats), stats)
+            return _IN_FLIGHT[key]
+
+    def _result(self, batch: MicroBatch, future: concurrent.futures.Future, stats: EngineStats):
+        try:
+            label, vectors = future.result()
+        finally:
+            stats.record()  # in the bundle's thread, where metrics count
+            with _IN_FLIGHT_LOCK:
+                _IN_FLIGHT.pop((self._step, _micro_batch_id(batch)), None)
+        result = PredictionResult(example=batch, inference=vectors, model_id=label)
+        return TimestampedValue(_fill_micro_batch(result, self._rows), _timestamp(batch))
+
+    def process(self, keyed: tuple[int, MicroBatch], pending=beam.DoFn.StateParam(PENDING),
+                poll=beam.DoFn.TimerParam(POLL), done=beam.DoFn.TimerParam(DONE)):
+        _, batch = keyed
+        self._call(batch)
+        pending.add(batch)
+        poll.set(Timestamp.now() + Duration(seconds=_POLL_S))
+        done.set(_timestamp(batch))
+
+    @on_timer(POLL)
+    def emit_done(self, pending=beam.DoFn.StateParam(PENDING), poll=beam.DoFn.TimerParam(POLL)):
+        held = [(batch, *self._call(batch)) for batch in pending.read()]
+        finished = [item for item in held if item[1].done()]
+        for item in finished:
+            yield self._result(*item)
+        if finished:  # rewrite the state only when it changes
+            emitted = {id(item[0]) for item in finished}
+            pending.clear()
+            for batch, _, _ in held:
+                if id(batch) not in emitted:
+                    pending.add(batch)
+        if len(finished) < len(held):
+            poll.set(Timestamp.now() + Duration(seconds=_POLL_S))
+
+    @on_timer(DONE)
+    def emit_all(self, pending=beam.DoFn.StateParam(PENDING), poll=beam.DoFn.TimerParam(POLL)):
+        for batch in pending.read():
+            yield self._result(batch, *self._call(batch))
+        pending.clear()
+        poll.clear()
+
+
+def _timestamp(batch: MicroBatch) -> Timestamp:
+    """A micro-batch's timestamp, as GroupMicroBatches gave it: its window's last instant."""
+    return Timestamp(micros=batch.window_end_us) - Duration(micros=1)
+
+
 class EmbedMicroBatches(beam.PTransform):
     """Streaming: MicroBatch -> the same MicroBatch with its rows (and any embedding dead letters),
-    one RunInference call per micro-batch."""
+    the engine computing one micro-batch while the runner prepares the next and writes the last
+    (``_EmbedInFlightFn``)."""
 
     def __init__(self, settings: ModelSettings, *, chunking: ChunkingSettings = ChunkingSettings(),
                  store_chunk_text: bool = False, dead_letter_payload_bytes: int = 4096,
                  engine_factory: Optional[EngineFactory] = None):
         super().__init__()
-        base = VLLMEmbeddingHandler(settings, engine_factory, chunking.doc_vector)
-        self.shared_engine_tag = base.shared_engine_tag
-        self._handler = MicroBatchEmbeddingHandler(base).with_no_batching()
-        self._rows = _row_maker(settings, chunking, store_chunk_text, dead_letter_payload_bytes)
+        handler = VLLMEmbeddingHandler(settings, engine_factory, chunking.doc_vector)
+        self.shared_engine_tag = handler.shared_engine_tag
+        self._fn = _EmbedInFlightFn(handler, _row_maker(settings, chunking, store_chunk_text,
+                                                        dead_letter_payload_bytes))
 
     def expand(self, batches):
         return (batches
-                | "PreBatched" >> beam.Map(lambda batch: (batch,))
-                | "RunInference" >> RunInference(self._handler)
-                | "AttachRows" >> beam.Map(_fill_micro_batch, self._rows))
+                | "ByShard" >> beam.Map(lambda batch: (batch.shard, batch)).with_output_types(
+                    tuple[int, MicroBatch])
+                | "EmbedInFlight" >> beam.ParDo(self._fn))

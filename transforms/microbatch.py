@@ -11,6 +11,12 @@ It is also the only step that checks lateness: its output carries the window and
 the global window, so nothing downstream (dedup, embedding, writing) can drop what it accepted.
 Documents are sharded by their dedup key (``dedup.shard_of``), so all copies of a key meet in one
 shard's dedup state; dead letters by their message (or event) id.
+
+The grouping key is the shard AND the window's start, though a grouping is per window anyway: the
+local runners keep every window's trigger state for as long as its key lives (Beam Python's trigger
+driver never drops it after the allowed lateness) and copy a key's whole state at each of its
+bundles, so with the shard alone as key, each micro-batch cost more than the one before
+(``python -m benchmarks.uptime``). On Dataflow the two keys group the same.
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ class _ToMicroBatchFn(beam.DoFn):
             lineage.publish_time), self._lateness)
 
     def process(self, shard_items, win=beam.DoFn.WindowParam, pane=beam.DoFn.PaneInfoParam):
-        shard, items = shard_items
+        (shard, _), items = shard_items
         items = list(items)
         docs = tuple(i for i in items if isinstance(i, PreparedDoc))
         letters = tuple(i for i in items if isinstance(i, DeadLetter))
@@ -63,9 +69,11 @@ class GroupMicroBatches(beam.PTransform):
     def expand(self, docs_and_letters):
         docs, letters = docs_and_letters
         key_fn, shards = self._key_fn, self._shards
-        keyed_docs = docs | "ShardDocs" >> beam.Map(lambda d: (shard_of(key_fn(d), shards), d))
+        keyed_docs = docs | "ShardDocs" >> beam.Map(
+            lambda d, w=beam.DoFn.WindowParam: ((shard_of(key_fn(d), shards), w.start.micros), d))
         keyed_letters = letters | "ShardDeadLetters" >> beam.Map(
-            lambda letter: (shard_of(_letter_shard_by(letter), shards), letter))
+            lambda letter, w=beam.DoFn.WindowParam: (
+                (shard_of(_letter_shard_by(letter), shards), w.start.micros), letter))
         return ((keyed_docs, keyed_letters)
                 | "Flatten" >> beam.Flatten()
                 | "GroupPerWindowAndShard" >> beam.GroupByKey()
