@@ -12,7 +12,8 @@ one is safe (a micro-batch written later stays and is merged by the next run) bu
 
 Plain Python (pyarrow over Beam's FileSystems, local or gs://), no Beam pipeline: an hour of output
 is read once and written once, streaming row groups, so it needs one CPU and memory for about two
-row groups, whatever the hour's size. Prints one JSON line per hour and exits 0.
+row groups, whatever the hour's size. Prints one JSON line per hour; exits 1 if an hour could not
+be compacted (its line says why; the other hours are compacted all the same).
 """
 from __future__ import annotations
 
@@ -20,8 +21,11 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
+import logging
 import sys
 from typing import Optional
+
+import pyarrow as pa
 
 from pipeline import config as config_lib
 from transforms.compaction import CompactionResult, Hook, compact_partition
@@ -30,6 +34,7 @@ from transforms.lease import PublishLease
 from transforms.windowing import GROUPING_GRACE_S
 
 CLOSED_MARGIN_S = 300
+_LOG = logging.getLogger(__name__)
 
 
 def _time(text: str) -> dt.datetime:
@@ -66,8 +71,15 @@ def compact_range(output: str, start: dt.datetime, end: dt.datetime, row_group_r
             if hour + dt.timedelta(hours=1, seconds=closed_after_s) > now:
                 out.append({"partition": partition, "skipped": "not closed yet"})
                 continue
-            result: CompactionResult = compact_partition(output, partition, lease,
-                                                         row_group_rows, hook)
+            try:
+                result: CompactionResult = compact_partition(output, partition, lease,
+                                                             row_group_rows, hook)
+            except (OSError, ValueError, KeyError, pa.ArrowException) as exc:
+                # One hour that cannot be compacted (a record naming a missing file, two schemas
+                # in one hour) holds up no other; the run reports it and exits non-zero.
+                _LOG.error("%s: not compacted: %s", partition, exc)
+                out.append({"partition": partition, "error": f"{type(exc).__name__}: {exc}"})
+                continue
             out.append(dataclasses.asdict(result))
     return out
 
@@ -116,7 +128,7 @@ def main(argv=None) -> int:
                             args.lease_s or sink.commit_lease_s, closed_after_s, now)
     for result in results:
         print(json.dumps(result))
-    return 0
+    return 1 if any("error" in r for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -92,7 +92,8 @@ class StreamingSettings(_Section):
                                                  "light (whole seconds)")
     dedup_horizon_s: float = Field(3600, gt=0, description="how long a dedup key is remembered")
     batch_shards: int = Field(4, gt=0, description="keys micro-batches are grouped, embedded and "
-                                                   "written over (at least `max_num_workers`)")
+                                                   "written over (2 x `max_num_workers` x GPUs a "
+                                                   "worker)")
 
 
 class Config(_Section):

@@ -110,18 +110,16 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
             return False
         return start is None or end is None or start <= t < end
 
-    views: dict[str, PartitionView] = {}
+    # Every record of the partitions read (a compacted file holds the rows of all of its hour's);
+    # the totals and the balance checks are of those in range. Their files are resolved through
+    # the compaction manifests the records were read by, not read again later.
+    every, views = ledger_records(output, partitions)
+    not_compacted = PartitionView(None, {}, set())
 
     def view(relative: str) -> PartitionView:
-        partition = partition_of(relative)
-        if partition not in views:
-            views[partition] = PartitionView.of(output, partition)
-        return views[partition]
+        return views.get(partition_of(relative), not_compacted)
 
     prefix = output.rstrip("/") + "/"
-    # Every record of the partitions read (a compacted file holds the rows of all of its hour's);
-    # the totals and the balance checks are of those in range.
-    every = ledger_records(output, partitions)
     records = [r for r in every if in_range(_parse_time(r.window_start))]
     problems = []
     named: collections.Counter[str] = collections.Counter()  # micro-batch file -> records

@@ -259,3 +259,50 @@ def test_on_gcs_a_killed_run_is_finished_by_the_next(gcs, tmp_path):
     assert len(compaction.current_key_files(output)) == 1
     assert sum(pq.read_metadata(FileSystems.open(p)).num_rows
                for p in compaction.current_files(output, "vectors")) == after.totals["rows_written"]
+
+
+def test_a_reader_listing_while_an_hour_is_compacted_again_sees_every_row_once(output,
+                                                                               late_written,
+                                                                               monkeypatch):
+    """A reader lists an hour's files, and reads its manifest, while a compaction merges late
+    micro-batches into that hour: read at two different times, the listing (before the new
+    compacted file) and the manifest (after it, saying the listed files are replaced) would drop
+    the whole hour. The reader reads the manifests before and after its listing, and again if
+    they changed."""
+    run(output)
+    shutil.copytree(late_written, output, dirs_exist_ok=True)
+    expected = sorted(set(current_rows(output, "keys", "key")))
+    real_manifests = compaction._manifests  # pylint: disable=protected-access
+    calls = []
+
+    def manifests_then_compact_after_the_listing(out, partitions):
+        calls.append(out)
+        read = real_manifests(out, partitions)
+        if len(calls) == 1:  # between this read and the next one, the reader lists
+            real_match = compaction.FileSystems.match
+
+            def listing_then_compaction(patterns):
+                listed = real_match(patterns)
+                monkeypatch.setattr(compaction.FileSystems, "match", real_match)
+                run(output)  # merges the late micro-batches: new file, manifest, deletes
+                return listed
+
+            monkeypatch.setattr(compaction.FileSystems, "match", listing_then_compaction)
+        return read
+
+    monkeypatch.setattr(compaction, "_manifests", manifests_then_compact_after_the_listing)
+    keys = []
+    for path in compaction.current_files(str(output), "keys"):
+        keys += pq.read_table(path, columns=["key"]).column(0).to_pylist()
+    assert sorted(keys) == expected
+    assert len(calls) >= 3, "the reader did not read the manifests again after they changed"
+
+
+def test_an_hour_that_cannot_be_compacted_holds_up_no_other(output, capsys):
+    victim = sorted((output / "vectors" / H09).glob("part-*.parquet"))[0]
+    victim.unlink()  # its ledger record names a file that is gone
+    assert compact.main(["--output", str(output), "--from", "2026-12-01T09:00:00Z",
+                         "--until", "2026-12-01T11:00:00Z", "--closed-after-s", "0"]) == 1
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["partition"] for line in lines] == [H09, "dt=2026-12-01/hour=10"]
+    assert "error" in lines[0] and "error" not in lines[1] and lines[1]["batches"] > 0

@@ -193,7 +193,8 @@ def test_streaming_writes_are_sharded_over_batch_shards(name, tmp_path):
         to_batch.spec.payload).do_fn.payload)[0]
     assert fn._shards == config.streaming.batch_shards
     if name.startswith("dataflow"):
-        assert config.streaming.batch_shards >= config.beam["max_num_workers"] > 1
+        # two keys per engine at the most workers: docs/streaming.md, Sizing batch_shards
+        assert config.streaming.batch_shards >= 2 * config.beam["max_num_workers"] > 2
 
 
 @pytest.mark.parametrize("name", ["local-streaming.yaml", "dataflow-streaming.yaml"])
@@ -238,7 +239,7 @@ def test_dataflow_configs_keep_the_model_in_the_image_and_one_engine_per_gpu(nam
     assert not config.model.enforce_eager
     assert "setup_file" not in config.beam, "newsvec is installed in the image"
     if config.streaming.subscription:
-        assert config.streaming.batch_shards >= config.beam["max_num_workers"]
+        assert config.streaming.batch_shards >= 2 * config.beam["max_num_workers"]
 
 
 # --- {date} -------------------------------------------------------------------------------------

@@ -57,3 +57,67 @@ def test_the_next_micro_batch_reaches_the_engine_while_one_is_embedded():
     p.run().wait_until_finish()
     assert _SEEN_TWO_IN_FLIGHT.is_set()
     assert sorted(_EMBEDDED) == [(0, ["d0"]), (1, ["d1"])]
+
+
+class _Bag:
+    def __init__(self):
+        self.items: list = []
+
+    def add(self, item):
+        self.items.append(item)
+
+    def read(self):
+        return list(self.items)
+
+    def clear(self):
+        self.items = []
+
+
+class _Timer:
+    def __init__(self):
+        self.at = None
+
+    def set(self, timestamp):
+        self.at = timestamp
+
+    def clear(self):
+        self.at = None
+
+
+def test_a_timer_in_another_process_starts_no_call_and_the_done_timer_embeds_once(monkeypatch):
+    """Dataflow runs a key's work items in any SDK process of the worker: the POLL of a process
+    that has no call for a micro-batch must not start one (each would embed it again), and the
+    DONE timer embeds it there, once. Two processes are two ``_IN_FLIGHT`` tables here."""
+    config = make_config()
+    step = EmbedMicroBatches(config.model, engine_factory=FakeEngine)
+    fn = step._fn  # pylint: disable=protected-access
+    fn.setup()
+    pending, ids, poll, done = _Bag(), _Bag(), _Timer(), _Timer()
+    first_process: dict = {}
+    monkeypatch.setattr(embed, "_IN_FLIGHT", first_process)
+    fn.process((0, _batch(0)), pending, ids, poll, done)
+    assert len(first_process) == 1 and poll.at is not None and done.at is not None
+    first_process[next(iter(first_process))].future.result(timeout=20)
+
+    other_process: dict = {}
+    monkeypatch.setattr(embed, "_IN_FLIGHT", other_process)
+    poll.clear()
+    assert list(fn.emit_done(pending, ids, poll, done)) == []
+    assert other_process == {}, "a POLL started a call of its own"
+    assert poll.at is not None, "the POLL stopped looking"
+    assert len(pending.read()) == 1
+
+    out = list(fn.emit_all(pending, ids, poll))
+    assert [[row.id for row in b.value.rows] for b in out] == [["d0"]]
+    assert pending.read() == [] and ids.read() == [] and poll.at is None
+    assert other_process == {}, "the DONE timer left its call behind"
+
+    monkeypatch.setattr(embed, "_IN_FLIGHT", first_process)
+    pending.add(_batch(1))  # the first process collects its own finished call at its next POLL
+    ids.add(((0, 0, 1), 59_999_999))
+    fn.process((1, _batch(1)), _Bag(), _Bag(), _Timer(), _Timer())
+    call = first_process[(fn._step, (0, 0, 1))]  # pylint: disable=protected-access
+    call.future.result(timeout=20)
+    out = list(fn.emit_done(pending, ids, poll, done))
+    assert [[row.id for row in b.value.rows] for b in out] == [["d1"]]
+    assert (fn._step, (0, 0, 1)) not in first_process  # pylint: disable=protected-access

@@ -39,6 +39,7 @@ about two row groups whatever the size of the hour.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime as dt
 import json
@@ -157,29 +158,56 @@ class PartitionView:
         return relative not in self.replaced
 
 
+class CompactionChanging(RuntimeError):
+    """A partition was compacted again and again while its files were listed."""
+
+
+def _manifests(output: str, partitions: Optional[set]) -> dict[str, CompactionManifest]:
+    """The compaction manifest of every compacted partition (of ``partitions``): one listing of
+    ``_compaction/``, the manifests read in parallel."""
+    names = [p for p in compacted_partitions(output) if partitions is None or p in partitions]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        read = dict(zip(names, pool.map(lambda p: read_compaction(output, p), names), strict=True))
+    return {p: m for p, m in read.items() if m is not None}
+
+
+def current_view(output: str, kind: str, partitions: Optional[Iterable[str]] = None,
+                 attempts: int = 5) -> tuple[list[str], dict[str, PartitionView]]:
+    """The files of one kind (``vectors``, ``keys``...) that hold its rows, each once, and the
+    view of each compacted partition they were chosen by: the compacted files each manifest names,
+    plus the micro-batch files no manifest says it replaced. Consistent whenever a compaction runs:
+    the manifests are read before the listing and after it, and it is done again if any changed
+    (a compaction writes its files, then its manifest, then deletes what it replaced, so a listing
+    between two equal reads holds every file the manifest names and every file not replaced yet).
+    One listing of the kind's folder (or of each partition) and of ``_compaction/``."""
+    wanted = None if partitions is None else set(partitions)
+    patterns = ([join_path(output, kind, "**")] if wanted is None
+                else [join_path(output, kind, p, "*") for p in sorted(wanted)])
+    for _ in range(attempts):
+        before = _manifests(output, wanted)
+        found = [m.path for result in FileSystems.match(patterns) for m in result.metadata_list
+                 if m.path.endswith(_READ_SUFFIXES[kind])]
+        if _manifests(output, wanted) != before:
+            continue
+        views = {p: PartitionView(m, m.replaced(), m.current()) for p, m in before.items()}
+        out = {join_path(output, m.files[kind]["path"]) for m in before.values()
+               if kind in m.files}
+        for path in found:
+            relative = relative_to(output, path)
+            view = views.get(partition_of(relative))
+            if is_compacted(relative):
+                continue  # named by its manifest, or left by a killed run
+            if view is None or relative not in view.replaced:
+                out.add(path)
+        return sorted(out), views
+    raise CompactionChanging(f"{output}: its {kind} kept being compacted while listed "
+                             f"({attempts} attempts)")
+
+
 def current_files(output: str, kind: str, partitions: Optional[Iterable[str]] = None
                   ) -> list[str]:
-    """The files of one kind (``vectors``, ``keys``...) that hold its rows, each once: the
-    compacted files of each partition plus its micro-batch files not compacted yet. One listing
-    of the kind's folder (or of each partition), and one manifest read per partition that has
-    compacted files: about 24 files and 24 manifests a compacted day."""
-    patterns = ([join_path(output, kind, "**")] if partitions is None
-                else [join_path(output, kind, p, "*") for p in partitions])
-    found = [m.path for result in FileSystems.match(patterns) for m in result.metadata_list
-             if m.path.endswith(_READ_SUFFIXES[kind])]
-    views: dict[str, PartitionView] = {}
-    out = []
-    for path in sorted(found):
-        relative = relative_to(output, path)
-        partition = partition_of(relative)
-        if partition not in views:
-            has_compacted = any(is_compacted(p) and partition_of(relative_to(output, p))
-                                == partition for p in found)
-            views[partition] = (PartitionView.of(output, partition) if has_compacted
-                                else PartitionView(None, {}, set()))
-        if views[partition].visible(relative):
-            out.append(path)
-    return out
+    """``current_view``'s files."""
+    return current_view(output, kind, partitions)[0]
 
 
 def current_key_files(prefix: str) -> list[str]:
@@ -188,18 +216,20 @@ def current_key_files(prefix: str) -> list[str]:
 
 
 def ledger_records(output: str, partitions: Optional[Iterable[str]] = None
-                   ) -> list[LedgerRecord]:
+                   ) -> tuple[list[LedgerRecord], dict[str, PartitionView]]:
     """Every ledger record of these partitions (all without), each once: the compacted ledger
-    files the manifests name, and the record files they do not replace."""
+    files the manifests name, and the record files they do not replace; and the view of each
+    compacted partition they were read by (``current_view``), to resolve the records' files."""
     records = []
-    for path in current_files(output, LEDGER_DIR, partitions):
+    paths, views = current_view(output, LEDGER_DIR, partitions)
+    for path in paths:
         with FileSystems.open(path) as f:
             text = f.read().decode("utf-8")
         if path.endswith(".jsonl"):  # compacted: one record a line
             records += [LedgerRecord.from_json(line) for line in text.splitlines() if line]
         else:
             records.append(LedgerRecord.from_json(text))
-    return records
+    return records, views
 
 
 # Compaction.

@@ -405,13 +405,35 @@ def _fill_micro_batch(result: PredictionResult, rows: RowMaker) -> MicroBatch:
 
 
 _IN_FLIGHT_LOCK = threading.Lock()
-_IN_FLIGHT: dict[tuple, tuple[concurrent.futures.Future, EngineStats]] = {}  # this process's calls
 _ENGINE_THREADS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}  # one per step
 _POLL_S = 0.1  # how often finished calls are looked for
+_FORGET_S = 600.0  # a finished call no timer of this process collected (the key moved) is dropped
+
+
+@dataclasses.dataclass
+class _Call:
+    """A micro-batch's engine call in this process."""
+
+    batch: MicroBatch
+    future: concurrent.futures.Future
+    stats: EngineStats
+    started: float
+
+
+_IN_FLIGHT: dict[tuple, _Call] = {}  # (step, micro-batch id) -> this process's call
 
 
 def _micro_batch_id(batch: MicroBatch) -> tuple[int, int, int]:
     return batch.window_start_us, batch.pane, batch.shard
+
+
+def _forget_stale(now: float) -> None:
+    """Calls that finished long ago and that no timer here collected: their micro-batch was
+    emitted by another process (or will be embedded again by its ``DONE`` timer). Bounded memory
+    whatever the runner does with keys. Under ``_IN_FLIGHT_LOCK``."""
+    for key in [k for k, c in _IN_FLIGHT.items()
+                if c.future.done() and now - c.started > _FORGET_S]:
+        del _IN_FLIGHT[key]
 
 
 class _EmbedInFlightFn(beam.DoFn):
@@ -421,16 +443,20 @@ class _EmbedInFlightFn(beam.DoFn):
     ``process`` hands the micro-batch to this process's engine thread (one per step) and keeps it
     in state. Two timers take the results out, each as a work item of its own (RunInference would
     wait for the call in the bundle that made it, and the runner with it):
-    - ``POLL`` (processing time, every ``_POLL_S``) emits the micro-batches whose call is done, and
-      waits for none: the latency it adds is at most ``_POLL_S``;
-    - ``DONE`` (event time, at the micro-batch's timestamp) emits every micro-batch still held,
-      waiting for its call: what a runner whose clock does not move (TestStream's) relies on, and
-      the end of the job's last micro-batch. It clears ``POLL``.
-    The state makes it safe: a micro-batch leaves it only with its rows emitted (in one commit),
-    and a timer that finds no call of this process for it (a retry on another worker) embeds it
-    again. A call that failed is forgotten, so that the retried work item calls again."""
+    - ``POLL`` (processing time, every ``_POLL_S``) emits the micro-batches whose call in THIS
+      process is done. It waits for none and starts none, and reads only the small state of ids
+      until something is done;
+    - ``DONE`` (event time, at the oldest pending micro-batch's timestamp) emits every micro-batch
+      still held, waiting for its call, or making it if this process has none: the end of the
+      job's last micro-batch, runners whose clock stands still (TestStream's), and a key whose
+      timers run in another process than its call (Dataflow runs a worker's work items in any of
+      its SDK processes: a POLL finds its call only in the process that made it, so the rest wait
+      for a POLL there or for ``DONE``; a call no timer collects is dropped after ``_FORGET_S``).
+    The state makes it safe: a micro-batch leaves it only with its rows emitted (in one commit).
+    A call that failed is forgotten, so that the retried work item calls again."""
 
-    PENDING = BagStateSpec("pending", PickleCoder())
+    PENDING = BagStateSpec("pending", PickleCoder())  # the micro-batches, whole
+    PENDING_IDS = BagStateSpec("pending_ids", PickleCoder())  # (id, timestamp in micros) of each
     POLL = TimerSpec("poll", TimeDomain.REAL_TIME)
     DONE = TimerSpec("done", TimeDomain.WATERMARK)
 
@@ -446,54 +472,76 @@ class _EmbedInFlightFn(beam.DoFn):
         assert self._model is not None, "setup() loads the engine"
         return self._model.label(), self._handler.embed_docs(self._model, batch.docs, stats)
 
-    def _call(self, batch: MicroBatch) -> tuple[concurrent.futures.Future, EngineStats]:
+    def _local(self, batch_id: tuple) -> Optional[_Call]:
+        with _IN_FLIGHT_LOCK:
+            return _IN_FLIGHT.get((self._step, batch_id))
+
+    def _call(self, batch: MicroBatch) -> _Call:
+        """This process's call for the micro-batch, made now if there is none."""
         key = (self._step, _micro_batch_id(batch))
         with _IN_FLIGHT_LOCK:
             if key not in _IN_FLIGHT:
+                now = time.monotonic()
+                _forget_stale(now)
                 pool = _ENGINE_THREADS.setdefault(self._step, concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="newsvec-embed"))
                 stats = EngineStats()
-                _IN_FLIGHT[key] = (pool.submit(self._embed, batch, stats), stats)
+                _IN_FLIGHT[key] = _Call(batch, pool.submit(self._embed, batch, stats), stats, now)
             return _IN_FLIGHT[key]
 
-    def _result(self, batch: MicroBatch, future: concurrent.futures.Future, stats: EngineStats):
+    def _result(self, call: _Call):
         try:
-            label, vectors = future.result()
+            label, vectors = call.future.result()
         finally:
-            stats.record()  # in the bundle's thread, where metrics count
+            call.stats.record()  # in the bundle's thread, where metrics count
             with _IN_FLIGHT_LOCK:
-                _IN_FLIGHT.pop((self._step, _micro_batch_id(batch)), None)
-        result = PredictionResult(example=batch, inference=vectors, model_id=label)
-        return TimestampedValue(_fill_micro_batch(result, self._rows), _timestamp(batch))
+                _IN_FLIGHT.pop((self._step, _micro_batch_id(call.batch)), None)
+        result = PredictionResult(example=call.batch, inference=vectors, model_id=label)
+        return TimestampedValue(_fill_micro_batch(result, self._rows), _timestamp(call.batch))
 
     def process(self, keyed: tuple[int, MicroBatch], pending=beam.DoFn.StateParam(PENDING),
-                poll=beam.DoFn.TimerParam(POLL), done=beam.DoFn.TimerParam(DONE)):
+                pending_ids=beam.DoFn.StateParam(PENDING_IDS), poll=beam.DoFn.TimerParam(POLL),
+                done=beam.DoFn.TimerParam(DONE)):
         _, batch = keyed
         self._call(batch)
         pending.add(batch)
+        pending_ids.add((_micro_batch_id(batch), _timestamp(batch).micros))
         poll.set(Timestamp.now() + Duration(seconds=_POLL_S))
-        done.set(_timestamp(batch))
+        done.set(Timestamp(micros=min(t for _, t in pending_ids.read())))
 
     @on_timer(POLL)
-    def emit_done(self, pending=beam.DoFn.StateParam(PENDING), poll=beam.DoFn.TimerParam(POLL)):
-        held = [(batch, *self._call(batch)) for batch in pending.read()]
-        finished = [item for item in held if item[1].done()]
-        for item in finished:
-            yield self._result(*item)
-        if finished:  # rewrite the state only when it changes
-            emitted = {id(item[0]) for item in finished}
+    def emit_done(self, pending=beam.DoFn.StateParam(PENDING),
+                  pending_ids=beam.DoFn.StateParam(PENDING_IDS),
+                  poll=beam.DoFn.TimerParam(POLL), done=beam.DoFn.TimerParam(DONE)):
+        ids = list(pending_ids.read())
+        finished = {batch_id for batch_id, _ in ids
+                    if (call := self._local(batch_id)) is not None and call.future.done()}
+        if finished:
+            held = list(pending.read())
             pending.clear()
-            for batch, _, _ in held:
-                if id(batch) not in emitted:
+            pending_ids.clear()
+            for batch in held:
+                batch_id = _micro_batch_id(batch)
+                call = self._local(batch_id) if batch_id in finished else None
+                if call is not None:
+                    yield self._result(call)
+                else:
+                    finished.discard(batch_id)
                     pending.add(batch)
-        if len(finished) < len(held):
+                    pending_ids.add((batch_id, _timestamp(batch).micros))
+            left = [t for batch_id, t in ids if batch_id not in finished]
+            if left:
+                done.set(Timestamp(micros=min(left)))
+        if len(finished) < len(ids):
             poll.set(Timestamp.now() + Duration(seconds=_POLL_S))
 
     @on_timer(DONE)
-    def emit_all(self, pending=beam.DoFn.StateParam(PENDING), poll=beam.DoFn.TimerParam(POLL)):
+    def emit_all(self, pending=beam.DoFn.StateParam(PENDING),
+                 pending_ids=beam.DoFn.StateParam(PENDING_IDS), poll=beam.DoFn.TimerParam(POLL)):
         for batch in pending.read():
-            yield self._result(batch, *self._call(batch))
+            yield self._result(self._call(batch))
         pending.clear()
+        pending_ids.clear()
         poll.clear()
 
 
