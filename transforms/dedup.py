@@ -31,7 +31,7 @@ from apache_beam.transforms.userstate import (
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 from transforms.metrics import DUPLICATES
-from transforms.schema import MicroBatch
+from transforms.schema import BatchId, MicroBatch
 
 DedupKey = Literal["id", "text_sha256"]  # the config's ``dedup.key``
 # Documents (PreparedDoc, streaming) and vector rows (EmbeddedDoc, batch) both have these.
@@ -109,13 +109,9 @@ def state_layout_for(runner) -> StateLayout:
     return "per_shard" if type(runner).__name__ in _LOCAL_STREAMING_RUNNERS else "per_key"
 
 
-BatchId = tuple[int, int, int]  # a micro-batch's (window_start_us, pane, shard): one per firing
 Verdict = tuple[str, bool]  # (dedup key, kept)
 _REQUESTS, _HEADERS = "requests", "headers"
 
-
-def batch_id(batch: MicroBatch) -> BatchId:
-    return batch.window_start_us, batch.pane, batch.shard
 
 
 class _AskPerKey(beam.DoFn):
@@ -141,7 +137,7 @@ class _AskPerKey(beam.DoFn):
         if not candidates:
             yield header
             return
-        bid = batch_id(batch)
+        bid = batch.batch_id
         yield pvalue.TaggedOutput(_HEADERS, (bid, header))
         for key in candidates:
             yield pvalue.TaggedOutput(_REQUESTS, (key, bid))

@@ -57,6 +57,7 @@ from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
 from transforms.model import ModelSettings
 from transforms.schema import (
     DEAD_LETTER,
+    BatchId,
     ChunkRow,
     DeadLetter,
     EmbeddedDoc,
@@ -423,10 +424,6 @@ class _Call:
 _IN_FLIGHT: dict[tuple, _Call] = {}  # (step, micro-batch id) -> this process's call
 
 
-def _micro_batch_id(batch: MicroBatch) -> tuple[int, int, int]:
-    return batch.window_start_us, batch.pane, batch.shard
-
-
 def _forget_stale(now: float) -> None:
     """Calls that finished long ago and that no timer here collected: their micro-batch was
     emitted by another process (or will be embedded again by its ``DONE`` timer). Bounded memory
@@ -472,13 +469,13 @@ class _EmbedInFlightFn(beam.DoFn):
         assert self._model is not None, "setup() loads the engine"
         return self._model.label(), self._handler.embed_docs(self._model, batch.docs, stats)
 
-    def _local(self, batch_id: tuple) -> Optional[_Call]:
+    def _local(self, batch_id: BatchId) -> Optional[_Call]:
         with _IN_FLIGHT_LOCK:
             return _IN_FLIGHT.get((self._step, batch_id))
 
     def _call(self, batch: MicroBatch) -> _Call:
         """This process's call for the micro-batch, made now if there is none."""
-        key = (self._step, _micro_batch_id(batch))
+        key = (self._step, batch.batch_id)
         with _IN_FLIGHT_LOCK:
             if key not in _IN_FLIGHT:
                 now = time.monotonic()
@@ -495,7 +492,7 @@ class _EmbedInFlightFn(beam.DoFn):
         finally:
             call.stats.record()  # in the bundle's thread, where metrics count
             with _IN_FLIGHT_LOCK:
-                _IN_FLIGHT.pop((self._step, _micro_batch_id(call.batch)), None)
+                _IN_FLIGHT.pop((self._step, call.batch.batch_id), None)
         result = PredictionResult(example=call.batch, inference=vectors, model_id=label)
         return TimestampedValue(_fill_micro_batch(result, self._rows), _timestamp(call.batch))
 
@@ -505,7 +502,7 @@ class _EmbedInFlightFn(beam.DoFn):
         _, batch = keyed
         self._call(batch)
         pending.add(batch)
-        pending_ids.add((_micro_batch_id(batch), _timestamp(batch).micros))
+        pending_ids.add((batch.batch_id, _timestamp(batch).micros))
         poll.set(Timestamp.now() + Duration(seconds=_POLL_S))
         done.set(Timestamp(micros=min(t for _, t in pending_ids.read())))
 
@@ -521,7 +518,7 @@ class _EmbedInFlightFn(beam.DoFn):
             pending.clear()
             pending_ids.clear()
             for batch in held:
-                batch_id = _micro_batch_id(batch)
+                batch_id = batch.batch_id
                 call = self._local(batch_id) if batch_id in finished else None
                 if call is not None:
                     yield self._result(call)

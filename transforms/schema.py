@@ -405,6 +405,15 @@ class MicroBatch:
     duplicates: int = 0
     late_reassigned: int = 0
 
+    @property
+    def batch_id(self) -> "BatchId":
+        """(window_start_us, pane, shard): one per firing of the grouping, for every step after it
+        that keys or tracks a micro-batch."""
+        return self.window_start_us, self.pane, self.shard
+
+
+BatchId = tuple[int, int, int]  # MicroBatch.batch_id
+
 
 @dataclasses.dataclass(frozen=True)
 class Counts:
