@@ -144,10 +144,7 @@ class PartitionView:
     current: set  # the compacted files the manifest names (relative)
 
     @classmethod
-    def of(cls, output: str, partition: str) -> "PartitionView":
-        manifest = read_compaction(output, partition)
-        if manifest is None:
-            return cls(None, {}, set())
+    def of(cls, manifest: CompactionManifest) -> "PartitionView":
         return cls(manifest, manifest.replaced(), manifest.current())
 
     def visible(self, relative: str) -> bool:
@@ -189,7 +186,7 @@ def current_view(output: str, kind: str, partitions: Optional[Iterable[str]] = N
                  if m.path.endswith(_READ_SUFFIXES[kind])]
         if _manifests(output, wanted) != before:
             continue
-        views = {p: PartitionView(m, m.replaced(), m.current()) for p, m in before.items()}
+        views = {p: PartitionView.of(m) for p, m in before.items()}
         out = {join_path(output, m.files[kind]["path"]) for m in before.values()
                if kind in m.files}
         for path in found:
