@@ -15,3 +15,17 @@ def write_results(results: dict, directory: str, name: str) -> Path:
     out_file = out_dir / f"{name}-{dt.datetime.now(dt.timezone.utc):%Y%m%dT%H%M%SZ}.json"
     out_file.write_text(json.dumps(results, indent=2, default=str))
     return out_file
+
+
+def tree_rss(process=None) -> int:
+    """Resident bytes of a process (default: this one) and all its descendants (an engine)."""
+    import psutil
+
+    process = process or psutil.Process()
+    total = 0
+    for p in [process, *process.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:  # a child that ended meanwhile
+            pass
+    return total

@@ -46,7 +46,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from benchmarks import write_results
+from benchmarks import tree_rss, write_results
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, IncrementalSettings, fill_date, fill_model, load
 
@@ -219,18 +219,6 @@ def synthetic_output(prefix: Path, n: int, per_file: int = 1_000_000) -> list[st
     return [str(prefix / f) for f in files]
 
 
-def _tree_rss(process) -> int:
-    import psutil
-
-    total = 0
-    for p in [process, *process.children(recursive=True)]:
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
-
-
 def _measured_run(code: str, config_file: Path, marks_file: Path, log_file: Path) -> dict:
     """One CLI run in a subprocess: peak RSS of its process tree, wall time, first engine call."""
     import psutil
@@ -242,7 +230,7 @@ def _measured_run(code: str, config_file: Path, marks_file: Path, log_file: Path
                                  env={**os.environ, "PYTHONPATH": code})
         process, peak = psutil.Process(child.pid), 0
         while child.poll() is None:
-            peak = max(peak, _tree_rss(process))
+            peak = max(peak, tree_rss(process))
             time.sleep(0.2)
     wall = time.time() - launched
     if child.returncode != 0:

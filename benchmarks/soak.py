@@ -7,8 +7,9 @@ Through Google's Pub/Sub emulator (started here on loopback), on the BBC article
      (default 10), with a malformed message every 50th and a republished copy of an earlier
      article every 100th; the dedup horizon is cut to ``--dedup-horizon-s`` (default 120 s) so
      that the dedup state is pruned during the run, not only after an hour;
-  3. every 10 s: rows on disk and this process's resident memory (the local runner, the engine
-     and the pipeline all live in it);
+  3. every 10 s: rows on disk and the resident memory of this process's tree (the local runner and
+     the pipeline live in this process; the engine in it too, or in a child process of its own
+     with ``model.share_across_processes``, as in configs/local-streaming.yaml);
   4. at the end: throughput, publish-to-Parquet latency percentiles, memory per minute and its
      trend (least-squares slope after the first ``--settle-min`` minutes), and the accounting:
      each published message is a row, a dead letter with a reason, or a dropped duplicate.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from benchmarks import plots, write_results
+from benchmarks import plots, tree_rss, write_results
 from benchmarks.batch import bbc_texts
 from benchmarks.streaming import _events, _rows, _wait_for, percentile, streaming_job, warm_up
 from pipeline import ledger
@@ -40,12 +41,8 @@ MALFORMED_EVERY, DUPLICATE_EVERY, DUPLICATE_LAG = 50, 100, 10
 
 
 def rss_mb() -> float:
-    """This process's resident set size, MiB (Linux /proc)."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    """The resident memory of this process and its children (the shared engine's process), MiB."""
+    return tree_rss() / 2**20
 
 
 def soak_events(texts: list[str], n: int, path: Path) -> dict:

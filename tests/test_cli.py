@@ -133,9 +133,10 @@ def test_the_streaming_demo_runs_end_to_end(tmp_path, capsys):
     if shutil.which("gcloud") is None:
         skip_or_fail("the Pub/Sub emulator (gcloud) is not installed")
     assert emulators  # the demo starts it itself
-    # The demo's config at float32, so that it shares the session's engine.
+    # The demo's config at float32 and with its engine in this process, so that it shares the
+    # session's engine (configs/local-streaming.yaml spawns one of its own).
     raw = yaml.safe_load((REPO / "configs" / "local-streaming.yaml").read_text())
-    raw["model"]["dtype"] = "float32"
+    raw["model"].update(dtype="float32", share_across_processes=False)
     config = tmp_path / "streaming.yaml"
     config.write_text(yaml.safe_dump(raw))
     code = streaming_demo.main(["--config", str(config), "--output", str(tmp_path / "out"),

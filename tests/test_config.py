@@ -29,6 +29,14 @@ def test_local_configs_are_valid_and_run_on_the_cpu(name):
     assert not config.model.trust_remote_code
 
 
+def test_local_streaming_runs_the_engine_in_a_process_of_its_own():
+    """In the runner's process, the engine's Python work waits for the GIL behind the streaming
+    runner's timers: a soak at 80% of saturation fell behind and its rows came out only at each
+    window's end (docs/benchmarks.md, Soak run). Batch keeps it in process: no timers there."""
+    assert config_lib.load(CONFIGS / "local-streaming.yaml").model.share_across_processes
+    assert not config_lib.load(CONFIGS / "local.yaml").model.share_across_processes
+
+
 @pytest.mark.parametrize("edit, named", [
     (lambda c: c["model"].update(dtyp="float32"), "model.dtyp"),
     (lambda c: c.update(outptu="x"), "outptu"),
