@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     config = load(args.config)
     config = config.model_copy(update={
         "output": str(work / "out"),
+        # the FREE engine in this process (configs/local-streaming.yaml spawns the real one)
+        "model": config.model.model_copy(update={"share_across_processes": False}),
         "streaming": config.streaming.model_copy(update={
             "dedup_horizon_s": args.dedup_horizon_s, "subscription": None})})
     stream, messages = _stream(args.windows, args.per_window, config.streaming.window_s,
