@@ -44,7 +44,7 @@ try:  # Python >= 3.11; typeshed has no stub for the private re._parser
 except ImportError:  # pragma: no cover
     import sre_parse
 
-from transforms.chunking import Chunker, ChunkingSettings
+from transforms.chunking import Chunker, ChunkingSettings, bert_style
 from transforms.model import ModelSettings, resolve_model_path
 from transforms.schema import DEAD_LETTER, DeadLetter, NewsEvent, PreparedDoc, Reason, Step
 
@@ -350,11 +350,8 @@ def _cuts_at_words(tokenizer) -> bool:
     single-token character (see its docstring): BERT's pre-tokenizer (words at whitespace, then
     punctuation) after BERT's per-character normalizer (or none), and no added token that holds
     a space."""
-    normalizer = type(tokenizer.normalizer).__name__ if tokenizer.normalizer else None
-    return (type(tokenizer.pre_tokenizer).__name__ == "BertPreTokenizer"
-            and normalizer in (None, "BertNormalizer")
-            and not any(any(c.isspace() for c in t.content)
-                        for t in tokenizer.get_added_tokens_decoder().values()))
+    return bert_style(tokenizer) and not any(
+        any(c.isspace() for c in t.content) for t in tokenizer.get_added_tokens_decoder().values())
 
 
 # Where BERT's normalizer puts spaces around CJK ideographs (its ``handle_chinese_chars``; the
