@@ -252,10 +252,9 @@ class HeadTokenizer:
         self.max_tokens = model.max_tokens
         room = model.max_tokens - self._tok.num_special_tokens_to_add(False)
         # Cuts before the room + 1-th space, and after as many single-token characters (found
-        # when first needed: it takes about 0.1 s). None: every text is tokenized whole.
+        # when first needed, once: about 0.1 s). None: every text is tokenized whole.
         self._head_words = room + 1 if _cuts_at_words(self._tok) else None
         self._singles: Optional[re.Pattern] = None
-        self._singles_lock = threading.Lock()
         self._ascii_tok = _without_bert_normalizer(self._tok)
         # An added token ([UNK], [MASK]...) in a text is matched before the normalizer, in the
         # text's own case: a text that holds one does not take the lowercased path.
@@ -295,7 +294,7 @@ class HeadTokenizer:
         if text.isascii() or len(text) < self._head_words:  # English: short, tokenized whole
             return 0
         if self._singles is None:
-            with self._singles_lock:
+            with _SINGLES_LOCK:
                 if self._singles is None:
                     chars = _single_token_chars(self._tok)
                     # the shortest prefix that holds _head_words of them, if the text has that many
@@ -318,6 +317,8 @@ class HeadTokenizer:
             results[i] = (tuple(e.ids), bool(e.overflowing))
         return results
 
+
+_SINGLES_LOCK = threading.Lock()  # HeadTokenizer._singles is built once, by one thread
 
 # What BERT's normalizer changes in ASCII text besides the case: control characters (removed) and
 # whitespace other than a space (made a space).
