@@ -6,7 +6,9 @@ a character it never saw is several tokens. Nothing is downloaded.
 - every chunk's ids are the tokens of its text, re-tokenized alone; no chunk starts or ends
   between two tokens of one character; chunks cover the text and overlap as asked;
 - with ``sentence_end_slack_tokens``, chunks end at Chinese and Japanese sentence ends (。！？ and
-  their fullwidth and halfwidth forms, before closing quotes and brackets).
+  their fullwidth and halfwidth forms, before closing quotes and brackets);
+- a run of characters the SentencePiece model does not know, one unit of byte tokens longer than a
+  chunk, is cut inside (the one exception), without failing.
 The head mode's fast path in every script: tests/test_text_equivalence.py."""
 from __future__ import annotations
 
@@ -169,3 +171,19 @@ def test_chunks_end_at_cjk_sentence_ends_within_the_slack(any_tokenizer, chunk_t
         for span in spans[:-1]:
             chunk_text = text[span.char_start:span.char_end]
             assert chunk_text.rstrip("」』）】”")[-1] in ends, chunk_text[-15:]
+
+
+def test_a_unit_of_more_tokens_than_a_chunk_is_cut_inside(sentencepiece):
+    """Byte fallback spells a run of unknown characters as one unit of byte tokens: 🎉 is 4."""
+    text = "東京都は月曜日、新しい交通計画を発表した。" + "🎉" * 30 + "政府は予算案を閣議決定した。"
+    encoding = sentencepiece.encode(text, add_special_tokens=False)
+    unit = [i for i, (s, e) in enumerate(encoding.offsets) if text[s:e].startswith("🎉🎉")]
+    assert len(unit) >= 120  # one unit: every byte token spans the whole run
+    chunker = Chunker(sentencepiece, ChunkingSettings(mode="chunks", chunk_tokens=48,
+                                                      overlap_tokens=8), 256)
+    ((_, _, spans),) = chunker.split([text])
+    assert spans[0].token_start == 0 and spans[-1].token_end == len(encoding.ids)
+    assert all(len(span.token_ids) <= 48 for span in spans)
+    inside = [span for span in spans if unit[0] < span.token_end <= unit[-1]]
+    assert inside and all(ids_without_specials(sentencepiece, span)
+                          == encoding.ids[span.token_start:span.token_end] for span in inside)

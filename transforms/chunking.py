@@ -7,9 +7,9 @@ tokens and ``model.document_prefix`` included), overlapping by at least ``overla
 model's own tokenizer, so the engine never truncates a chunk. A window starts and ends at a word
 boundary of the tokenizer, or, in scripts written without spaces (Chinese, Japanese, Thai...),
 between two characters, never inside one; its ids are the tokens of its text, re-tokenized alone
-(``Chunker`` says when those are not the article's own). With ``sentence_end_slack_tokens`` it ends
-at a sentence end (. ! ? 。！？ and others, closing quotes and brackets after them) when one lies
-that close before the cut.
+(``Chunker`` says when those are not the article's own, and the one exception to both). With
+``sentence_end_slack_tokens`` it ends at a sentence end (. ! ? 。！？ and others, closing quotes and
+brackets after them) when one lies that close before the cut.
 
 Each chunk becomes a row of ``chunks/`` (``transforms.schema.chunk_schema``), and the article keeps
 one row in ``vectors/``: the vector of its head (``doc_vector: head``, as in head mode) or the
@@ -129,9 +129,12 @@ class Chunker:
     inside a word) the chunk's text is tokenized again, and its tokens may differ from the
     article's at the edges (a leading "▁", characters segmented otherwise near a cut); if they are
     more than a chunk holds, the chunk ends at the next best place. ``token_start`` and
-    ``token_end`` then still locate the chunk among the article's tokens. Only settings whose
-    chunks hold fewer tokens of text than one character re-tokenized alone (a few) raise
-    ValueError."""
+    ``token_end`` then still locate the chunk among the article's tokens. One exception: where no
+    place to end a chunk gives a text whose tokens fit (its first characters are one unit of about
+    as many tokens as a chunk holds, or more: byte fallback spells a run of characters that a
+    SentencePiece model does not know as one unit, byte by byte), the chunk takes the article's
+    tokens ``[token_start, token_end)`` as they are, cut inside that unit, and the next chunk
+    starts inside it."""
 
     def __init__(self, tokenizer, settings: ChunkingSettings, max_tokens: int,
                  document_prefix: str = ""):
@@ -202,11 +205,10 @@ class Chunker:
             yield from (e for e in range(end, start, -1) if at_break(e))
             # a word longer than a chunk, with no break: cut inside, between characters
             yield from (e for e in range(end, start, -1) if at_char_boundary(e))
-            yield end
 
         spans, start = [], 0
         while True:
-            tried = set()
+            tried: set[int] = set()
             for end in ends(start):
                 if end in tried:
                     continue
@@ -215,9 +217,9 @@ class Chunker:
                                             at_word_boundary(start) and at_word_boundary(end))
                 if token_ids is not None:  # else its text has more tokens than a chunk holds
                     break
-            else:
-                raise ValueError(f"no chunk of at most {self.capacity} tokens of text starts at "
-                                 f"token {start} of this text: chunking.chunk_tokens is too small")
+            else:  # a unit of more tokens than a chunk holds, from start on: cut it inside
+                end = min(start + self.capacity, n)
+                token_ids = tuple(ids[start:end])
             spans.append(ChunkSpan(
                 token_ids=self._lead + self._prefix + token_ids + self._trail,
                 token_start=start, token_end=end,
