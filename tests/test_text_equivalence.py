@@ -132,6 +132,15 @@ def test_ascii_texts_take_the_path_without_the_normalizer(tokenizer):
                      (tokenizer._tok, ["Café society"])]
 
 
+def test_ascii_texts_that_hold_an_added_token_tokenize_as_the_whole_text(tokenizer,
+                                                                          raw_tokenizer):
+    """[MASK] or [UNK] in a text is the tokenizer's token, matched in the text's case: the
+    lowercased path would not match it."""
+    texts = ["A [MASK] here", "[UNK]", "[CLS] and [SEP] " * 200, "[cls] lower"]
+    assert tokenizer.batch(texts) == reference.head_tokens(raw_tokenizer, texts,
+                                                           tokenizer.max_tokens)
+
+
 def test_str_split_whitespace_is_the_regex_whitespace():
     """normalize_text collapses whitespace with str.split, where it used re's \\s: the same set."""
     space = re.compile(r"\s")
