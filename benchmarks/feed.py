@@ -15,6 +15,10 @@ Rates are measured over the embedding stage, from the engine's first call to its
 state (the middle 80% of that span, without the SDK workers' start-up and the tail of the last
 bundles, which a job of a day's news amortizes) and over the whole span. Medians of ``--runs``.
 Writes ``bench-results/feed-<time>.json``.
+
+``--language ja`` measures Japanese instead: as many generated articles (``benchmarks/japanese.py``,
+about 2,200 characters each, no spaces) as there are BBC ones. ``--stages-only``: step 1 alone (no
+graph, no engine; seconds).
 """
 from __future__ import annotations
 
@@ -120,6 +124,8 @@ def stage_costs(texts: list[str], config) -> dict:
                                                 for e in events])
     assert prepared == before, "the fast paths changed a prepared text"
     tokenizer = HeadTokenizer(config.model)
+    # warm-up: HeadTokenizer builds its table of single-token characters at first need (~0.1 s)
+    tokenizer.batch(prepared[:128])
 
     def tokenize(fn):
         return [r for i in range(0, len(prepared), 128) for r in fn(prepared[i:i + 128])]
@@ -172,12 +178,20 @@ def main(argv=None) -> int:
                         help="the modeled engine's fixed cost per call (launch, scheduling)")
     parser.add_argument("--rates", default="0.5,0.75,1,1.5,2",
                         help="modeled engine rates, as multiples of the CPU side's rate")
+    parser.add_argument("--language", choices=("en", "ja"), default="en",
+                        help="en: the BBC articles; ja: as many generated Japanese articles")
+    parser.add_argument("--stages-only", action="store_true",
+                        help="measure the CPU cost per article of each stage only")
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
     args = parser.parse_args(argv)
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker process
     config = load(args.config)
     texts = bbc_texts(None)
+    if args.language == "ja":
+        from benchmarks import japanese
+
+        texts = [f"{title}\n{body}" for title, body in japanese.articles(len(texts))]
     work = Path(tempfile.mkdtemp(prefix="newsvec-feed-"))
     events = work / "events.jsonl"
     with open(events, "w", encoding="utf-8") as f:
@@ -187,14 +201,21 @@ def main(argv=None) -> int:
     n = len(texts) * args.repeat
     results: dict = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                      "cpus": os.cpu_count(), "articles": n, "runs": args.runs,
-                     "per_call_ms": args.per_call_ms, "workers": args.workers}
+                     "per_call_ms": args.per_call_ms, "workers": args.workers,
+                     "language": args.language,
+                     "mean_chars": statistics.mean(len(t) for t in texts)}
 
     costs = stage_costs(texts, config)
     results["stage_costs"] = costs
-    print("CPU per article, one thread (µs):  now / before the fast paths")
+    print(f"CPU per article ({args.language}, {len(texts)} articles of "
+          f"{results['mean_chars']:.0f} characters on average), one thread (µs):  now / before "
+          "the fast paths")
     for stage in ("parse", "prepare", "tokenize", "total"):
         print(f"  {stage:9s} {costs['now_us'][stage]:7.0f} / {costs['before_us'][stage]:7.0f}")
     tokens_per_article = costs["mean_tokens"]
+    if args.stages_only:
+        print(f"results: {write_results(results, args.results, 'feed')}")
+        return 0
 
     def median_run(workers, tokens_per_s, per_call_s, cores=None):
         cpus = os.sched_getaffinity(0)

@@ -1,8 +1,10 @@
 """The reference text preparation: newsvec's PrepareText as of 2026-12-02, frozen here, before its
 fast paths (transforms/text.py). Every field goes through the HTML step, the whole of ftfy, then the
-control/format/whitespace clean-up; every text is tokenized whole (up to the old character bound)
-with right truncation. tests/test_text_equivalence.py checks that the fast paths give exactly this
-output: the same prepared text (so the same text_sha256), token ids and truncation flag.
+control/format/whitespace clean-up; every text is tokenized whole with right truncation (the version
+of 2026-12-02 first cut texts at 32 characters per token, a bound that does not hold in scripts
+without spaces: issue 23; the reference is the definition, so it cuts nothing).
+tests/test_text_equivalence.py checks that the fast paths give exactly this output: the same
+prepared text (so the same text_sha256), token ids and truncation flag.
 
 It reuses what the fast paths did not change (the HTML extractor, the tag and control-character
 expressions) from transforms/text.py; the format-character and whitespace expressions are the old
@@ -20,7 +22,6 @@ import ftfy
 
 from transforms import text as fast
 
-CHARS_PER_TOKEN_BOUND = 32
 _FORMAT = re.compile("[" + "".join(
     re.escape(chr(c)) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Cf")
     + "]")
@@ -45,8 +46,6 @@ def compose_text(title: Optional[str], body: Optional[str]) -> str:
 
 def head_tokens(tokenizer, texts: list[str], max_tokens: int) -> list[tuple[tuple[int, ...], bool]]:
     """``tokenizer``: the model's fast tokenizer (``backend_tokenizer``), truncation on the right to
-    ``max_tokens``, as HeadTokenizer sets it up."""
-    max_chars = max_tokens * CHARS_PER_TOKEN_BOUND
-    encodings = tokenizer.encode_batch([t[:max_chars] for t in texts])
-    return [(tuple(e.ids), len(t) > max_chars or bool(e.overflowing))
-            for e, t in zip(encodings, texts, strict=True)]
+    ``max_tokens``, as HeadTokenizer sets it up: the whole text, truncated."""
+    assert tokenizer.truncation and tokenizer.truncation["max_length"] == max_tokens
+    return [(tuple(e.ids), bool(e.overflowing)) for e in tokenizer.encode_batch(texts)]

@@ -5,8 +5,11 @@ A model with a 256-token head sees a fraction of most news articles. In chunks m
 cuts the whole prepared text into windows of at most ``chunk_tokens`` tokens (the model's special
 tokens and ``model.document_prefix`` included), overlapping by at least ``overlap_tokens``, with the
 model's own tokenizer, so the engine never truncates a chunk. A window starts and ends at a word
-boundary of the tokenizer (re-tokenizing a chunk's text gives its ids again), and with
-``sentence_end_slack_tokens`` it ends at a sentence end when one lies that close before the cut.
+boundary of the tokenizer, or, in scripts written without spaces (Chinese, Japanese, Thai...),
+between two characters, never inside one; its ids are the tokens of its text, re-tokenized alone
+(``Chunker`` says when those are not the article's own, and the one exception to both). With
+``sentence_end_slack_tokens`` it ends at a sentence end (. ! ? 。！？ and others, closing quotes and
+brackets after them) when one lies that close before the cut.
 
 Each chunk becomes a row of ``chunks/`` (``transforms.schema.chunk_schema``), and the article keeps
 one row in ``vectors/``: the vector of its head (``doc_vector: head``, as in head mode) or the
@@ -17,13 +20,27 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Literal, Optional, Sequence
+import re
+from typing import Iterator, Literal, Optional, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-_SENTENCE_ENDS = frozenset(".!?")
-_CLOSERS = frozenset("\"'”’)]")
+# Sentence ends: ASCII's; the ideographic full stop (and its halfwidth form) and the fullwidth
+# ! ? . of Chinese and Japanese (ftfy makes the fullwidth forms ASCII in a prepared text; a
+# chunker may be given any); Arabic's question mark and Urdu's full stop; the Devanagari dandas;
+# the Armenian, Ethiopic, Myanmar and Khmer full stops. Not commas (、，), colons, semicolons,
+# ellipses or the middle dot, which go on a sentence.
+_SENTENCE_ENDS = frozenset(".!?。｡！？．؟۔।॥։።။។")
+# What may close a sentence after its end: quotes and brackets, ASCII, CJK and fullwidth.
+_CLOSERS = frozenset("\"'”’)]」』）】〕〉》〗〙〛〞〟］｝＂＇")
+_CLOSERS_TEXT = "".join(_CLOSERS)
+# Scripts written without spaces between words (Thai, Lao, Tibetan, Myanmar, Khmer; CJK
+# punctuation, kana, ideographs, fullwidth forms): a chunk may start or end between two tokens
+# inside a word of the tokenizer when either side is one of these (see ``Chunker``).
+_UNSPACED = re.compile("[\u0e00-\u0fff\u1000-\u109f\u1780-\u17ff\u19e0-\u19ff\u3000-\u30ff"
+                       "\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
+                       "\U00020000-\U0003ffff]")
 
 
 class ChunkingSettings(BaseModel):
@@ -83,9 +100,41 @@ def special_tokens_around(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
     raise ValueError("cannot find where this tokenizer puts a sequence among its special tokens")
 
 
+def bert_style(tokenizer) -> bool:
+    """BERT's pre-tokenizer (words at whitespace, then each punctuation mark) after BERT's
+    per-character normalizer, or none (MiniLM, bge, e5...): what lies on either side of a point
+    where it splits does not change the words and tokens on the other."""
+    normalizer = type(tokenizer.normalizer).__name__ if tokenizer.normalizer else None
+    return (type(tokenizer.pre_tokenizer).__name__ == "BertPreTokenizer"
+            and normalizer in (None, "BertNormalizer"))
+
+
 class Chunker:
     """Cuts prepared texts into ``ChunkSpan``s with the model's tokenizer (``tokenizers.Tokenizer``,
-    which it copies without truncation or padding)."""
+    which it copies without truncation or padding).
+
+    Where a chunk may start and end (a "break", between two of the text's tokens): at a word
+    boundary of the tokenizer (its pre-tokenizer's words), or, in a script written without spaces
+    (``_UNSPACED``: CJK, kana, Thai...), between any two tokens beside one of its characters;
+    never between two tokens of one character (a byte-fallback character, or SentencePiece's
+    "▁" before the first character). A chunk ends at the last break that fits (at a sentence end,
+    if one lies within ``sentence_end_slack_tokens``); only a word longer than a chunk with no
+    break in it is cut inside, at a character boundary if it has one.
+
+    A chunk's ``token_ids`` are always the tokens of its text (``text[char_start:char_end]``,
+    re-tokenized alone): for a BERT-style tokenizer (``bert_style``) and a chunk that starts and
+    ends at word boundaries, they are the text's own tokens ``[token_start, token_end)``, by
+    construction; otherwise (any other tokenizer, such as SentencePiece's Unigram with Metaspace
+    that XLM-R, multilingual-e5 and bge-m3 use, whose words run from space to space; a chunk cut
+    inside a word) the chunk's text is tokenized again, and its tokens may differ from the
+    article's at the edges (a leading "▁", characters segmented otherwise near a cut); if they are
+    more than a chunk holds, the chunk ends at the next best place. ``token_start`` and
+    ``token_end`` then still locate the chunk among the article's tokens. One exception: where no
+    place to end a chunk gives a text whose tokens fit (its first characters are one unit of about
+    as many tokens as a chunk holds, or more: byte fallback spells a run of characters that a
+    SentencePiece model does not know as one unit, byte by byte), the chunk takes the article's
+    tokens ``[token_start, token_end)`` as they are, cut inside that unit, and the next chunk
+    starts inside it."""
 
     def __init__(self, tokenizer, settings: ChunkingSettings, max_tokens: int,
                  document_prefix: str = ""):
@@ -109,6 +158,7 @@ class Chunker:
                 f"({settings.overlap_tokens}): chunks would not advance")
         self._overlap, self._slack = settings.overlap_tokens, settings.sentence_end_slack_tokens
         self._head_room = max_tokens - len(self._lead) - len(self._trail) - len(self._prefix)
+        self._words_exact = bert_style(self._tok)
 
     def split(self, texts: Sequence[str]) -> list[
             tuple[tuple[int, ...], bool, tuple[ChunkSpan, ...]]]:
@@ -129,31 +179,67 @@ class Chunker:
         def at_word_boundary(i: int) -> bool:
             return i <= 0 or i >= n or word_ids[i] is None or word_ids[i] != word_ids[i - 1]
 
+        def at_char_boundary(i: int) -> bool:  # tokens i-1 and i share no character
+            return i <= 0 or i >= n or offsets[i][0] >= offsets[i - 1][1]
+
+        def at_break(i: int) -> bool:
+            return at_char_boundary(i) and (at_word_boundary(i) or bool(
+                _UNSPACED.match(text, offsets[i][0])
+                or _UNSPACED.match(text, max(0, offsets[i - 1][1] - 1))))
+
+        def piece(j: int) -> str:  # token j's text, without the space SentencePiece keeps in it
+            return text[offsets[j][0]:offsets[j][1]].strip()
+
         def ends_sentence(i: int) -> bool:  # the text's token i-1 closes a sentence
             j = i - 1
-            while j > 0 and text[offsets[j][0]:offsets[j][1]] in _CLOSERS:
+            while j > 0 and piece(j) in _CLOSERS:
                 j -= 1
-            return text[offsets[j][0]:offsets[j][1]] in _SENTENCE_ENDS
+            return piece(j).rstrip(_CLOSERS_TEXT)[-1:] in _SENTENCE_ENDS
+
+        def ends(start: int) -> Iterator[int]:  # where the chunk from start may end, best first
+            end = min(start + self.capacity, n)
+            if end == n:
+                yield n  # the rest fits
+            low = max(start, end - self._slack)
+            yield from (e for e in range(end, low, -1) if at_break(e) and ends_sentence(e))
+            yield from (e for e in range(end, start, -1) if at_break(e))
+            # a word longer than a chunk, with no break: cut inside, between characters
+            yield from (e for e in range(end, start, -1) if at_char_boundary(e))
 
         spans, start = [], 0
         while True:
-            end = min(start + self.capacity, n)
-            if end < n:
-                cut = next((e for e in range(end, max(start, end - self._slack), -1)
-                            if at_word_boundary(e) and ends_sentence(e)), None)
-                if cut is None:
-                    cut = next((e for e in range(end, start, -1) if at_word_boundary(e)), end)
-                end = cut  # a word longer than a chunk is cut inside, the only way on
+            tried: set[int] = set()
+            for end in ends(start):
+                if end in tried:
+                    continue
+                tried.add(end)
+                token_ids = self._token_ids(text, ids, offsets, start, end,
+                                            at_word_boundary(start) and at_word_boundary(end))
+                if token_ids is not None:  # else its text has more tokens than a chunk holds
+                    break
+            else:  # a unit of more tokens than a chunk holds, from start on: cut it inside
+                end = min(start + self.capacity, n)
+                token_ids = tuple(ids[start:end])
             spans.append(ChunkSpan(
-                token_ids=self._lead + self._prefix + tuple(ids[start:end]) + self._trail,
+                token_ids=self._lead + self._prefix + token_ids + self._trail,
                 token_start=start, token_end=end,
                 char_start=offsets[start][0], char_end=offsets[end - 1][1]))
             if end >= n:
                 return tuple(spans)
             following = max(end - self._overlap, start + 1)
-            while following > start + 1 and not at_word_boundary(following):
+            while following > start + 1 and not at_break(following):
                 following -= 1
-            start = following if at_word_boundary(following) else end
+            start = following if at_break(following) else end
+
+    def _token_ids(self, text: str, ids, offsets, start: int, end: int,
+                   at_words: bool) -> Optional[tuple[int, ...]]:
+        """The tokens of the chunk ``[start, end)``'s text tokenized alone (see the class
+        docstring), or None if they are more than a chunk holds."""
+        char_start, char_end = offsets[start][0], offsets[end - 1][1]
+        if (self._words_exact and at_words) or (char_start == 0 and char_end == len(text)):
+            return tuple(ids[start:end])  # the same words, or the same text
+        own = self._tok.encode(text[char_start:char_end], add_special_tokens=False).ids
+        return tuple(own) if len(own) <= self.capacity else None
 
 
 def chunk_id(doc_id: str, text_sha256: str, model: str, chunk_recipe: str, index: int) -> str:

@@ -16,9 +16,11 @@ and tests/test_text_equivalence.py, on the BBC articles and the adversarial corp
 - ftfy runs only on text it could change (``ftfy_may_change``): every one of its fixers is a
   no-op on the characters present, the text is NFC, and no window around a non-ASCII character
   looks like mojibake. Most news is ASCII or nearly so, and ftfy was 70% of the CPU time.
-- a long text is tokenized in two steps: first the words before its ``max_tokens``-th space; if
-  those already overflow ``max_tokens``, their head is the text's head (a BERT-style tokenizer
-  splits at spaces and normalizes character by character). Otherwise the whole text is tokenized.
+- a long text is tokenized in two steps: first a prefix that ends where a BERT-style tokenizer
+  splits whatever follows (before a space, after a CJK ideograph or a punctuation mark); if that
+  already overflows ``max_tokens``, its head is the text's head. Otherwise the whole text is
+  tokenized. No bound on characters per token is assumed: none holds in every script (the proof:
+  ``HeadTokenizer``).
 """
 from __future__ import annotations
 
@@ -42,13 +44,10 @@ try:  # Python >= 3.11; typeshed has no stub for the private re._parser
 except ImportError:  # pragma: no cover
     import sre_parse
 
-from transforms.chunking import Chunker, ChunkingSettings
+from transforms.chunking import Chunker, ChunkingSettings, bert_style
 from transforms.model import ModelSettings, resolve_model_path
 from transforms.schema import DEAD_LETTER, DeadLetter, NewsEvent, PreparedDoc, Reason, Step
 
-# Text past this many characters per allowed token is cut before tokenizing: real text has far more
-# tokens than max_tokens by then, so that part would be truncated anyway (and ``truncated`` is set).
-_CHARS_PER_TOKEN_BOUND = 32
 _TOKENIZE_BATCH = 128
 _TAG = re.compile(r"<[A-Za-z!/?]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b\ufeff]")
@@ -212,7 +211,34 @@ def compose_text(event: NewsEvent) -> str:
 
 
 class HeadTokenizer:
-    """The model's tokenizer, truncating on the right (keeping the head) to ``max_tokens``."""
+    """The model's tokenizer, truncating on the right (keeping the head) to ``max_tokens``.
+
+    The head of a text is the first ``room`` tokens of the whole text (``room``: ``max_tokens``
+    less the special tokens), and it was cut if there are more (tests/reference_prepare.py
+    tokenizes every text whole). Tokenizing only a prefix ``text[:c]`` gives exactly that when
+      (1) the prefix's tokens are the first tokens of the text's, and
+      (2) the prefix has more than ``room`` tokens (its encoding overflows): the text, having those
+          and more, overflows too, and both heads are the prefix's first ``room`` tokens.
+    (2) is checked on every prefix tokenized. (1) holds for a BERT-style tokenizer (BERT's
+    normalizer or none, then BERT's pre-tokenizer: MiniLM, bge, e5...) at a cut ``c`` where its
+    pre-tokenizer splits whatever lies around: before a space, or after a character it makes a
+    word of one token on its own (``_single_token_chars``: punctuation marks, which it isolates,
+    and CJK ideographs, which the normalizer puts spaces around; each checked on the tokenizer
+    itself, as Rust and Python do not agree on all of Unicode), as long as no added token
+    ([CLS], [MASK]...) holds a space or that character, so that no added token spans the cut.
+    Then the prefix's words are the text's first words: the normalizer works character by
+    character (it removes control characters, pads ideographs, lowercases, and strips accents after
+    NFD, whose reordering moves combining marks only among themselves, never past a space or one
+    of those characters), and the model tokenizes each word on its own. What the words hold does
+    not matter: a word of combining marks alone normalizes to nothing, and WordPiece makes a word
+    of over 100 characters one [UNK] (a run of kana or Thai of any length is one token), which
+    only makes (2) fail, and then the whole text is tokenized.
+
+    The cut is chosen so that (2) nearly always holds: before the ``room + 1``-th space (nearly
+    every word is a token or more), or, in a text with fewer spaces (Chinese, Japanese), after
+    the ``room + 1``-th single-token character, where (2) holds by construction. Any other text,
+    and every text of any other tokenizer (SentencePiece's Metaspace, byte-level BPE: not proven
+    here), is tokenized whole."""
 
     def __init__(self, model: ModelSettings):
         model.apply_engine_env()  # e.g. HF_HUB_OFFLINE, read when transformers is imported
@@ -224,27 +250,30 @@ class HeadTokenizer:
         self._tok.no_padding()
         self._tok.enable_truncation(max_length=model.max_tokens, direction="right")
         self.max_tokens = model.max_tokens
-        self._max_chars = model.max_tokens * _CHARS_PER_TOKEN_BOUND
-        # The words before this many spaces hold at least one token more than the head keeps
-        # (every space-separated word is at least one token), so if they overflow, their head is
-        # the text's. Only for tokenizers that split at spaces and normalize character by
-        # character: BERT's (MiniLM, bge, e5...).
-        self._head_words = (model.max_tokens - self._tok.num_special_tokens_to_add(False) + 1
-                            if _splits_at_spaces(self._tok) else None)
+        room = model.max_tokens - self._tok.num_special_tokens_to_add(False)
+        # Cuts before the room + 1-th space, and after as many single-token characters (found
+        # when first needed, once: about 0.1 s). None: every text is tokenized whole.
+        self._head_words = room + 1 if _cuts_at_words(self._tok) else None
+        self._singles: Optional[re.Pattern] = None
         self._ascii_tok = _without_bert_normalizer(self._tok)
+        # An added token ([UNK], [MASK]...) in a text is matched before the normalizer, in the
+        # text's own case: a text that holds one does not take the lowercased path.
+        self._added = re.compile("|".join(
+            re.escape(t.content) for t in self._tok.get_added_tokens_decoder().values()) or "(?!)")
 
     def __call__(self, text: str) -> tuple[tuple[int, ...], bool]:
         """(token ids of the head, whether anything was cut)."""
         return self.batch([text])[0]
 
     def batch(self, texts: list[str]) -> list[tuple[tuple[int, ...], bool]]:
-        """``__call__`` for many texts at once. A long text is first tokenized as far as its
-        ``_head_words``-th space only; the rest of it, only if that did not overflow. Plain ASCII
-        texts skip the tokenizer's normalizer (see ``_without_bert_normalizer``)."""
+        """``__call__`` for many texts at once. A long text is first tokenized as far as a cut
+        (``_head_end``) only; the rest of it, only if that did not overflow. Plain ASCII texts skip
+        the tokenizer's normalizer (see ``_without_bert_normalizer``)."""
         if self._ascii_tok is None:
             return self._batch(self._tok, texts)
         plain = [i for i, text in enumerate(texts)
-                 if text.isascii() and not _BERT_CLEANS.search(text)]
+                 if text.isascii() and not _BERT_CLEANS.search(text)
+                 and not self._added.search(text)]
         if not plain:
             return self._batch(self._tok, texts)
         results: list = [None] * len(texts)
@@ -256,26 +285,40 @@ class HeadTokenizer:
             results[i] = r
         return results
 
+    def _head_end(self, text: str) -> int:
+        """Where to cut ``text`` to tokenize its head (see the class docstring); 0: nowhere."""
+        assert self._head_words
+        words = text.split(" ", self._head_words)
+        if len(words) > self._head_words:
+            return len(text) - len(words[-1]) - 1  # before the _head_words-th space
+        if text.isascii() or len(text) < self._head_words:  # English: short, tokenized whole
+            return 0
+        if self._singles is None:
+            with _SINGLES_LOCK:
+                if self._singles is None:
+                    chars = _single_token_chars(self._tok)
+                    # the shortest prefix that holds _head_words of them, if the text has that many
+                    self._singles = re.compile("(?:[^%s]*+[%s]){%d}" % (
+                        chars, chars, self._head_words) if chars else "(?!)")  # (?!): none
+        match = self._singles.match(text)
+        return match.end() if match else 0
+
     def _batch(self, tok, texts: list[str]) -> list[tuple[tuple[int, ...], bool]]:
         results: list = [None] * len(texts)
         if self._head_words:
-            heads = []
-            for i, text in enumerate(texts):
-                words = text.split(" ", self._head_words)
-                if len(words) > self._head_words:
-                    end = len(text) - len(words[-1]) - 1  # the _head_words-th space
-                    if end <= self._max_chars:
-                        heads.append((i, text[:end]))
-            head_encodings = tok.encode_batch_fast([h for _, h in heads])
+            heads = [(i, end) for i, text in enumerate(texts) if (end := self._head_end(text))]
+            head_encodings = tok.encode_batch_fast([texts[i][:end] for i, end in heads])
             for (i, _), e in zip(heads, head_encodings, strict=True):
                 if e.overflowing:
                     results[i] = (tuple(e.ids), True)
         rest = [i for i, r in enumerate(results) if r is None]
-        encodings = tok.encode_batch_fast([texts[i][: self._max_chars] for i in rest])
+        encodings = tok.encode_batch_fast([texts[i] for i in rest])
         for i, e in zip(rest, encodings, strict=True):
-            results[i] = (tuple(e.ids), len(texts[i]) > self._max_chars or bool(e.overflowing))
+            results[i] = (tuple(e.ids), bool(e.overflowing))
         return results
 
+
+_SINGLES_LOCK = threading.Lock()  # HeadTokenizer._singles is built once, by one thread
 
 # What BERT's normalizer changes in ASCII text besides the case: control characters (removed) and
 # whitespace other than a space (made a space).
@@ -287,27 +330,80 @@ def _without_bert_normalizer(tokenizer):
     characters that normalizer only lowercases (its accent, CJK and clean-up steps touch other
     characters) and turns tab, CR and LF into spaces (the pre-tokenizer splits at all three).
     Lowercasing in Python first gives the same ids for a fraction of the cost (the normalizer
-    keeps an alignment per character: about a quarter of the tokenizer's time). None for any other
-    normalizer."""
+    keeps an alignment per character: about a quarter of the tokenizer's time), except in a text
+    that holds an added token, matched in the text's own case before the normalizer. None for any
+    other normalizer, or if an added token is matched after it."""
     import json
 
     from tokenizers import Tokenizer
 
     spec = json.loads(tokenizer.to_str())
     normalizer = spec.get("normalizer") or {}
-    if normalizer.get("type") != "BertNormalizer" or not normalizer.get("lowercase"):
+    if (normalizer.get("type") != "BertNormalizer" or not normalizer.get("lowercase")
+            or any(t.get("normalized") for t in spec.get("added_tokens") or ())):
         return None
     spec["normalizer"] = None
     return Tokenizer.from_str(json.dumps(spec))
 
 
-def _splits_at_spaces(tokenizer) -> bool:
-    """A tokenizer whose tokens of a text's words before a space do not depend on what follows:
-    BERT's pre-tokenizer (words at whitespace, then punctuation) after BERT's per-character
-    normalizer (or none)."""
-    normalizer = type(tokenizer.normalizer).__name__ if tokenizer.normalizer else None
-    return (type(tokenizer.pre_tokenizer).__name__ == "BertPreTokenizer"
-            and normalizer in (None, "BertNormalizer"))
+def _cuts_at_words(tokenizer) -> bool:
+    """Whether HeadTokenizer may tokenize a prefix of a text cut before a space or after a
+    single-token character (see its docstring): BERT's pre-tokenizer (words at whitespace, then
+    punctuation) after BERT's per-character normalizer (or none), and no added token that holds
+    a space."""
+    return bert_style(tokenizer) and not any(
+        any(c.isspace() for c in t.content) for t in tokenizer.get_added_tokens_decoder().values())
+
+
+# Where BERT's normalizer puts spaces around CJK ideographs (its ``handle_chinese_chars``; the
+# supplementary planes' ranges left out), and the other blocks where punctuation is looked for.
+_BERT_CJK = ((0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF))
+_PUNCTUATION_BLOCKS = ((0x21, 0x7E), (0xA1, 0xBF), (0x2010, 0x205E), (0x3000, 0x303F),
+                       (0x30FB, 0x30FB), (0xFE10, 0xFE6F), (0xFF01, 0xFF65))
+
+
+def _single_token_chars(tokenizer) -> str:
+    """The characters that this BERT-style tokenizer makes a word of exactly one token on their
+    own, wherever they stand, and that no added token holds, as the inside of a regex character
+    class ("" if none), each checked on the tokenizer:
+    - punctuation (and the ASCII symbols, which BERT counts as punctuation): given all of them
+      between letters (``"a" + "a".join(...) + "a"``), it makes each a word of one token;
+    - CJK ideographs, if its normalizer puts spaces around them: it turns each into one
+      character that is not a space, between two spaces."""
+    import json
+    import string
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tokenizer.to_str())
+    in_added = set("".join(t["content"] for t in spec.get("added_tokens") or ()))
+
+    def usable(ch: str) -> bool:  # in no added token, and a starter (see HeadTokenizer)
+        return ch not in in_added and all(unicodedata.combining(c) == 0
+                                          for c in unicodedata.normalize("NFD", ch))
+
+    marks = [ch for low, high in _PUNCTUATION_BLOCKS for ch in map(chr, range(low, high + 1))
+             if (ch in string.punctuation or unicodedata.category(ch).startswith("P"))
+             and usable(ch)]
+    whole = Tokenizer.from_str(tokenizer.to_str())
+    whole.no_truncation()
+    text = "a" + "a".join(marks) + "a"
+    encoding = whole.encode(text, add_special_tokens=False)
+    tokens_per_word: dict = {}
+    for word in encoding.word_ids:
+        tokens_per_word[word] = tokens_per_word.get(word, 0) + 1
+    single = [ord(text[start]) for (start, end), word in zip(encoding.offsets, encoding.word_ids,
+                                                             strict=True)
+              if end == start + 1 and tokens_per_word[word] == 1 and text[start] != "a"]
+    if (spec.get("normalizer") or {}).get("handle_chinese_chars"):
+        for low, high in _BERT_CJK:
+            block = "".join(ch for ch in map(chr, range(low, high + 1)) if ch not in in_added)
+            padded = tokenizer.normalizer.normalize_str(block)
+            if len(padded) == 3 * len(block):
+                single += [ord(ch) for i, ch in enumerate(block)
+                           if padded[3 * i] == padded[3 * i + 2] == " "
+                           and not padded[3 * i + 1].isspace()]
+    return _char_class(sorted(single))[1:-1] if single else ""
 
 
 _TOOLS_LOCK = threading.Lock()
