@@ -87,7 +87,8 @@ class NewsEvent(BaseModel):
 @dataclasses.dataclass(frozen=True)
 class PreparedDoc:
     """An event ready for the model: normalized text and the head of its token ids; in chunks mode
-    also its chunks (``transforms.chunking.ChunkSpan``), which cover the whole text."""
+    also its chunks (``transforms.chunking.ChunkSpan``), which cover the whole text. ``title`` is
+    the prepared title (the text's first line, when there is one), which the outputs hold."""
 
     event: NewsEvent
     text: str
@@ -95,6 +96,7 @@ class PreparedDoc:
     token_ids: tuple[int, ...]
     truncated: bool
     chunks: tuple = ()
+    title: Optional[str] = None
 
     @property
     def token_count(self) -> int:
@@ -138,7 +140,8 @@ class EmbeddedDoc:
         """The row of a document. A mean vector stands for all the text's tokens, none cut."""
         e = doc.event
         mean = doc_vector == "mean"
-        return cls(id=e.id, url=e.url, source=e.source, title=e.title, published_at=e.published_at,
+        return cls(id=e.id, url=e.url, source=e.source, title=doc.title,
+                   published_at=e.published_at,
                    language=e.language, model=model, embedding=embedding,
                    text_sha256=doc.text_sha256,
                    token_count=doc.chunks[-1].token_end if mean else doc.token_count,
@@ -193,6 +196,7 @@ class Reason(enum.StrEnum):
     PUBLISHED_IN_FUTURE = "published_at_in_future"
     TEXT_TOO_LONG = "text_too_long"
     EMPTY_AFTER_NORMALIZATION = "empty_after_normalization"
+    UNREADABLE_FOR_MODEL = "unreadable_for_model"
     PREPARE_FAILED = "prepare_failed"
     EMBEDDING_FAILED = "embedding_failed"
 
@@ -281,7 +285,11 @@ _CHUNK_COUNT = Column("chunk_count", pa.int32(), False,
 
 VECTOR_COLUMNS = (
     _ID, _from_event("url", pa.string()), _from_event("source", pa.string()),
-    _from_event("title", pa.string()), _from_event("published_at", _TIMESTAMP),
+    Column("title", pa.string(), True,
+           "the prepared title: HTML stripped, entities decoded, mojibake repaired, in "
+           "`text.unicode_form`, whitespace collapsed (the text's first line); null if none is "
+           "left"),
+    _from_event("published_at", _TIMESTAMP),
     _from_event("language", pa.string()),
     _MODEL, _DIM, _EMBEDDING, _TEXT_SHA256,
     Column("token_count", pa.int32(), False,
