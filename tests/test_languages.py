@@ -84,6 +84,21 @@ def test_articles_the_model_cannot_read_are_dead_lettered_with_their_reason():
         assert isinstance(out[doc_id], PreparedDoc), out[doc_id]
 
 
+def test_the_unknown_token_is_the_tokenizers_own(tokenizer):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from transforms.text import UnknownTokens, unknown_token_id
+
+    assert unknown_token_id(tokenizer._tok) == tokenizer._tok.token_to_id("[UNK]") == 100
+    unigram = Tokenizer(models.Unigram([("<pad>", 0.0), ("<unk>", 0.0), ("a", -1.0)], 1, False))
+    assert unknown_token_id(unigram) == 1
+    byte_level = Tokenizer(models.BPE())  # GPT-2's kind: every byte is a token, none unknown
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel()
+    assert unknown_token_id(byte_level) is None
+    never = UnknownTokens(byte_level, max_tokens=256)
+    assert never.of_head(KANA, (0, 0, 0)) == (0, 0), "no unknown id: the check never fires"
+
+
 def test_the_limit_is_a_setting():
     kanji = [ARTICLES[0]]
     assert isinstance(prepare(kanji, max_unknown_token_ratio=0.5)["ja-kanji"], PreparedDoc)

@@ -323,13 +323,14 @@ def _splits_at_spaces(tokenizer) -> bool:
             and normalizer in (None, "BertNormalizer"))
 
 
-def unknown_token_id(tokenizer) -> Optional[int]:
+def unknown_token_id(tokenizer, spec: Optional[str] = None) -> Optional[int]:
     """The id the tokenizer's model gives what it cannot read (BERT's ``[UNK]``, a SentencePiece
     model's ``<unk>``), read from the model itself; None where it never gives one: byte-level BPE
-    (GPT-2, Qwen...), or byte fallback (its unknown characters become bytes)."""
+    (GPT-2, Qwen...), or byte fallback (its unknown characters become bytes). ``spec``: the
+    tokenizer's ``to_str()``, if at hand."""
     import json
 
-    model = json.loads(tokenizer.to_str())["model"]
+    model = json.loads(spec or tokenizer.to_str())["model"]
     if model.get("byte_fallback"):
         return None
     if model.get("type") == "Unigram":
@@ -354,8 +355,9 @@ class UnknownTokens:
     def __init__(self, tokenizer, max_tokens: int, document_prefix: str = ""):
         from tokenizers import Tokenizer
 
-        self.unknown_id = unknown_token_id(tokenizer)
-        self._tok = Tokenizer.from_str(tokenizer.to_str())
+        spec = tokenizer.to_str()
+        self.unknown_id = unknown_token_id(tokenizer, spec)
+        self._tok = Tokenizer.from_str(spec)
         self._tok.no_truncation()
         self._tok.no_padding()
         self._specials = self._tok.num_special_tokens_to_add(False)
