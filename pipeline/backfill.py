@@ -56,7 +56,7 @@ def already_done(config: config_lib.Config) -> Optional[dict]:
     label = model_label(config.model, resolve_model_path(config.model.path))
     same = (summary.get("model", {}).get("label") == label
             and summary.get("incremental", {}).get("embedding_signature")
-            == embedding_signature(config.model, config.chunking))
+            == embedding_signature(config.model, config.chunking, config.text.unicode_form))
     return summary if same else None
 
 

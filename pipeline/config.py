@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from transforms.chunking import ChunkingSettings
 from transforms.dedup import DedupKey
 from transforms.model import ModelSettings
+from transforms.text import UnicodeForm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local.yaml"
@@ -51,6 +52,14 @@ class ParseSettings(_Section):
 
 class TextSettings(_Section):
     max_text_chars: int = Field(200_000, gt=0, description="longer title + body is dead-lettered")
+    unicode_form: UnicodeForm = Field(
+        "NFC", description="`NFC` or `NFKC`: the Unicode form of the prepared text and title "
+                           "(NFKC also folds ①, ², ㎏, ㈱, ™...; which to choose for which model: "
+                           "docs/input.md)")
+    max_unknown_token_ratio: float = Field(
+        0.2, ge=0, le=1, description="an article with more of its head's tokens unknown to the "
+                                     "model's tokenizer (in chunks mode, of its whole text's) is "
+                                     "dead-lettered `unreadable_for_model`; 1: never")
 
 
 class DedupSettings(_Section):

@@ -56,7 +56,9 @@ def _parse(payloads, config: Config):
 def _prepare(events, config: Config):
     return events | "PrepareText" >> PrepareText(
         config.model, chunking=config.chunking, max_text_chars=config.text.max_text_chars,
-        dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes)
+        dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes,
+        unicode_form=config.text.unicode_form,
+        max_unknown_token_ratio=config.text.max_unknown_token_ratio)
 
 
 def _embed_settings(config: Config, engine_factory) -> dict:
@@ -65,14 +67,18 @@ def _embed_settings(config: Config, engine_factory) -> dict:
                 engine_factory=engine_factory)
 
 
+def signature_of(config: Config) -> str:
+    """The embedding signature of a config's articles (``transforms.incremental``)."""
+    return embedding_signature(config.model, config.chunking, config.text.unicode_form)
+
+
 def summary_base(config: Config) -> dict:
     """What a run's ``_summary.json`` says about its settings (CommitRun adds the counts)."""
     model_path = resolve_model_path(config.model.path)
     return {"input": config.input, "output": config.output,
-            "chunking": config.chunking.model_dump(),
+            "chunking": config.chunking.model_dump(), "text": config.text.model_dump(),
             "incremental": {**config.incremental.model_dump(),
-                            "embedding_signature": embedding_signature(config.model,
-                                                                       config.chunking)},
+                            "embedding_signature": signature_of(config)},
             "model": {**config.model.model_dump(), "resolved_path": model_path,
                       "label": model_label(config.model, model_path),
                       "resolved_dtype": config.model.resolved_dtype(),
@@ -86,7 +92,7 @@ def embed_and_write(payloads, config: Config, run_id: str,
     PCollection of one dict)."""
     parsed = _parse(payloads, config)
     prepared = _prepare(parsed.events, config)
-    signature = embedding_signature(config.model, config.chunking)
+    signature = signature_of(config)
     docs, tallies = prepared.docs, [tally(payloads, Tally.IN)]
     skipped_from = None
     if config.incremental.previous_outputs:
@@ -163,7 +169,7 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
         config.model, **_embed_settings(config, engine_factory))
     return embedded | "WriteMicroBatches" >> WriteMicroBatches(
         config.output, run_id, config.model.dim, config.sink.row_group_rows,
-        signature=embedding_signature(config.model, config.chunking))
+        signature=signature_of(config))
 
 
 def build_streaming(pipeline: beam.Pipeline, config: Config, run_id: str,

@@ -4,7 +4,8 @@
 Each micro-batch of a streaming job writes a ledger record (``ledger/dt=../hour=../*.json``) after
 its data files. This sums the records whose window starts in ``[--from, --until)`` (RFC 3339, UTC;
 both optional), prints the totals as JSON, and exits 1, naming each window, if:
-- a record does not balance (``messages_in != rows_written + dead_lettered + duplicates``);
+- a record does not balance (``messages_in != rows_written + dead_lettered + duplicates``), or its
+  dead letters by reason, or by language and reason, do not add up to its dead letters;
 - a record names a file that is missing or, with verification on (the default), holds another number
   of rows (Parquet footer) or dead letters (lines) than the record says;
 - a record's keys do not match its rows (``keys/``: the index the nightly incremental job trusts);
@@ -139,6 +140,9 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
             if not r.counts.reasons_add_up():
                 problems.append(f"{where}: dead letters by reason do not add up to "
                                 f"{r.dead_lettered}")
+            if not r.counts.languages_add_up():
+                problems.append(f"{where}: dead letters by language do not add up to those by "
+                                f"reason")
             if r.keys_file is not None and r.keys_written != r.rows_written:
                 problems.append(f"{where}: {r.keys_written} keys for {r.rows_written} rows")
         for kind, relative, count in (("vectors", r.vectors_file, r.rows_written),
@@ -209,6 +213,8 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
               "late_reassigned": sum(r.late_reassigned for r in records),
               "chunks_written": total.chunks_written,
               "dead_lettered_by_reason": dict(total.dead_lettered_by_reason),
+              "dead_lettered_by_language": {language: dict(by_reason) for language, by_reason
+                                            in total.dead_lettered_by_language.items()},
               "balanced": not problems}
     return LedgerReport(totals=totals, problems=problems)
 

@@ -1,9 +1,10 @@
 """Search newsvec's output: ``newsvec search --config C "query text" [--k 10] [--output PREFIX]``.
 
-The query is prepared like an article's text (``normalize_text``), prefixed with
-``model.query_prefix``, tokenized and embedded with the config's model settings; the nearest
-articles in the output's Parquet files are found with DuckDB's ``array_cosine_similarity``: by the
-article's best chunk when the output has ``chunks/``, else by its row in ``vectors/``. Works on a
+The query is prepared like an article's text (``normalize_text``, in ``text.unicode_form``),
+prefixed with ``model.query_prefix``, tokenized and embedded with the config's model settings; the
+nearest articles in the output's Parquet files are found with DuckDB's ``array_cosine_similarity``:
+by the article's best chunk when the output has ``chunks/``, else by its row in ``vectors/`` (the
+``title`` shown is the column's: the prepared title). Works on a
 batch output and on a streaming one (``dt=/hour=`` partitions), local or ``gs://`` (the files are
 read through Beam's file systems and handed to DuckDB as Arrow tables, so DuckDB needs no
 extension).
@@ -33,7 +34,8 @@ def embed_query(config: Config, query: str):
     from transforms.engine import load_engine
     from transforms.text import HeadTokenizer, normalize_text
 
-    ids, _ = HeadTokenizer(config.model)(config.model.query_prefix + normalize_text(query))
+    text = normalize_text(query, config.text.unicode_form)
+    ids, _ = HeadTokenizer(config.model)(config.model.query_prefix + text)
     (vector,) = load_engine(config.model).embed([ids])
     return vector
 

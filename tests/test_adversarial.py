@@ -34,12 +34,14 @@ from tests.adversarial import (
 from tests.conftest import make_config
 from transforms.parse import ParseError, parse_event
 from transforms.schema import PreparedDoc, Reason
+from transforms.text import normalize_text
 
 # docs/input.md's dead-letter table: the step that gives each reason.
 PARSE_REASONS = {Reason.PAYLOAD_TOO_LARGE, Reason.INVALID_UTF8, Reason.INVALID_JSON,
                  Reason.NOT_AN_OBJECT, Reason.MISSING_ID, Reason.INVALID_ID, Reason.INVALID_FIELD,
                  Reason.NO_TEXT, Reason.PUBLISHED_IN_FUTURE}
-PREPARE_REASONS = {Reason.TEXT_TOO_LONG, Reason.EMPTY_AFTER_NORMALIZATION, Reason.PREPARE_FAILED}
+PREPARE_REASONS = {Reason.TEXT_TOO_LONG, Reason.EMPTY_AFTER_NORMALIZATION, Reason.PREPARE_FAILED,
+                   Reason.UNREADABLE_FOR_MODEL}
 ALL_REASONS = {v for k, v in vars(Reason).items() if k.isupper()}
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
 
@@ -249,7 +251,7 @@ def test_batch_every_valid_case_is_exactly_one_row(batch_run):
     assert summary["counts"]["duplicates"] == sum(c.expected == DUPLICATE for c in BATCH_CASES)
 
 
-def test_batch_rows_keep_their_fields_as_sent(batch_run):
+def test_batch_rows_keep_their_fields_as_sent_and_the_prepared_title(batch_run):
     _, out, _ = batch_run
     table = read_rows(out)
     micros = table["published_at"].cast(pa.int64()).to_pylist()  # year 0 does not fit datetime
@@ -263,8 +265,10 @@ def test_batch_rows_keep_their_fields_as_sent(batch_run):
         raw = json.loads(case.payload.decode("utf-8"))
         assert len(by_id[raw["id"]]) == 1, f"{case.name}: {len(by_id[raw['id']])} rows"
         row, us = by_id[raw["id"]][0]
-        for field in ("title", "source", "url", "language"):
+        for field in ("source", "url", "language"):
             assert row[field] == raw.get(field), f"{case.name}: {field} kept as sent"
+        assert row["title"] == (normalize_text(raw.get("title")) or None), \
+            f"{case.name}: the title as it was embedded"
         assert us == (_micros(raw["published_at"]) if raw.get("published_at") else None), case.name
     assert by_id["row-long-title"][0][0]["truncated"], "a 9,000-character title keeps its head"
     survivor = json.loads(BY_NAME["dup_original"].payload)

@@ -51,7 +51,9 @@ _prepare = _PrepareTextFn(make_config().model, max_text_chars=2000, dead_letter_
                  body=st.none() | hostile_text))
 def test_text_preparation_gives_text_or_a_dead_letter_never_an_exception(event):
     result = _prepare._compose(event)
-    if isinstance(result, str):
-        assert result and result == result.strip() and "\x00" not in result
+    if isinstance(result, tuple):  # (the prepared title, the text)
+        title, text = result
+        assert text and text == text.strip() and "\x00" not in text
+        assert text.split("\n")[0] == title if title else "\n" not in text
     else:
         assert result.value.reason in KNOWN_REASONS and result.value.step == "prepare_text"

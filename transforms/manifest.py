@@ -178,18 +178,26 @@ def clean_stale(output: str, older_than_s: float, now: Optional[float] = None) -
     return doomed
 
 
-def dead_letter_reasons(paths: Iterable[str]) -> list[str]:
-    """The reason of every dead letter in these JSON Lines files (one JSON per line)."""
-    reasons = []
+def dead_letter_reasons(paths: Iterable[str]) -> list[tuple[Optional[str], str]]:
+    """The (language, reason) of every dead letter in these JSON Lines files (one JSON per line;
+    language None where the event gave none, or in files written before it was kept)."""
+    letters = []
     for path in paths:
         with FileSystems.open(path) as f:
-            reasons += [json.loads(line)["reason"] for line in f.read().splitlines() if line]
-    return reasons
+            for line in f.read().splitlines():
+                if line:
+                    letter = json.loads(line)
+                    letters.append((letter.get("language"), letter["reason"]))
+    return letters
 
 
 def count_stored(vectors: Iterable[str], dead_letters: Iterable[str],
                  chunks: Iterable[str] = ()) -> Counts:
-    """What the files hold: rows and chunk rows (Parquet footers), and dead letters by reason."""
-    reasons = Counts.by_reason(dead_letter_reasons(dead_letters))
+    """What the files hold: rows and chunk rows (Parquet footers), and dead letters by reason and
+    by language."""
+    letters = dead_letter_reasons(dead_letters)
+    reasons = Counts.by_reason(reason for _, reason in letters)
     return Counts(written=parquet_rows(vectors), dead_lettered=sum(reasons.values()),
-                  dead_lettered_by_reason=reasons, chunks_written=parquet_rows(chunks))
+                  dead_lettered_by_reason=reasons,
+                  dead_lettered_by_language=Counts.by_language(letters),
+                  chunks_written=parquet_rows(chunks))

@@ -87,7 +87,8 @@ class NewsEvent(BaseModel):
 @dataclasses.dataclass(frozen=True)
 class PreparedDoc:
     """An event ready for the model: normalized text and the head of its token ids; in chunks mode
-    also its chunks (``transforms.chunking.ChunkSpan``), which cover the whole text."""
+    also its chunks (``transforms.chunking.ChunkSpan``), which cover the whole text. ``title`` is
+    the prepared title (the text's first line, when there is one), which the outputs hold."""
 
     event: NewsEvent
     text: str
@@ -95,6 +96,7 @@ class PreparedDoc:
     token_ids: tuple[int, ...]
     truncated: bool
     chunks: tuple = ()
+    title: Optional[str] = None
 
     @property
     def token_count(self) -> int:
@@ -138,7 +140,8 @@ class EmbeddedDoc:
         """The row of a document. A mean vector stands for all the text's tokens, none cut."""
         e = doc.event
         mean = doc_vector == "mean"
-        return cls(id=e.id, url=e.url, source=e.source, title=e.title, published_at=e.published_at,
+        return cls(id=e.id, url=e.url, source=e.source, title=doc.title,
+                   published_at=e.published_at,
                    language=e.language, model=model, embedding=embedding,
                    text_sha256=doc.text_sha256,
                    token_count=doc.chunks[-1].token_end if mean else doc.token_count,
@@ -168,6 +171,7 @@ class ChunkRow:
 
 
 DEAD_LETTER = "dead_letter"  # the tag of every step's dead-letter output (parse, prepare, embed)
+UNKNOWN_LANGUAGE = "unknown"  # a dead letter's language in the counts when its event gave none
 
 
 class Step(enum.StrEnum):
@@ -192,6 +196,7 @@ class Reason(enum.StrEnum):
     PUBLISHED_IN_FUTURE = "published_at_in_future"
     TEXT_TOO_LONG = "text_too_long"
     EMPTY_AFTER_NORMALIZATION = "empty_after_normalization"
+    UNREADABLE_FOR_MODEL = "unreadable_for_model"
     PREPARE_FAILED = "prepare_failed"
     EMBEDDING_FAILED = "embedding_failed"
 
@@ -207,6 +212,7 @@ class DeadLetter:
     payload_bytes: int  # the size of the whole raw payload
     event_id: Optional[str] = None
     message_id: Optional[str] = None  # the Pub/Sub message id, when streaming
+    language: Optional[str] = None  # the event's, once parsed
     failed_at: str = dataclasses.field(
         default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"))
 
@@ -222,7 +228,8 @@ class DeadLetter:
         return cls(step=step, reason=reason, detail=detail,
                    payload=truncate_payload(raw, payload_limit), payload_bytes=len(raw),
                    event_id=event.id,
-                   message_id=event.lineage.message_id if event.lineage else None)
+                   message_id=event.lineage.message_id if event.lineage else None,
+                   language=event.language)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +285,11 @@ _CHUNK_COUNT = Column("chunk_count", pa.int32(), False,
 
 VECTOR_COLUMNS = (
     _ID, _from_event("url", pa.string()), _from_event("source", pa.string()),
-    _from_event("title", pa.string()), _from_event("published_at", _TIMESTAMP),
+    Column("title", pa.string(), True,
+           "the prepared title: HTML stripped, entities decoded, mojibake repaired, in "
+           "`text.unicode_form`, whitespace collapsed (the text's first line); null if none is "
+           "left"),
+    _from_event("published_at", _TIMESTAMP),
     _from_event("language", pa.string()),
     _MODEL, _DIM, _EMBEDDING, _TEXT_SHA256,
     Column("token_count", pa.int32(), False,
@@ -423,6 +434,9 @@ class Counts:
 
     ``truncated`` (rows whose text was cut to the model's length) and ``chunks_written`` (rows of
     ``chunks/``) describe written rows; they are not destinations and are not in the balance.
+    The dead letters are also counted by reason, and by the event's ``language`` and reason
+    (``UNKNOWN_LANGUAGE`` where it gave none or was never parsed): a feed in a language the model
+    cannot read shows there as ``unreadable_for_model`` dead letters.
     """
 
     articles_in: int = 0
@@ -433,6 +447,8 @@ class Counts:
     truncated: int = 0
     chunks_written: int = 0
     dead_lettered_by_reason: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    dead_lettered_by_language: Mapping[str, Mapping[str, int]] = dataclasses.field(
+        default_factory=dict)
 
     @property
     def accounted(self) -> int:
@@ -445,12 +461,28 @@ class Counts:
         """The dead letters by reason sum to the dead letters."""
         return sum(self.dead_lettered_by_reason.values()) == self.dead_lettered
 
+    def languages_add_up(self) -> bool:
+        """The dead letters by language and reason sum to the dead letters by reason."""
+        reasons: collections.Counter[str] = collections.Counter()
+        for by_reason in self.dead_lettered_by_language.values():
+            reasons.update(by_reason)
+        return reasons == collections.Counter(self.dead_lettered_by_reason)
+
     def __add__(self, other: "Counts") -> "Counts":
         reasons = collections.Counter(self.dead_lettered_by_reason)
         reasons.update(other.dead_lettered_by_reason)
+        languages: dict[str, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter)
+        for counts in (self, other):
+            for language, by_reason in counts.dead_lettered_by_language.items():
+                languages[language].update(by_reason)
+        breakdowns = {"dead_lettered_by_reason", "dead_lettered_by_language"}
         return Counts(**{f.name: getattr(self, f.name) + getattr(other, f.name)
-                         for f in dataclasses.fields(self) if f.name != "dead_lettered_by_reason"},
-                      dead_lettered_by_reason=dict(sorted(reasons.items())))
+                         for f in dataclasses.fields(self) if f.name not in breakdowns},
+                      dead_lettered_by_reason=dict(sorted(reasons.items())),
+                      dead_lettered_by_language={
+                          language: dict(sorted(by_reason.items()))
+                          for language, by_reason in sorted(languages.items())})
 
     @classmethod
     def total(cls, counts: Iterable["Counts"]) -> "Counts":
@@ -461,18 +493,40 @@ class Counts:
         """Dead letters by reason, sorted by reason (the form every output writes)."""
         return dict(sorted(collections.Counter(reasons).items()))
 
+    @staticmethod
+    def by_language(letters: Iterable[tuple[Optional[str], str]]) -> dict[str, dict[str, int]]:
+        """Dead letters, given as (language, reason), by language and then by reason, sorted; a
+        null or empty language is ``UNKNOWN_LANGUAGE``."""
+        languages: dict[str, list[str]] = collections.defaultdict(list)
+        for language, reason in letters:
+            languages[language or UNKNOWN_LANGUAGE].append(reason)
+        return {language: Counts.by_reason(reasons)
+                for language, reasons in sorted(languages.items())}
+
+    @staticmethod
+    def languages_unrecorded(by_reason: Mapping[str, int]) -> dict[str, dict[str, int]]:
+        """The by-language counts of a summary or ledger record written before they were kept:
+        every dead letter under ``UNKNOWN_LANGUAGE``."""
+        return {UNKNOWN_LANGUAGE: dict(by_reason)} if any(by_reason.values()) else {}
+
     @classmethod
     def from_summary(cls, counts: Mapping[str, Any]) -> "Counts":
         """The counts of a ``_summary.json`` (``to_summary``); keys it lacks count 0."""
         names = {f.name for f in dataclasses.fields(cls)} - {"articles_in"}
-        return cls(articles_in=counts.get("in", 0),
-                   **{name: value for name, value in counts.items() if name in names})
+        found = cls(articles_in=counts.get("in", 0),
+                    **{name: value for name, value in counts.items() if name in names})
+        if "dead_lettered_by_language" in counts:
+            return found
+        return dataclasses.replace(found, dead_lettered_by_language=cls.languages_unrecorded(
+            found.dead_lettered_by_reason))
 
     def to_summary(self) -> dict:
         """The ``counts`` of a batch run's ``_summary.json`` and manifest (docs/output.md)."""
         return {"in": self.articles_in, "written": self.written,
                 "dead_lettered": self.dead_lettered,
                 "dead_lettered_by_reason": dict(self.dead_lettered_by_reason),
+                "dead_lettered_by_language": {language: dict(by_reason) for language, by_reason
+                                              in self.dead_lettered_by_language.items()},
                 "chunks_written": self.chunks_written, "duplicates": self.duplicates,
                 "unchanged": self.unchanged, "truncated": self.truncated,
                 "accounted": self.accounted}
@@ -504,13 +558,18 @@ class LedgerRecord:
     keys_written: int = 0  # rows of keys/ (the key index)
     keys_file: Optional[str] = None
     digest: Optional[str] = None  # of the micro-batch's messages: in its files' names
+    # {language: {reason: n}} (Counts.by_language); None in records written before it was kept
+    dead_lettered_by_language: Optional[dict] = None
 
     @property
     def counts(self) -> Counts:
+        languages = (Counts.languages_unrecorded(self.dead_lettered_by_reason)
+                     if self.dead_lettered_by_language is None else self.dead_lettered_by_language)
         return Counts(articles_in=self.messages_in, written=self.rows_written,
                       dead_lettered=self.dead_lettered, duplicates=self.duplicates,
                       chunks_written=self.chunks_written,
-                      dead_lettered_by_reason=self.dead_lettered_by_reason)
+                      dead_lettered_by_reason=self.dead_lettered_by_reason,
+                      dead_lettered_by_language=languages)
 
     def balances(self) -> bool:
         return self.counts.balances()

@@ -324,6 +324,8 @@ class _WriteMicroBatchFn(beam.DoFn):
             dead_lettered=len(batch.dead_letters),
             dead_lettered_by_reason=Counts.by_reason(
                 letter.reason for letter in batch.dead_letters),
+            dead_lettered_by_language=Counts.by_language(
+                (letter.language, letter.reason) for letter in batch.dead_letters),
             duplicates=batch.duplicates, late_reassigned=batch.late_reassigned,
             vectors_file=vectors, dead_letter_file=letters,
             written_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),

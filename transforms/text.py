@@ -1,9 +1,10 @@
 """Prepare text: NewsEvent -> PreparedDoc (normalized text + the head of its token ids), or a dead
 letter.
 
-Normalization: HTML tags dropped and entities decoded, mojibake repaired (ftfy), Unicode NFC,
-control characters removed, invisible format characters (bidi controls, joiners, soft hyphens)
-dropped, whitespace collapsed. Title and body are joined by a newline.
+Normalization: HTML tags dropped and entities decoded, mojibake repaired (ftfy), Unicode NFC (or
+NFKC: ``text.unicode_form``), control characters removed, invisible format characters (bidi
+controls, joiners, soft hyphens) dropped, whitespace collapsed. Title and body are joined by a
+newline.
 
 Truncation keeps the HEAD of long articles: the text is tokenized here with the model's own
 tokenizer, truncated on the right to ``max_tokens`` (special tokens included), and the ids go to
@@ -31,7 +32,7 @@ import re
 import sys
 import threading
 import unicodedata
-from typing import Iterator, Optional
+from typing import Iterator, Literal, Optional
 
 import apache_beam as beam
 import ftfy
@@ -188,15 +189,23 @@ def strip_html(text: str) -> str:
     return "".join(parser.parts)
 
 
-def normalize_text(text: Optional[str]) -> str:
-    """One field's text, cleaned for the model. Idempotent."""
+UnicodeForm = Literal["NFC", "NFKC"]
+"""``text.unicode_form``. ftfy (``fix_text``) already folds full-width ASCII, half-width
+katakana and Latin ligatures; NFKC also folds the other compatibility characters (①, ², ㎏, ㈱,
+™, ½...)."""
+
+
+def normalize_text(text: Optional[str], form: UnicodeForm = "NFC") -> str:
+    """One field's text, cleaned for the model, in Unicode ``form``. Idempotent."""
     if not text:
         return ""
     if _TAG.search(text):
         text = strip_html(text)
     elif "&" in text:
         text = html.unescape(text)
-    text = fix_text(text)
+    text = fix_text(text)  # NFC
+    if form == "NFKC" and not text.isascii():
+        text = unicodedata.normalize("NFKC", text)  # NFKC(NFC(x)) == NFKC(x)
     if _CONTROL.search(text):
         text = _CONTROL.sub(" ", text)
     if not text.isascii():  # format characters (Cf) are all outside ASCII
@@ -204,10 +213,14 @@ def normalize_text(text: Optional[str]) -> str:
     return " ".join(text.split())  # str.split's whitespace is re's \s (the test checks each)
 
 
-def compose_text(event: NewsEvent) -> str:
+def join_text(title: str, body: str) -> str:
+    """The text that is embedded, of a normalized title and body: title, a newline, body."""
+    return "\n".join(part for part in (title, body) if part)
+
+
+def compose_text(event: NewsEvent, form: UnicodeForm = "NFC") -> str:
     """The text that is embedded: normalized title, a newline, normalized body."""
-    parts = (normalize_text(event.title), normalize_text(event.body))
-    return "\n".join(part for part in parts if part)
+    return join_text(normalize_text(event.title, form), normalize_text(event.body, form))
 
 
 class HeadTokenizer:
@@ -406,6 +419,77 @@ def _single_token_chars(tokenizer) -> str:
     return _char_class(sorted(single))[1:-1] if single else ""
 
 
+def unknown_token_id(tokenizer, spec: Optional[str] = None) -> Optional[int]:
+    """The id the tokenizer's model gives what it cannot read (BERT's ``[UNK]``, a SentencePiece
+    model's ``<unk>``), read from the model itself; None where it never gives one: byte-level BPE
+    (GPT-2, Qwen...), or byte fallback (its unknown characters become bytes). ``spec``: the
+    tokenizer's ``to_str()``, if at hand."""
+    import json
+
+    model = json.loads(spec or tokenizer.to_str())["model"]
+    if model.get("byte_fallback"):
+        return None
+    if model.get("type") == "Unigram":
+        return model.get("unk_id")
+    token = model.get("unk_token")
+    return tokenizer.token_to_id(token) if token else None
+
+
+def _is_word(text: str) -> bool:
+    """Whether a piece of text holds a letter (any script): an unknown token of symbols only (an
+    emoji, a flag) is not a word the model failed to read."""
+    return any(unicodedata.category(ch)[0] == "L" for ch in text)
+
+
+class UnknownTokens:
+    """Counts the words of a prepared text that the model's tokenizer cannot read: its unknown
+    tokens that hold a letter, among its own tokens (no special tokens, no document prefix). An
+    unknown token of symbols only (emoji) counts neither way. Texts with no unknown id among their
+    token ids (nearly all, for a model that fits the feed) cost one scan of their ids; the others
+    are tokenized once more, with offsets, to see what each unknown token covers."""
+
+    def __init__(self, tokenizer, max_tokens: int, document_prefix: str = ""):
+        from tokenizers import Tokenizer
+
+        spec = tokenizer.to_str()
+        self.unknown_id = unknown_token_id(tokenizer, spec)
+        self._tok = Tokenizer.from_str(spec)
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        self._specials = self._tok.num_special_tokens_to_add(False)
+        self._prefix = document_prefix
+        self._max_chars = max_tokens * _CHARS_PER_TOKEN_BOUND
+
+    def of_head(self, text: str, head_ids: tuple[int, ...]) -> tuple[int, int]:
+        """(unknown words, tokens counted) of the head that ``head_ids`` (``HeadTokenizer``'s,
+        of the prefix and ``text``) holds."""
+        if self.unknown_id is None or self.unknown_id not in head_ids:
+            return 0, 0
+        full = (self._prefix + text)[: self._max_chars]
+        return self._count(full, len(head_ids) - self._specials, len(self._prefix))
+
+    def of_text(self, text: str, chunks) -> tuple[int, int]:
+        """(unknown words, tokens counted) of the whole text (``transforms.chunking``'s
+        ``chunks`` of it hold its every token)."""
+        if self.unknown_id is None or not any(self.unknown_id in c.token_ids for c in chunks):
+            return 0, 0
+        return self._count(text, None, 0)
+
+    def _count(self, text: str, limit: Optional[int], skip_chars: int) -> tuple[int, int]:
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        unknown = counted = 0
+        for token_id, (start, end) in list(zip(encoding.ids, encoding.offsets,
+                                               strict=True))[:limit]:
+            if start < skip_chars:  # the document prefix's
+                continue
+            if token_id == self.unknown_id:
+                if not _is_word(text[start:end]):
+                    continue
+                unknown += 1
+            counted += 1
+        return unknown, counted
+
+
 _TOOLS_LOCK = threading.Lock()
 _TOOLS: dict[tuple[str, str], tuple["HeadTokenizer", Optional[Chunker]]] = {}
 
@@ -429,16 +513,36 @@ def text_tools(model: ModelSettings,
         return _TOOLS[key]
 
 
+_UNKNOWN: dict[str, UnknownTokens] = {}
+
+
+def unknown_tokens(model: ModelSettings) -> UnknownTokens:
+    """The ``UnknownTokens`` of a model, built once per process (as ``text_tools``)."""
+    key = model.model_dump_json()
+    with _TOOLS_LOCK:
+        found = _UNKNOWN.get(key)
+    if found is None:
+        tokenizer, _ = text_tools(model)
+        found = UnknownTokens(tokenizer._tok, model.max_tokens, model.document_prefix)
+        with _TOOLS_LOCK:
+            found = _UNKNOWN.setdefault(key, found)
+    return found
+
+
 class _PrepareTextFn(beam.DoFn):
     def __init__(self, model: ModelSettings, max_text_chars: int, dead_letter_payload_bytes: int,
-                 chunking: ChunkingSettings = ChunkingSettings()):
+                 chunking: ChunkingSettings = ChunkingSettings(), *,
+                 unicode_form: UnicodeForm = "NFC", max_unknown_token_ratio: float = 0.2):
         self._model, self._chunking = model, chunking
         self._max_text_chars, self._dl_bytes = max_text_chars, dead_letter_payload_bytes
+        self._form, self._max_unknown = unicode_form, max_unknown_token_ratio
         self._tokenizer: Optional[HeadTokenizer] = None
         self._chunker: Optional[Chunker] = None
+        self._unknown: Optional[UnknownTokens] = None
 
     def setup(self):
         self._tokenizer, self._chunker = text_tools(self._model, self._chunking)
+        self._unknown = unknown_tokens(self._model)
 
     def _tokenize_batch(self, texts: list[str]) -> list[tuple]:
         """Per text: (head token ids, whether the head was cut, chunks)."""
@@ -453,14 +557,15 @@ class _PrepareTextFn(beam.DoFn):
             event, Step.PREPARE, reason, detail, self._dl_bytes))
 
     def _compose(self, event: NewsEvent):
-        """The composed text, or a dead letter."""
+        """(the prepared title, the composed text), or a dead letter."""
         length = len(event.title or "") + len(event.body or "")
         if length > self._max_text_chars:
             return self._dead_letter(event, Reason.TEXT_TOO_LONG,
                                      f"title and body hold {length} characters, over the limit of "
                                      f"{self._max_text_chars}")
         try:
-            text = compose_text(event)
+            title = normalize_text(event.title, self._form)
+            text = join_text(title, normalize_text(event.body, self._form))
         except Exception as exc:  # pylint: disable=broad-except  # hostile markup must not crash
             return self._dead_letter(
                 event, Reason.PREPARE_FAILED,
@@ -469,7 +574,23 @@ class _PrepareTextFn(beam.DoFn):
             return self._dead_letter(event, Reason.EMPTY_AFTER_NORMALIZATION,
                                      "no text is left once HTML, control characters and whitespace "
                                      "are removed")
-        return text
+        return title, text
+
+    def _unreadable(self, event: NewsEvent, text: str, ids: tuple[int, ...], chunks: tuple):
+        """A dead letter if the model cannot read most of the text (``max_unknown_token_ratio``):
+        its head's tokens, or in chunks mode the whole text's (every chunk is embedded)."""
+        assert self._unknown is not None, "setup() makes it"
+        unknown, counted = (self._unknown.of_text(text, chunks) if self._chunker is not None
+                            else self._unknown.of_head(text, ids))
+        if not unknown or unknown <= self._max_unknown * counted:
+            return None
+        where = "the text's" if self._chunker is not None else "its head's"
+        return self._dead_letter(
+            event, Reason.UNREADABLE_FOR_MODEL,
+            f"{unknown} of {where} {counted} tokens are unknown to the model's tokenizer (ratio "
+            f"{unknown / counted:.3f} > text.max_unknown_token_ratio {self._max_unknown}; language "
+            f"{event.language or 'not given'}): the model cannot read this text; embed this feed "
+            f"with a model whose vocabulary covers its language")
 
     def _tokenize(self, texts: list[str]) -> list:
         try:
@@ -485,29 +606,42 @@ class _PrepareTextFn(beam.DoFn):
 
     def process(self, events: list[NewsEvent]) -> Iterator:
         composed = [(event, self._compose(event)) for event in events]
-        yield from (text for _, text in composed if not isinstance(text, str))
-        ready = [(event, text) for event, text in composed if isinstance(text, str)]
-        tokenized = self._tokenize([text for _, text in ready])
-        for (event, text), tokens in zip(ready, tokenized, strict=True):
+        yield from (out for _, out in composed if not isinstance(out, tuple))
+        ready = [(event, *out) for event, out in composed if isinstance(out, tuple)]
+        tokenized = self._tokenize([text for _, _, text in ready])
+        for (event, title, text), tokens in zip(ready, tokenized, strict=True):
             if isinstance(tokens, Exception):
                 yield self._dead_letter(
                     event, Reason.PREPARE_FAILED,
                     f"tokenization failed: {type(tokens).__name__}: {tokens}"[:500])
                 continue
             ids, truncated, chunks = tokens
+            unreadable = self._unreadable(event, text, ids, chunks)
+            if unreadable is not None:
+                yield unreadable
+                continue
             yield PreparedDoc(event=event, text=text,
                               text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
-                              token_ids=ids, truncated=truncated, chunks=chunks)
+                              token_ids=ids, truncated=truncated, chunks=chunks,
+                              title=title or None)
 
 
 class PrepareText(beam.PTransform):
     """NewsEvent -> PreparedDoc (main output) and DeadLetter (``dead_letter`` output). In chunks
-    mode (``transforms.chunking``) each document also holds its chunks."""
+    mode (``transforms.chunking``) each document also holds its chunks.
+
+    Text in ``unicode_form`` (``text.unicode_form``). An article the model cannot read (more than
+    ``max_unknown_token_ratio`` of its head's tokens unknown to the tokenizer: ``UnknownTokens``;
+    in chunks mode, of the whole text's) is dead-lettered ``unreadable_for_model``, not embedded:
+    every such article would get about the same vector."""
 
     def __init__(self, model: ModelSettings, *, chunking: ChunkingSettings = ChunkingSettings(),
-                 max_text_chars: int = 200_000, dead_letter_payload_bytes: int = 4096):
+                 max_text_chars: int = 200_000, dead_letter_payload_bytes: int = 4096,
+                 unicode_form: UnicodeForm = "NFC", max_unknown_token_ratio: float = 0.2):
         super().__init__()
-        self._fn = _PrepareTextFn(model, max_text_chars, dead_letter_payload_bytes, chunking)
+        self._fn = _PrepareTextFn(model, max_text_chars, dead_letter_payload_bytes, chunking,
+                                  unicode_form=unicode_form,
+                                  max_unknown_token_ratio=max_unknown_token_ratio)
 
     def expand(self, events):
         return (events
