@@ -1,5 +1,5 @@
-"""Feeds in other languages: the sample's Japanese articles, and ``newsvec search`` with a
-Japanese query.
+"""Feeds in other languages (docs/languages.md): the sample's Japanese articles, the config for a
+multilingual model (checked without its weights), and ``newsvec search`` with a Japanese query.
 The search tests use the packaged MiniLM tokenizer and a FAKE engine (tests/fakes.py): they check
 the plumbing (argv, stdin, the prefix, the normalization, printing), not what a model finds."""
 from __future__ import annotations
@@ -16,11 +16,14 @@ import pytest
 import yaml
 
 from pipeline import cli
-from tests.conftest import SAMPLE_EVENTS, make_config
+from pipeline import config as config_lib
+from tests.conftest import REPO, SAMPLE_EVENTS, make_config
 from tests.fakes import FakeEngine
 from transforms.schema import NewsEvent
 from transforms.text import compose_text, normalize_text
 
+E5_CONFIG = REPO / "configs" / "multilingual-e5.yaml"
+E5_PLACEHOLDER = "<MULTILINGUAL_E5_DIR>"
 FULL_WIDTH_ASCII = range(0xFF01, 0xFF5F)  # ＡＢＣ１２３...
 HALF_WIDTH_KATAKANA = range(0xFF65, 0xFFA0)  # ｶﾀｶﾅ...
 
@@ -53,6 +56,34 @@ def test_the_sample_holds_japanese_articles_with_width_and_compatibility_forms()
                    for text in prepared)
     # ... and NFKC (text.unicode_form) still changes some prepared text: ㈱, ①.
     assert any(unicodedata.normalize("NFKC", text) != text for text in prepared)
+
+
+def test_the_multilingual_config_needs_its_local_model_folder_and_loads_once_filled(tmp_path):
+    text = E5_CONFIG.read_text(encoding="utf-8")
+    with pytest.raises(config_lib.ConfigError) as info:
+        config_lib.load(E5_CONFIG)
+    assert "model.path" in str(info.value) and E5_PLACEHOLDER in str(info.value)
+    # The placeholder is explained where it stands, and in the docs.
+    (path_line,) = [line for line in text.splitlines() if line.strip().startswith("path:")]
+    assert E5_PLACEHOLDER in path_line and "local folder" in path_line
+    assert "huggingface-cli download intfloat/multilingual-e5-base" in text
+    docs = (REPO / "docs" / "languages.md").read_text(encoding="utf-8")
+    assert "configs/multilingual-e5.yaml" in docs and E5_PLACEHOLDER in docs
+
+    folder = tmp_path / "multilingual-e5-base"
+    folder.mkdir()
+    filled = tmp_path / "e5.yaml"
+    filled.write_text(text.replace(E5_PLACEHOLDER, str(folder)), encoding="utf-8")
+    config = config_lib.load(filled)
+    model = config.model
+    assert (model.name, model.path, model.dim, model.max_tokens) == (
+        "intfloat/multilingual-e5-base", str(folder), 768, 512)
+    assert (model.document_prefix, model.query_prefix) == ("passage: ", "query: ")
+    assert model.engine_env["HF_HUB_OFFLINE"] == model.engine_env["TRANSFORMERS_OFFLINE"] == "1"
+    assert not model.trust_remote_code
+    local = config_lib.load(REPO / "configs" / "local.yaml")
+    assert config.input == local.input and config.beam == local.beam, "a local batch run"
+    assert config.output != local.output, "its vectors beside MiniLM's, not over them"
 
 
 class RecordingFakeEngine(FakeEngine):
