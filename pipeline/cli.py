@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -61,7 +62,8 @@ def _search_command(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="newsvec search", description="Embed a query with the config's model settings (and "
         "model.query_prefix) and print the nearest articles of the output, best first.")
-    parser.add_argument("query", help="the query text")
+    parser.add_argument("query", help="the query text, in any language the model reads; `-`: "
+                        "read it from stdin (UTF-8)")
     parser.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG),
                         help="the config whose model and output to use")
     parser.add_argument("--k", type=int, default=10, help="how many articles (default 10)")
@@ -71,13 +73,42 @@ def _search_command(argv: Sequence[str]) -> int:
     from pipeline.search import search
 
     config = config_lib.fill_model(config_lib.load(args.config))
-    for hit in search(config, args.query, args.k, args.output):
+    for hit in search(config, _query_text(args.query), args.k, args.output):
         if args.json:
-            print(json.dumps(hit))
+            _print_line(json.dumps(hit))
         else:
             where = f"  (chunk {hit['chunk_index']})" if hit["chunk_index"] is not None else ""
-            print(f"{hit['score']:.4f}  {hit['id']}  {hit['title'] or ''}{where}")
+            _print_line(f"{hit['score']:.4f}  {hit['id']}  {hit['title'] or ''}{where}")
     return 0
+
+
+def _query_text(arg: str) -> str:
+    """The query as typed. ``-``: stdin, read as UTF-8 whatever the locale. An argument that holds
+    surrogates is one the interpreter could not decode in a locale that is not UTF-8 (it keeps the
+    bytes as surrogates): its bytes are decoded as UTF-8, as the terminal sent them."""
+    if arg == "-":
+        return sys.stdin.buffer.read().decode("utf-8", errors="replace")
+    try:
+        arg.encode("utf-8")
+        return arg
+    except UnicodeEncodeError:
+        pass
+    try:
+        return os.fsencode(arg).decode("utf-8", errors="replace")
+    except UnicodeEncodeError:  # a surrogate that no undecodable byte became
+        return arg.encode("utf-8", errors="replace").decode("utf-8")
+
+
+def _print_line(line: str) -> None:
+    """Print one result line; as UTF-8 bytes when stdout's encoding cannot hold it (a locale that
+    is not UTF-8, ``PYTHONIOENCODING=ascii``: a Japanese title), rather than fail after the
+    search."""
+    try:
+        print(line)
+    except UnicodeEncodeError:  # nothing was written: the line is encoded whole first
+        sys.stdout.flush()
+        sys.stdout.buffer.write(line.encode("utf-8") + b"\n")
+        sys.stdout.buffer.flush()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -122,7 +122,7 @@ def test_a_local_batch_run_reports_its_progress(tmp_path, caplog):
     run_batch(make_config(input=str(SAMPLE_EVENTS), output=str(tmp_path)),
               PipelineOptions(["--runner=FnApiRunner"]))
     lines = [r.getMessage() for r in caplog.records if r.name == "newsvec.progress"]
-    assert lines and lines[-1].startswith("progress: 48/48 articles (100%)"), lines
+    assert lines and lines[-1].startswith("progress: 54/54 articles (100%)"), lines
     assert "articles/s" in lines[-1] and "ETA" in lines[-1]
 
 

@@ -1,0 +1,155 @@
+"""Feeds in other languages (docs/languages.md): the sample's Japanese articles, the config for a
+multilingual model (checked without its weights), and ``newsvec search`` with a Japanese query.
+The search tests use the packaged MiniLM tokenizer and a FAKE engine (tests/fakes.py): they check
+the plumbing (argv, stdin, the prefix, the normalization, printing), not what a model finds."""
+from __future__ import annotations
+
+import io
+import json
+import sys
+import unicodedata
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from pipeline import cli
+from pipeline import config as config_lib
+from tests.conftest import REPO, SAMPLE_EVENTS, make_config
+from tests.fakes import FakeEngine
+from transforms.schema import NewsEvent
+from transforms.text import compose_text, normalize_text
+
+E5_CONFIG = REPO / "configs" / "multilingual-e5.yaml"
+E5_PLACEHOLDER = "<MULTILINGUAL_E5_DIR>"
+FULL_WIDTH_ASCII = range(0xFF01, 0xFF5F)  # ＡＢＣ１２３...
+HALF_WIDTH_KATAKANA = range(0xFF65, 0xFFA0)  # ｶﾀｶﾅ...
+
+
+def _japanese_events() -> list[NewsEvent]:
+    events = []
+    for line in SAMPLE_EVENTS.read_bytes().splitlines():
+        try:
+            raw = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(raw, dict) and raw.get("language") == "ja":
+            events.append(NewsEvent.model_validate_json(line))
+    return events
+
+
+def _holds(text: str, block: range) -> bool:
+    return any(ord(ch) in block for ch in text)
+
+
+def test_the_sample_holds_japanese_articles_with_width_and_compatibility_forms():
+    events = _japanese_events()
+    assert len(events) == 6 and len({e.id for e in events}) == 6
+    raw = [f"{e.title}\n{e.body}" for e in events]
+    assert any(_holds(text, FULL_WIDTH_ASCII) for text in raw), "an article with ＡＢＣ１２３"
+    assert any(_holds(text, HALF_WIDTH_KATAKANA) for text in raw), "an article with ｶﾀｶﾅ"
+    prepared = [compose_text(e) for e in events]
+    # The preparation folds widths already (ftfy's fix_character_width) ...
+    assert not any(_holds(text, FULL_WIDTH_ASCII) or _holds(text, HALF_WIDTH_KATAKANA)
+                   for text in prepared)
+    # ... and NFKC (text.unicode_form) still changes some prepared text: ㈱, ①.
+    assert any(unicodedata.normalize("NFKC", text) != text for text in prepared)
+
+
+def test_the_multilingual_config_needs_its_local_model_folder_and_loads_once_filled(tmp_path):
+    text = E5_CONFIG.read_text(encoding="utf-8")
+    with pytest.raises(config_lib.ConfigError) as info:
+        config_lib.load(E5_CONFIG)
+    assert "model.path" in str(info.value) and E5_PLACEHOLDER in str(info.value)
+    # The placeholder is explained where it stands, and in the docs.
+    (path_line,) = [line for line in text.splitlines() if line.strip().startswith("path:")]
+    assert E5_PLACEHOLDER in path_line and "local folder" in path_line
+    assert "huggingface-cli download intfloat/multilingual-e5-base" in text
+    docs = (REPO / "docs" / "languages.md").read_text(encoding="utf-8")
+    assert "configs/multilingual-e5.yaml" in docs and E5_PLACEHOLDER in docs
+
+    folder = tmp_path / "multilingual-e5-base"
+    folder.mkdir()
+    filled = tmp_path / "e5.yaml"
+    filled.write_text(text.replace(E5_PLACEHOLDER, str(folder)), encoding="utf-8")
+    config = config_lib.load(filled)
+    model = config.model
+    assert (model.name, model.path, model.dim, model.max_tokens) == (
+        "intfloat/multilingual-e5-base", str(folder), 768, 512)
+    assert (model.document_prefix, model.query_prefix) == ("passage: ", "query: ")
+    assert model.engine_env["HF_HUB_OFFLINE"] == model.engine_env["TRANSFORMERS_OFFLINE"] == "1"
+    assert not model.trust_remote_code
+    local = config_lib.load(REPO / "configs" / "local.yaml")
+    assert config.input == local.input and config.beam == local.beam, "a local batch run"
+    assert config.output != local.output, "its vectors beside MiniLM's, not over them"
+
+
+class RecordingFakeEngine(FakeEngine):
+    """FAKE: a FakeEngine that keeps the token ids it was given."""
+
+    def __init__(self, settings=None):
+        super().__init__(settings)
+        self.prompts: list[tuple[int, ...]] = []
+
+    def embed(self, prompts):
+        self.prompts.extend(tuple(p) for p in prompts)
+        return super().embed(prompts)
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    engine = RecordingFakeEngine()
+    monkeypatch.setattr("transforms.engine.load_engine", lambda settings: engine)
+    return engine
+
+
+QUERY = "ｸﾘｽﾏｽﾏｰｹｯﾄ&amp;<b>手作り雑貨</b>"  # half-width katakana, an entity, a tag
+PREFIXED = make_config(model=make_config().model.model_copy(update={"query_prefix": "query: "}))
+
+
+def _ids(text: str) -> tuple[int, ...]:
+    from transforms.text import HeadTokenizer
+
+    return HeadTokenizer(PREFIXED.model)(text)[0]
+
+
+def test_a_japanese_query_is_prepared_like_an_article_after_the_query_prefix(fake_engine):
+    from pipeline.search import embed_query
+
+    embed_query(PREFIXED, QUERY)
+    assert normalize_text(QUERY) == "クリスマスマーケット&手作り雑貨"
+    assert fake_engine.prompts == [_ids("query: クリスマスマーケット&手作り雑貨")]
+
+
+@pytest.mark.parametrize("given", ["argv", "argv undecoded", "stdin"])
+def test_search_command_takes_a_japanese_query_and_prints_japanese_titles_to_an_ascii_stdout(
+        given, fake_engine, tmp_path, monkeypatch):
+    """stdout as ``PYTHONIOENCODING=ascii`` makes it; "argv undecoded": the argument as Python
+    leaves it in a locale that is not UTF-8 (its bytes as surrogates)."""
+    # An output of two articles: the one whose vector the FAKE engine gives the query, and another.
+    hit = np.asarray(FakeEngine().embed([_ids("query: " + normalize_text(QUERY))])[0])
+    other = np.roll(hit, 1)
+    (tmp_path / "vectors").mkdir()
+    pq.write_table(pa.table({
+        "id": ["sample-0052", "sample-0049"],
+        "title": ["駅前商店街でｸﾘｽﾏｽﾏｰｹｯﾄ", "北日本で今季一番の冷え込み"],
+        "embedding": pa.array([hit.tolist(), other.tolist()], pa.list_(pa.float32(), 384))}),
+        tmp_path / "vectors" / "part-0.parquet")
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(json.loads(PREFIXED.model_copy(update={
+        "output": str(tmp_path)}).model_dump_json())))
+
+    argument = {"argv": QUERY, "stdin": "-",
+                "argv undecoded": QUERY.encode("utf-8").decode("ascii", "surrogateescape")}[given]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(QUERY.encode("utf-8"))))
+    shown = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(shown, encoding="ascii"))
+    assert cli.main(["search", "--config", str(config_file), "--k", "2", argument]) == 0
+    sys.stdout.flush()
+
+    assert fake_engine.prompts == [_ids("query: クリスマスマーケット&手作り雑貨")]
+    lines = shown.getvalue().decode("utf-8").splitlines()
+    assert lines == ["1.0000  sample-0052  駅前商店街でｸﾘｽﾏｽﾏｰｹｯﾄ",
+                     "0.0000  sample-0049  北日本で今季一番の冷え込み"]
