@@ -95,7 +95,7 @@ def test_the_unknown_token_is_the_tokenizers_own(tokenizer):
     byte_level = Tokenizer(models.BPE())  # GPT-2's kind: every byte is a token, none unknown
     byte_level.pre_tokenizer = pre_tokenizers.ByteLevel()
     assert unknown_token_id(byte_level) is None
-    never = UnknownTokens(byte_level, max_tokens=256)
+    never = UnknownTokens(byte_level)
     assert never.of_head(KANA, (0, 0, 0)) == (0, 0), "no unknown id: the check never fires"
 
 

@@ -448,7 +448,7 @@ class UnknownTokens:
     token ids (nearly all, for a model that fits the feed) cost one scan of their ids; the others
     are tokenized once more, with offsets, to see what each unknown token covers."""
 
-    def __init__(self, tokenizer, max_tokens: int, document_prefix: str = ""):
+    def __init__(self, tokenizer, document_prefix: str = ""):
         from tokenizers import Tokenizer
 
         spec = tokenizer.to_str()
@@ -458,15 +458,15 @@ class UnknownTokens:
         self._tok.no_padding()
         self._specials = self._tok.num_special_tokens_to_add(False)
         self._prefix = document_prefix
-        self._max_chars = max_tokens * _CHARS_PER_TOKEN_BOUND
 
     def of_head(self, text: str, head_ids: tuple[int, ...]) -> tuple[int, int]:
         """(unknown words, tokens counted) of the head that ``head_ids`` (``HeadTokenizer``'s,
         of the prefix and ``text``) holds."""
         if self.unknown_id is None or self.unknown_id not in head_ids:
             return 0, 0
-        full = (self._prefix + text)[: self._max_chars]
-        return self._count(full, len(head_ids) - self._specials, len(self._prefix))
+        # The whole text, not a cut of it: a cut may change the last tokens before it (a word split
+        # in two, a run of characters that WordPiece makes one unknown token).
+        return self._count(self._prefix + text, len(head_ids) - self._specials, len(self._prefix))
 
     def of_text(self, text: str, chunks) -> tuple[int, int]:
         """(unknown words, tokens counted) of the whole text (``transforms.chunking``'s
@@ -523,7 +523,7 @@ def unknown_tokens(model: ModelSettings) -> UnknownTokens:
         found = _UNKNOWN.get(key)
     if found is None:
         tokenizer, _ = text_tools(model)
-        found = UnknownTokens(tokenizer._tok, model.max_tokens, model.document_prefix)
+        found = UnknownTokens(tokenizer._tok, model.document_prefix)
         with _TOOLS_LOCK:
             found = _UNKNOWN.setdefault(key, found)
     return found
