@@ -21,7 +21,9 @@ from transforms.text import compose_text
 
 # What the sample's deliberately bad lines must become (the sample file documents them).
 EXPECTED_DEAD = {"invalid_json": 1, "not_a_json_object": 1, "missing_id": 1, "invalid_id": 1,
-                 "no_text": 1, "invalid_field": 1, "published_at_in_future": 1}
+                 "no_text": 1, "invalid_field": 1, "published_at_in_future": 1,
+                 # the sample's six Japanese articles, under the packaged English model
+                 "unreadable_for_model": 6}
 EXPECTED_DUPLICATES = 1
 PART = re.compile(r"^part-\d{8}T\d{6}Z-[0-9a-f]{8}-\d{5}-of-\d{5}\.(parquet|jsonl)$")
 

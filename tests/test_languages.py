@@ -186,7 +186,8 @@ def test_streaming_ledger_counts_dead_letters_by_language(tmp_path):
     from pipeline.graph import embed_and_write_streaming
 
     config = make_config(output=str(tmp_path),
-                         streaming=StreamingSettings(window_s=60, batch_shards=2))
+                         # one shard: English and Japanese in one micro-batch
+                         streaming=StreamingSettings(window_s=60, batch_shards=1))
     p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions(streaming=True))
     embed_and_write_streaming(p | stream, config, "20251201T120000Z-1a2b3c4d",
                               engine_factory=FakeEngine)

@@ -167,7 +167,8 @@ def test_every_published_message_is_accounted_for(emulators, tmp_path):
     assert {f"after-big-{i}" for i in range(3)} <= set(ids), "no article held up by a big one"
     assert lose_acks.ids <= set(ids), "a redelivered article is written, once"
     reasons = sorted(d["reason"] for d in letters)
-    assert reasons.count("payload_too_large") == 4 and len(reasons) == 11
+    assert reasons.count("payload_too_large") == 4 and len(reasons) == 17
+    assert reasons.count("unreadable_for_model") == 6, "the sample's Japanese, English model"
     assert {d["payload_bytes"] for d in letters if d["event_id"] is None
             and d["reason"] == "payload_too_large"} >= {len(b) for b in big}
     # The ledger the job wrote balances, window by window, and names every file.
@@ -175,7 +176,7 @@ def test_every_published_message_is_accounted_for(emulators, tmp_path):
     assert report.ok, report.problems
     assert report.totals["messages_in"] == sent + len(redelivered)
     assert (report.totals["rows_written"], report.totals["dead_lettered"],
-            report.totals["duplicates"]) == (43, 11, published_dups + len(redelivered))
+            report.totals["duplicates"]) == (43, 17, published_dups + len(redelivered))
     assert all(d["message_id"] for d in letters), "dead letters keep the message id"
     assert table.schema.equals(vector_schema(384))
     assert all(table["pubsub_message_id"].to_pylist())
