@@ -68,7 +68,8 @@ def test_every_input_is_accounted_for(batch_run):
     letters = [json.loads(line) for f in (out / "dead_letter").glob("*.jsonl")
                for line in f.read_text().splitlines()]
     assert len(letters) == counts["dead_lettered"]
-    assert all(d["step"] == "parse" and d["detail"] and d["payload"] for d in letters)
+    assert all(d["step"] == ("prepare_text" if d["reason"] == "unreadable_for_model" else "parse")
+               and d["detail"] and d["payload"] for d in letters)
 
 
 def test_rows_types_and_files(batch_run):
