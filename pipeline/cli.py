@@ -68,14 +68,15 @@ def _search_command(argv: Sequence[str]) -> int:
                         help="the config whose model and output to use")
     parser.add_argument("--k", type=int, default=10, help="how many articles (default 10)")
     parser.add_argument("--output", help="search this output prefix instead of the config's")
-    parser.add_argument("--json", action="store_true", help="print JSON lines")
+    parser.add_argument("--json", action="store_true", help="print JSON lines (UTF-8, "
+                        "non-ASCII text as it is, not as \\u escapes)")
     args = parser.parse_args(argv)
     from pipeline.search import search
 
     config = config_lib.fill_model(config_lib.load(args.config))
     for hit in search(config, _query_text(args.query), args.k, args.output):
         if args.json:
-            _print_line(json.dumps(hit))
+            _print_line(json.dumps(hit, ensure_ascii=False))  # a Japanese title as it reads
         else:
             where = f"  (chunk {hit['chunk_index']})" if hit["chunk_index"] is not None else ""
             _print_line(f"{hit['score']:.4f}  {hit['id']}  {hit['title'] or ''}{where}")

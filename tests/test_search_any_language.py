@@ -123,12 +123,9 @@ def test_a_japanese_query_is_prepared_like_an_article_after_the_query_prefix(fak
     assert fake_engine.prompts == [_ids("query: クリスマスマーケット&手作り雑貨")]
 
 
-@pytest.mark.parametrize("given", ["argv", "argv undecoded", "stdin"])
-def test_search_command_takes_a_japanese_query_and_prints_japanese_titles_to_an_ascii_stdout(
-        given, fake_engine, tmp_path, monkeypatch):
-    """stdout as ``PYTHONIOENCODING=ascii`` makes it; "argv undecoded": the argument as Python
-    leaves it in a locale that is not UTF-8 (its bytes as surrogates)."""
-    # An output of two articles: the one whose vector the FAKE engine gives the query, and another.
+def _two_article_output(tmp_path) -> str:
+    """An output of two articles: the one whose vector the FAKE engine gives the query, and
+    another. Returns the path of a config file that searches it."""
     hit = np.asarray(FakeEngine().embed([_ids("query: " + normalize_text(QUERY))])[0])
     other = np.roll(hit, 1)
     (tmp_path / "vectors").mkdir()
@@ -140,16 +137,37 @@ def test_search_command_takes_a_japanese_query_and_prints_japanese_titles_to_an_
     config_file = tmp_path / "config.yaml"
     config_file.write_text(yaml.safe_dump(json.loads(PREFIXED.model_copy(update={
         "output": str(tmp_path)}).model_dump_json())))
+    return str(config_file)
 
+
+@pytest.mark.parametrize("given", ["argv", "argv undecoded", "stdin"])
+def test_search_command_takes_a_japanese_query_and_prints_japanese_titles_to_an_ascii_stdout(
+        given, fake_engine, tmp_path, monkeypatch):
+    """stdout as ``PYTHONIOENCODING=ascii`` makes it; "argv undecoded": the argument as Python
+    leaves it in a locale that is not UTF-8 (its bytes as surrogates)."""
+    config_file = _two_article_output(tmp_path)
     argument = {"argv": QUERY, "stdin": "-",
                 "argv undecoded": QUERY.encode("utf-8").decode("ascii", "surrogateescape")}[given]
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(QUERY.encode("utf-8"))))
     shown = io.BytesIO()
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(shown, encoding="ascii"))
-    assert cli.main(["search", "--config", str(config_file), "--k", "2", argument]) == 0
+    assert cli.main(["search", "--config", config_file, "--k", "2", argument]) == 0
     sys.stdout.flush()
 
     assert fake_engine.prompts == [_ids("query: クリスマスマーケット&手作り雑貨")]
     lines = shown.getvalue().decode("utf-8").splitlines()
     assert lines == ["1.0000  sample-0052  駅前商店街でｸﾘｽﾏｽﾏｰｹｯﾄ",
                      "0.0000  sample-0049  北日本で今季一番の冷え込み"]
+
+
+def test_search_json_lines_hold_japanese_titles_as_text_not_escapes(fake_engine, tmp_path,
+                                                                     monkeypatch):
+    config_file = _two_article_output(tmp_path)
+    shown = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(shown, encoding="utf-8"))
+    assert cli.main(["search", "--config", config_file, "--k", "1", "--json", QUERY]) == 0
+    sys.stdout.flush()
+
+    line = shown.getvalue().decode("utf-8").strip()
+    assert "駅前商店街でｸﾘｽﾏｽﾏｰｹｯﾄ" in line and "\\u" not in line
+    assert json.loads(line)["title"] == "駅前商店街でｸﾘｽﾏｽﾏｰｹｯﾄ"

@@ -32,7 +32,7 @@ import re
 import sys
 import threading
 import unicodedata
-from typing import Iterator, Literal, Optional
+from typing import Iterator, Literal, NamedTuple, Optional
 
 import apache_beam as beam
 import ftfy
@@ -490,43 +490,33 @@ class UnknownTokens:
         return unknown, counted
 
 
+class TextTools(NamedTuple):
+    """What preparing text needs of a model's tokenizer (see ``text_tools``)."""
+    head: "HeadTokenizer"
+    chunker: Optional[Chunker]  # in chunks mode only
+    unknown: UnknownTokens
+
+
 _TOOLS_LOCK = threading.Lock()
-_TOOLS: dict[tuple[str, str], tuple["HeadTokenizer", Optional[Chunker]]] = {}
+_TOOLS: dict[tuple[str, str], TextTools] = {}
 
 
-def text_tools(model: ModelSettings,
-               chunking: ChunkingSettings = ChunkingSettings()) -> tuple["HeadTokenizer",
-                                                                         Optional[Chunker]]:
-    """The head tokenizer (and the chunker in chunks mode) for these settings, built once per
-    process and shared by every thread and DoFn instance. Building them costs about 100 ms (the
-    tokenizer's files, and copies of it), and runners call ``setup`` as they please: the local
-    streaming runner unpickles a new DoFn and calls ``setup`` at every bundle's start, which a
-    soak run found to be a quarter of its time. Both are used read-only once built (the Rust
-    tokenizer's encode methods take no lock and change nothing)."""
+def text_tools(model: ModelSettings, chunking: ChunkingSettings = ChunkingSettings()) -> TextTools:
+    """The head tokenizer, the chunker (in chunks mode) and the unknown-token counter for these
+    settings, built once per process and shared by every thread and DoFn instance. Building them
+    costs about 100 ms (the tokenizer's files, and copies of it), and runners call ``setup`` as they
+    please: the local streaming runner unpickles a new DoFn and calls ``setup`` at every bundle's
+    start, which a soak run found to be a quarter of its time. All are used read-only once built
+    (the Rust tokenizer's encode methods take no lock and change nothing)."""
     key = (model.model_dump_json(), chunking.model_dump_json())
     with _TOOLS_LOCK:
         if key not in _TOOLS:
             tokenizer = HeadTokenizer(model)
             chunker = (Chunker(tokenizer._tok, chunking, model.max_tokens,
                                model.document_prefix) if chunking.mode == "chunks" else None)
-            _TOOLS[key] = (tokenizer, chunker)
+            _TOOLS[key] = TextTools(tokenizer, chunker,
+                                    UnknownTokens(tokenizer._tok, model.document_prefix))
         return _TOOLS[key]
-
-
-_UNKNOWN: dict[str, UnknownTokens] = {}
-
-
-def unknown_tokens(model: ModelSettings) -> UnknownTokens:
-    """The ``UnknownTokens`` of a model, built once per process (as ``text_tools``)."""
-    key = model.model_dump_json()
-    with _TOOLS_LOCK:
-        found = _UNKNOWN.get(key)
-    if found is None:
-        tokenizer, _ = text_tools(model)
-        found = UnknownTokens(tokenizer._tok, model.document_prefix)
-        with _TOOLS_LOCK:
-            found = _UNKNOWN.setdefault(key, found)
-    return found
 
 
 class _PrepareTextFn(beam.DoFn):
@@ -541,8 +531,7 @@ class _PrepareTextFn(beam.DoFn):
         self._unknown: Optional[UnknownTokens] = None
 
     def setup(self):
-        self._tokenizer, self._chunker = text_tools(self._model, self._chunking)
-        self._unknown = unknown_tokens(self._model)
+        self._tokenizer, self._chunker, self._unknown = text_tools(self._model, self._chunking)
 
     def _tokenize_batch(self, texts: list[str]) -> list[tuple]:
         """Per text: (head token ids, whether the head was cut, chunks)."""
