@@ -5,7 +5,9 @@ import concurrent.futures
 import datetime as dt
 import json
 import subprocess
+import threading
 import time
+import weakref
 
 import pytest
 
@@ -81,6 +83,46 @@ def test_failed_publishes_are_counted_and_main_exits_non_zero(tmp_path, monkeypa
     assert main(["--topic", "projects/p/topics/t", "--file", str(path), "--rate", "0"]) == 1
     summary = json.loads(capsys.readouterr().out)
     assert summary["published"] == 0 and summary["failed"] == 5
+
+
+class SlowFakePublisher:
+    """A FAKE client whose publishes complete at the next call (the last one 0.2 s after it is
+    made, on another thread), every third one failing. Through weak references it records how many
+    completed futures the caller still holds at each call."""
+
+    def __init__(self, total: int):
+        self.total, self.issued, self.completed_alive = total, [], []
+
+    def publish(self, topic, data, **attributes):
+        if self.issued:
+            self._complete(self.issued[-1]())
+        # the future completed just now is still the caller's loop variable: count the others
+        self.completed_alive.append(sum(ref() is not None for ref in self.issued[:-1]))
+        future = concurrent.futures.Future()
+        self.issued.append(weakref.ref(future))
+        if len(self.issued) == self.total:
+            threading.Timer(0.2, self._complete, [future]).start()
+        return future
+
+    def _complete(self, future):
+        if len(self.issued) % 3 == 0:
+            future.set_exception(RuntimeError("publish failed late"))
+        else:
+            future.set_result("id")
+
+    def stop(self):
+        pass
+
+
+def test_completed_publishes_are_released_and_late_failures_counted(tmp_path):
+    """A soak publishes for hours: holding every future to the end grew the harness's memory by
+    about 10 KiB a message (20,000 BBC articles through the emulator: RSS 356 -> 557 MiB)."""
+    path = write_jsonl(tmp_path / "events.jsonl", [b'{"id": "%d"}' % i for i in range(300)])
+    fake = SlowFakePublisher(total=300)
+    summary = publish_file("projects/p/topics/t", path, rate=0, publisher=fake)
+    assert len(fake.completed_alive) == 300 and max(fake.completed_alive) == 0, \
+        "completed publish futures were kept"
+    assert summary == {**summary, "published": 200, "failed": 100}
 
 
 @pytest.fixture(scope="module")

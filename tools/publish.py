@@ -14,6 +14,7 @@ import argparse
 import datetime as dt
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -36,6 +37,40 @@ def _now_rfc3339() -> str:
     return now.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+class _Outcome:
+    """Counts publishes as their futures complete, holding only those still pending: a soak that
+    publishes for hours keeps no future (about 10 KiB each with the real client) once it is done."""
+
+    def __init__(self):
+        self.attempted = 0
+        self.failed = 0
+        self._pending: set = set()
+        self._lock = threading.Condition()
+
+    def refused(self) -> None:
+        with self._lock:
+            self.attempted += 1
+            self.failed += 1
+
+    def track(self, future) -> None:
+        with self._lock:
+            self.attempted += 1
+            self._pending.add(future)
+        future.add_done_callback(self._done)  # runs at once if the future is already done
+
+    def _done(self, future) -> None:
+        failed = future.exception() is not None  # every kind of publish failure counts the same
+        with self._lock:
+            self._pending.discard(future)
+            self.failed += failed
+            self._lock.notify_all()
+
+    def wait(self) -> None:
+        """Until every publish has completed and been counted."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self._pending)
+
+
 def publish_file(topic: str, path, rate: float, limit: Optional[int] = None, repeat: int = 1,
                  attributes: Optional[dict] = None, publisher=None) -> dict:
     """Publish the file's lines to ``topic`` at ``rate`` messages/s (0: as fast as possible), wait
@@ -49,7 +84,7 @@ def publish_file(topic: str, path, rate: float, limit: Optional[int] = None, rep
 
         publisher = pubsub_v1.PublisherClient()
     attributes = dict(attributes or {})
-    futures, attempted, failed = [], 0, 0
+    outcome = _Outcome()
     start = time.monotonic()
     try:
         for i, data in enumerate(_lines(Path(path), repeat)):
@@ -59,21 +94,19 @@ def publish_file(topic: str, path, rate: float, limit: Optional[int] = None, rep
                 delay = start + i / rate - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
-            attempted += 1
             sent_at = {SENT_AT: _now_rfc3339()}  # when handed to the client, after the pacing wait
             try:
-                futures.append(publisher.publish(topic, data, **{**attributes, **sent_at}))
+                future = publisher.publish(topic, data, **{**attributes, **sent_at})
             except Exception:  # noqa: BLE001 - refused at once (too large...): a failure too
-                failed += 1
-        for future in futures:
-            try:
-                future.result()
-            except Exception:  # noqa: BLE001 - every kind of publish failure counts the same
-                failed += 1
+                outcome.refused()
+            else:
+                outcome.track(future)
+        outcome.wait()
         seconds = time.monotonic() - start
     finally:
         if own_client:
             publisher.stop()
+    attempted, failed = outcome.attempted, outcome.failed
     published = attempted - failed
     return {"published": published, "failed": failed, "seconds": round(seconds, 3),
             "rate": round(published / seconds, 1) if seconds > 0 else 0.0}
