@@ -140,3 +140,20 @@ def test_pubsub_messages_keep_their_lineage_and_payloads_cannot_forge_it():
                     equal_to([("m-1", "101", NOW, (("origin", "wire"),))]), label="lineage")
         assert_that(out.dead_letter | beam.Map(lambda d: (d.message_id, d.reason)),
                     equal_to([("102", Reason.INVALID_JSON)]), label="dead")
+
+
+def test_parse_dead_letters_keep_the_language_where_the_event_gave_one():
+    """Counted by language (issue 23): a Japanese feed's parse failures are the feed's, not
+    'unknown'. A language that is itself the fault, or an unreadable payload, gives none."""
+    raws = [payload(id="ja-empty", title="", body="  ", language="ja"),
+            payload(id="ja-future", published_at="2031-01-01T00:00:00Z", language="ja"),
+            payload(id="ja-bad-title", title=5, language="ja"),
+            payload(id=..., language="th"),
+            payload(id="bad-language", language=5),
+            b'{"id": "ja-cut", "language": "ja", "bo']
+    with TestPipeline(runner="FnApiRunner") as p:
+        out = p | beam.Create(raws) | ParseEvents(max_payload_bytes=1 << 20)
+        assert_that(out.dead_letter | beam.Map(lambda d: (d.reason, d.language)), equal_to([
+            (Reason.NO_TEXT, "ja"), (Reason.PUBLISHED_IN_FUTURE, "ja"),
+            (Reason.INVALID_FIELD, "ja"), (Reason.MISSING_ID, "th"),
+            (Reason.INVALID_FIELD, None), (Reason.INVALID_JSON, None)]))

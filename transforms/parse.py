@@ -31,9 +31,11 @@ from transforms.schema import (
 
 
 class ParseError(ValueError):
-    def __init__(self, reason: Reason, detail: str, event_id: Optional[str] = None):
+    def __init__(self, reason: Reason, detail: str, event_id: Optional[str] = None,
+                 language: Optional[str] = None):
         super().__init__(f"{reason}: {detail}")
         self.reason, self.detail, self.event_id = reason, detail, event_id
+        self.language = language  # the event's, where it could be read: counted by language
 
 
 def _describe(err: Mapping[str, Any]) -> str:
@@ -41,8 +43,18 @@ def _describe(err: Mapping[str, Any]) -> str:
     return f"{loc}: {err.get('msg', 'invalid')}"
 
 
-def _from_validation_error(exc: pydantic.ValidationError) -> ParseError:
+def _readable_language(document: Any, errors: list) -> Optional[str]:
+    """The ``language`` of a JSON object that failed validation, unless that field is at fault."""
+    if not isinstance(document, dict) or any(e.get("loc", ())[:1] == ("language",)
+                                             for e in errors):
+        return None
+    language = document.get("language")
+    return language if isinstance(language, str) else None
+
+
+def _from_validation_error(exc: pydantic.ValidationError, document: Any) -> ParseError:
     errors = exc.errors(include_url=False, include_input=False)
+    language = _readable_language(document, errors)
     first = errors[0]
     kind, loc = first.get("type", ""), first.get("loc", ())
     detail = "; ".join(_describe(e) for e in errors[:5])
@@ -52,8 +64,8 @@ def _from_validation_error(exc: pydantic.ValidationError) -> ParseError:
         return ParseError(Reason.NOT_AN_OBJECT, "the payload must be a JSON object")
     if loc and loc[0] == "id":
         reason = Reason.MISSING_ID if kind == "missing" else Reason.INVALID_ID
-        return ParseError(reason, detail)
-    return ParseError(Reason.INVALID_FIELD, detail)
+        return ParseError(reason, detail, language=language)
+    return ParseError(Reason.INVALID_FIELD, detail, language=language)
 
 
 def parse_event(
@@ -81,22 +93,24 @@ def parse_event(
                          f"not UTF-8 at byte {exc.start}: {exc.reason}") from None
     try:
         # pydantic's JSON parser takes NaN and Infinity, which are not JSON (RFC 8259).
-        pydantic_core.from_json(text, allow_inf_nan=False, cache_strings=False)
+        document = pydantic_core.from_json(text, allow_inf_nan=False, cache_strings=False)
     except ValueError as exc:
         raise ParseError(Reason.INVALID_JSON, f"not valid JSON ({exc})") from None
     try:
         event = NewsEvent.model_validate_json(text)
     except pydantic.ValidationError as exc:
-        raise _from_validation_error(exc) from None
+        raise _from_validation_error(exc, document) from None
     if not (event.title or "").strip() and not (event.body or "").strip():
-        raise ParseError(Reason.NO_TEXT, "title and body are both missing or empty", event.id)
+        raise ParseError(Reason.NO_TEXT, "title and body are both missing or empty", event.id,
+                         event.language)
     if event.published_at is not None:
         now = now or dt.datetime.now(dt.timezone.utc)
         if event.published_at - now > max_future_skew:
             raise ParseError(
                 Reason.PUBLISHED_IN_FUTURE,
                 f"published_at {event.published_at.isoformat()} is more than "
-                f"{max_future_skew} after now ({now.isoformat(timespec='seconds')})", event.id)
+                f"{max_future_skew} after now ({now.isoformat(timespec='seconds')})", event.id,
+                event.language)
     return event
 
 
@@ -138,7 +152,8 @@ class _ParseFn(beam.DoFn):
             yield pvalue.TaggedOutput(DEAD_LETTER, DeadLetter(
                 step=Step.PARSE, reason=exc.reason, detail=exc.detail,
                 payload=truncate_payload(raw, self._dl_bytes), payload_bytes=size,
-                event_id=exc.event_id, message_id=lineage.message_id if lineage else None))
+                event_id=exc.event_id, message_id=lineage.message_id if lineage else None,
+                language=exc.language))
 
 
 class ParseEvents(beam.PTransform):
