@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pyarrow.parquet as pq
 
 from benchmarks import plots, tree_rss, write_results
@@ -128,6 +129,7 @@ def main(argv=None) -> int:
                      "cpus": os.cpu_count(), "streaming": config.streaming.model_dump(),
                      "model": config.model.model_dump()}
     memory: list[tuple[float, float]] = []  # (seconds since the soak began, MiB)
+    runner: list[tuple[float, float]] = []  # the same, this process alone (runner and publisher)
     progress: list[tuple[float, int]] = []  # (seconds since the soak began, rows on disk)
 
     with streaming_job(config, work) as topic:
@@ -161,9 +163,11 @@ def main(argv=None) -> int:
             now = time.perf_counter() - begun
             done = written()
             memory.append((now, rss_mb()))
+            runner.append((now, psutil.Process().memory_info().rss / 2**20))
             progress.append((now, done))
             print(f"  {now / 60:5.1f} min: {done} of {len(good)} articles written, "
-                  f"RSS {memory[-1][1]:.0f} MiB", flush=True)
+                  f"RSS {memory[-1][1]:.0f} MiB (runner's process {runner[-1][1]:.0f})",
+                  flush=True)
             if not publisher_thread.is_alive() and done >= len(good):
                 break
             if now > args.minutes * 60 + 600:
@@ -186,6 +190,7 @@ def main(argv=None) -> int:
         and duplicates == plan["duplicate"] and report.ok
     latencies = [mtime - publish.timestamp() for _, mtime, publish in soak_rows]
     steady = [(s, m) for s, m in memory if s >= args.settle_min * 60]
+    runner_steady = [(s, m) for s, m in runner if s >= args.settle_min * 60]
     per_minute = collections.defaultdict(float)
     for s, m in memory:
         per_minute[int(s // 60)] = max(per_minute[int(s // 60)], m)
@@ -199,7 +204,11 @@ def main(argv=None) -> int:
         "memory_mib": {"peak": max(m for _, m in memory),
                        "per_minute_peak": dict(sorted(per_minute.items())),
                        "slope_after_settle_mib_per_min": slope_per_min(steady) if steady else None,
-                       "samples": memory},
+                       "samples": memory,
+                       "runner_process": {
+                           "slope_after_settle_mib_per_min":
+                               slope_per_min(runner_steady) if runner_steady else None,
+                           "samples": runner}},
         "accounting": {"published": n, "rows": len(soak_rows), "dead_letters": len(soak_letters),
                        "duplicates_dropped": duplicates, "expected": {
                            k: plan[k] for k in ("row", "dead_letter", "duplicate")},
@@ -222,6 +231,10 @@ def main(argv=None) -> int:
     print(f"memory: peak {mem['peak']:.0f} MiB; per-minute peaks "
           f"{[round(v) for v in mem['per_minute_peak'].values()]}; trend after "
           f"{args.settle_min:g} min: {trend}")
+    runner_slope = mem["runner_process"]["slope_after_settle_mib_per_min"]
+    if runner_slope is not None:
+        print(f"  the runner's process alone (runner, pipeline, publisher): "
+              f"{runner[0][1]:.0f} -> {runner[-1][1]:.0f} MiB, trend {runner_slope:+.2f} MiB/min")
     print(f"accounting: {len(soak_rows)} rows + {len(soak_letters)} dead letters + {duplicates} "
           f"duplicates = {n} published (expected {plan['row']} + {plan['dead_letter']} + "
           f"{plan['duplicate']}); missing {len(missing)}, written twice {len(repeated)}: "
