@@ -57,6 +57,12 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None) -
         raise FileNotFoundError(f"no vectors under {output}/{VECTORS_DIR}/: run the pipeline first")
     chunks = _read(output, CHUNKS_DIR, ["id", "chunk_index", "embedding"])
     dim = config.model.output_dim
+    for table in (vectors, chunks):
+        written = table.schema.field("embedding").type.list_size if table is not None else dim
+        if written != dim:
+            raise ValueError(f"{output} holds {written}-dimensional vectors, but the config's "
+                             f"queries are {dim}-dimensional (model.dimensions): search it with "
+                             "the config it was written with")
     con = duckdb.connect()
     con.register("vectors", vectors)
     params = [embed_query(config, query).tolist(), k]

@@ -353,3 +353,15 @@ def test_the_current_vector_reads_days_written_before_and_after(tmp_path):
     table = current_vectors(str(tmp_path)).sort_by("id")
     assert table["dt"].to_pylist() == ["2026-12-02", "2026-12-01"]
     np.testing.assert_allclose(vector_matrix(table), [[0.6, 0.8], [0.0, 1.0]], atol=1e-3)
+
+
+def test_search_refuses_an_output_of_another_dimension(tmp_path):
+    (tmp_path / "vectors").mkdir()
+    pq.write_table(pa.table({
+        "id": ["a"], "title": ["t"],
+        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(np.ones(128, np.float32)),
+                                                       type=embedding_type(128))}),
+        tmp_path / "vectors" / "part.parquet")
+    with pytest.raises(ValueError, match="128-dimensional vectors, but the config's queries are "
+                                         "384-dimensional"):
+        search(make_config(output=str(tmp_path)), "anything")
