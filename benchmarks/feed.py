@@ -53,7 +53,7 @@ class ModeledEngine:
     def __init__(self, settings, tokens_per_s, per_call_s, log_path):
         self.label = "modeled@0" if tokens_per_s else "free@0"
         self._tokens_per_s, self._per_call_s, self._log = tokens_per_s, per_call_s, log_path
-        self._vector = np.eye(1, settings.dim, dtype=np.float32)[0]
+        self._vector = np.eye(1, settings.output_dim, dtype=np.float32)[0]
 
     def embed(self, prompts):
         started = time.time()

@@ -11,6 +11,12 @@ On the BBC articles in ../shared/data/bbc-news, in one run of this command:
      chunks (the chunks-mode document vector); recall@1 and recall@k of each.
 Prints the recalls and the throughput of chunks mode over head mode (articles/s, same process and
 engine), and writes them to ``bench-results/retrieval-<time>.json``.
+
+``--compact`` (issue 24) instead runs the pipeline in head mode four times, ``sink.vector_dtype``
+float32 and float16 times the model's full dimension and 128 (``model.dimensions``, truncated
+knowingly: MiniLM declares no Matryoshka), and reports per run the bytes per row of the written
+``vectors/`` files (zstd) and recall@1 / recall@k by the same queries, embedded at the run's
+dimension. Results: ``bench-results/retrieval-compact-<time>.json``.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from benchmarks import write_results
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 from transforms.chunking import ChunkingSettings
+from transforms.schema import vector_matrix
 
 _SENTENCE = re.compile(r"[^.!?]+[.!?]+[\"'”’)]*")
 MIN_QUERY_WORDS = 6
@@ -47,8 +54,7 @@ def tail_query(text: str) -> str | None:
 
 def _vectors(paths) -> tuple[list[str], np.ndarray]:
     table = pq.read_table(sorted(paths))
-    matrix = table["embedding"].combine_chunks().flatten().to_numpy().reshape(table.num_rows, -1)
-    return table["id"].to_pylist(), matrix
+    return table["id"].to_pylist(), vector_matrix(table)  # float32, whatever was written
 
 
 def recall(ranks: np.ndarray, k: int) -> float:
@@ -71,6 +77,43 @@ def best_chunk_scores(scores: np.ndarray, chunk_doc_ids: list[str]) -> tuple[np.
     return best, [sorted_ids[i] for i in starts]
 
 
+COMPACT_DIMENSIONS = 128
+
+
+def compact_runs(config, events: Path, work: Path, queries: list[str], targets: list[str],
+                 k: int, options) -> list[dict]:
+    """``--compact``: per (vector_dtype, dimensions), the bytes per written row and the recalls."""
+    from pipeline.run import run_batch
+    from transforms.engine import load_engine
+    from transforms.text import HeadTokenizer
+
+    head = config.chunking.model_copy(update={"mode": "head"})
+    tokenizer = HeadTokenizer(config.model)
+    query_ids = [ids for ids, _ in tokenizer.batch(queries)]
+    rows = []
+    for dimensions in (None, COMPACT_DIMENSIONS):
+        model = config.model.model_copy(update={
+            "dimensions": dimensions, "truncate_dimensions_knowingly": dimensions is not None})
+        query_vectors = np.stack(load_engine(model).embed(query_ids))
+        for vector_dtype in ("float32", "float16"):
+            out = work / f"{vector_dtype}-{model.output_dim}"
+            summary = run_batch(config.model_copy(update={
+                "input": str(events), "output": str(out), "chunking": head, "model": model,
+                "sink": config.sink.model_copy(update={"vector_dtype": vector_dtype})}), options)
+            files = sorted((out / "vectors").glob("*.parquet"))
+            written = summary["counts"]["written"]
+            ids, matrix = _vectors(files)
+            ranks = ranks_by_document(query_vectors @ matrix.T, ids, targets)
+            rows.append({"vector_dtype": vector_dtype, "dim": model.output_dim,
+                         "rows": written,
+                         "bytes_per_row": sum(f.stat().st_size for f in files) / written,
+                         "recall@1": recall(ranks, 1), f"recall@{k}": recall(ranks, k)})
+            print(f"{vector_dtype} {model.output_dim:4d} dims: "
+                  f"{rows[-1]['bytes_per_row']:7.0f} B/row  recall@1 {rows[-1]['recall@1']:.3f}"
+                  f"  recall@{k} {rows[-1][f'recall@{k}']:.3f}")
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.retrieval",
                                      description=__doc__.split("\n\n")[0])
@@ -82,6 +125,9 @@ def main(argv=None) -> int:
     parser.add_argument("--overlap-tokens", type=int, default=None)
     parser.add_argument("--sentence-end-slack-tokens", type=int, default=None)
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--compact", action="store_true",
+                        help="head mode only: float32/float16 x full/128 dimensions, bytes per "
+                             "row and recall")
     args = parser.parse_args(argv)
 
     from apache_beam.options.pipeline_options import PipelineOptions
@@ -114,6 +160,16 @@ def main(argv=None) -> int:
     warm.write_text("".join(events.read_text().splitlines(keepends=True)[:32]))
     run_batch(config.model_copy(update={"input": str(warm), "output": str(work / "warm")}),
               options)  # loads the model, kept for the runs below
+
+    if args.compact:
+        compact = compact_runs(config, events, work, queries, targets, args.k, options)
+        out_file = write_results({
+            "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "k": args.k, "queries": len(queries), "articles": len(texts),
+            "model": config.model.name, "dtype": config.model.resolved_dtype(),
+            "runs": compact}, args.results, "retrieval-compact")
+        print(f"results: {out_file}")
+        return 0
 
     runs = {}
     for mode, run_chunking in (("head", config.chunking.model_copy(update={"mode": "head"})),

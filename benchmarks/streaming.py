@@ -66,7 +66,7 @@ class FakeFreeEngine(RecordingEngine):
         import numpy as np
 
         self.label = "fake@0"
-        self._vector = np.eye(1, settings.dim, dtype=np.float32)[0]
+        self._vector = np.eye(1, settings.output_dim, dtype=np.float32)[0]
 
     def embed(self, prompts):
         _BATCH_TOKENS.append(sum(len(p) for p in prompts))

@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from transforms.chunking import ChunkingSettings
 from transforms.dedup import DedupKey
-from transforms.model import ModelSettings
+from transforms.model import ModelSettings, check_dimensions
+from transforms.schema import VectorDtype
 from transforms.text import UnicodeForm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +76,11 @@ class SinkSettings(_Section):
         600, gt=0, description="batch: the output's publish lease: renewed every quarter of this "
                                "while a run publishes; another run takes it over once it has "
                                "stood unrenewed this long (its holder killed or stalled)")
+    vector_dtype: VectorDtype = Field(
+        "float32", description="`float32` or `float16`: the element type of the `embedding` "
+                               "column of `vectors/` and `chunks/`; float16 about halves the "
+                               "file and kept recall@10 (docs/benchmarks.md), but BigQuery "
+                               "cannot read it (docs/bigquery.md)")
     store_chunk_text: bool = Field(
         False, description="chunks mode: write each chunk's text (`chunk_text`), for "
                            "retrieval-augmented generation")
@@ -175,6 +181,10 @@ def validate(raw: Any, source: str = "config") -> Config:
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
             for e in exc.errors(include_url=False))
         raise ConfigError(f"{source}: {problems}") from None
+    try:
+        check_dimensions(config.model)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     unknown = sorted(set(config.beam) - known_beam_options())
     if unknown:
         raise ConfigError(f"{source}: beam.{unknown[0]}: not a Beam pipeline option")

@@ -18,6 +18,9 @@ import os
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from transforms.schema import common_schema
 
 CURRENT_VECTORS_SQL = """\
 SELECT * EXCLUDE (rank_in_id) FROM (
@@ -34,8 +37,15 @@ def current_vectors(root: str, pattern: str = "dt=*/vectors/*.parquet") -> pa.Ta
     files = sorted(globlib.glob(os.path.join(root, pattern)))
     if not files:
         raise FileNotFoundError(f"no vector files match {os.path.join(root, pattern)}")
-    table = ds.dataset(files, format="parquet", partitioning=ds.partitioning(flavor="hive"),
-                       partition_base_dir=root).to_table()
+    # Files written before the embedding's elements were declared not null, or at another
+    # sink.vector_dtype, are read under one schema (float32 if any file's is).
+    schema = common_schema([pq.read_schema(f) for f in files], merge_columns=True)
+    partitioning = ds.partitioning(flavor="hive")
+    found = ds.dataset(files, format="parquet", partitioning=partitioning,
+                       partition_base_dir=root).schema
+    extra = [found.field(name) for name in found.names if name not in schema.names]
+    table = ds.dataset(files, schema=pa.schema([*schema, *extra]), format="parquet",
+                       partitioning=partitioning, partition_base_dir=root).to_table()
     table = table.take(pc.sort_indices(table, [("id", "ascending"), ("dt", "descending"),
                                                ("embedded_at", "descending")]))
     ids = table["id"].combine_chunks()

@@ -76,6 +76,7 @@ def summary_base(config: Config) -> dict:
     """What a run's ``_summary.json`` says about its settings (CommitRun adds the counts)."""
     model_path = resolve_model_path(config.model.path)
     return {"input": config.input, "output": config.output,
+            "vectors": {"dim": config.model.output_dim, "vector_dtype": config.sink.vector_dtype},
             "chunking": config.chunking.model_dump(), "text": config.text.model_dump(),
             "incremental": {**config.incremental.model_dump(),
                             "embedding_signature": signature_of(config)},
@@ -109,13 +110,14 @@ def embed_and_write(payloads, config: Config, run_id: str,
     unique = embedded.embedded | "DropDuplicates" >> DropDuplicates(config.dedup.key)
     staging = staging_prefix(config.output, run_id)
     rows = config.sink.row_group_rows
+    dim, vector_dtype = config.model.output_dim, config.sink.vector_dtype
     files = {VECTORS_DIR: unique.docs | "WriteVectors" >> WriteVectors(
-                 staging, run_id, config.model.dim, rows),
+                 staging, run_id, dim, rows, vector_dtype),
              KEYS_DIR: unique.docs | "WriteKeys" >> WriteKeys(staging, run_id, signature, rows)}
     chunk_rows = unique.docs | "ChunkRows" >> beam.FlatMap(lambda row: row.chunks)
     if config.chunking.mode == "chunks":
         files[CHUNKS_DIR] = chunk_rows | "WriteChunks" >> WriteChunks(
-            staging, run_id, config.model.dim, rows)
+            staging, run_id, dim, rows, vector_dtype)
     files[DEAD_LETTER_DIR] = ((parsed.dead_letter, prepared.dead_letter, embedded.dead_letter)
                               | "CollectDeadLetters" >> beam.Flatten()
                               | "WriteDeadLetters" >> WriteDeadLetters(staging, run_id))
@@ -168,8 +170,8 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
     embedded = batches | "EmbedMicroBatches" >> EmbedMicroBatches(
         config.model, **_embed_settings(config, engine_factory))
     return embedded | "WriteMicroBatches" >> WriteMicroBatches(
-        config.output, run_id, config.model.dim, config.sink.row_group_rows,
-        signature=signature_of(config))
+        config.output, run_id, config.model.output_dim, config.sink.row_group_rows,
+        signature=signature_of(config), vector_dtype=config.sink.vector_dtype)
 
 
 def build_streaming(pipeline: beam.Pipeline, config: Config, run_id: str,

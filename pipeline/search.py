@@ -7,7 +7,9 @@ by the article's best chunk when the output has ``chunks/``, else by its row in 
 ``title`` shown is the column's: the prepared title). Works on a
 batch output and on a streaming one (``dt=/hour=`` partitions), local or ``gs://`` (the files are
 read through Beam's file systems and handed to DuckDB as Arrow tables, so DuckDB needs no
-extension).
+extension). The vectors are read as float32 whatever they were written as (``sink.vector_dtype``
+float16, or files from before their elements were declared not null), so DuckDB computes on one
+type and outputs written either way are searched together.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from apache_beam.io.filesystems import FileSystems
 
 from pipeline.config import Config
 from transforms.layout import CHUNKS_DIR, VECTORS_DIR, join_path
+from transforms.schema import float32_embeddings
 
 
 def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
@@ -25,7 +28,7 @@ def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
     tables = []
     for path in sorted(files):
         with FileSystems.open(path) as f:
-            tables.append(pq.read_table(f, columns=columns))
+            tables.append(float32_embeddings(pq.read_table(f, columns=columns)))
     return pa.concat_tables(tables) if tables else None
 
 
@@ -53,7 +56,13 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None) -
     if vectors is None:
         raise FileNotFoundError(f"no vectors under {output}/{VECTORS_DIR}/: run the pipeline first")
     chunks = _read(output, CHUNKS_DIR, ["id", "chunk_index", "embedding"])
-    dim = config.model.dim
+    dim = config.model.output_dim
+    for table in (vectors, chunks):
+        written = table.schema.field("embedding").type.list_size if table is not None else dim
+        if written != dim:
+            raise ValueError(f"{output} holds {written}-dimensional vectors, but the config's "
+                             f"queries are {dim}-dimensional (model.dimensions): search it with "
+                             "the config it was written with")
     con = duckdb.connect()
     con.register("vectors", vectors)
     params = [embed_query(config, query).tolist(), k]

@@ -15,7 +15,7 @@ class FakeEngine:
     label = "fake@0"
 
     def __init__(self, settings=None, dim: int = 384):
-        self.dim = settings.dim if settings is not None else dim
+        self.dim = settings.output_dim if settings is not None else dim
         self.calls: list[int] = []
         self.closed = False
 

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
@@ -76,7 +77,9 @@ def test_rows_types_and_files(batch_run):
     summary, out = batch_run
     table = read_vectors(out)
     assert table.schema.equals(vector_schema(384))
-    assert str(table.schema.field("embedding").type) == "fixed_size_list<item: float>[384]"
+    embedding = table.schema.field("embedding").type
+    assert pa.types.is_float32(embedding.value_type) and embedding.list_size == 384
+    assert not embedding.value_field.nullable, "BigQuery's vector index needs no NULL elements"
     assert len(set(table["id"].to_pylist())) == table.num_rows, "one row per article id"
     assert set(table["dim"].to_pylist()) == {384}
     vectors = table["embedding"].combine_chunks().flatten().to_numpy().reshape(-1, 384)
@@ -158,7 +161,7 @@ def test_command_line_with_gzip_input_and_overrides(tmp_path):
 def test_the_engine_is_loaded_once_per_process():
     from transforms import engine
 
-    assert len(engine._HANDLES) == 1, "every pipeline run of the session shared one vLLM engine"
+    assert len(engine._LLMS) == 1, "every pipeline run of the session shared one vLLM LLM"
 
 
 def test_lines_fan_out_right_after_reading_and_nothing_groups_before_the_engine():

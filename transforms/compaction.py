@@ -64,7 +64,7 @@ from transforms.layout import (
     write_whole,
 )
 from transforms.lease import PublishLease
-from transforms.schema import LedgerRecord
+from transforms.schema import LedgerRecord, common_schema
 
 MANIFEST_NAME = "manifest.json"
 # Each kind: its folder, the compacted file's suffix, and the ledger record's field naming its file.
@@ -253,23 +253,31 @@ def _relative_files(output: str, kind: str, partition: str) -> list[str]:
 def _write_parquet(output: str, target: str, sources: list[str], row_group_rows: int) -> int:
     """Concatenate Parquet files into ``target`` (temp and rename) in row groups of
     ``row_group_rows``, reading one batch at a time, so at most about two row groups are held.
-    Returns the rows written."""
+    Returns the rows written. Files with the ``embedding`` column written before its elements
+    were declared not null, or at another ``sink.vector_dtype``, are compacted with the others
+    under their common schema (``schema.common_schema``)."""
     rows = 0
+    schemas = []
+    for source in sources:
+        with FileSystems.open(source) as f:
+            schemas.append(pq.ParquetFile(f).schema_arrow)
+    try:
+        schema = common_schema(schemas)
+    except ValueError:
+        raise ValueError(f"{sources} do not share a schema: not compacted together") from None
 
     def write(handle) -> None:
         nonlocal rows
         writer: Optional[pq.ParquetWriter] = None
         pending: list[pa.RecordBatch] = []
         try:
+            writer = pq.ParquetWriter(handle, schema, compression="zstd")
             for source in sources:
                 with FileSystems.open(source) as f:
                     parquet = pq.ParquetFile(f)
-                    if writer is None:
-                        writer = pq.ParquetWriter(handle, parquet.schema_arrow, compression="zstd")
-                    elif not parquet.schema_arrow.equals(writer.schema):
-                        raise ValueError(f"{source} has another schema than {sources[0]}: "
-                                         f"not compacted together")
                     for batch in parquet.iter_batches(batch_size=row_group_rows):
+                        if not batch.schema.equals(schema):
+                            batch = batch.cast(schema)
                         pending.append(batch)
                         rows += batch.num_rows
                         if sum(b.num_rows for b in pending) >= row_group_rows:

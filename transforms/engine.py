@@ -29,11 +29,17 @@ import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Literal, Optional, Protocol, Sequence
 
 import numpy as np
 
-from transforms.model import ModelSettings, model_label, resolve_model_path
+from transforms.model import (
+    Matryoshka,
+    ModelSettings,
+    model_label,
+    resolve_model_path,
+    truncation,
+)
 
 _LOG = logging.getLogger(__name__)
 CANARY_TEXT = "newsvec engine check"
@@ -66,8 +72,13 @@ class Engine:
     """``vllm.LLM(runner="pooling")`` behind the calls newsvec makes: embed token ids, check health,
     close (an ``EmbeddingEngine``)."""
 
-    def __init__(self, llm, settings: ModelSettings, label: str):
+    def __init__(self, llm, settings: ModelSettings, label: str,
+                 truncated_by: Literal["none", "vllm", "newsvec"] = "none"):
+        """``truncated_by`` (``transforms.model.truncation``): who cuts the vectors to
+        ``settings.dimensions``, vLLM (``PoolingParams(dimensions=...)``) or this class."""
         self._llm, self._normalize, self.label = llm, settings.normalize, label
+        self._vllm_dimensions = settings.dimensions if truncated_by == "vllm" else None
+        self._own_dimensions = settings.dimensions if truncated_by == "newsvec" else None
         self._canary = [list(llm.get_tokenizer().encode(CANARY_TEXT))]
 
     @property
@@ -83,13 +94,19 @@ class Engine:
         # none of them can finish in a later call and be returned with its outputs.
         outputs = self._llm.embed(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-            pooling_params=PoolingParams(use_activation=self._normalize), use_tqdm=False)
+            pooling_params=PoolingParams(use_activation=self._normalize,
+                                         dimensions=self._vllm_dimensions),
+            use_tqdm=False)
         if len(outputs) != len(prompts):
             raise RuntimeError(f"{len(outputs)} outputs for {len(prompts)} inputs")
         for output, prompt in zip(outputs, prompts, strict=True):
             if list(output.prompt_token_ids) != list(prompt):
                 raise RuntimeError("an output does not belong to its input")
-        return [np.asarray(o.outputs.embedding, dtype=np.float32) for o in outputs]
+        vectors = [np.asarray(o.outputs.embedding, dtype=np.float32) for o in outputs]
+        if self._own_dimensions is not None:
+            vectors = [truncate_vector(v, self._own_dimensions, self._normalize)
+                       for v in vectors]
+        return vectors
 
     def healthy(self) -> bool:
         """Whether the canary still embeds to a finite vector: an engine that fails it is broken,
@@ -101,11 +118,25 @@ class Engine:
             return False
 
     def close(self) -> None:
-        """Stop vLLM's engine core; a process that does not may abort at exit (rc 134)."""
-        try:
-            self._llm.llm_engine.engine_core.shutdown()
-        except Exception:  # pylint: disable=broad-except
-            pass
+        """Stop vLLM's engine core; a process that does not may abort at exit (rc 134). The LLM
+        may be shared with engines of other output dimensions (``_shared_llm``): they fail their
+        next call, and their handles load a fresh one."""
+        with _LLMS_LOCK:
+            for key, llm in list(_LLMS.items()):
+                if llm is self._llm:
+                    del _LLMS[key]
+        _shutdown(self._llm)
+
+
+def truncate_vector(vector: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:
+    """The head of a vector (``model.truncate_dimensions_knowingly``), L2-normalized again when
+    the model's vectors are (as vLLM does with a Matryoshka model's: cut, then normalize)."""
+    head = np.array(vector[:dimensions], dtype=np.float32)
+    if normalize:
+        norm = float(np.linalg.norm(head))
+        if norm > 0:
+            head /= norm
+    return head
 
 
 class ModelHandle(Protocol):
@@ -208,8 +239,35 @@ def _engine_is_dead(exc: BaseException) -> bool:
     return type(exc).__name__ == "EngineDeadError"
 
 
-def load_vllm(s: ModelSettings) -> Engine:
-    """A real vLLM engine for these settings (the default ``EngineFactory``)."""
+_LLMS: dict[str, Any] = {}  # _llm_identity -> vllm.LLM
+_LLMS_LOCK = threading.Lock()
+
+
+def _llm_identity(settings: ModelSettings) -> str:
+    """What the vLLM ``LLM`` depends on: engines that differ only in output dimension share it."""
+    return json.dumps(settings.model_dump(include=set(_LLM_FIELDS)), sort_keys=True)
+
+
+def _shared_llm(s: ModelSettings):
+    """The process's vLLM ``LLM`` for these settings: loaded once, whatever
+    ``model.dimensions`` the engines on it write."""
+    identity = _llm_identity(s)
+    with _LLMS_LOCK:
+        if identity not in _LLMS:
+            llm = _LLMS[identity] = _new_llm(s)
+            atexit.register(_shutdown, llm)
+        return _LLMS[identity]
+
+
+def _shutdown(llm) -> None:
+    """Stop vLLM's engine core; a process that does not may abort at exit (rc 134)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # pylint: disable=broad-except
+        pass
+
+
+def _new_llm(s: ModelSettings):
     s.apply_engine_env()
     from vllm import LLM  # imported on the worker, after the engine environment is set
 
@@ -225,26 +283,40 @@ def load_vllm(s: ModelSettings) -> Engine:
     if s.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
     _LOG.info("loading %s at %s", s.name, kwargs["dtype"])
-    engine = Engine(LLM(**kwargs), s, model_label(s, path))
-    atexit.register(engine.close)
-    size = engine.llm.llm_engine.model_config.embedding_size  # the pooler's output size
+    return LLM(**kwargs)
+
+
+def load_vllm(s: ModelSettings) -> Engine:
+    """A real vLLM engine for these settings (the default ``EngineFactory``), on the process's
+    ``LLM`` for them (``_shared_llm``)."""
+    llm = _shared_llm(s)
+    model_config = llm.llm_engine.model_config
+    engine = Engine(llm, s, model_label(s, resolve_model_path(s.path)))
+    size = model_config.embedding_size  # the pooler's output size
     if size != s.dim:
         engine.close()
         raise ValueError(f"model.dim is {s.dim} in the config but the model {s.path} "
                          f"gives {size}-dimensional embeddings")
-    return engine
+    # Refused (a model that does not declare the size): the LLM stays for the process's others.
+    truncated_by = truncation(s, Matryoshka.of_hf_config(model_config.hf_config))
+    return Engine(llm, s, engine.label, truncated_by)
 
 
 _HANDLES: dict[str, EngineHandle] = {}
 _HANDLES_LOCK = threading.Lock()
 
 
+_LLM_FIELDS = ("name", "path", "revision", "dim", "dtype", "max_tokens", "trust_remote_code",
+               "enforce_eager", "gpu_memory_utilization", "max_num_seqs",
+               "max_num_batched_tokens", "engine_env")
+
+
 def _engine_identity(settings: ModelSettings) -> str:
-    """What the engine depends on; batching and failure settings may differ and share it."""
-    fields = ("name", "path", "revision", "dim", "dtype", "max_tokens", "trust_remote_code",
-              "enforce_eager", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
-              "engine_env")
-    return json.dumps(settings.model_dump(include=set(fields)), sort_keys=True)
+    """What the engine depends on; batching and failure settings may differ and share it. Engines
+    of other output dimensions are other engines, on one ``LLM`` (``_shared_llm``)."""
+    return json.dumps(settings.model_dump(include={
+        *_LLM_FIELDS, "normalize", "dimensions", "truncate_dimensions_knowingly"}),
+        sort_keys=True)
 
 
 def load_engine(settings: ModelSettings) -> EngineHandle:

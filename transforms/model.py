@@ -7,13 +7,15 @@ engine environment allows it). Nothing here downloads anything.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib
+import json
 import os
 import re
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -94,8 +96,20 @@ class ModelSettings(BaseModel):
     revision: Optional[str] = Field(
         None, description="Hugging Face revision of tokenizer and model, recorded in the `model` "
                           "column; null: a content hash of the files is recorded")
-    dim: int = Field(gt=0, description="embedding dimension, checked against the model's pooler "
-                                       "output when it loads")
+    dim: int = Field(gt=0, description="the model's embedding dimension, checked against its "
+                                       "pooler output when it loads")
+    dimensions: Optional[int] = Field(
+        None, gt=0, description="write vectors of this many dimensions (at most `dim`), the "
+                                "head of each (Matryoshka): through vLLM's "
+                                "`PoolingParams(dimensions=...)` where the model declares "
+                                "Matryoshka support (`is_matryoshka` or `matryoshka_dimensions` "
+                                "in its config.json); for any other model refused unless "
+                                "`truncate_dimensions_knowingly`. null: `dim`")
+    truncate_dimensions_knowingly: bool = Field(
+        False, description="with `dimensions`, for a model that does not declare Matryoshka "
+                           "support (MiniLM): newsvec keeps the head of each vector and "
+                           "L2-normalizes it again (if `normalize`); retrieval loses quality "
+                           "(docs/benchmarks.md)")
     dtype: str = Field(
         "bfloat16", pattern="^(bfloat16|float16|float32|native)$",
         description="`bfloat16`, `float16`, `float32` (matches sentence-transformers exactly) or "
@@ -165,10 +179,18 @@ class ModelSettings(BaseModel):
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
                              f"least max_tokens ({self.max_tokens}): vLLM embeds a document in "
                              "one engine step")
+        if self.dimensions is not None and self.dimensions > self.dim:
+            raise ValueError(f"dimensions ({self.dimensions}) must be at most the model's dim "
+                             f"({self.dim})")
         if isinstance(self.gpus_per_worker, int) and not 1 <= self.gpus_per_worker <= 64:
             raise ValueError(f"gpus_per_worker ({self.gpus_per_worker}) must be `auto` or a "
                              "number of GPUs from 1 to 64")
         return self
+
+    @property
+    def output_dim(self) -> int:
+        """The dimension of the vectors written: ``dimensions``, else the model's ``dim``."""
+        return self.dimensions if self.dimensions is not None else self.dim
 
     def resolved_call_timeout_s(self) -> float:
         """``call_timeout_s``, or its default from the token budget."""
@@ -186,3 +208,66 @@ class ModelSettings(BaseModel):
         """Set engine_env where unset. Call before importing transformers or vllm in a worker."""
         for key, value in self.engine_env.items():
             os.environ.setdefault(key, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Matryoshka:
+    """What a model declares about Matryoshka embeddings (vLLM reads the same two keys of its
+    ``config.json``: ``is_matryoshka``, ``matryoshka_dimensions``)."""
+
+    declared: bool
+    dimensions: Optional[tuple[int, ...]] = None  # the only sizes it allows, when it lists them
+
+    def allows(self, dimensions: int) -> bool:
+        return self.declared and (self.dimensions is None or dimensions in self.dimensions)
+
+    @classmethod
+    def of_hf_config(cls, hf_config: Any) -> "Matryoshka":
+        """From a config: a dict (``config.json``) or an object (vLLM's ``hf_config``)."""
+        get = hf_config.get if isinstance(hf_config, dict) else (
+            lambda key: getattr(hf_config, key, None))
+        sizes = get("matryoshka_dimensions")
+        return cls(bool(sizes) or bool(get("is_matryoshka")),
+                   tuple(int(d) for d in sizes) if sizes else None)
+
+
+def declared_matryoshka(local_path: str) -> Optional[Matryoshka]:
+    """The model's ``config.json`` says; None when ``local_path`` has none (a Hugging Face id:
+    the engine checks when it loads)."""
+    config = Path(local_path) / "config.json"
+    if not config.is_file():
+        return None
+    return Matryoshka.of_hf_config(json.loads(config.read_text(encoding="utf-8")))
+
+
+def truncation(settings: "ModelSettings", matryoshka: Matryoshka) -> Literal[
+        "none", "vllm", "newsvec"]:
+    """Who cuts the vectors to ``settings.dimensions``: nobody (full vectors), vLLM
+    (``PoolingParams(dimensions=...)``, a model that declares it) or newsvec (the head, normalized
+    again: ``truncate_dimensions_knowingly``). Raises ValueError for a model that does not declare
+    the size without the knowing flag."""
+    if settings.dimensions is None or settings.dimensions == settings.dim:
+        return "none"
+    if matryoshka.allows(settings.dimensions):
+        return "vllm"
+    if settings.truncate_dimensions_knowingly:
+        return "newsvec"
+    what = (f"declares only the Matryoshka dimensions {list(matryoshka.dimensions)}"
+            if matryoshka.declared and matryoshka.dimensions else
+            "does not declare Matryoshka embeddings (is_matryoshka / matryoshka_dimensions in "
+            "its config.json)")
+    raise ValueError(f"model.dimensions is {settings.dimensions}, but the model {settings.path} "
+                     f"{what}: the head of its vectors is not trained to stand alone. Set "
+                     "model.truncate_dimensions_knowingly: true to truncate and L2-normalize "
+                     "anyway (retrieval loses quality: docs/benchmarks.md), or leave "
+                     "model.dimensions unset")
+
+
+def check_dimensions(settings: "ModelSettings") -> None:
+    """At config time: ``truncation`` against the model's local ``config.json`` (nothing to check
+    without ``dimensions``, or for a model that is not a local folder yet)."""
+    if settings.dimensions is None:
+        return
+    matryoshka = declared_matryoshka(resolve_model_path(settings.path))
+    if matryoshka is not None:
+        truncation(settings, matryoshka)

@@ -11,19 +11,21 @@
 - ``LedgerRecord``: streaming: what a micro-batch took in and wrote, a JSON file beside its data.
 - ``Counts``: where the articles of a run or a micro-batch went, and whether that balances.
 - ``Step``, ``Reason``: where and why an input was dead-lettered.
-- ``vector_schema(dim)``, ``chunk_schema(dim)``, ``key_schema()``: the Parquet schemas of
-  ``vectors/``, ``chunks/`` and ``keys/``.
+- ``vector_schema(dim, vector_dtype)``, ``chunk_schema(dim, vector_dtype)``, ``key_schema()``: the
+  Parquet schemas of ``vectors/``, ``chunks/`` and ``keys/``; ``VectorDtype``, the element type of
+  their ``embedding`` column (``sink.vector_dtype``).
 """
 from __future__ import annotations
 
 import collections
+import copyreg
 import dataclasses
 import datetime as dt
 import enum
 import json
 import re
 from collections.abc import Callable
-from typing import Annotated, Any, Iterable, Mapping, Optional
+from typing import Annotated, Any, Iterable, Literal, Mapping, Optional, get_args
 
 import pyarrow as pa
 from pydantic import (
@@ -247,18 +249,112 @@ def truncate_payload(raw: bytes, limit: int) -> str:
     return raw[:limit].decode("utf-8", errors="backslashreplace")
 
 
+VectorDtype = Literal["float32", "float16"]
+"""The element type of the ``embedding`` column (``sink.vector_dtype``): float16 halves the file
+(about 780 bytes a 384-dimension row instead of 1,734, zstd) and loses nothing measurable in
+recall (docs/benchmarks.md); BigQuery cannot read float16 (docs/bigquery.md)."""
+VECTOR_DTYPES: tuple[str, ...] = get_args(VectorDtype)
+_ARROW_FLOATS = {"float32": pa.float32(), "float16": pa.float16()}
+
+
+def embedding_type(dim: int, vector_dtype: VectorDtype = "float32") -> pa.DataType:
+    """``fixed_size_list<item: float not null>[dim]`` (``halffloat`` at float16). The elements are
+    declared not null: BigQuery's vector index takes an ARRAY<FLOAT64> only if no element can be
+    NULL. Files written before carry nullable elements; readers accept both
+    (``unify_embedding``)."""
+    return pa.list_(pa.field("item", _ARROW_FLOATS[vector_dtype], nullable=False), dim)
+
+
+def _fixed_size_list(name: str, value_type: pa.DataType, nullable: bool, size: int,
+                     metadata) -> pa.DataType:
+    return pa.list_(pa.field(name, value_type, nullable=nullable, metadata=metadata), size)
+
+
+def _reduce_fixed_size_list(type_: pa.FixedSizeListType):
+    field = type_.value_field
+    return _fixed_size_list, (field.name, field.type, field.nullable, type_.list_size,
+                              field.metadata)
+
+
+# pyarrow 25's own pickling of a fixed_size_list keeps only its value type and size: the not-null
+# flag of its elements is lost, and Beam pickles the schemas it sends to workers, which then wrote
+# nullable elements. pickle (and cloudpickle, dill) consult copyreg's table first.
+copyreg.pickle(pa.FixedSizeListType, _reduce_fixed_size_list)
+
+
+def float32_embeddings(table: pa.Table) -> pa.Table:
+    """``table`` with its ``embedding`` column as float32 elements declared not null, whatever it
+    was written as (float16, or nullable elements before they were declared not null): tables of
+    outputs written either way concatenate, and DuckDB (which reads no Arrow float16) computes on
+    it."""
+    if "embedding" not in table.column_names:
+        return table
+    index = table.column_names.index("embedding")
+    column = table.column(index)
+    type_ = embedding_type(column.type.list_size, "float32")
+    if not column.type.value_field.nullable and pa.types.is_float32(column.type.value_type):
+        return table
+    return table.set_column(index, table.schema.field(index).with_type(type_),
+                            column.cast(type_))
+
+
+def vector_matrix(table: pa.Table) -> "Any":
+    """The ``embedding`` column as a numpy float32 matrix, one row per row."""
+    column = float32_embeddings(table.select(["embedding"])).column(0).combine_chunks()
+    return column.flatten().to_numpy().reshape(table.num_rows, column.type.list_size)
+
+
+def _with_embedding(schema: pa.Schema, vector_dtype: Optional[VectorDtype] = None) -> pa.Schema:
+    """``schema`` with its ``embedding`` column declared as now (not-null elements), of its own
+    element type or ``vector_dtype``."""
+    if "embedding" not in schema.names:
+        return schema
+    index = schema.get_field_index("embedding")
+    field = schema.field(index)
+    dtype = vector_dtype or ("float16" if pa.types.is_float16(field.type.value_type)
+                             else "float32")
+    return schema.set(index, field.with_type(embedding_type(field.type.list_size, dtype)))
+
+
+def common_schema(schemas: list[pa.Schema], merge_columns: bool = False) -> pa.Schema:
+    """The schema files of one kind are compacted into, or read together under: their own, with
+    the ``embedding`` column declared as now (files written before carry nullable elements), its
+    elements float32 if any file's are (float16 widens exactly; a ``sink.vector_dtype`` changed
+    between them). Raises ValueError if they differ in anything else (another dimension, other
+    columns), unless ``merge_columns``: then columns some files lack are added (outputs of
+    several newsvec versions, read together)."""
+    unified = [_with_embedding(schema) for schema in schemas]
+    if any(_embedding_dtype(schema) == "float32" for schema in unified):
+        unified = [_with_embedding(schema, "float32") for schema in unified]
+    if merge_columns:
+        return pa.unify_schemas(unified)
+    for i, schema in enumerate(unified[1:], 1):
+        if not schema.equals(unified[0]):
+            raise ValueError(f"file {i} has another schema than file 0: not compacted together")
+    return unified[0]
+
+
+def _embedding_dtype(schema: pa.Schema) -> Optional[str]:
+    if "embedding" not in schema.names:
+        return None
+    return "float16" if pa.types.is_float16(schema.field("embedding").type.value_type) \
+        else "float32"
+
+
 @dataclasses.dataclass(frozen=True)
 class Column:
     """One Parquet column, defined once: the schema is built from it and the docs' table generated.
 
-    ``type`` is an Arrow type, or a function of the embedding dimension for the vector column."""
+    ``type`` is an Arrow type, or, for the vector column, a function of the embedding dimension
+    and ``sink.vector_dtype``."""
     name: str
-    type: pa.DataType | Callable[[int], pa.DataType]
+    type: pa.DataType | Callable[[int, VectorDtype], pa.DataType]
     nullable: bool
     description: str
 
-    def field(self, dim: int = 0) -> pa.Field:
-        return pa.field(self.name, self.type(dim) if callable(self.type) else self.type,
+    def field(self, dim: int = 0, vector_dtype: VectorDtype = "float32") -> pa.Field:
+        return pa.field(self.name,
+                        self.type(dim, vector_dtype) if callable(self.type) else self.type,
                         nullable=self.nullable)
 
 
@@ -276,9 +372,11 @@ _TEXT_SHA256 = Column("text_sha256", pa.string(), False,
                       "sha256 of the article's prepared text (normalized title + newline + body)")
 _MODEL = Column("model", pa.string(), False,
                 "`name@revision`, or `name@sha256:<16 hex>` of the model files")
-_DIM = Column("dim", pa.int32(), False, "embedding dimension")
-_EMBEDDING = Column("embedding", lambda dim: pa.list_(pa.float32(), dim), False,
-                    "the vector (L2-normalized if `model.normalize`)")
+_DIM = Column("dim", pa.int32(), False,
+              "embedding dimension: `model.dimensions`, else the model's (`model.dim`)")
+_EMBEDDING = Column("embedding", embedding_type, False,
+                    "the vector (L2-normalized if `model.normalize`); its elements are `float16` "
+                    "with `sink.vector_dtype: float16`")
 _EMBEDDED_AT = Column("embedded_at", _TIMESTAMP, False, "when the vector was computed")
 _CHUNK_COUNT = Column("chunk_count", pa.int32(), False,
                       "the article's number of chunks: its rows in `chunks/` (0 in head mode)")
@@ -349,18 +447,19 @@ PARQUET_COLUMNS = {"vectors": VECTOR_COLUMNS, "chunks": CHUNK_COLUMNS, "keys": K
 """Every Parquet output folder and its columns: the schemas and the tables of docs/output.md."""
 
 
-def parquet_schema(columns: tuple[Column, ...], dim: int = 0) -> pa.Schema:
-    return pa.schema([column.field(dim) for column in columns])
+def parquet_schema(columns: tuple[Column, ...], dim: int = 0,
+                   vector_dtype: VectorDtype = "float32") -> pa.Schema:
+    return pa.schema([column.field(dim, vector_dtype) for column in columns])
 
 
-def vector_schema(dim: int) -> pa.Schema:
+def vector_schema(dim: int, vector_dtype: VectorDtype = "float32") -> pa.Schema:
     """The Parquet schema of ``vectors/``: one row per article."""
-    return parquet_schema(VECTOR_COLUMNS, dim)
+    return parquet_schema(VECTOR_COLUMNS, dim, vector_dtype)
 
 
-def chunk_schema(dim: int) -> pa.Schema:
+def chunk_schema(dim: int, vector_dtype: VectorDtype = "float32") -> pa.Schema:
     """The Parquet schema of ``chunks/``: one row per chunk (chunks mode)."""
-    return parquet_schema(CHUNK_COLUMNS, dim)
+    return parquet_schema(CHUNK_COLUMNS, dim, vector_dtype)
 
 
 def key_schema() -> pa.Schema:
@@ -373,7 +472,8 @@ def _type_text(type_: pa.DataType) -> str:
     if pa.types.is_timestamp(type_):
         return f"timestamp[{type_.unit}, {type_.tz}]"
     if pa.types.is_fixed_size_list(type_):
-        return f"fixed_size_list<{_type_text(type_.value_type)}>[dim]"
+        not_null = "" if type_.value_field.nullable else " not null"
+        return f"fixed_size_list<{_type_text(type_.value_type)}{not_null}>[dim]"
     if pa.types.is_map(type_):
         return f"map<{_type_text(type_.key_type)}, {_type_text(type_.item_type)}>"
     if pa.types.is_floating(type_):

@@ -58,6 +58,7 @@ from transforms.schema import (
     EmbeddedDoc,
     LedgerRecord,
     MicroBatch,
+    VectorDtype,
     chunk_schema,
     key_schema,
     vector_schema,
@@ -66,15 +67,18 @@ from transforms.schema import (
 
 def _column(rows, field: pa.Field, schema: pa.Schema) -> pa.Array:
     """A column of a Parquet schema from the rows' attribute of the same name; ``embedding`` as a
-    fixed-size list (zero-copy from numpy) and ``dim`` as its length."""
-    dim = schema.field("embedding").type.list_size
+    fixed-size list of the schema's element type (float32 zero-copy from numpy; float16 rounded to
+    nearest) and ``dim`` as its length."""
+    embedding = schema.field("embedding").type
+    dim = embedding.list_size
     if field.name == "dim":
         return pa.array(np.full(len(rows), dim, dtype=np.int32))
     if field.name == "embedding":
-        vectors = np.stack([r.embedding for r in rows]).astype(np.float32, copy=False)
+        element = np.float16 if pa.types.is_float16(embedding.value_type) else np.float32
+        vectors = np.stack([r.embedding for r in rows]).astype(element, copy=False)
         if vectors.shape[1] != dim:
             raise ValueError(f"embedding has {vectors.shape[1]} dimensions, the schema {dim}")
-        return pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), dim)
+        return pa.FixedSizeListArray.from_arrays(pa.array(vectors.reshape(-1)), type=embedding)
     return pa.array([getattr(r, field.name) for r in rows], field.type)
 
 
@@ -130,16 +134,19 @@ class WriteVectors(_WriteParquet):
     """EmbeddedDoc -> zstd Parquet files
     ``<output>/vectors/part-<run_id>-SSSSS-of-NNNNN.parquet``."""
 
-    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384):
-        super().__init__(output, VECTORS_DIR, run_id, vector_schema(dim), to_table, row_group_rows)
+    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384,
+                 vector_dtype: VectorDtype = "float32"):
+        super().__init__(output, VECTORS_DIR, run_id, vector_schema(dim, vector_dtype), to_table,
+                         row_group_rows)
 
 
 class WriteChunks(_WriteParquet):
     """ChunkRow -> zstd Parquet files ``<output>/chunks/part-<run_id>-SSSSS-of-NNNNN.parquet``."""
 
-    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384):
-        super().__init__(output, CHUNKS_DIR, run_id, chunk_schema(dim), chunks_table,
-                         row_group_rows)
+    def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384,
+                 vector_dtype: VectorDtype = "float32"):
+        super().__init__(output, CHUNKS_DIR, run_id, chunk_schema(dim, vector_dtype),
+                         chunks_table, row_group_rows)
 
 
 class WriteKeys(_WriteParquet):
@@ -267,9 +274,10 @@ class _WriteMicroBatchFn(beam.DoFn):
     has no rows for (an earlier attempt wrote vectors, this one dead-letters everything)."""
 
     def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int,
-                 signature: Optional[str]):
+                 signature: Optional[str], vector_dtype: VectorDtype = "float32"):
         self._output, self._run_id = output, run_id
-        self._schema, self._chunk_schema = vector_schema(dim), chunk_schema(dim)
+        self._schema = vector_schema(dim, vector_dtype)
+        self._chunk_schema = chunk_schema(dim, vector_dtype)
         self._row_group_rows = row_group_rows
         self._keys = KeysTable(signature) if signature is not None else None
 
@@ -348,12 +356,13 @@ class WriteMicroBatches(beam.PTransform):
     ``layout.PartFileName``. Returns the ledger records."""
 
     def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384,
-                 signature: Optional[str] = None):
+                 signature: Optional[str] = None, vector_dtype: VectorDtype = "float32"):
         super().__init__()
         require_safe_run_id(run_id)
         if row_group_rows < 1:
             raise ValueError("row_group_rows must be >= 1")
-        self._fn = _WriteMicroBatchFn(output, run_id, dim, row_group_rows, signature)
+        self._fn = _WriteMicroBatchFn(output, run_id, dim, row_group_rows, signature,
+                                      vector_dtype)
 
     def expand(self, batches):
         return batches | "WriteFiles" >> beam.ParDo(self._fn)
