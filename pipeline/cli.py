@@ -5,6 +5,8 @@ beside it, one sub-command each. ``newsvec SUBCOMMAND --help`` lists a sub-comma
                    [--input_date D] [Beam flags]          the pipeline (as ``python -m pipeline``)
   newsvec config   [--config C] [--explain]               check a config, or list every key
   newsvec search   --config C "query text" [--k 10]       the nearest articles in the output
+  newsvec load     --config C --run-id R                  load a committed batch run into the
+                                                          store (after a failed load)
   newsvec ledger   --output PREFIX [--from T --until T]   check a streaming output's ledger
   newsvec cleanup  --output PREFIX                        what killed workers and runs left
   newsvec compact  --config C [--day D | --hour H]        rewrite closed streaming hours into
@@ -28,6 +30,7 @@ from pipeline import config as config_lib
 
 _DELEGATED = {  # sub-command -> (module, what it does): each parses its own options
     "run": ("pipeline.run", "run the pipeline: batch, or streaming when a subscription is set"),
+    "load": ("pipeline.load", "load a committed batch run into the store (store: section)"),
     "ledger": ("pipeline.ledger", "check a streaming output against its ledger"),
     "cleanup": ("pipeline.cleanup", "clean what killed workers and runs left in an output"),
     "compact": ("pipeline.compact", "rewrite a streaming output's closed hours into few files"),

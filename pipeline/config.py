@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from transforms.chunking import ChunkingSettings
 from transforms.dedup import DedupKey
 from transforms.model import ModelSettings
+from transforms.store import StoreSettings
 from transforms.text import UnicodeForm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -119,6 +120,7 @@ class Config(_Section):
     sink: SinkSettings = SinkSettings()
     streaming: StreamingSettings = StreamingSettings()
     incremental: IncrementalSettings = IncrementalSettings()
+    store: StoreSettings = StoreSettings()
     beam: dict[str, Any] = Field(default_factory=dict, description="any Beam pipeline option "
                                  "(`runner`, `project`, `experiments`...); unknown ones fail at "
                                  "start")

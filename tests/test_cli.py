@@ -39,6 +39,7 @@ def test_newsvec_is_installed_as_a_console_script():
     ("config", ["--config", "--explain"]),
     ("search", ["--config", "--k", "--output", "query"]),
     ("ledger", ["--output", "--from", "--until", "--no-verify"]),
+    ("load", ["--config", "--run-id", "--output"]),
     ("cleanup", ["--output", "--older-than-s"]),
     ("backfill", ["--config", "--from", "--until", "--force"]),
 ])
