@@ -169,7 +169,7 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
         config.model, **_embed_settings(config, engine_factory))
     return embedded | "WriteMicroBatches" >> WriteMicroBatches(
         config.output, run_id, config.model.dim, config.sink.row_group_rows,
-        signature=signature_of(config))
+        signature=signature_of(config), store=config.store)
 
 
 def build_streaming(pipeline: beam.Pipeline, config: Config, run_id: str,

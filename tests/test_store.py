@@ -230,6 +230,41 @@ def test_a_batch_run_whose_load_fails_stays_committed_and_newsvec_load_loads_it(
     before = stored(pg, "*")
     assert cli(["load", "--config", str(config_file), "--run-id", manifest.run_id]) == 0
     assert stored(pg, "*") == before
+    # newsvec search --store finds what the Parquet search finds, in the same form.
+    from pipeline.search import search, search_store
+
+    for query in ("stock markets and interest rates", "football match"):
+        assert search_store(config, query, 5) == search(config, query, 5)
     # Another run id than the one the output holds is refused.
     assert cli(["load", "--config", str(config_file), "--run-id", "20260101T000000Z-00000000"]) \
         == 1
+
+
+def test_search_groups_chunks_by_their_best_chunk_per_article(store_settings, pg):
+    """The store's search over chunk rows: one hit per article, at its best chunk, titles from the
+    articles' table, best first; over articles alone without chunks."""
+    store = Store(store_settings)
+    day = dt.date(2026, 12, 1)
+    store.load(LoadRows(vectors(["a", "b", "c"]), None, day), "run:head")
+    table = vectors(["a", "b", "c"])
+    query = table["embedding"].combine_chunks().flatten().to_numpy().reshape(3, DIM)[1]
+    hits = store.search(query, 2)
+    assert [h["id"] for h in hits] == ["b", hits[1]["id"]] and hits[0]["score"] == 1.0
+    assert hits[0]["chunk_index"] is None and hits[0]["title"] == "a b"
+    # Chunks: article "a" has a chunk equal to the query (index 2), "b" one less near.
+    rows = chunks({"a": 3, "b": 2})
+    emb = np.zeros((5, DIM), np.float32)
+    emb[:, 0] = 1  # far from the query
+    q = np.zeros(DIM, np.float32)
+    q[1] = 1
+    emb[2] = q  # a, chunk 2
+    emb[4] = np.array([0, 1, 1] + [0] * (DIM - 3), np.float32)  # b, chunk 1
+    rows = rows.set_column(rows.schema.get_field_index("embedding"), "embedding",
+                           pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), DIM))
+    later = T0 + dt.timedelta(hours=1)
+    store.load(LoadRows(vectors(["a", "b"], "v2", later), rows.set_column(
+        rows.schema.get_field_index("embedded_at"), "embedded_at",
+        pa.array([later] * 5, pa.timestamp("us", tz="UTC"))), day), "run:chunks")
+    hits = store.search(q, 10)
+    assert [(h["id"], h["chunk_index"]) for h in hits] == [("a", 2), ("b", 1)]
+    assert hits[0]["score"] == 1.0 and hits[0]["title"] == "v2 a"

@@ -464,6 +464,42 @@ class Store:
                 _ident(stage))).rowcount
 
 
+    def search(self, vector, k: int) -> list[dict]:
+        """The ``k`` nearest articles to ``vector`` through the HNSW index (``hnsw.ef_search`` from
+        the settings): by their best chunk when the store holds chunks, else by their own row.
+        ``{"id", "title", "score", "chunk_index"}``, best first: what ``pipeline.search`` gives."""
+        from psycopg import sql
+
+        vectors_table, chunks_table = _tables(self.settings)
+        schema = self.settings.schema_name
+        query = "[" + ",".join(repr(float(x)) for x in np.asarray(vector).ravel()) + "]"
+        # HNSW returns at most ef_search rows: enough of them to group chunks into k articles.
+        ef_search = max(self.settings.ef_search, k)
+        with self.connect() as conn, conn.transaction():
+            conn.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(ef_search)))
+            has_chunks = conn.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {})").format(
+                _ident(schema, chunks_table.name))).fetchone()
+            if has_chunks and has_chunks[0]:
+                nearest = conn.execute(sql.SQL(
+                    "SELECT c.id, v.title, 1 - (c.embedding <=> %s::vector), c.chunk_index "
+                    "FROM (SELECT id, chunk_index, embedding FROM {} ORDER BY embedding <=> "
+                    "%s::vector LIMIT %s) c LEFT JOIN {} v USING (id)").format(
+                        _ident(schema, chunks_table.name), _ident(schema, vectors_table.name)),
+                    (query, query, ef_search)).fetchall()
+            else:
+                nearest = conn.execute(sql.SQL(
+                    "SELECT id, title, 1 - (embedding <=> %s::vector), NULL::integer FROM {} "
+                    "ORDER BY embedding <=> %s::vector LIMIT %s").format(
+                        _ident(schema, vectors_table.name)), (query, query, k)).fetchall()
+        best: dict[str, tuple] = {}
+        for doc_id, title, score, chunk_index in nearest:
+            if doc_id not in best or score > best[doc_id][1]:
+                best[doc_id] = (title, score, chunk_index)
+        ranked = sorted(best.items(), key=lambda item: -item[1][1])[:k]
+        return [{"id": doc_id, "title": title, "score": round(float(score), 4),
+                 "chunk_index": chunk_index} for doc_id, (title, score, chunk_index) in ranked]
+
+
 def _n(table: Optional[pa.Table]) -> int:
     return 0 if table is None else table.num_rows
 
