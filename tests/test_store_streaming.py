@@ -7,6 +7,7 @@ vector equal to the Parquet's, and ``newsvec ledger --store`` passes."""
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import threading
 import time
 
@@ -43,7 +44,8 @@ def _file_rows(out) -> pa.Table | None:
 
 
 def test_every_article_is_stored_once_although_the_database_was_killed_mid_run(
-        tmp_path, monkeypatch, postgres_server, pg):
+        tmp_path, monkeypatch, postgres_server, pg, caplog):
+    caplog.set_level(logging.WARNING, logger="newsvec.store")
     monkeypatch.setenv(STORE_DSN_ENV, pg)
     out = tmp_path / "out"
     config = make_config(output=str(out), store=StoreSettings(
@@ -76,6 +78,8 @@ def test_every_article_is_stored_once_although_the_database_was_killed_mid_run(
                 time.sleep(1)
             time.sleep(config.streaming.max_wait_s + 3)  # a row stored twice would show by now
     assert killed_at is not None and restarted_at is not None
+    assert "retrying" in caplog.text, "micro-batches met the database down and waited for it"
+    assert pg not in caplog.text
     table = _file_rows(out)
     assert table is not None
     ids = table["id"].to_pylist()
