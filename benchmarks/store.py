@@ -67,17 +67,20 @@ def _settings(config_store: StoreSettings) -> StoreSettings:
     return config_store.model_copy(update={"enabled": True, "dsn_env": DSN_ENV})
 
 
-def bulk(work: Path, n: int) -> dict:
+def bulk(work: Path, n: int, index_build_memory_mb: int | None) -> dict:
     rows = synthetic_rows(n)
     with postgres_server(work) as server:
         os.environ[DSN_ENV] = server.create_database("bench")
-        store = Store(_settings(StoreSettings()))
+        store = Store(_settings(StoreSettings(index_build_memory_mb=index_build_memory_mb)))
         load = store.load(LoadRows(rows, None, dt.date.today()), "run:bulk")
         again = store.load(LoadRows(rows, None, dt.date.today()), "run:bulk")
-    results = {"rows": n, "load_s": load.seconds, "rows_per_s": n / load.seconds,
+    results = {"rows": n, "index_build_memory_mb": index_build_memory_mb,
+               "load_s": load.seconds, "rows_per_s": n / load.seconds,
                "noop_reload_s": again.seconds, "noop": again.already_loaded}
     print(f"bulk: {n} rows in {load.seconds:.1f} s ({n / load.seconds:.0f} rows/s, HNSW index "
-          f"built after the rows); the same load again: {again.seconds:.3f} s (no-op)")
+          f"built after the rows, maintenance_work_mem "
+          f"{index_build_memory_mb or 'of the server'} MB); the same load again: "
+          f"{again.seconds:.3f} s (no-op)")
     return results
 
 
@@ -215,6 +218,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=None, help="default: configs/local.yaml (bulk, bbc), "
                         "configs/local-streaming.yaml (streaming)")
     parser.add_argument("--rows", type=int, default=100_000, help="bulk: rows loaded")
+    parser.add_argument("--index-build-memory-mb", type=int, default=None,
+                        help="bulk: store.index_build_memory_mb (default: the server's, 64 MB)")
     parser.add_argument("--k", type=int, default=10, help="bbc: recall@k")
     parser.add_argument("--limit", type=int, default=None, help="bbc: the first N articles")
     parser.add_argument("--articles", type=int, default=600, help="streaming: articles")
@@ -225,7 +230,7 @@ def main(argv=None) -> int:
     config = args.config or str(REPO_ROOT / "configs" / (
         "local-streaming.yaml" if args.part == "streaming" else "local.yaml"))
     if args.part == "bulk":
-        results = bulk(work, args.rows)
+        results = bulk(work, args.rows, args.index_build_memory_mb)
     elif args.part == "bbc":
         results = bbc(work, config, args.k, args.limit)
     else:

@@ -117,7 +117,8 @@ def test_chunks_follow_their_article_and_fewer_chunks_leave_none_behind(store_se
 
 
 def test_the_hnsw_index_is_built_once_and_after_a_large_first_load(store_settings, pg):
-    settings = store_settings.model_copy(update={"hnsw_m": 8, "hnsw_ef_construction": 32})
+    settings = store_settings.model_copy(update={"hnsw_m": 8, "hnsw_ef_construction": 32,
+                                                 "index_build_memory_mb": 128})
     store = Store(settings)
     ids = [f"id-{i}" for i in range(10_000)]
     store.load(LoadRows(vectors(ids, dim=4), None, dt.date(2026, 12, 1)), "run:big")

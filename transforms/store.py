@@ -78,6 +78,11 @@ class StoreSettings(BaseModel):
     hnsw_m: int = Field(16, ge=2, le=100, description="HNSW index: links per node (`m`)")
     hnsw_ef_construction: int = Field(64, ge=4, le=1000,
                                       description="HNSW index: `ef_construction`")
+    index_build_memory_mb: Optional[int] = Field(
+        None, ge=64, le=65536,
+        description="`maintenance_work_mem` of the load that builds the HNSW index after a first "
+                    "large load (an index whose graph does not fit in it builds several times "
+                    "slower); null: the server's setting")
     ef_search: int = Field(100, ge=1, le=1000, description="`hnsw.ef_search` of "
                                                            "`newsvec search --store`")
     retry_s: float = Field(300, ge=0, description="how long a load retries, with backoff, while "
@@ -404,6 +409,9 @@ class Store:
                     chunk_rows = self._copy_in(conn, chunks_table, rows.chunks, rows, load_key,
                                                only_won=True)
                 if index_after:
+                    if self.settings.index_build_memory_mb is not None:
+                        conn.execute(sql.SQL("SET LOCAL maintenance_work_mem = {}").format(
+                            sql.Literal(f"{self.settings.index_build_memory_mb}MB")))
                     for table in (vectors_table, chunks_table):
                         conn.execute(_index_statement(self.settings, table))
                 conn.execute(sql.SQL("INSERT INTO {} (load_key, rows, chunk_rows, "
