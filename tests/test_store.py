@@ -269,3 +269,29 @@ def test_search_groups_chunks_by_their_best_chunk_per_article(store_settings, pg
     hits = store.search(q, 10)
     assert [(h["id"], h["chunk_index"]) for h in hits] == [("a", 2), ("b", 1)]
     assert hits[0]["score"] == 1.0 and hits[0]["title"] == "v2 a"
+
+
+def test_a_chunks_mode_run_loads_its_chunks_and_search_store_matches_the_parquet_search(
+        tmp_path, store_settings, pg):
+    """A real chunks-mode run (16 BBC articles, vLLM) with the store on: every chunk row of
+    ``chunks/`` in the store, and ``newsvec search --store`` ranks articles by their best chunk as
+    the Parquet search does."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from pipeline.run import run_batch
+    from pipeline.search import search, search_store
+    from tests.test_chunks import CHUNKING, bbc_events
+
+    events = tmp_path / "in.jsonl"
+    events.write_text("".join(json.dumps(e) + "\n" for e in bbc_events(16)))
+    config = make_config(input=str(events), output=str(tmp_path / "out"), chunking=CHUNKING,
+                         store=store_settings)
+    summary = run_batch(config, PipelineOptions(["--runner=FnApiRunner"]))
+    parquet = pq.read_table(sorted((tmp_path / "out" / "chunks").glob("*.parquet")))
+    assert summary["counts"]["chunks_written"] == parquet.num_rows > 16
+    assert sorted(stored(pg, "id, chunk_index", "news_vectors_chunks")) == sorted(
+        zip(parquet["id"].to_pylist(), parquet["chunk_index"].to_pylist(), strict=True))
+    for query in ("the price of oil", "a film award ceremony", "mobile phones"):
+        assert search_store(config, query, 5) == search(config, query, 5)

@@ -15,6 +15,8 @@ import numpy as np
 import psycopg
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
+import yaml
 
 from pipeline import ledger
 from tests.conftest import SAMPLE_EVENTS, STORE_DSN_ENV, make_config
@@ -97,6 +99,12 @@ def test_every_article_is_stored_once_although_the_database_was_killed_mid_run(
     assert report.totals["rows_written"] == VALID_ARTICLES
     assert report.totals["store_articles"] == VALID_ARTICLES
     assert report.totals["store_loads"] == len(load_keys)
+    # The same through the command line: newsvec ledger --store --config C (the output its own).
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    assert ledger.main(["--config", str(config_file), "--store"]) == 0
+    with pytest.raises(SystemExit):
+        ledger.main(["--output", str(out), "--store"])  # --store needs the config's store:
 
 
 def test_the_ledger_store_check_finds_a_micro_batch_missing_from_the_store(
