@@ -4,10 +4,12 @@ transforms/.
 Batch:      files -> ReadJsonLines (fans out its lines) -> Parse -> PrepareText
               -> SkipUnchanged (with incremental.previous_outputs: ReadKeys) -> EmbedWithVLLM
               -> DropDuplicates -> WriteVectors, WriteKeys, WriteChunks (chunks mode),
-              WriteDeadLetters (into the run's staging folder) -> CommitRun
+              WriteDeadLetters (into the run's staging folder) -> CommitRun; then, with the
+              store on, the launcher loads the committed run (pipeline/load.py)
 Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> GroupMicroBatches (with every
               dead letter so far) -> DropDuplicatesStreaming -> EmbedMicroBatches
-              -> WriteMicroBatches (vectors, keys, dead letters and a ledger record per micro-batch)
+              -> WriteMicroBatches (vectors, keys, dead letters, the store with it on, and a ledger
+              record per micro-batch)
 
 Each step is labelled with the name of its class, so the job graph on Dataflow reads like this.
 """
