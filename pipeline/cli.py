@@ -5,7 +5,11 @@ beside it, one sub-command each. ``newsvec SUBCOMMAND --help`` lists a sub-comma
                    [--input_date D] [Beam flags]          the pipeline (as ``python -m pipeline``)
   newsvec config   [--config C] [--explain]               check a config, or list every key
   newsvec search   --config C "query text" [--k 10]       the nearest articles in the output
+                   [--store]                              (or in the store, its HNSW index)
+  newsvec load     --config C --run-id R                  load a committed batch run into the
+                                                          store (after a failed load)
   newsvec ledger   --output PREFIX [--from T --until T]   check a streaming output's ledger
+                   [--store --config C]                   (and the store against it)
   newsvec cleanup  --output PREFIX                        what killed workers and runs left
   newsvec compact  --config C [--day D | --hour H]        rewrite closed streaming hours into
                                                           few large files
@@ -28,6 +32,7 @@ from pipeline import config as config_lib
 
 _DELEGATED = {  # sub-command -> (module, what it does): each parses its own options
     "run": ("pipeline.run", "run the pipeline: batch, or streaming when a subscription is set"),
+    "load": ("pipeline.load", "load a committed batch run into the store (store: section)"),
     "ledger": ("pipeline.ledger", "check a streaming output against its ledger"),
     "cleanup": ("pipeline.cleanup", "clean what killed workers and runs left in an output"),
     "compact": ("pipeline.compact", "rewrite a streaming output's closed hours into few files"),
@@ -68,13 +73,18 @@ def _search_command(argv: Sequence[str]) -> int:
                         help="the config whose model and output to use")
     parser.add_argument("--k", type=int, default=10, help="how many articles (default 10)")
     parser.add_argument("--output", help="search this output prefix instead of the config's")
+    parser.add_argument("--store", action="store_true", help="search the store (the config's "
+                        "store: section, its HNSW index) instead of the Parquet output")
     parser.add_argument("--json", action="store_true", help="print JSON lines (UTF-8, "
                         "non-ASCII text as it is, not as \\u escapes)")
     args = parser.parse_args(argv)
-    from pipeline.search import search
+    from pipeline.search import search, search_store
 
     config = config_lib.fill_model(config_lib.load(args.config))
-    for hit in search(config, _query_text(args.query), args.k, args.output):
+    query = _query_text(args.query)
+    hits = (search_store(config, query, args.k) if args.store
+            else search(config, query, args.k, args.output))
+    for hit in hits:
         if args.json:
             _print_line(json.dumps(hit, ensure_ascii=False))  # a Japanese title as it reads
         else:

@@ -23,6 +23,7 @@ from transforms.chunking import ChunkingSettings
 from transforms.dedup import DedupKey
 from transforms.model import ModelSettings, check_dimensions
 from transforms.schema import VectorDtype
+from transforms.store import StoreSettings
 from transforms.text import UnicodeForm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -125,6 +126,7 @@ class Config(_Section):
     sink: SinkSettings = SinkSettings()
     streaming: StreamingSettings = StreamingSettings()
     incremental: IncrementalSettings = IncrementalSettings()
+    store: StoreSettings = StoreSettings()
     beam: dict[str, Any] = Field(default_factory=dict, description="any Beam pipeline option "
                                  "(`runner`, `project`, `experiments`...); unknown ones fail at "
                                  "start")

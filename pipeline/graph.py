@@ -4,10 +4,12 @@ transforms/.
 Batch:      files -> ReadJsonLines (fans out its lines) -> Parse -> PrepareText
               -> SkipUnchanged (with incremental.previous_outputs: ReadKeys) -> EmbedWithVLLM
               -> DropDuplicates -> WriteVectors, WriteKeys, WriteChunks (chunks mode),
-              WriteDeadLetters (into the run's staging folder) -> CommitRun
+              WriteDeadLetters (into the run's staging folder) -> CommitRun; then, with the
+              store on, the launcher loads the committed run (pipeline/load.py)
 Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> GroupMicroBatches (with every
               dead letter so far) -> DropDuplicatesStreaming -> EmbedMicroBatches
-              -> WriteMicroBatches (vectors, keys, dead letters and a ledger record per micro-batch)
+              -> WriteMicroBatches (vectors, keys, dead letters, the store with it on, and a ledger
+              record per micro-batch)
 
 Each step is labelled with the name of its class, so the job graph on Dataflow reads like this.
 """
@@ -171,7 +173,8 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
         config.model, **_embed_settings(config, engine_factory))
     return embedded | "WriteMicroBatches" >> WriteMicroBatches(
         config.output, run_id, config.model.output_dim, config.sink.row_group_rows,
-        signature=signature_of(config), vector_dtype=config.sink.vector_dtype)
+        signature=signature_of(config), vector_dtype=config.sink.vector_dtype,
+        store=config.store)
 
 
 def build_streaming(pipeline: beam.Pipeline, config: Config, run_id: str,

@@ -16,6 +16,9 @@ both optional), prints the totals as JSON, and exits 1, naming each window, if:
   a micro-batch file that its manifest says was replaced: an unfinished compaction, which a rerun
   of ``newsvec compact`` finishes. Over compacted hours the records are read from the compacted
   ledger files and each record's files resolved through the manifest (``transforms.compaction``).
+- with ``--store --config C``: a record with rows has no store load, its load key is not in the
+  store's ``<table>_loads`` (or with another row count), or an article of its vectors file is not
+  in the store.
 A window still being written (the job is running, a late pane may come) can show a data file whose
 record is not written yet; check windows older than ``allowed_lateness_s`` plus a few minutes, or a
 drained job.
@@ -46,6 +49,7 @@ from transforms.layout import (
     partitions_between,
 )
 from transforms.schema import Counts
+from transforms.store import StoreSettings
 
 
 @dataclasses.dataclass
@@ -95,7 +99,7 @@ def _read(path: str) -> bytes:
 
 
 def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.datetime] = None,
-          verify: bool = True) -> LedgerReport:
+          verify: bool = True, store: Optional[StoreSettings] = None) -> LedgerReport:
     """The ledger of ``output`` over windows starting in ``[start, end)``. Compaction-aware: a
     record's file that a compaction replaced is resolved through the partition's compaction
     manifest (``transforms.compaction``), and a compacted file must hold the rows of every record
@@ -206,6 +210,10 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
             elif named[path] > 1:
                 problems.append(f"window {window:%Y-%m-%dT%H:%M:%SZ}: {path[len(prefix):]} is "
                                 f"named by {named[path]} ledger records")
+    store_totals: dict = {}
+    if store is not None:
+        store_problems, store_totals = _check_store(output, records, store, verify)
+        problems += store_problems
     total = Counts.total(r.counts for r in records)
     totals = {"windows": len(windows), "records": len(records), "messages_in": total.articles_in,
               "rows_written": total.written, "dead_lettered": total.dead_lettered,
@@ -215,22 +223,83 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
               "dead_lettered_by_reason": dict(total.dead_lettered_by_reason),
               "dead_lettered_by_language": {language: dict(by_reason) for language, by_reason
                                             in total.dead_lettered_by_language.items()},
-              "balanced": not problems}
+              **store_totals, "balanced": not problems}
     return LedgerReport(totals=totals, problems=problems)
+
+
+def _check_store(output: str, records: list, settings: StoreSettings, verify: bool
+                 ) -> tuple[list[str], dict]:
+    """The store against the records (``newsvec ledger --store``): each record with rows was loaded
+    (its load key is in ``<table>_loads`` with its row count), and, verifying, every article of its
+    vectors file is in the store's table (once: the table's key is the article id)."""
+    from psycopg import sql
+
+    from transforms.store import store_of
+
+    problems = []
+    prefix = output.rstrip("/") + "/"
+    ids: set[str] = set()
+    keys = {}
+    for r in records:
+        where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
+        if r.rows_written and not r.store_load_key:
+            problems.append(f"{where}: {r.rows_written} rows but no store load in its record")
+            continue
+        if r.store_load_key:
+            keys[r.store_load_key] = (where, r.store_rows)
+        if verify and r.vectors_file and FileSystems.exists(prefix + r.vectors_file):
+            with FileSystems.open(prefix + r.vectors_file) as f:
+                ids.update(pq.read_table(f, columns=["id"])["id"].to_pylist())
+    store = store_of(settings)
+    with store.connect() as conn:
+        loads_table = sql.Identifier(settings.schema_name, f"{settings.table}_loads")
+        loads: dict = dict(conn.execute(
+            sql.SQL("SELECT load_key, rows FROM {} WHERE load_key = ANY(%s)").format(loads_table),
+            (list(keys),)).fetchall())
+        table = sql.Identifier(settings.schema_name, settings.table)
+        found = {row[0] for row in conn.execute(
+            sql.SQL("SELECT id FROM {} WHERE id = ANY(%s)").format(table),
+            (sorted(ids),)).fetchall()}
+    for key, (where, rows) in sorted(keys.items()):
+        if key not in loads:
+            problems.append(f"{where}: its store load {key} is not in the store")
+        elif loads[key] != rows:
+            problems.append(f"{where}: the store loaded {loads[key]} rows under {key}, the record "
+                            f"says {rows}")
+    missing = sorted(ids - found)
+    if missing:
+        problems.append(f"store: {len(missing)} articles of the vectors files are not in the store "
+                        f"(first: {missing[0]})")
+    return problems, {"store_loads": len(keys), "store_articles": len(found)}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.ledger",
                                      description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", required=True, help="the streaming job's output prefix")
+    parser.add_argument("--output", help="the streaming job's output prefix (default: the "
+                        "config's, with --config)")
+    parser.add_argument("--config", help="the job's config (needed with --store)")
+    parser.add_argument("--store", action="store_true",
+                        help="also check the store (the config's store: section) against the "
+                             "ledger: every micro-batch loaded, every article of its files there")
     parser.add_argument("--from", dest="start", help="first window start, RFC 3339 (UTC)")
     parser.add_argument("--until", dest="end", help="end of the range (exclusive), RFC 3339")
     parser.add_argument("--no-verify", action="store_true",
                         help="do not open data files to count their rows")
     args = parser.parse_args(argv)
-    report = check(args.output, _parse_time(args.start), _parse_time(args.end),
-                   verify=not args.no_verify)
+    config = None
+    if args.config:
+        from pipeline import config as config_lib
+
+        config = config_lib.fill_model(config_lib.load(args.config))
+    if args.store and config is None:
+        parser.error("--store needs --config (its store: section)")
+    output = args.output or (config.output if config else None)
+    if output is None:
+        parser.error("give --output (or --config)")
+    report = check(output, _parse_time(args.start), _parse_time(args.end),
+                   verify=not args.no_verify, store=config.store if args.store and config else None)
     print(json.dumps(report.totals, indent=2))
     for problem in report.problems:
         print(problem, file=sys.stderr)

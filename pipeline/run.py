@@ -26,6 +26,7 @@ from pipeline.summary import job_statistics
 from transforms.engine import EngineFactory
 from transforms.layout import SUMMARY_FILE, join_path, new_run_id
 from transforms.read import count_lines
+from transforms.store import StoreLoadFailed
 
 _LOG = logging.getLogger("newsvec")
 
@@ -115,11 +116,26 @@ def run_batch(config: config_lib.Config, options: PipelineOptions,
         _LOG.warning("run %s succeeded, but run %s has published into %s since", run_id,
                      summary["run_id"], config.output)
     _LOG.info("run %s committed: %s", run_id, path)
+    if config.store.enabled and summary["run_id"] == run_id and summary.get("published", True):
+        _load_into_store(config, run_id)
     return {**summary, **job_statistics(result, config.model.token_budget, {
         "startup_s": run_started - started,
         "run_s": finished - run_started,
         "total_s": finished - started,
     })}
+
+
+def _load_into_store(config: config_lib.Config, run_id: str) -> None:
+    """The committed run into the store (``store:``). A failure leaves the Parquet committed and
+    raises ``StoreLoadFailed``; ``newsvec load --run-id`` then loads the run alone."""
+    from pipeline.load import load_run
+
+    try:
+        load_run(config, run_id)
+    except StoreLoadFailed as exc:
+        _LOG.error("run %s is committed in %s, but its store load failed: %s. Load it alone with: "
+                   "newsvec load --config CONFIG --run-id %s", run_id, config.output, exc, run_id)
+        raise
 
 
 def _progress(config: config_lib.Config, options: PipelineOptions):
@@ -201,6 +217,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except config_lib.ConfigError as exc:
         print(f"newsvec: bad config: {exc}", file=sys.stderr)
         return 2
+    except StoreLoadFailed:  # logged with what to run; the Parquet is committed
+        return 1
     # A batch run's counts; a launched job (Flex Template, Dataflow streaming): its state.
     print(json.dumps(summary.get("counts", summary), indent=2))
     return 0

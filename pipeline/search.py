@@ -84,3 +84,11 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None) -
             FROM vectors GROUP BY id ORDER BY score DESC LIMIT $2"""
     return [{"id": i, "title": t, "score": round(float(s), 4), "chunk_index": c}
             for i, t, s, c in con.execute(sql, params).fetchall()]
+
+
+def search_store(config: Config, query: str, k: int = 10) -> list[dict]:
+    """``search`` over the store (``store:``; ``newsvec search --store``): the HNSW index of
+    PostgreSQL + pgvector instead of the Parquet files, the same results' form."""
+    from transforms.store import store_of
+
+    return store_of(config.store).search(embed_query(config, query), k)

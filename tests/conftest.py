@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from pipeline import config as config_lib
-from tests.emulators import gcs_for_beam
+from tests.emulators import (
+    gcs_for_beam,
+    postgres_server_fixture,  # noqa: F401  # the postgres_server fixture
+)
 
 # Beam leaves beam-temp* folders in TMPDIR on every run: give the session its own. Worker
 # processes the runners start import this module too: they keep their session's folder, where the
@@ -59,3 +62,27 @@ def root(request, tmp_path):
         request.getfixturevalue("gcs")
         return f"gs://{GCS_BUCKET}/{tmp_path.name}"
     return str(tmp_path)
+
+
+@pytest.fixture
+def pg(postgres_server, request) -> str:
+    """A fresh database (with pgvector) on the session's PostgreSQL, for one test: its DSN."""
+    import re
+
+    name = "t_" + re.sub(r"[^a-z0-9_]", "_", request.node.name.lower())[:40] + "_" + \
+        os.urandom(3).hex()
+    dsn = postgres_server.create_database(name)
+    yield dsn
+    postgres_server.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+STORE_DSN_ENV = "NEWSVEC_TEST_STORE_DSN"
+
+
+@pytest.fixture
+def store_settings(pg, monkeypatch):
+    """``store:`` settings turned on, their connection string (``pg``) in the environment."""
+    from transforms.store import StoreSettings
+
+    monkeypatch.setenv(STORE_DSN_ENV, pg)
+    return StoreSettings(enabled=True, dsn_env=STORE_DSN_ENV, retry_s=5)

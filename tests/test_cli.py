@@ -37,8 +37,9 @@ def test_newsvec_is_installed_as_a_console_script():
 @pytest.mark.parametrize("command, options", [
     ("run", ["--config", "--input", "--output", "--subscription", "--input_date"]),
     ("config", ["--config", "--explain"]),
-    ("search", ["--config", "--k", "--output", "query"]),
-    ("ledger", ["--output", "--from", "--until", "--no-verify"]),
+    ("search", ["--config", "--k", "--output", "--store", "query"]),
+    ("ledger", ["--output", "--from", "--until", "--no-verify", "--store", "--config"]),
+    ("load", ["--config", "--run-id", "--output"]),
     ("cleanup", ["--output", "--older-than-s"]),
     ("backfill", ["--config", "--from", "--until", "--force"]),
 ])

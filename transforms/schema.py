@@ -660,6 +660,9 @@ class LedgerRecord:
     digest: Optional[str] = None  # of the micro-batch's messages: in its files' names
     # {language: {reason: n}} (Counts.by_language); None in records written before it was kept
     dead_lettered_by_language: Optional[dict] = None
+    # The store (transforms.store): rows loaded, under this load key; 0 and None with it off
+    store_rows: int = 0
+    store_load_key: Optional[str] = None
 
     @property
     def counts(self) -> Counts:

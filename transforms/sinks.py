@@ -63,6 +63,7 @@ from transforms.schema import (
     key_schema,
     vector_schema,
 )
+from transforms.store import LoadRows, Store, StoreSettings, store_of
 
 
 def _column(rows, field: pa.Field, schema: pa.Schema) -> pa.Array:
@@ -265,21 +266,52 @@ def micro_batch_digest(batch: MicroBatch) -> str:
     return hashlib.sha256("\n".join(identities).encode("utf-8")).hexdigest()[:16]
 
 
+def micro_batch_load_key(batch: MicroBatch, digest: str) -> str:
+    """The store's load key of a micro-batch: ``mb:<window start>:<pane>:<shard>:<digest>``, the
+    same for every attempt at it (as its file names)."""
+    start = micro_batch_window(batch).start.to_utc_datetime()
+    return f"mb:{start:%Y%m%dT%H%M%SZ}:{batch.pane}:{batch.shard}:{digest}"
+
+
 class _WriteMicroBatchFn(beam.DoFn):
     """MicroBatch -> its vectors, chunks, keys and dead-letter files, then its ledger record, which
     names them: a record implies that its files are complete.
 
     The files are one set, named by window, pane, shard and digest (``layout.PartFileName``): a
     later attempt at the same micro-batch replaces each of them, and deletes those of its kinds it
-    has no rows for (an earlier attempt wrote vectors, this one dead-letters everything)."""
+    has no rows for (an earlier attempt wrote vectors, this one dead-letters everything). With the
+    store on (``store.enabled``), its rows are loaded into the store between its files and its
+    record."""
 
     def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int,
-                 signature: Optional[str], vector_dtype: VectorDtype = "float32"):
+                 signature: Optional[str], vector_dtype: VectorDtype = "float32",
+                 store: Optional[StoreSettings] = None):
         self._output, self._run_id = output, run_id
         self._schema = vector_schema(dim, vector_dtype)
         self._chunk_schema = chunk_schema(dim, vector_dtype)
         self._row_group_rows = row_group_rows
         self._keys = KeysTable(signature) if signature is not None else None
+        self._store_settings = store if store is not None and store.enabled else None
+        self._store: Optional[Store] = None
+
+    def setup(self):
+        if self._store_settings is not None:
+            self._store = store_of(self._store_settings)
+
+    def _load(self, batch: MicroBatch, digest: str, rows: list, chunk_rows: list
+              ) -> tuple[int, Optional[str]]:
+        """The micro-batch's rows into the store, after its files and before its ledger record,
+        under its load key (once: a retried or redone micro-batch changes nothing). Retried while
+        the database is down (``store.retry_s``); then the bundle fails and Beam retries it."""
+        if self._store is None or not rows:
+            return 0, None
+        window = micro_batch_window(batch)
+        key = micro_batch_load_key(batch, digest)
+        loaded = self._store.load(LoadRows(
+            vectors=to_table(rows, self._schema),
+            chunks=chunks_table(chunk_rows, self._chunk_schema) if chunk_rows else None,
+            dt=window.start.to_utc_datetime().date()), key)
+        return loaded.rows, key
 
     def _path(self, subdir: str, batch: MicroBatch, digest: str, suffix: str) -> str:
         """``<subdir>/dt=…/hour=…/<name>``, relative to the output."""
@@ -323,6 +355,7 @@ class _WriteMicroBatchFn(beam.DoFn):
         letters = self._write_or_delete(
             self._path(DEAD_LETTER_DIR, batch, digest, ".jsonl"), _JsonLinesSink(),
             list(batch.dead_letters), map(_count_dead_letter, batch.dead_letters))
+        store_rows, store_key = self._load(batch, digest, rows, chunk_rows)
         window = micro_batch_window(batch)
         record = LedgerRecord(
             run_id=self._run_id, window_start=_rfc3339(window.start),
@@ -338,7 +371,8 @@ class _WriteMicroBatchFn(beam.DoFn):
             vectors_file=vectors, dead_letter_file=letters,
             written_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),
             chunks_written=len(chunk_rows), chunks_file=chunks,
-            keys_written=len(key_rows), keys_file=keys, digest=digest)
+            keys_written=len(key_rows), keys_file=keys, digest=digest,
+            store_rows=store_rows, store_load_key=store_key)
         self._write(self._path(LEDGER_DIR, batch, digest, ".json"), _JsonLinesSink(),
                     [record.to_json()])
         yield record
@@ -353,16 +387,18 @@ class WriteMicroBatches(beam.PTransform):
     JSON ledger record per micro-batch, under ``vectors/`` (``chunks/``), ``dead_letter/`` and
     ``ledger/``, and with ``signature`` (``transforms.incremental.embedding_signature``) the keys
     of its rows under ``keys/``, each in ``dt=YYYY-MM-DD/hour=HH/`` of the window start, named by
-    ``layout.PartFileName``. Returns the ledger records."""
+    ``layout.PartFileName``; with ``store`` enabled, each micro-batch's rows also into the store
+    (``transforms.store``). Returns the ledger records."""
 
     def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384,
-                 signature: Optional[str] = None, vector_dtype: VectorDtype = "float32"):
+                 signature: Optional[str] = None, vector_dtype: VectorDtype = "float32",
+                 store: Optional[StoreSettings] = None):
         super().__init__()
         require_safe_run_id(run_id)
         if row_group_rows < 1:
             raise ValueError("row_group_rows must be >= 1")
         self._fn = _WriteMicroBatchFn(output, run_id, dim, row_group_rows, signature,
-                                      vector_dtype)
+                                      vector_dtype, store)
 
     def expand(self, batches):
         return batches | "WriteFiles" >> beam.ParDo(self._fn)

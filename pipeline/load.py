@@ -1,0 +1,100 @@
+"""Load a committed batch run into the store: ``newsvec load --config C --run-id R``.
+
+A batch run with ``store.enabled`` loads itself once its Parquet is committed (``pipeline.run``).
+When that load fails, the Parquet stays committed, the run exits 1 (``StoreLoadFailed``), and this
+command loads the run alone, from the files its manifest names. The load key is ``run:<run_id>``:
+a run loaded already changes nothing (transforms/store.py, docs/store.md).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import re
+import sys
+from typing import Optional, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.io.filesystems import FileSystems
+
+from pipeline import config as config_lib
+from transforms.layout import join_path
+from transforms.manifest import COMMITTED, read_manifest
+from transforms.store import LoadRows, StoreLoad, StoreLoadFailed, store_of
+
+_LOG = logging.getLogger("newsvec")
+_DAY_IN_PATH = re.compile(r"(?:^|/)dt=([0-9]{4}-[0-9]{2}-[0-9]{2})(?:/|$)")
+
+
+def run_day(output: str, run_id: str) -> dt.date:
+    """The day a batch run's rows stand for, the first order of the current-vector rule: the
+    ``dt=YYYY-MM-DD`` folder of the output prefix (``output: .../dt={date}``, as
+    ``pipeline.current`` reads it), else the run's launch day (its id begins with it)."""
+    found = _DAY_IN_PATH.findall(output.rstrip("/"))
+    if found:
+        return dt.date.fromisoformat(found[-1])
+    return dt.datetime.strptime(run_id[:8], "%Y%m%d").date()
+
+
+def load_key(run_id: str) -> str:
+    return f"run:{run_id}"
+
+
+def _read(output: str, relative: list[str]) -> Optional[pa.Table]:
+    tables = []
+    for path in relative:
+        with FileSystems.open(join_path(output, path)) as f:
+            tables.append(pq.read_table(f))
+    return pa.concat_tables(tables) if tables else None
+
+
+def run_rows(output: str, run_id: str) -> LoadRows:
+    """The rows of ``run_id`` in ``output``, which must hold it committed."""
+    manifest = read_manifest(output)
+    if manifest is None or manifest.run_id != run_id or manifest.state != COMMITTED:
+        held = "nothing" if manifest is None else f"run {manifest.run_id} ({manifest.state})"
+        raise StoreLoadFailed(f"{output} does not hold run {run_id} committed (it holds {held}): "
+                              "only the run an output holds can be loaded")
+    vectors = _read(output, manifest.vectors)
+    if vectors is None:
+        raise StoreLoadFailed(f"run {run_id} wrote no vector files")
+    return LoadRows(vectors=vectors, chunks=_read(output, manifest.chunks),
+                    dt=run_day(output, run_id))
+
+
+def load_run(config: config_lib.Config, run_id: str) -> StoreLoad:
+    """Load a committed batch run into the store; ``StoreLoadFailed`` (its message scrubbed of the
+    connection string) when it cannot."""
+    store = store_of(config.store)
+    rows = run_rows(config.output, run_id)
+    result = store.load(rows, load_key(run_id))
+    _LOG.info("store: run %s %s (%d rows, %d chunk rows, %d articles current) in %.2f s", run_id,
+              "was loaded already" if result.already_loaded else "loaded", result.rows,
+              result.chunk_rows, result.articles_current, result.seconds)
+    return result
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="newsvec load", description="Load a committed batch run's vectors (and chunks) into "
+        "the store of the config (store: section; the connection string from its dsn_env or "
+        "dsn_file). Loading a run twice changes nothing.")
+    parser.add_argument("--config", required=True, help="the config the run ran with")
+    parser.add_argument("--run-id", required=True, help="the run (its _summary.json's run_id)")
+    parser.add_argument("--output", help="the output prefix, if not the config's")
+    parser.add_argument("--input_date", help="fills {date} in the config's output, as the run")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_lib.fill_date(config_lib.fill_model(config_lib.load(
+        args.config, output=args.output)), args.input_date)
+    try:
+        result = load_run(config, args.run_id)
+    except StoreLoadFailed as exc:
+        _LOG.error("store load failed: %s", exc)
+        print(f"newsvec load: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result.to_json(), indent=2))
+    return 0
