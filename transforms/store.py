@@ -413,7 +413,8 @@ class Store:
                 if not index_after:
                     for table in (vectors_table, chunks_table):
                         conn.execute(_index_statement(self.settings, table, pgvector_type))
-                current = self._upsert(conn, vectors_table, rows.vectors, rows, load_key)
+                current = self._upsert(conn, vectors_table, rows.vectors, rows, load_key,
+                                       pgvector_type)
                 conn.execute("CREATE TEMP TABLE newsvec_won (id text PRIMARY KEY) ON COMMIT DROP")
                 conn.execute(sql.SQL("INSERT INTO newsvec_won SELECT id FROM {} WHERE "
                                      "load_key = %s").format(_ident(schema, vectors_table.name)),
@@ -424,6 +425,7 @@ class Store:
                 chunk_rows = 0
                 if rows.chunks is not None and rows.chunks.num_rows:
                     chunk_rows = self._copy_in(conn, chunks_table, rows.chunks, rows, load_key,
+                                               pgvector_type,
                                                only_won=True)
                 if index_after:
                     if self.settings.index_build_memory_mb is not None:
@@ -459,7 +461,8 @@ class Store:
             raise StoreLoadFailed(f"the store's table {self.settings.table} has no embedding")
         return str(row[0])
 
-    def _stage(self, conn, table: _Table, data: pa.Table, rows: LoadRows, load_key: str) -> str:
+    def _stage(self, conn, table: _Table, data: pa.Table, rows: LoadRows, load_key: str,
+               pgvector_type: str) -> str:
         """COPY (binary) ``data`` into a temporary table like ``table``; returns its name."""
         from psycopg import sql
 
@@ -467,7 +470,7 @@ class Store:
         conn.execute(sql.SQL("CREATE TEMP TABLE {} (LIKE {}) ON COMMIT DROP").format(
             _ident(stage), _ident(self.settings.schema_name, table.name)))
         names = [name for name, _ in table.column_types(rows.dim)]
-        types = [type_ if name != "embedding" else self._embedding_type(conn, rows)
+        types = [type_ if name != "embedding" else pgvector_type
                  for name, type_ in table.column_types(rows.dim)]
         with conn.cursor().copy(sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
                 _ident(stage), sql.SQL(", ").join(_ident(n) for n in names))) as copy:
@@ -476,13 +479,14 @@ class Store:
                 copy.write_row(row)
         return stage
 
-    def _upsert(self, conn, table: _Table, data: pa.Table, rows: LoadRows, load_key: str) -> int:
+    def _upsert(self, conn, table: _Table, data: pa.Table, rows: LoadRows, load_key: str,
+                pgvector_type: str) -> int:
         """Stage the articles' rows and upsert them: a row replaces the stored one only if it is
         current (a later ``dt``, or the same ``dt`` and a later ``embedded_at``). Returns the rows
         written."""
         from psycopg import sql
 
-        stage = self._stage(conn, table, data, rows, load_key)
+        stage = self._stage(conn, table, data, rows, load_key, pgvector_type)
         names = [name for name, _ in table.column_types(rows.dim)]
         target = _ident(self.settings.schema_name, table.name)
         statement = sql.SQL(
@@ -498,10 +502,11 @@ class Store:
         return conn.execute(statement).rowcount
 
     def _copy_in(self, conn, table: _Table, data: pa.Table, rows: LoadRows, load_key: str,
+                 pgvector_type: str,
                  only_won: bool) -> int:
         from psycopg import sql
 
-        stage = self._stage(conn, table, data, rows, load_key)
+        stage = self._stage(conn, table, data, rows, load_key, pgvector_type)
         names = sql.SQL(", ").join(_ident(n) for n, _ in table.column_types(rows.dim))
         return conn.execute(sql.SQL(
             "INSERT INTO {} ({}) SELECT DISTINCT ON ({}) {} FROM {} s "
