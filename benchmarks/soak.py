@@ -102,6 +102,23 @@ def slope_per_min(samples: list[tuple[float, float]]) -> float:
     return 60 * sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
 
 
+def written_rate_by_span(progress: list[tuple[float, int]], until_s: float,
+                         span_s: float = 300) -> list[tuple[float, float]]:
+    """(span start in minutes, articles written per second in that span) for each whole span of
+    ``span_s`` before ``until_s`` (the last publish), from the (seconds, rows on disk) samples."""
+    def rows_at(t: float) -> float:  # linear between the 10 s samples
+        before = max(((s, n) for s, n in progress if s <= t), default=(0.0, 0))
+        after = min(((s, n) for s, n in progress if s >= t), default=before)
+        if after[0] == before[0]:
+            return before[1]
+        return before[1] + (after[1] - before[1]) * (t - before[0]) / (after[0] - before[0])
+    spans, start = [], 0.0
+    while start + span_s <= until_s:
+        spans.append((start / 60, (rows_at(start + span_s) - rows_at(start)) / span_s))
+        start += span_s
+    return spans
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.soak",
                                      description=__doc__.split("\n")[0])
@@ -194,7 +211,14 @@ def main(argv=None) -> int:
     per_minute = collections.defaultdict(float)
     for s, m in memory:
         per_minute[int(s // 60)] = max(per_minute[int(s // 60)], m)
+    spans = written_rate_by_span(progress, args.minutes * 60)
+    first_10 = (statistics.mean(r for m, r in spans if m < 10)
+                if any(m < 10 for m, _ in spans) else None)
+    later = [r for m, r in spans if m >= 10]
+    worst = min(later) / first_10 if first_10 and later else None
     results.update({
+        "written_rate": {"per_5_min": spans, "first_10_min": first_10,
+                         "worst_later_vs_first_10": worst},
         "soak": {"rate_msgs_per_s": rate, "minutes": args.minutes, "messages": n,
                  "published": published, "drained_s": drained_s,
                  "throughput_docs_per_s": len(soak_rows) / drained_s},
@@ -226,6 +250,10 @@ def main(argv=None) -> int:
           f"{rate:.1f} msg/s offered, drained in {drained_s / 60:.1f} min")
     print(f"latency p50 {lat['p50']:.1f} s, p95 {lat['p95']:.1f} s, p99 {lat['p99']:.1f} s, "
           f"max {lat['max']:.1f} s")
+    if first_10:
+        print(f"written rate per 5 minutes (docs/s): {[round(r, 1) for _, r in spans]}; first 10 "
+              f"minutes {first_10:.2f}", end="")
+        print(f"; worst later span {worst:.3f} of it" if worst is not None else "")
     slope = mem["slope_after_settle_mib_per_min"]
     trend = f"{slope:+.2f} MiB/min" if slope is not None else "none (too short a run)"
     print(f"memory: peak {mem['peak']:.0f} MiB; per-minute peaks "
@@ -235,6 +263,12 @@ def main(argv=None) -> int:
     if runner_slope is not None:
         print(f"  the runner's process alone (runner, pipeline, publisher): "
               f"{runner[0][1]:.0f} -> {runner[-1][1]:.0f} MiB, trend {runner_slope:+.2f} MiB/min")
+        engine = [(s, m - r) for (s, m), (_, r) in zip(memory, runner, strict=True)
+                  if s >= args.settle_min * 60]
+        if engine:
+            print(f"  the rest of the tree (the engine's process, if shared): "
+                  f"{engine[0][1]:.0f} -> {engine[-1][1]:.0f} MiB, "
+                  f"trend {slope_per_min(engine):+.2f} MiB/min")
     print(f"accounting: {len(soak_rows)} rows + {len(soak_letters)} dead letters + {duplicates} "
           f"duplicates = {n} published (expected {plan['row']} + {plan['dead_letter']} + "
           f"{plan['duplicate']}); missing {len(missing)}, written twice {len(repeated)}: "
