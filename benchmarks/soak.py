@@ -266,7 +266,8 @@ def main(argv=None) -> int:
         engine = [(s, m - r) for (s, m), (_, r) in zip(memory, runner, strict=True)
                   if s >= args.settle_min * 60]
         if engine:
-            print(f"  the rest of the tree (the engine's process, if shared): "
+            print(f"  the rest of the tree (the engine's process, if shared, and the Pub/Sub "
+                  f"emulator's JVM): "
                   f"{engine[0][1]:.0f} -> {engine[-1][1]:.0f} MiB, "
                   f"trend {slope_per_min(engine):+.2f} MiB/min")
     print(f"accounting: {len(soak_rows)} rows + {len(soak_letters)} dead letters + {duplicates} "
