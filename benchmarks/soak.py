@@ -263,13 +263,13 @@ def main(argv=None) -> int:
     if runner_slope is not None:
         print(f"  the runner's process alone (runner, pipeline, publisher): "
               f"{runner[0][1]:.0f} -> {runner[-1][1]:.0f} MiB, trend {runner_slope:+.2f} MiB/min")
-        engine = [(s, m - r) for (s, m), (_, r) in zip(memory, runner, strict=True)
-                  if s >= args.settle_min * 60]
-        if engine:
+        rest = [(s, m - r) for (s, m), (_, r) in zip(memory, runner, strict=True)
+                if s >= args.settle_min * 60]
+        if rest:
             print(f"  the rest of the tree (the engine's process, if shared, and the Pub/Sub "
                   f"emulator's JVM): "
-                  f"{engine[0][1]:.0f} -> {engine[-1][1]:.0f} MiB, "
-                  f"trend {slope_per_min(engine):+.2f} MiB/min")
+                  f"{rest[0][1]:.0f} -> {rest[-1][1]:.0f} MiB, "
+                  f"trend {slope_per_min(rest):+.2f} MiB/min")
     print(f"accounting: {len(soak_rows)} rows + {len(soak_letters)} dead letters + {duplicates} "
           f"duplicates = {n} published (expected {plan['row']} + {plan['dead_letter']} + "
           f"{plan['duplicate']}); missing {len(missing)}, written twice {len(repeated)}: "
