@@ -9,7 +9,8 @@ Through Google's Pub/Sub emulator (started here on loopback), on the BBC article
      that the dedup state is pruned during the run, not only after an hour;
   3. every 10 s: rows on disk and the resident memory of this process's tree (the local runner and
      the pipeline live in this process; the engine in it too, or in a child process of its own
-     with ``model.share_across_processes``, as in configs/local-streaming.yaml);
+     with ``model.share_across_processes``, as in configs/local-streaming.yaml; the emulator's
+     JVM is in the tree too), and apart: this process, and the shared engine's process;
   4. at the end: throughput, publish-to-Parquet latency percentiles, memory per minute and its
      trend (least-squares slope after the first ``--settle-min`` minutes), and the accounting:
      each published message is a row, a dead letter with a reason, or a dropped duplicate.
@@ -44,6 +45,19 @@ MALFORMED_EVERY, DUPLICATE_EVERY, DUPLICATE_LAG = 50, 100, 10
 def rss_mb() -> float:
     """The resident memory of this process and its children (the shared engine's process), MiB."""
     return tree_rss() / 2**20
+
+
+def engine_rss_mb() -> float:
+    """The resident memory of this process's children that Python's multiprocessing spawned (the
+    shared engine's process, ``model.share_across_processes``), MiB: not the emulator's JVM."""
+    total = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any("multiprocessing" in part for part in child.cmdline()):
+                total += child.memory_info().rss
+        except psutil.Error:  # a child that ended meanwhile
+            pass
+    return total / 2**20
 
 
 def soak_events(texts: list[str], n: int, path: Path) -> dict:
@@ -147,6 +161,7 @@ def main(argv=None) -> int:
                      "model": config.model.model_dump()}
     memory: list[tuple[float, float]] = []  # (seconds since the soak began, MiB)
     runner: list[tuple[float, float]] = []  # the same, this process alone (runner and publisher)
+    engine: list[tuple[float, float]] = []  # the same, the shared engine's process
     progress: list[tuple[float, int]] = []  # (seconds since the soak began, rows on disk)
 
     with streaming_job(config, work) as topic:
@@ -181,10 +196,11 @@ def main(argv=None) -> int:
             done = written()
             memory.append((now, rss_mb()))
             runner.append((now, psutil.Process().memory_info().rss / 2**20))
+            engine.append((now, engine_rss_mb()))
             progress.append((now, done))
             print(f"  {now / 60:5.1f} min: {done} of {len(good)} articles written, "
-                  f"RSS {memory[-1][1]:.0f} MiB (runner's process {runner[-1][1]:.0f})",
-                  flush=True)
+                  f"RSS {memory[-1][1]:.0f} MiB (runner's process {runner[-1][1]:.0f}, "
+                  f"engine's {engine[-1][1]:.0f})", flush=True)
             if not publisher_thread.is_alive() and done >= len(good):
                 break
             if now > args.minutes * 60 + 600:
@@ -208,6 +224,7 @@ def main(argv=None) -> int:
     latencies = [mtime - publish.timestamp() for _, mtime, publish in soak_rows]
     steady = [(s, m) for s, m in memory if s >= args.settle_min * 60]
     runner_steady = [(s, m) for s, m in runner if s >= args.settle_min * 60]
+    engine_steady = [(s, m) for s, m in engine if s >= args.settle_min * 60 and m > 0]
     per_minute = collections.defaultdict(float)
     for s, m in memory:
         per_minute[int(s // 60)] = max(per_minute[int(s // 60)], m)
@@ -232,7 +249,11 @@ def main(argv=None) -> int:
                        "runner_process": {
                            "slope_after_settle_mib_per_min":
                                slope_per_min(runner_steady) if runner_steady else None,
-                           "samples": runner}},
+                           "samples": runner},
+                       "engine_process": {
+                           "slope_after_settle_mib_per_min":
+                               slope_per_min(engine_steady) if engine_steady else None,
+                           "samples": engine}},
         "accounting": {"published": n, "rows": len(soak_rows), "dead_letters": len(soak_letters),
                        "duplicates_dropped": duplicates, "expected": {
                            k: plan[k] for k in ("row", "dead_letter", "duplicate")},
@@ -263,11 +284,15 @@ def main(argv=None) -> int:
     if runner_slope is not None:
         print(f"  the runner's process alone (runner, pipeline, publisher): "
               f"{runner[0][1]:.0f} -> {runner[-1][1]:.0f} MiB, trend {runner_slope:+.2f} MiB/min")
-        rest = [(s, m - r) for (s, m), (_, r) in zip(memory, runner, strict=True)
+        if engine_steady:
+            print(f"  the shared engine's process: {engine_steady[0][1]:.0f} -> "
+                  f"{engine_steady[-1][1]:.0f} MiB, trend {slope_per_min(engine_steady):+.2f} "
+                  f"MiB/min")
+        rest = [(s, m - r - e) for (s, m), (_, r), (_, e) in zip(memory, runner, engine,
+                                                                 strict=True)
                 if s >= args.settle_min * 60]
         if rest:
-            print(f"  the rest of the tree (the engine's process, if shared, and the Pub/Sub "
-                  f"emulator's JVM): "
+            print(f"  the rest of the tree (the Pub/Sub emulator and its JVM): "
                   f"{rest[0][1]:.0f} -> {rest[-1][1]:.0f} MiB, "
                   f"trend {slope_per_min(rest):+.2f} MiB/min")
     print(f"accounting: {len(soak_rows)} rows + {len(soak_letters)} dead letters + {duplicates} "

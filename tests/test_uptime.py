@@ -4,8 +4,11 @@ start, and keeps a key's trigger state for every window it ever had. Figures:
 ``python -m benchmarks.uptime``."""
 import datetime as dt
 import json
+import sys
 
 import apache_beam as beam
+import numpy as np
+import pytest
 from apache_beam.io.gcp.pubsub import PubsubMessage
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.testing.test_stream import TestStream
@@ -16,7 +19,9 @@ from pipeline.config import StreamingSettings
 from pipeline.graph import embed_and_write_streaming
 from tests.conftest import make_config
 from tests.fakes import FakeEngine
+from transforms import engine as engines
 from transforms import text
+from transforms.engine import FreedMemory
 from transforms.schema import NewsEvent
 from transforms.text import PrepareText
 
@@ -79,3 +84,42 @@ def test_each_grouping_key_holds_the_state_of_one_window(tmp_path):
     windows_per_key = [len(state.state) for state in grouping[0].values()]
     assert max(windows_per_key) <= 1, windows_per_key
     assert len(grouping[0]) == windows  # one key per shard and window
+
+
+def test_freed_memory_is_given_back_at_most_once_per_interval():
+    """The engine gives freed memory back after a call once ``every_s`` has passed since it last
+    did, not after every call (the trim's page faults would slow every call)."""
+    now, trims = [100.0], []
+    freed = FreedMemory(every_s=10, trim=lambda: trims.append(now[0]), clock=lambda: now[0])
+    for t in (100.0, 105.0, 109.9, 110.0, 111.0, 119.0, 125.0):
+        now[0] = t
+        freed.after_call()
+    assert trims == [110.0, 125.0]
+
+
+def test_the_real_engine_gives_freed_memory_back_after_its_calls(fp32_config, tokenizer,
+                                                                 monkeypatch):
+    trims = []
+    monkeypatch.setattr(engines, "FREED_MEMORY",
+                        FreedMemory(every_s=0, trim=lambda: trims.append(1)))
+    engine = engines.load_engine(fp32_config.model)
+    engine.embed([tokenizer("One story.")[0], tokenizer("Another, longer story.")[0]])
+    assert trims, "a call of the real engine did not give its freed memory back"
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_the_trim_gives_the_heap_s_free_pages_back_to_the_system():
+    """What the engine's calls leave behind, in small: freed blocks in the middle of the heap
+    (a block still in use above them) stay resident until they are trimmed."""
+    blocks = [np.ones(64 * 1024 // 8) for _ in range(4000)]  # 256 MiB of heap blocks
+    kept = blocks[-1]
+    del blocks
+    held = _rss_mib()
+    FreedMemory(every_s=0).after_call()
+    assert _rss_mib() < held - 128, f"RSS {held:.0f} MiB before the trim, {_rss_mib():.0f} after"
+    assert kept.sum() == len(kept)

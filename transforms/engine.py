@@ -103,6 +103,7 @@ class Engine:
             if list(output.prompt_token_ids) != list(prompt):
                 raise RuntimeError("an output does not belong to its input")
         vectors = [np.asarray(o.outputs.embedding, dtype=np.float32) for o in outputs]
+        FREED_MEMORY.after_call()
         if self._own_dimensions is not None:
             vectors = [truncate_vector(v, self._own_dimensions, self._normalize)
                        for v in vectors]
@@ -126,6 +127,50 @@ class Engine:
                 if llm is self._llm:
                     del _LLMS[key]
         _shutdown(self._llm)
+
+
+class FreedMemory:
+    """Gives the memory that a call freed back to the system, at most every ``every_s`` seconds
+    (glibc's ``malloc_trim``; a no-op with another C library).
+
+    Each call's activations are sized by its total token count, which changes from call to call;
+    glibc keeps what they free in its heaps, in pieces that later calls of other sizes fit badly,
+    so a long-running engine on the CPU grows though it uses no more (benchmarks/engine_memory.py
+    measures it). A trim costs 25-35 ms there, and the page faults of the next call that touches
+    the returned pages again: once every ``every_s`` seconds, not once per call."""
+
+    def __init__(self, every_s: float, trim: Optional[Callable[[], Any]] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.every_s, self._clock = every_s, clock
+        self.trim = trim if trim is not None else _malloc_trim()
+        self._last = clock()
+        self._lock = threading.Lock()
+
+    def after_call(self) -> None:
+        if self.trim is None:
+            return
+        with self._lock:
+            now = self._clock()
+            if now - self._last < self.every_s:
+                return
+            self._last = now
+        self.trim()
+
+
+def _malloc_trim() -> Optional[Callable[[], Any]]:
+    """glibc's ``malloc_trim(0)``: every arena's free pages go back to the system."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
+FREED_MEMORY = FreedMemory(every_s=10.0)  # one per process: the heaps are the process's
 
 
 def truncate_vector(vector: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:

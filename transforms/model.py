@@ -167,7 +167,8 @@ class ModelSettings(BaseModel):
     engine_env: dict[str, str] = Field(
         default_factory=dict,
         description="environment for the engine, set if unset (on the CPU: "
-                    "`VLLM_CPU_KVCACHE_SPACE=1`, `VLLM_ENABLE_V1_MULTIPROCESSING=0`, ...)")
+                    "`VLLM_CPU_KVCACHE_SPACE=1`, `VLLM_ENABLE_V1_MULTIPROCESSING=0`, "
+                    "`ONEDNN_PRIMITIVE_CACHE_CAPACITY=8`, ...)")
 
     @model_validator(mode="after")
     def _budget_holds_a_document(self):
