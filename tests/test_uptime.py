@@ -123,3 +123,27 @@ def test_the_trim_gives_the_heap_s_free_pages_back_to_the_system():
     FreedMemory(every_s=0).after_call()
     assert _rss_mib() < held - 128, f"RSS {held:.0f} MiB before the trim, {_rss_mib():.0f} after"
     assert kept.sum() == len(kept)
+
+
+def _record_in_a_spawned_process() -> None:
+    from benchmarks import streaming
+
+    streaming._record([[101, 7, 102], [101, 102]])
+
+
+def test_the_streaming_benchmark_sees_the_calls_of_an_engine_in_another_process(tmp_path,
+                                                                                monkeypatch):
+    """With ``model.share_across_processes`` the engine runs in a spawned process: what it records
+    must reach the benchmark's process (module lists did not, and the benchmark crashed)."""
+    import multiprocessing
+
+    from benchmarks import streaming
+
+    calls = tmp_path / "calls.txt"
+    calls.touch()
+    monkeypatch.setenv(streaming.CALLS_ENV, str(calls))  # the spawned process inherits it
+    process = multiprocessing.get_context("spawn").Process(target=_record_in_a_spawned_process)
+    process.start()
+    process.join(120)
+    assert process.exitcode == 0
+    assert streaming._calls(calls) == ([2], [5])
