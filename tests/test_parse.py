@@ -157,3 +157,71 @@ def test_parse_dead_letters_keep_the_language_where_the_event_gave_one():
             (Reason.NO_TEXT, "ja"), (Reason.PUBLISHED_IN_FUTURE, "ja"),
             (Reason.INVALID_FIELD, "ja"), (Reason.MISSING_ID, "th"),
             (Reason.INVALID_FIELD, None), (Reason.INVALID_JSON, None)]))
+
+
+# ---- values no store or reader can hold: dead-lettered at parse, never a stalled load ----
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("id", "evt\u0000nul", Reason.INVALID_ID),
+    ("id", "line1\nline2", Reason.INVALID_ID),
+    ("url", "https://x.example/\u0000", Reason.INVALID_FIELD),
+    ("source", "wire\u0000", Reason.INVALID_FIELD),
+    ("language", "en\u0000", Reason.INVALID_FIELD),
+    ("source", "wire\u0085", Reason.INVALID_FIELD),  # C1: NEXT LINE
+    ("url", "https://x.example/\u007f", Reason.INVALID_FIELD),  # DEL
+])
+def test_control_characters_in_identifying_fields_are_dead_lettered(field, value, reason):
+    """PostgreSQL text cannot hold NUL: such an id passed parse and embedding, then failed the
+    store load for ever (a streaming job retries it without end). The detail names the field."""
+    with pytest.raises(ParseError) as info:
+        parse_event(payload(**{field: value}), **LIMITS)
+    assert info.value.reason == reason
+    assert info.value.detail.startswith(f"{field}: ") and "control character U+" in \
+        info.value.detail, info.value.detail
+
+
+def test_title_and_body_may_hold_control_characters_text_preparation_removes_them():
+    event = parse_event(payload(title="a\u0000b", body="c\u001bd"), **LIMITS)
+    assert (event.title, event.body) == ("a\x00b", "c\x1bd")
+
+
+@pytest.mark.parametrize("value", ["0001-01-01T00:00:00+00:01", "0001-01-01T00:59:59+01:00",
+                                   "9999-12-31T23:59:59-00:01"])
+def test_times_whose_utc_instant_no_reader_can_hold_are_dead_lettered(value):
+    """Valid RFC 3339, but its UTC instant is year 0 or 10000: Parquet stores it, and every
+    conversion back (pyarrow's to_pylist, the store's loader, astimezone) raised OverflowError."""
+    with pytest.raises(ParseError) as info:
+        parse_event(payload(published_at=value), **dict(LIMITS, max_future_skew=dt.timedelta(
+            days=10_000 * 366)))
+    assert info.value.reason == Reason.INVALID_FIELD
+    assert info.value.detail.startswith("published_at: ") and "UTC instant" in info.value.detail
+
+
+@pytest.mark.parametrize("value", ["0001-01-01T00:00:00Z", "0001-01-01T01:00:00+01:00",
+                                   "0001-01-01T00:00:00-01:00"])
+def test_the_earliest_time_readers_hold_is_accepted(value):
+    event = parse_event(payload(published_at=value), **LIMITS)
+    assert event.published_at.astimezone(dt.timezone.utc).year == 1
+
+
+def test_pubsub_attributes_with_control_characters_are_dead_lettered():
+    from apache_beam.io.gcp.pubsub import PubsubMessage
+    from apache_beam.utils.timestamp import Timestamp
+
+    published = Timestamp.from_utc_datetime(NOW)
+    messages = [PubsubMessage(payload(id=f"m-{i}"), attributes, message_id=str(i),
+                              publish_time=published)
+                for i, attributes in enumerate([{"origin": "wire"}, {"origin": "a\u0000b"},
+                                                {"ori\u0000gin": "wire"}, {"x": "tab\there"}])]
+    with TestPipeline(runner="FnApiRunner") as p:
+        out = p | beam.Create(messages) | ParseEvents()
+        assert_that(out.events | beam.Map(lambda e: e.id), equal_to(["m-0"]), label="ok")
+        assert_that(out.dead_letter | beam.Map(lambda d: (d.message_id, d.event_id, d.reason,
+                                                          d.detail)), equal_to([
+            ("1", "m-1", Reason.INVALID_FIELD,
+             "pubsub attribute 'origin': control character U+0000 at character 1 of its value"),
+            ("2", "m-2", Reason.INVALID_FIELD,
+             "pubsub attribute 'ori\\x00gin': control character U+0000 at character 3 of its key"),
+            ("3", "m-3", Reason.INVALID_FIELD,
+             "pubsub attribute 'x': control character U+0009 at character 3 of its value"),
+        ]), label="dead")

@@ -2,7 +2,9 @@
 or a Pub/Sub message -> NewsEvent, or a dead letter.
 
 A Pub/Sub message's data is parsed as the same bytes; its id, publish time and attributes are kept
-on the event as ``Lineage`` (and on its dead letter, the message id).
+on the event as ``Lineage`` (and on its dead letter, the message id). An attribute whose key or
+value holds a control character dead-letters its message (``invalid_field``), as such a character
+in ``id``, ``url``, ``source`` or ``language`` does.
 
 Every payload leaves this step exactly once: on the main output as a ``NewsEvent``, or on the
 ``dead_letter`` output with a reason from ``schema.Reason``.
@@ -26,6 +28,7 @@ from transforms.schema import (
     OversizedPayload,
     Reason,
     Step,
+    control_character,
     truncate_payload,
 )
 
@@ -114,6 +117,18 @@ def parse_event(
     return event
 
 
+def check_attributes(lineage: Optional[Lineage], event: NewsEvent) -> None:
+    """ParseError (``invalid_field``) naming the first Pub/Sub attribute whose key or value holds a
+    control character: attributes are stored beside the vector (a Parquet map, a jsonb column),
+    and PostgreSQL's jsonb cannot hold NUL at all."""
+    for key, value in lineage.attributes if lineage else ():
+        for what, text in (("key", key), ("value", value)):
+            where = control_character(text)
+            if where:
+                raise ParseError(Reason.INVALID_FIELD, f"pubsub attribute {key!r}: control "
+                                 f"character {where} of its {what}", event.id, event.language)
+
+
 def split_message(element) -> tuple[bytes, Optional[Lineage]]:
     """(payload, lineage) of raw bytes or an ``OversizedPayload`` (no lineage), or of a Pub/Sub
     message (``PubsubMessage``)."""
@@ -141,6 +156,7 @@ class _ParseFn(beam.DoFn):
         try:
             event = parse_event(payload, max_payload_bytes=self._max_payload_bytes,
                                 max_future_skew=self._max_future_skew)
+            check_attributes(lineage, event)
             yield event if lineage is None else event.model_copy(update={"lineage": lineage})
         except ParseError as exc:
             if isinstance(payload, OversizedPayload):

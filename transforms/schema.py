@@ -29,6 +29,7 @@ from typing import Annotated, Any, Iterable, Literal, Mapping, Optional, get_arg
 
 import pyarrow as pa
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     BeforeValidator,
@@ -51,6 +52,48 @@ def _require_rfc3339(value):
     return value
 
 
+def _representable_in_utc(value: Optional[dt.datetime]) -> Optional[dt.datetime]:
+    """A time every reader can hold: its UTC instant within 0001-01-01T00:00:00Z ..
+    9999-12-31T23:59:59.999999Z (Python's datetime, BigQuery's TIMESTAMP). RFC 3339 also allows
+    ``0001-01-01T00:00:00+00:01`` (year 0 in UTC), which Parquet stores but no reader converts back
+    (``OverflowError``) and PostgreSQL's loader cannot take."""
+    if value is not None:
+        try:
+            value.astimezone(dt.timezone.utc)
+        except OverflowError:
+            raise ValueError("its UTC instant is outside 0001-01-01T00:00:00Z .. "
+                             "9999-12-31T23:59:59.999999Z, which readers cannot hold") from None
+    return value
+
+
+Rfc3339Time = Annotated[Optional[AwareDatetime], BeforeValidator(_require_rfc3339),
+                        AfterValidator(_representable_in_utc)]
+"""An optional RFC 3339 date-time with an offset, whose UTC instant every reader can hold."""
+
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""Unicode's control characters (category Cc: C0, DEL, C1)."""
+
+
+def control_character(value: str) -> Optional[str]:
+    """``U+XXXX at character N`` of the first control character in ``value``, or None. NUL cannot
+    be stored in a PostgreSQL text or jsonb value at all, and none of them belongs in an
+    identifier."""
+    found = CONTROL_CHARACTER.search(value)
+    return f"U+{ord(found.group()):04X} at character {found.start()}" if found else None
+
+
+def _no_control_characters(value: Optional[str]) -> Optional[str]:
+    where = None if value is None else control_character(value)
+    if where:
+        raise ValueError(f"control character {where}: not allowed in an identifying field")
+    return value
+
+
+Identifier = Annotated[str, AfterValidator(_no_control_characters)]
+"""A string that names or places an article (``id``, ``url``, ``source``, ``language``): any
+characters but control characters."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Lineage:
     """Where a streamed event came from: its Pub/Sub message. None for events read from files."""
@@ -64,18 +107,21 @@ class NewsEvent(BaseModel):
     """A news event as it arrives (JSON, UTF-8). Unknown fields are ignored.
 
     Strict: a number where a string belongs is an error, not coerced; ``published_at`` must be
-    RFC 3339 with an offset.
+    RFC 3339 with an offset, its UTC instant within what readers can hold; ``id``, ``url``,
+    ``source`` and ``language`` hold no control characters (``title`` and ``body`` may: text
+    preparation removes them).
     """
 
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
-    id: Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS, pattern=r"\S")]
+    id: Annotated[Identifier, StringConstraints(min_length=1, max_length=MAX_ID_CHARS,
+                                                pattern=r"\S")]
     title: Optional[str] = None
     body: Optional[str] = None
-    url: Optional[str] = None
-    source: Optional[str] = None
-    language: Optional[str] = None
-    published_at: Annotated[Optional[AwareDatetime], BeforeValidator(_require_rfc3339)] = None
+    url: Optional[Identifier] = None
+    source: Optional[Identifier] = None
+    language: Optional[Identifier] = None
+    published_at: Rfc3339Time = None
     # Set by the parse step from the Pub/Sub message, never from the payload
     # (see _no_lineage_input).
     lineage: Optional[Any] = Field(default=None, exclude=True)
