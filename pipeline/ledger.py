@@ -11,7 +11,9 @@ both optional), prints the totals as JSON, and exits 1, naming each window, if:
 - a record's keys do not match its rows (``keys/``: the index the nightly incremental job trusts);
 - a data file under ``vectors/``, ``chunks/``, ``keys/`` or ``dead_letter/`` has no record that
   names it;
-- with verification on, one Pub/Sub message has a row in two vectors files (written twice);
+- with verification on, one Pub/Sub message is held by two files: a row in two vectors files, a
+  dead letter in two dead-letter files, or a row in one and a dead letter in another (written
+  twice; each copy counted in its record, so each record balances);
 - a compacted hour (``newsvec compact``) holds a compacted file that its manifest does not name, or
   a micro-batch file that its manifest says was replaced: an unfinished compaction, which a rerun
   of ``newsvec compact`` finishes. Over compacted hours the records are read from the compacted
@@ -76,15 +78,31 @@ def _list(output: str, subdir: str, suffix: Union[str, tuple[str, ...]],
             if m.path.endswith(suffix)]
 
 
-def _written_twice(path: str, relative: str, written_in: dict[str, str]) -> list[str]:
-    """A problem for each Pub/Sub message whose row this vectors file holds and another one held
-    already: the same message written twice (two launches that each wrote a micro-batch under
-    names of their own, as releases before the digest in file names did after an update)."""
+def _row_message_ids(path: str) -> list[Optional[str]]:
     with FileSystems.open(path) as f:
-        ids = pq.read_table(f, columns=["pubsub_message_id"]).column(0).to_pylist()
+        return pq.read_table(f, columns=["pubsub_message_id"]).column(0).to_pylist()
+
+
+def _letter_message_id(line: bytes):
+    """A dead letter's Pub/Sub message id (None if it has none); ``...`` if the line is not one."""
+    try:
+        letter = json.loads(line)
+    except ValueError:
+        return ...
+    return letter.get("message_id") if isinstance(letter, dict) else ...
+
+
+def _written_twice(message_ids: list[Optional[str]], relative: str, written_in: dict[str, str]
+                   ) -> list[str]:
+    """A problem for each Pub/Sub message that this vectors or dead-letter file holds and another
+    file held already: a row in two files, a dead letter in two, or a row in one and a dead letter
+    in another. Each copy was counted in its record's ``messages_in``, so every record balances
+    while the message is counted twice (two launches that each wrote a micro-batch under names of
+    their own, as releases before the digest in file names did after an update; a message read
+    again after a snapshot restore or a subscription seek; see docs/streaming.md)."""
     problems = []
-    for message_id in ids:
-        if message_id is None:
+    for message_id in message_ids:
+        if not isinstance(message_id, str):
             continue
         if message_id in written_in:
             problems.append(f"message {message_id} is written twice: in {written_in[message_id]} "
@@ -170,14 +188,19 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
             problems.append(f"{where}: its {kind} file {relative} is missing" + (
                 f" (compacted into {holder})" if compacted else ""))
         elif verify:
-            found = (sum(1 for line in _read(path).splitlines() if line)
-                     if kind == "dead letter" else parquet_rows([path]))
+            if kind == "dead letter":
+                lines = [line for line in _read(path).splitlines() if line]
+                found, message_ids = len(lines), [_letter_message_id(line) for line in lines]
+                if ... in message_ids:
+                    problems.append(f"{where}: {holder} holds a line that is not a dead letter")
+            else:
+                found = parquet_rows([path])
+                message_ids = _row_message_ids(path) if kind == "vectors" else []
             if found != expected[holder]:
                 says = (f"its ledger records say {expected[holder]}" if compacted
                         else f"the record says {expected[holder]}")
                 problems.append(f"{where}: {holder} holds {found} rows, {says}")
-            if kind == "vectors":
-                problems += _written_twice(path, holder, written_in)
+            problems += _written_twice(message_ids, holder, written_in)
     for subdir, suffix in ((VECTORS_DIR, ".parquet"), (CHUNKS_DIR, ".parquet"),
                            (KEYS_DIR, ".parquet"), (DEAD_LETTER_DIR, ".jsonl"),
                            (LEDGER_DIR, (".json", ".jsonl"))):
