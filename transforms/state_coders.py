@@ -1,0 +1,405 @@
+"""Coders of streaming state: an explicit, versioned encoding per kind of state, never a pickle of
+newsvec's classes.
+
+A streaming job's state outlives the code that wrote it: ``--update`` hands the running job's
+state to the new release's workers. Pickled objects of newsvec's classes are read back through
+the new release's classes, so a field renamed, or added without a default (to a pydantic model,
+even with one), leaves an object without that field, and the work items that hold it fail for
+good. These coders write plain values (JSON, little-endian numbers), name fields by their names,
+and begin with a version; a release reads every version written before it.
+
+Every value starts with two bytes: its kind (an ASCII letter) and the version of its layout (1 to
+127; a pickle starts with 0x80, so state pickled by a release before these coders is told apart
+and refused with a message).
+
+- ``MicroBatchCoder`` (``M``): a ``MicroBatch`` (``EmbedMicroBatches``' micro-batches in flight,
+  ``DropDuplicatesStreaming``'s regroup header). Version 1, after the two bytes:
+  ``uint32 n | n bytes of JSON (UTF-8) | uint32 t | t bytes of token ids | vector values``: the
+  token ids' bytes are the width of an id (one byte: 2, or 4 if an id is over 65,535) and the
+  ids (uint16 or uint32); the vector values (float32) run to the end; numbers little-endian.
+  The JSON object holds the micro-batch's fields by name; ``docs``, ``dead_letters`` and ``rows``
+  are lists of objects holding their classes' fields by name, except the large values: each
+  ``token_ids`` (a document's, a chunk's) is ``[offset, length]`` in the token ids, each
+  ``embedding`` (a row's, a chunk row's) ``[offset, length]`` in the vector values. A document's
+  ``event`` is the ``NewsEvent`` as pydantic writes it in JSON mode (every field but
+  ``lineage``), and its ``lineage`` is beside it: ``null``, or ``message_id``, ``publish_time``
+  and ``attributes`` (``[key, value]`` pairs). Date-times are ISO 8601 with their offset; enums
+  are their values.
+- ``PendingIdCoder`` (``I``): ``(batch id, timestamp in micros)`` of a micro-batch in flight.
+  Version 1: four int64: window start (micros), pane, shard, timestamp (micros).
+- ``SeenKeysCoder`` (``S``): ``{dedup key: expiry in micros}`` (the local runner's dedup state per
+  shard). Version 1: ``uint32 n | n bytes of JSON: the keys, a list | the expiries, int64``.
+
+Reading: a field the state lacks takes its class's default, so a field added with a default needs
+no new version. A ``NewsEvent`` is rebuilt from its fields' types only, its validators not run
+again: a check a later release adds to parsing never makes state written before it unreadable;
+its fields the class no longer has are ignored. Any other difference between the state and
+today's classes (a field with no default that the state lacks, a dataclass field the state holds
+that the class lost) raises ``StateSchemaError`` when reading, and the fixture test
+(tests/test_state_coders.py) finds it before a release. Such a change is a new version: raise the
+coder's ``VERSION``, keep reading the old one, and give ``UPGRADES`` a function that turns the
+old version's plain form (its JSON object) into the new one's (docs/dataflow.md, Drain, cancel,
+update). Never rename a coder class: its name is in the job's graph, and Dataflow refuses an
+``--update`` whose state coders' names changed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import enum
+import functools
+import json
+import struct
+from typing import Any, Callable, ClassVar, Optional
+
+import numpy as np
+from apache_beam.coders import Coder
+from pydantic import TypeAdapter
+
+from transforms import schema
+from transforms.chunking import ChunkSpan
+
+_PICKLE_PROTOCOL_2_TO_5 = 0x80
+_VALUE = np.dtype("<f4")
+_U32 = struct.Struct("<I")
+_PENDING_ID = struct.Struct("<qqqq")
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+class StateSchemaError(ValueError):
+    """State that this release cannot read: another kind, a newer version, pickled state, or a
+    version whose plain form does not fit today's classes (a missing upgrade)."""
+
+
+class _VersionedCoder(Coder):
+    """Two bytes (kind, version), then the version's layout. Subclasses set ``KIND``, ``VERSION``
+    (the version written), ``_write`` (value -> bytes of ``VERSION``) and ``_read`` (version,
+    bytes -> value). The instance holds nothing: the coder pickled into the job's graph is the
+    same in every release."""
+
+    KIND: ClassVar[bytes]
+    VERSION: ClassVar[int]
+
+    def encode(self, value) -> bytes:
+        return self.KIND + bytes((self.VERSION,)) + self._write(value)
+
+    def decode(self, encoded: bytes):
+        data = memoryview(encoded)
+        if len(data) >= 1 and data[0] == _PICKLE_PROTOCOL_2_TO_5:
+            raise StateSchemaError(
+                f"{type(self).__name__}: this state was pickled by a release before versioned "
+                f"state; it cannot be read: drain the job and start a new one")
+        if len(data) < 2 or data[:1] != self.KIND:
+            raise StateSchemaError(f"{type(self).__name__}: not state of kind {self.KIND!r}")
+        version = data[1]
+        if not 1 <= version <= self.VERSION:
+            raise StateSchemaError(
+                f"{type(self).__name__}: state version {version} was written by a newer release "
+                f"than this one (which reads up to {self.VERSION}): roll forward, or drain the "
+                f"job and start a new one")
+        return self._read(version, data[2:])
+
+    def _write(self, value) -> bytes:
+        raise NotImplementedError
+
+    def _read(self, version: int, data: memoryview):
+        raise NotImplementedError
+
+    def is_deterministic(self) -> bool:
+        return False
+
+    def to_type_hint(self):
+        return Any
+
+    def __eq__(self, other):
+        return type(self) is type(other)
+
+    def __hash__(self):
+        return hash(type(self))
+
+
+# ---- plain values -------------------------------------------------------------------------------
+
+def _datetime_out(value: Optional[dt.datetime]) -> Optional[str]:
+    return None if value is None else value.isoformat()
+
+
+def _datetime_in(value: Optional[str]) -> Optional[dt.datetime]:
+    return None if value is None else dt.datetime.fromisoformat(value)
+
+
+def _enum_in(kind: type[enum.StrEnum]) -> Callable[[str], Any]:
+    """An enum member, or the plain string if this release does not know it (a value added by a
+    newer one: a ``StrEnum`` compares and writes as its string)."""
+    members = {member.value: member for member in kind}
+    return lambda value: members.get(value, value)
+
+
+def _lineage_out(lineage: Optional[schema.Lineage]) -> Optional[dict]:
+    if lineage is None:
+        return None
+    return {"message_id": lineage.message_id,
+            "publish_time": _datetime_out(lineage.publish_time),
+            "attributes": [list(pair) for pair in lineage.attributes]}
+
+
+def _lineage_in(plain: Optional[dict]) -> Optional[schema.Lineage]:
+    if plain is None:
+        return None
+    return _build(schema.Lineage, plain, {
+        "publish_time": _datetime_in,
+        "attributes": lambda pairs: tuple((key, value) for key, value in pairs)})
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _build(cls, plain: dict, convert: dict[str, Callable]):
+    """``cls`` (a dataclass) from its plain form: each field by name, converted where ``convert``
+    says; a field the plain form lacks takes its default."""
+    values = {name: convert[name](value) if name in convert else value
+              for name, value in plain.items()}
+    try:
+        return cls(**values)
+    except TypeError as exc:  # a field the class lost, or one with no default the state lacks
+        raise StateSchemaError(f"{cls.__name__} from state: {exc}: an upgrade of this state "
+                               f"version is missing") from None
+
+
+def _plain(obj, convert: dict[str, Callable]) -> dict:
+    """A dataclass's fields by name, converted where ``convert`` says."""
+    plain = {}
+    for name in _field_names(obj.__class__):
+        value = getattr(obj, name)
+        plain[name] = convert[name](value) if name in convert else value
+    return plain
+
+
+@functools.cache
+def _event_fields(event_class) -> tuple[dict[str, Callable], frozenset[str]]:
+    """(field -> its value from JSON, for the fields JSON does not hold as Python does; the
+    fields with no default) of a NewsEvent class. Types only: the validators and constraints of
+    the fields are not run again, so a check a later release adds to parsing never makes state
+    written before it unreadable."""
+    plain_json = (str, int, bool, float, Optional[str], Optional[int], Optional[bool],
+                  Optional[float])
+    convert: dict[str, Callable] = {}
+    for name, field in event_class.model_fields.items():
+        if field.exclude or field.annotation in plain_json:
+            continue
+        convert[name] = TypeAdapter(field.annotation).validate_python
+    required = frozenset(name for name, field in event_class.model_fields.items()
+                         if field.is_required())
+    return convert, required
+
+
+def _event_in(plain: dict, lineage) -> schema.NewsEvent:
+    event_class = schema.NewsEvent
+    convert, required = _event_fields(event_class)
+    fields = event_class.model_fields
+    missing = required - plain.keys()
+    if missing:
+        raise StateSchemaError(f"NewsEvent from state lacks {sorted(missing)}, which have no "
+                               f"default: an upgrade of this state version is missing")
+    values = {name: convert[name](value) if name in convert else value
+              for name, value in plain.items() if name in fields}
+    return event_class.model_construct(**values, lineage=lineage)
+
+
+# ---- MicroBatch ---------------------------------------------------------------------------------
+
+class _Arrays:
+    """The large values of a micro-batch: each ``token_ids`` and ``embedding`` in the JSON is its
+    ``[offset, length]`` in the token ids or the vector values that follow the JSON."""
+
+    def __init__(self):
+        self.tokens: list[tuple[int, ...]] = []
+        self.vectors: list[np.ndarray] = []
+        self.token_count = self.value_count = 0
+
+    def token_ids(self, ids: tuple[int, ...]) -> list[int]:
+        self.tokens.append(ids)
+        self.token_count += len(ids)
+        return [self.token_count - len(ids), len(ids)]
+
+    def vector(self, values) -> list[int]:
+        array = np.asarray(values, dtype=_VALUE)
+        if array.ndim != 1:
+            raise ValueError(f"an embedding must be one vector, got shape {array.shape}")
+        self.vectors.append(array)
+        self.value_count += len(array)
+        return [self.value_count - len(array), len(array)]
+
+    def token_bytes(self) -> bytes:
+        """A byte (the width of a token id: 2, or 4 if one is over 65,535), then the ids."""
+        widest = max((max(ids) for ids in self.tokens if ids), default=0)
+        code = "H" if widest <= 0xFFFF else "I"
+        return bytes((struct.calcsize(code),)) + b"".join(
+            struct.pack(f"<{len(ids)}{code}", *ids) for ids in self.tokens)
+
+    def vector_bytes(self) -> bytes:
+        return np.concatenate(self.vectors).tobytes() if self.vectors else b""
+
+
+class _Slices:
+    """The large values read back, by ``[offset, length]``."""
+
+    def __init__(self, tokens: memoryview, width: int, vectors: np.ndarray):
+        self._tokens, self._vectors = tokens, vectors
+        self._code = {2: "H", 4: "I"}[width]
+        self._width, self._token_count = width, len(tokens) // width
+
+    def token_ids(self, at: list[int]) -> tuple[int, ...]:
+        offset, length = _checked(at, self._token_count, "token ids")
+        return struct.unpack_from(f"<{length}{self._code}", self._tokens, offset * self._width)
+
+    def vector(self, at: list[int]) -> np.ndarray:
+        offset, length = _checked(at, len(self._vectors), "vector values")
+        return self._vectors[offset:offset + length]
+
+
+def _checked(at: list[int], size: int, what: str) -> tuple[int, int]:
+    offset, length = at
+    if offset < 0 or length < 0 or offset + length > size:
+        raise StateSchemaError(f"MicroBatch state names {what} [{offset}, +{length}) of {size}")
+    return offset, length
+
+
+def _doc_out(doc: schema.PreparedDoc, arrays: _Arrays) -> dict:
+    return _plain(doc, {
+        "event": lambda event: event.model_dump(mode="json"),
+        "token_ids": arrays.token_ids,
+        "chunks": lambda chunks: [_plain(c, {"token_ids": arrays.token_ids}) for c in chunks],
+    }) | {"lineage": _lineage_out(doc.event.lineage)}
+
+
+def _doc_in(plain: dict, cursor: _Slices) -> schema.PreparedDoc:
+    plain = dict(plain)
+    lineage = _lineage_in(plain.pop("lineage", None))
+    return _build(schema.PreparedDoc, plain, {
+        "event": lambda event: _event_in(event, lineage),
+        "token_ids": cursor.token_ids,
+        "chunks": lambda chunks: tuple(
+            _build(ChunkSpan, c, {"token_ids": cursor.token_ids}) for c in chunks),
+    })
+
+
+def _chunk_row_out(row: schema.ChunkRow, arrays: _Arrays) -> dict:
+    return _plain(row, {"embedding": arrays.vector, "embedded_at": _datetime_out})
+
+
+def _chunk_row_in(plain: dict, cursor: _Slices) -> schema.ChunkRow:
+    return _build(schema.ChunkRow, plain, {"embedding": cursor.vector,
+                                           "embedded_at": _datetime_in})
+
+
+def _row_out(row: schema.EmbeddedDoc, arrays: _Arrays) -> dict:
+    return _plain(row, {
+        "published_at": _datetime_out, "embedded_at": _datetime_out,
+        "embedding": arrays.vector, "lineage": _lineage_out,
+        "chunks": lambda chunks: [_chunk_row_out(c, arrays) for c in chunks],
+    })
+
+
+def _row_in(plain: dict, cursor: _Slices) -> schema.EmbeddedDoc:
+    return _build(schema.EmbeddedDoc, plain, {
+        "published_at": _datetime_in, "embedded_at": _datetime_in,
+        "embedding": cursor.vector, "lineage": _lineage_in,
+        "chunks": lambda chunks: tuple(_chunk_row_in(c, cursor) for c in chunks),
+    })
+
+
+_STEP, _REASON = _enum_in(schema.Step), _enum_in(schema.Reason)
+
+
+def _dead_letter_out(letter: schema.DeadLetter) -> dict:
+    return _plain(letter, {"step": str, "reason": str})
+
+
+def _dead_letter_in(plain: dict) -> schema.DeadLetter:
+    return _build(schema.DeadLetter, plain, {"step": _STEP, "reason": _REASON})
+
+
+def _micro_batch_in(plain: dict, cursor: _Slices) -> schema.MicroBatch:
+    return _build(schema.MicroBatch, plain, {
+        "docs": lambda docs: tuple(_doc_in(d, cursor) for d in docs),
+        "rows": lambda rows: tuple(_row_in(r, cursor) for r in rows),
+        "dead_letters": lambda letters: tuple(map(_dead_letter_in, letters)),
+    })
+
+
+class MicroBatchCoder(_VersionedCoder):
+    """A ``MicroBatch`` with its documents, rows and dead letters (layout: the module's doc)."""
+
+    KIND = b"M"
+    VERSION = 1
+    # version -> the function that turns that version's plain form (the JSON object, with the
+    # token ids and vector values it names) into the next version's
+    UPGRADES: ClassVar[dict[int, Callable[[dict], dict]]] = {}
+
+    def _write(self, batch: schema.MicroBatch) -> bytes:
+        arrays = _Arrays()
+        plain = _plain(batch, {
+            "docs": lambda docs: [_doc_out(d, arrays) for d in docs],
+            "rows": lambda rows: [_row_out(r, arrays) for r in rows],
+            "dead_letters": lambda letters: list(map(_dead_letter_out, letters)),
+        })
+        header = _JSON.encode(plain).encode("utf-8")
+        tokens = arrays.token_bytes()
+        return b"".join((_U32.pack(len(header)), header, _U32.pack(len(tokens)), tokens,
+                         arrays.vector_bytes()))
+
+    def _read(self, version: int, data: memoryview) -> schema.MicroBatch:
+        (n,) = _U32.unpack_from(data)
+        at = _U32.size + n
+        plain = json.loads(bytes(data[_U32.size:at]))
+        (token_bytes,) = _U32.unpack_from(data, at)
+        at += _U32.size
+        width, tokens = data[at], data[at + 1:at + token_bytes]
+        vectors = np.frombuffer(data[at + token_bytes:], dtype=_VALUE).copy()
+        for old in range(version, self.VERSION):
+            plain = self.UPGRADES[old](plain)
+        return _micro_batch_in(plain, _Slices(tokens, width, vectors))
+
+
+# ---- the small ones -----------------------------------------------------------------------------
+
+class PendingIdCoder(_VersionedCoder):
+    """``((window_start_us, pane, shard), timestamp_us)`` of a micro-batch in flight."""
+
+    KIND = b"I"
+    VERSION = 1
+
+    def _write(self, value) -> bytes:
+        (window_start_us, pane, shard), timestamp_us = value
+        return _PENDING_ID.pack(window_start_us, pane, shard, timestamp_us)
+
+    def _read(self, version: int, data: memoryview):
+        window_start_us, pane, shard, timestamp_us = _PENDING_ID.unpack(data)
+        return (window_start_us, pane, shard), timestamp_us
+
+
+class SeenKeysCoder(_VersionedCoder):
+    """``{dedup key: expiry in micros}``: the keys as a JSON list, the expiries as int64."""
+
+    KIND = b"S"
+    VERSION = 1
+
+    def _write(self, seen: dict[str, int]) -> bytes:
+        keys = _JSON.encode(list(seen)).encode("utf-8")
+        expiries = np.fromiter(seen.values(), dtype="<i8", count=len(seen))
+        return b"".join((_U32.pack(len(keys)), keys, expiries.tobytes()))
+
+    def _read(self, version: int, data: memoryview) -> dict[str, int]:
+        (n,), start = _U32.unpack_from(data), _U32.size
+        keys = json.loads(bytes(data[start:start + n]))
+        expiries = np.frombuffer(data[start + n:], dtype="<i8").tolist()
+        if len(keys) != len(expiries):
+            raise StateSchemaError("seen-keys state: not one expiry per key")
+        return dict(zip(keys, expiries, strict=True))
+
+
+STATE_CODERS = (MicroBatchCoder, PendingIdCoder, SeenKeysCoder)
+"""Every coder of streaming state (tests/test_state_coders.py holds bytes each has written)."""
