@@ -1,13 +1,16 @@
 """Streaming state coders against Beam's PickleCoder: encode and decode time, and bytes, of one
-micro-batch in flight. ``python -m benchmarks.state_coders [--docs 64] [--tokens 256]
-[--chars 2500] [--chunks 0] [--repeat 200]``.
+micro-batch in flight, and of a shard's dedup keys. ``python -m benchmarks.state_coders
+[--docs 64] [--tokens 256] [--chars 2500] [--chunks 0] [--seen-keys 100000] [--repeat 200]``.
 
 A micro-batch is written to state when it reaches ``EmbedMicroBatches`` (and the regroup of
 ``DropDuplicatesStreaming``) and read back when a timer emits it; the figures are one write and one
 read of the state value, nothing of a runner's. The micro-batch is synthetic: ``--docs`` documents,
 each with a Pub/Sub lineage (three attributes), a text of ``--chars`` characters and ``--tokens``
 token ids (ids up to 30,000, as a WordPiece vocabulary's), and with ``--chunks`` chunks of
-``--tokens`` ids each (chunks mode); two dead letters. Prints the median of ``--repeat`` runs.
+``--tokens`` ids each (chunks mode); two dead letters. The dedup keys are the local runner's
+per-shard dict of ``--seen-keys`` keys (32 hex characters each, as ``text_sha256`` keys are
+cut to here, and ids are about as long). Prints the median of ``--repeat`` runs (of a tenth as
+many for the keys).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from transforms.schema import (
     Reason,
     Step,
 )
-from transforms.state_coders import MicroBatchCoder
+from transforms.state_coders import MicroBatchCoder, SeenKeysCoder
 
 _UTC = dt.timezone.utc
 
@@ -72,7 +75,7 @@ def micro_batch(docs: int, tokens: int, chars: int, chunks: int, seed: int = 0) 
                       messages_in=docs + 2)
 
 
-def measure(coders: dict, batch: MicroBatch, repeat: int) -> dict:
+def measure(coders: dict, batch, repeat: int) -> dict:
     """Per coder: bytes, median encode and decode ms; the coders take turns, so a machine's load
     weighs on each alike."""
     times: dict = {name: ([], []) for name in coders}
@@ -97,18 +100,36 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--chars", type=int, default=2500)
     parser.add_argument("--chunks", type=int, default=0)
+    parser.add_argument("--seen-keys", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=200)
     args = parser.parse_args(argv)
     batch = micro_batch(args.docs, args.tokens, args.chars, args.chunks)
     print(f"one micro-batch: {args.docs} documents of {args.tokens} tokens, {args.chars} "
           f"characters, {args.chunks} chunks each; median of {args.repeat}")
-    print(f"{'coder':<16}{'bytes':>10}{'encode ms':>11}{'decode ms':>11}{'total ms':>10}")
+    _header()
     figures = measure({"PickleCoder": PickleCoder(), "MicroBatchCoder": MicroBatchCoder()},
                       batch, args.repeat)
     for name, m in figures.items():
-        print(f"{name:<16}{m['bytes']:>10,}{m['encode_ms']:>11.3f}{m['decode_ms']:>11.3f}"
-              f"{m['encode_ms'] + m['decode_ms']:>10.3f}")
+        _print(name, m)
+    rng = random.Random(1)
+    seen = {f"{rng.getrandbits(128):032x}": 1_796_003_600_000_000 + i
+            for i in range(args.seen_keys)}
+    print(f"\none shard's dedup keys: {args.seen_keys:,}; median of {max(1, args.repeat // 10)}")
+    _header()
+    figures = measure({"PickleCoder": PickleCoder(), "SeenKeysCoder": SeenKeysCoder()}, seen,
+                      max(1, args.repeat // 10))
+    for name, m in figures.items():
+        _print(name, m)
     return 0
+
+
+def _header() -> None:
+    print(f"{'coder':<16}{'bytes':>12}{'encode ms':>11}{'decode ms':>11}{'total ms':>10}")
+
+
+def _print(name: str, m: dict) -> None:
+    print(f"{name:<16}{m['bytes']:>12,}{m['encode_ms']:>11.3f}{m['decode_ms']:>11.3f}"
+          f"{m['encode_ms'] + m['decode_ms']:>10.3f}")
 
 
 if __name__ == "__main__":
