@@ -225,8 +225,14 @@ def test_state_round_trips_through_the_state_specs():
     pending = ((1, 2, 3), 4)
     assert _EmbedInFlightFn.PENDING_IDS.coder.decode(
         _EmbedInFlightFn.PENDING_IDS.coder.encode(pending)) == pending
-    seen = {"a": 1, "b": 2}
+    seen = {"a": 1, "b": 2, "lone \udc80 surrogate": 3}
     assert _KeepFirstPerShard.SEEN.coder.decode(_KeepFirstPerShard.SEEN.coder.encode(seen)) == seen
+    # Parsing refuses lone surrogates, but a dead letter's detail is any exception's text: a
+    # string the state cannot write would fail the work item on every retry.
+    odd = dataclasses.replace(batch, dead_letters=(dataclasses.replace(
+        batch.dead_letters[0], detail="\ud800 from an exception"),))
+    coder = _EmbedInFlightFn.PENDING.coder
+    assert_same(coder.decode(coder.encode(odd)), odd)
 
 
 def test_the_sample_sets_every_field():

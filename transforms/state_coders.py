@@ -14,9 +14,10 @@ and refused with a message).
 
 - ``MicroBatchCoder`` (``M``): a ``MicroBatch`` (``EmbedMicroBatches``' micro-batches in flight,
   ``DropDuplicatesStreaming``'s regroup header). Version 1, after the two bytes:
-  ``uint32 n | n bytes of JSON (UTF-8) | uint32 t | t bytes of token ids | vector values``: the
-  token ids' bytes are the width of an id (one byte: 2, or 4 if an id is over 65,535) and the
-  ids (uint16 or uint32); the vector values (float32) run to the end; numbers little-endian.
+  ``uint32 n | n bytes of JSON | uint32 t | t bytes of token ids | vector values``: the JSON in
+  UTF-8 (a lone surrogate as its three bytes); the token ids' bytes are the width of an id (one
+  byte: 2, or 4 if an id is over 65,535) and the ids (uint16 or uint32); the vector values
+  (float32) run to the end; numbers little-endian.
   The JSON object holds the micro-batch's fields by name; ``docs``, ``dead_letters`` and ``rows``
   are lists of objects holding their classes' fields by name, except the large values: each
   ``token_ids`` (a document's, a chunk's) is ``[offset, length]`` in the token ids, each
@@ -64,6 +65,10 @@ _VALUE = np.dtype("<f4")
 _U32 = struct.Struct("<I")
 _PENDING_ID = struct.Struct("<qqqq")
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+# A lone surrogate in a string (which parsing refuses, but nothing else does) is written as its
+# three bytes, as pickle does: json.loads reads bytes with "surrogatepass" too. A string that
+# cannot be written would fail the work item on every retry.
+_LONE_SURROGATES = "surrogatepass"
 
 
 class StateSchemaError(ValueError):
@@ -346,7 +351,7 @@ class MicroBatchCoder(_VersionedCoder):
             "rows": lambda rows: [_row_out(r, arrays) for r in rows],
             "dead_letters": lambda letters: list(map(_dead_letter_out, letters)),
         })
-        header = _JSON.encode(plain).encode("utf-8")
+        header = _JSON.encode(plain).encode("utf-8", _LONE_SURROGATES)
         tokens = arrays.token_bytes()
         return b"".join((_U32.pack(len(header)), header, _U32.pack(len(tokens)), tokens,
                          arrays.vector_bytes()))
@@ -388,7 +393,7 @@ class SeenKeysCoder(_VersionedCoder):
     VERSION = 1
 
     def _write(self, seen: dict[str, int]) -> bytes:
-        keys = _JSON.encode(list(seen)).encode("utf-8")
+        keys = _JSON.encode(list(seen)).encode("utf-8", _LONE_SURROGATES)
         expiries = np.fromiter(seen.values(), dtype="<i8", count=len(seen))
         return b"".join((_U32.pack(len(keys)), keys, expiries.tobytes()))
 
