@@ -62,8 +62,9 @@ def _event(i: int, lineage: Optional[Lineage]) -> NewsEvent:
 
 
 def _micro_batch_v1() -> MicroBatch:
-    """A micro-batch with every field of every class it holds set to something other than its
-    default (``test_the_sample_sets_every_field`` checks): a field the coder dropped would show."""
+    """The micro-batch of the version 1 fixture: every field the classes had then set to something
+    other than its default, so that a field the coder dropped would show. Frozen: a field added
+    since reads as its default from these bytes (``_micro_batch_now`` sets it)."""
     lineage = Lineage(message_id="17000000001",
                       publish_time=dt.datetime(2026, 12, 1, 10, 0, 1, 123000, tzinfo=_UTC),
                       attributes=(("feed", "wire"), ("lang", "fr")))
@@ -93,6 +94,13 @@ def _micro_batch_v1() -> MicroBatch:
     return MicroBatch(window_start_us=1_796_000_000_000_000, window_end_us=1_796_000_060_000_000,
                       pane=2, shard=3, shards=8, docs=(doc,), rows=(row,), dead_letters=(letter,),
                       messages_in=4, duplicates=1, late_reassigned=1)
+
+
+def _micro_batch_now() -> MicroBatch:
+    """``_micro_batch_v1`` with every field added to its classes since set to something other
+    than its default (``test_the_sample_sets_every_field`` checks): what today's coders must
+    carry. None added yet."""
+    return _micro_batch_v1()
 
 
 def _wide_tokens_v1() -> MicroBatch:
@@ -219,7 +227,7 @@ def test_every_state_version_written_is_read_to_its_values(version):
 
 def test_state_round_trips_through_the_state_specs():
     """Each stateful step's coder gives back what it was given (today's version)."""
-    batch = _micro_batch_v1()
+    batch = _micro_batch_now()
     for spec in (_EmbedInFlightFn.PENDING, _Regroup.HEADER):
         assert_same(spec.coder.decode(spec.coder.encode(batch)), batch)
     pending = ((1, 2, 3), 4)
@@ -236,12 +244,12 @@ def test_state_round_trips_through_the_state_specs():
 
 
 def test_the_sample_sets_every_field():
-    """The fixture's micro-batch sets every field of every class in it to something other than
-    its default, so a field the state coder does not carry fails the fixture test. A field added
-    to one of these classes fails here first: give it a value in ``_micro_batch_v1`` (the values
-    of a released fixture stay as they were: a field added with a default reads as its default;
-    see transforms/state_coders.py for a field without one)."""
-    batch = _micro_batch_v1()
+    """The round trip's micro-batch sets every field of every class in it to something other than
+    its default, so a field the state coders do not carry, or give back as another type, fails
+    it. A field added to one of these classes fails here first: set it in ``_micro_batch_now``
+    (a released fixture's values stay as they were; for a field without a default, see
+    transforms/state_coders.py)."""
+    batch = _micro_batch_now()
     samples = [batch, batch.docs[0], batch.docs[0].chunks[0], batch.rows[0],
                batch.rows[0].chunks[0], batch.rows[0].lineage, batch.dead_letters[0]]
     for sample in samples:
@@ -253,6 +261,30 @@ def test_the_sample_sets_every_field():
     event = batch.docs[0].event
     for name, field in NewsEvent.model_fields.items():
         assert getattr(event, name) not in (None, field.default), f"NewsEvent.{name}"
+
+
+def test_a_date_time_field_added_with_a_default_needs_no_coder_change(monkeypatch):
+    """A field added to a document type is carried by its name; a date-time one (as
+    ``updated_at`` would be) by its declared type, with its offset; state written before it reads
+    as its default."""
+    from transforms.state_coders import MicroBatchCoder
+
+    coder = MicroBatchCoder()
+    before = coder.encode(_micro_batch_now())
+
+    @dataclasses.dataclass(frozen=True)
+    class EmbeddedDoc(schema.EmbeddedDoc):
+        updated_at: Optional[dt.datetime] = None
+
+    _as_next_release(monkeypatch, EmbeddedDoc)
+    batch = _micro_batch_now()
+    updated = dt.datetime(2026, 12, 2, 8, 0, tzinfo=_IST)
+    row = EmbeddedDoc(**{f.name: getattr(batch.rows[0], f.name)
+                         for f in dataclasses.fields(schema.EmbeddedDoc)
+                         if f.name != "updated_at"}, updated_at=updated)
+    with_field = dataclasses.replace(batch, rows=(row,))
+    assert_same(coder.decode(coder.encode(with_field)), with_field)
+    assert coder.decode(before).rows[0].updated_at is None
 
 
 # ---- what pickled state did when a class changed ------------------------------------------------

@@ -51,6 +51,7 @@ import enum
 import functools
 import json
 import struct
+import typing
 from typing import Any, Callable, ClassVar, Optional
 
 import numpy as np
@@ -141,30 +142,36 @@ def _enum_in(kind: type[enum.StrEnum]) -> Callable[[str], Any]:
 
 
 def _lineage_out(lineage: Optional[schema.Lineage]) -> Optional[dict]:
-    if lineage is None:
-        return None
-    return {"message_id": lineage.message_id,
-            "publish_time": _datetime_out(lineage.publish_time),
-            "attributes": [list(pair) for pair in lineage.attributes]}
+    return None if lineage is None else _plain(lineage, {
+        "attributes": lambda pairs: [list(pair) for pair in pairs]})
 
 
 def _lineage_in(plain: Optional[dict]) -> Optional[schema.Lineage]:
-    if plain is None:
-        return None
-    return _build(schema.Lineage, plain, {
-        "publish_time": _datetime_in,
+    return None if plain is None else _build(schema.Lineage, plain, {
         "attributes": lambda pairs: tuple((key, value) for key, value in pairs)})
 
 
 @functools.cache
-def _field_names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
+def _fields(cls: type) -> tuple[tuple[str, ...], frozenset[str]]:
+    """(the field names, those declared a date-time or an optional one) of a dataclass: its
+    date-times are written as ISO 8601 without a converter of their own, so a date-time field
+    added to a class needs no change here."""
+    fields = dataclasses.fields(cls)
+    try:
+        hints = typing.get_type_hints(cls)
+        datetimes = {f.name for f in fields
+                     if dt.datetime in (hints[f.name], *typing.get_args(hints[f.name]))}
+    except NameError:  # an annotation that names a type imported only for type checkers
+        datetimes = {f.name for f in fields if "datetime" in str(f.type)}
+    return tuple(f.name for f in fields), frozenset(datetimes)
 
 
 def _build(cls, plain: dict, convert: dict[str, Callable]):
     """``cls`` (a dataclass) from its plain form: each field by name, converted where ``convert``
-    says; a field the plain form lacks takes its default."""
-    values = {name: convert[name](value) if name in convert else value
+    says (date-times without being told); a field the plain form lacks takes its default."""
+    datetimes = _fields(cls)[1]
+    values = {name: convert[name](value) if name in convert
+              else _datetime_in(value) if name in datetimes else value
               for name, value in plain.items()}
     try:
         return cls(**values)
@@ -174,11 +181,14 @@ def _build(cls, plain: dict, convert: dict[str, Callable]):
 
 
 def _plain(obj, convert: dict[str, Callable]) -> dict:
-    """A dataclass's fields by name, converted where ``convert`` says."""
+    """A dataclass's fields by name, converted where ``convert`` says (date-times without being
+    told)."""
+    names, datetimes = _fields(obj.__class__)
     plain = {}
-    for name in _field_names(obj.__class__):
+    for name in names:
         value = getattr(obj, name)
-        plain[name] = convert[name](value) if name in convert else value
+        plain[name] = (convert[name](value) if name in convert
+                       else _datetime_out(value) if name in datetimes else value)
     return plain
 
 
@@ -292,17 +302,15 @@ def _doc_in(plain: dict, cursor: _Slices) -> schema.PreparedDoc:
 
 
 def _chunk_row_out(row: schema.ChunkRow, arrays: _Arrays) -> dict:
-    return _plain(row, {"embedding": arrays.vector, "embedded_at": _datetime_out})
+    return _plain(row, {"embedding": arrays.vector})
 
 
 def _chunk_row_in(plain: dict, cursor: _Slices) -> schema.ChunkRow:
-    return _build(schema.ChunkRow, plain, {"embedding": cursor.vector,
-                                           "embedded_at": _datetime_in})
+    return _build(schema.ChunkRow, plain, {"embedding": cursor.vector})
 
 
 def _row_out(row: schema.EmbeddedDoc, arrays: _Arrays) -> dict:
     return _plain(row, {
-        "published_at": _datetime_out, "embedded_at": _datetime_out,
         "embedding": arrays.vector, "lineage": _lineage_out,
         "chunks": lambda chunks: [_chunk_row_out(c, arrays) for c in chunks],
     })
@@ -310,7 +318,6 @@ def _row_out(row: schema.EmbeddedDoc, arrays: _Arrays) -> dict:
 
 def _row_in(plain: dict, cursor: _Slices) -> schema.EmbeddedDoc:
     return _build(schema.EmbeddedDoc, plain, {
-        "published_at": _datetime_in, "embedded_at": _datetime_in,
         "embedding": cursor.vector, "lineage": _lineage_in,
         "chunks": lambda chunks: tuple(_chunk_row_in(c, cursor) for c in chunks),
     })
