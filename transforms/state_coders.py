@@ -72,6 +72,9 @@ _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=Fa
 _LONE_SURROGATES = "surrogatepass"
 
 
+_SEE = "docs/dataflow.md: What an update carries over, and when a new job is needed"
+
+
 class StateSchemaError(ValueError):
     """State that this release cannot read: another kind, a newer version, pickled state, or a
     version whose plain form does not fit today's classes (a missing upgrade)."""
@@ -94,15 +97,16 @@ class _VersionedCoder(Coder):
         if len(data) >= 1 and data[0] == _PICKLE_PROTOCOL_2_TO_5:
             raise StateSchemaError(
                 f"{type(self).__name__}: this state was pickled by a release before versioned "
-                f"state; it cannot be read: drain the job and start a new one")
+                f"state, which this one cannot read: drain a job of that release and start a new "
+                f"one ({_SEE})")
         if len(data) < 2 or data[:1] != self.KIND:
             raise StateSchemaError(f"{type(self).__name__}: not state of kind {self.KIND!r}")
         version = data[1]
         if not 1 <= version <= self.VERSION:
             raise StateSchemaError(
                 f"{type(self).__name__}: state version {version} was written by a newer release "
-                f"than this one (which reads up to {self.VERSION}): roll forward, or drain the "
-                f"job and start a new one")
+                f"than this one (which reads up to {self.VERSION}): update to that release again "
+                f"({_SEE})")
         return self._read(version, data[2:])
 
     def _write(self, value) -> bytes:
@@ -177,7 +181,7 @@ def _build(cls, plain: dict, convert: dict[str, Callable]):
         return cls(**values)
     except TypeError as exc:  # a field the class lost, or one with no default the state lacks
         raise StateSchemaError(f"{cls.__name__} from state: {exc}: an upgrade of this state "
-                               f"version is missing") from None
+                               f"version is missing ({_SEE})") from None
 
 
 def _plain(obj, convert: dict[str, Callable]) -> dict:
@@ -217,7 +221,7 @@ def _event_in(plain: dict, lineage) -> schema.NewsEvent:
     missing = required - plain.keys()
     if missing:
         raise StateSchemaError(f"NewsEvent from state lacks {sorted(missing)}, which have no "
-                               f"default: an upgrade of this state version is missing")
+                               f"default: an upgrade of this state version is missing ({_SEE})")
     values = {name: convert[name](value) if name in convert else value
               for name, value in plain.items() if name in fields}
     return event_class.model_construct(**values, lineage=lineage)
