@@ -13,19 +13,20 @@ Every value starts with two bytes: its kind (an ASCII letter) and the version of
 and refused with a message).
 
 - ``MicroBatchCoder`` (``M``): a ``MicroBatch`` (``EmbedMicroBatches``' micro-batches in flight,
-  ``DropDuplicatesStreaming``'s regroup header). Version 1, after the two bytes:
-  ``uint32 n | n bytes of JSON | uint32 t | t bytes of token ids | vector values``: the JSON in
-  UTF-8 (a lone surrogate as its three bytes); the token ids' bytes are the width of an id (one
-  byte: 2, or 4 if an id is over 65,535) and the ids (uint16 or uint32); the vector values
-  (float32) run to the end; numbers little-endian.
+  ``DropDuplicatesStreaming``'s regroup header). Version 1, after the two bytes, four sections,
+  each but the last behind its size in bytes (uint32): ``n | JSON | t | token ids | x | texts |
+  vector values``. The JSON and the texts are UTF-8 (a lone surrogate as its three bytes); the
+  token ids are the width of an id (one byte: 2, or 4 if an id is over 65,535), then the ids
+  (uint16 or uint32); the vector values (float32) run to the end; numbers are little-endian.
   The JSON object holds the micro-batch's fields by name; ``docs``, ``dead_letters`` and ``rows``
   are lists of objects holding their classes' fields by name, except the large values: each
-  ``token_ids`` (a document's, a chunk's) is ``[offset, length]`` in the token ids, each
-  ``embedding`` (a row's, a chunk row's) ``[offset, length]`` in the vector values. A document's
-  ``event`` is the ``NewsEvent`` as pydantic writes it in JSON mode (every field but
-  ``lineage``), and its ``lineage`` is beside it: ``null``, or ``message_id``, ``publish_time``
-  and ``attributes`` (``[key, value]`` pairs). Date-times are ISO 8601 with their offset; enums
-  are their values.
+  ``token_ids`` (a document's, a chunk's) is ``[offset, length]`` in the token ids; each long
+  text (a document's ``text``, its event's ``body``, a chunk row's ``chunk_text``) ``null`` or
+  ``[offset, length]`` in the texts' bytes; each ``embedding`` (a row's, a chunk row's)
+  ``[offset, length]`` in the vector values. A document's ``event`` is the ``NewsEvent`` as
+  pydantic writes it in JSON mode (every field but ``lineage``, and ``body`` as above), and its
+  ``lineage`` is beside it: ``null``, or ``message_id``, ``publish_time`` and ``attributes``
+  (``[key, value]`` pairs). Date-times are ISO 8601 with their offset; enums are their values.
 - ``PendingIdCoder`` (``I``): ``(batch id, timestamp in micros)`` of a micro-batch in flight.
   Version 1: four int64: window start (micros), pane, shard, timestamp (micros).
 - ``SeenKeysCoder`` (``S``): ``{dedup key: expiry in micros}`` (the local runner's dedup state per
@@ -197,51 +198,60 @@ def _plain(obj, convert: dict[str, Callable]) -> dict:
 
 
 @functools.cache
-def _event_fields(event_class) -> tuple[dict[str, Callable], frozenset[str]]:
-    """(field -> its value from JSON, for the fields JSON does not hold as Python does; the
-    fields with no default) of a NewsEvent class. Types only: the validators and constraints of
-    the fields are not run again, so a check a later release adds to parsing never makes state
+def _event_fields(event_class) -> tuple[frozenset[str], frozenset[str], dict[str, Callable]]:
+    """(the field names; those with no default; field -> its value from JSON, for the fields JSON
+    does not hold as Python does) of a NewsEvent class. Types only: the validators and constraints
+    of the fields are not run again, so a check a later release adds to parsing never makes state
     written before it unreadable."""
     plain_json = (str, int, bool, float, Optional[str], Optional[int], Optional[bool],
                   Optional[float])
-    convert: dict[str, Callable] = {}
-    for name, field in event_class.model_fields.items():
-        if field.exclude or field.annotation in plain_json:
-            continue
-        convert[name] = TypeAdapter(field.annotation).validate_python
-    required = frozenset(name for name, field in event_class.model_fields.items()
-                         if field.is_required())
-    return convert, required
+    fields = event_class.model_fields
+    convert = {name: TypeAdapter(field.annotation).validate_python
+               for name, field in fields.items()
+               if not field.exclude and field.annotation not in plain_json}
+    return (frozenset(fields), frozenset(n for n, f in fields.items() if f.is_required()),
+            convert)
 
 
 def _event_in(plain: dict, lineage) -> schema.NewsEvent:
     event_class = schema.NewsEvent
-    convert, required = _event_fields(event_class)
-    fields = event_class.model_fields
+    names, required, convert = _event_fields(event_class)
     missing = required - plain.keys()
     if missing:
         raise StateSchemaError(f"NewsEvent from state lacks {sorted(missing)}, which have no "
                                f"default: an upgrade of this state version is missing ({_SEE})")
-    values = {name: convert[name](value) if name in convert else value
-              for name, value in plain.items() if name in fields}
+    values = {name: value for name, value in plain.items() if name in names}
+    for name, to_python in convert.items():
+        if name in values:
+            values[name] = to_python(values[name])
     return event_class.model_construct(**values, lineage=lineage)
 
 
 # ---- MicroBatch ---------------------------------------------------------------------------------
 
 class _Arrays:
-    """The large values of a micro-batch: each ``token_ids`` and ``embedding`` in the JSON is its
-    ``[offset, length]`` in the token ids or the vector values that follow the JSON."""
+    """The large values of a micro-batch: each ``token_ids``, long text and ``embedding`` in the
+    JSON is its ``[offset, length]`` in the token ids, text bytes or vector values that follow
+    the JSON."""
 
     def __init__(self):
         self.tokens: list[tuple[int, ...]] = []
+        self.texts: list[bytes] = []
         self.vectors: list[np.ndarray] = []
-        self.token_count = self.value_count = 0
+        self.token_count = self.text_size = self.value_count = 0
 
     def token_ids(self, ids: tuple[int, ...]) -> list[int]:
         self.tokens.append(ids)
         self.token_count += len(ids)
         return [self.token_count - len(ids), len(ids)]
+
+    def text(self, text: Optional[str]) -> Optional[list[int]]:
+        if text is None:
+            return None
+        data = text.encode("utf-8", _LONE_SURROGATES)
+        self.texts.append(data)
+        self.text_size += len(data)
+        return [self.text_size - len(data), len(data)]
 
     def vector(self, values) -> list[int]:
         array = np.asarray(values, dtype=_VALUE)
@@ -265,14 +275,20 @@ class _Arrays:
 class _Slices:
     """The large values read back, by ``[offset, length]``."""
 
-    def __init__(self, tokens: memoryview, width: int, vectors: np.ndarray):
-        self._tokens, self._vectors = tokens, vectors
+    def __init__(self, tokens: memoryview, width: int, texts: memoryview, vectors: np.ndarray):
+        self._tokens, self._texts, self._vectors = tokens, texts, vectors
         self._code = {2: "H", 4: "I"}[width]
         self._width, self._token_count = width, len(tokens) // width
 
     def token_ids(self, at: list[int]) -> tuple[int, ...]:
         offset, length = _checked(at, self._token_count, "token ids")
         return struct.unpack_from(f"<{length}{self._code}", self._tokens, offset * self._width)
+
+    def text(self, at: Optional[list[int]]) -> Optional[str]:
+        if at is None:
+            return None
+        offset, length = _checked(at, len(self._texts), "text bytes")
+        return str(self._texts[offset:offset + length], "utf-8", _LONE_SURROGATES)
 
     def vector(self, at: list[int]) -> np.ndarray:
         offset, length = _checked(at, len(self._vectors), "vector values")
@@ -286,9 +302,17 @@ def _checked(at: list[int], size: int, what: str) -> tuple[int, int]:
     return offset, length
 
 
+def _event_out(event: schema.NewsEvent, arrays: _Arrays) -> dict:
+    plain = event.model_dump(mode="json")
+    if "body" in plain:
+        plain["body"] = arrays.text(plain["body"])
+    return plain
+
+
 def _doc_out(doc: schema.PreparedDoc, arrays: _Arrays) -> dict:
     return _plain(doc, {
-        "event": lambda event: event.model_dump(mode="json"),
+        "event": lambda event: _event_out(event, arrays),
+        "text": arrays.text,
         "token_ids": arrays.token_ids,
         "chunks": lambda chunks: [_plain(c, {"token_ids": arrays.token_ids}) for c in chunks],
     }) | {"lineage": _lineage_out(doc.event.lineage)}
@@ -298,7 +322,10 @@ def _doc_in(plain: dict, cursor: _Slices) -> schema.PreparedDoc:
     plain = dict(plain)
     lineage = _lineage_in(plain.pop("lineage", None))
     return _build(schema.PreparedDoc, plain, {
-        "event": lambda event: _event_in(event, lineage),
+        "event": lambda event: _event_in(
+            {**event, "body": cursor.text(event["body"])} if "body" in event else event,
+            lineage),
+        "text": cursor.text,
         "token_ids": cursor.token_ids,
         "chunks": lambda chunks: tuple(
             _build(ChunkSpan, c, {"token_ids": cursor.token_ids}) for c in chunks),
@@ -306,11 +333,12 @@ def _doc_in(plain: dict, cursor: _Slices) -> schema.PreparedDoc:
 
 
 def _chunk_row_out(row: schema.ChunkRow, arrays: _Arrays) -> dict:
-    return _plain(row, {"embedding": arrays.vector})
+    return _plain(row, {"embedding": arrays.vector, "chunk_text": arrays.text})
 
 
 def _chunk_row_in(plain: dict, cursor: _Slices) -> schema.ChunkRow:
-    return _build(schema.ChunkRow, plain, {"embedding": cursor.vector})
+    return _build(schema.ChunkRow, plain, {"embedding": cursor.vector,
+                                           "chunk_text": cursor.text})
 
 
 def _row_out(row: schema.EmbeddedDoc, arrays: _Arrays) -> dict:
@@ -365,7 +393,7 @@ class MicroBatchCoder(_VersionedCoder):
         header = _JSON.encode(plain).encode("utf-8", _LONE_SURROGATES)
         tokens = arrays.token_bytes()
         return b"".join((_U32.pack(len(header)), header, _U32.pack(len(tokens)), tokens,
-                         arrays.vector_bytes()))
+                         _U32.pack(arrays.text_size), *arrays.texts, arrays.vector_bytes()))
 
     def _read(self, version: int, data: memoryview) -> schema.MicroBatch:
         (n,) = _U32.unpack_from(data)
@@ -374,10 +402,14 @@ class MicroBatchCoder(_VersionedCoder):
         (token_bytes,) = _U32.unpack_from(data, at)
         at += _U32.size
         width, tokens = data[at], data[at + 1:at + token_bytes]
-        vectors = np.frombuffer(data[at + token_bytes:], dtype=_VALUE).copy()
+        at += token_bytes
+        (text_bytes,) = _U32.unpack_from(data, at)
+        at += _U32.size
+        texts = data[at:at + text_bytes]
+        vectors = np.frombuffer(data[at + text_bytes:], dtype=_VALUE).copy()
         for old in range(version, self.VERSION):
             plain = self.UPGRADES[old](plain)
-        return _micro_batch_in(plain, _Slices(tokens, width, vectors))
+        return _micro_batch_in(plain, _Slices(tokens, width, texts, vectors))
 
 
 # ---- the small ones -----------------------------------------------------------------------------
