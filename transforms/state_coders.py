@@ -41,8 +41,8 @@ that the class lost) raises ``StateSchemaError`` when reading, and the fixture t
 (tests/test_state_coders.py) finds it before a release. Such a change is a new version: raise the
 coder's ``VERSION``, keep reading the old one, and give ``UPGRADES`` a function that turns the
 old version's plain form (its JSON object) into the new one's (docs/dataflow.md, Drain, cancel,
-update). Never rename a coder class: its name is in the job's graph, and Dataflow refuses an
-``--update`` whose state coders' names changed.
+update). Never rename a coder class: Beam names each coder in the job's graph after its class,
+and Dataflow's update check compares those names.
 """
 from __future__ import annotations
 
@@ -379,8 +379,8 @@ class MicroBatchCoder(_VersionedCoder):
 
     KIND = b"M"
     VERSION = 1
-    # version -> the function that turns that version's plain form (the JSON object, with the
-    # token ids and vector values it names) into the next version's
+    # version -> the function that turns that version's plain form (its JSON object; the large
+    # values it names by [offset, length] stay where they are) into the next version's
     UPGRADES: ClassVar[dict[int, Callable[[dict], dict]]] = {}
 
     def _write(self, batch: schema.MicroBatch) -> bytes:
