@@ -29,6 +29,7 @@ from apache_beam.coders import BooleanCoder, StrUtf8Coder, TupleCoder, VarIntCod
 from apache_beam.transforms.userstate import StateSpec
 from pydantic import field_validator
 
+import pipeline
 import transforms
 from transforms import schema
 from transforms.chunking import ChunkSpan
@@ -181,8 +182,10 @@ def assert_same(got, want, where: str = "value") -> None:
 
 def _state_specs():
     """(DoFn, state spec) of every stateful step in newsvec."""
-    for package in (transforms,):
+    for package in (transforms, pipeline):
         for module in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            if module.name.endswith(".__main__"):  # runs the command
+                continue
             for _, cls in inspect.getmembers(importlib.import_module(module.name),
                                              inspect.isclass):
                 if issubclass(cls, beam.DoFn) and cls.__module__ == module.name:
