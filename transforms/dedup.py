@@ -20,7 +20,7 @@ from typing import Any, Callable, Literal, get_args
 
 import apache_beam as beam
 from apache_beam import pvalue
-from apache_beam.coders import BooleanCoder, PickleCoder, StrUtf8Coder, TupleCoder, VarIntCoder
+from apache_beam.coders import BooleanCoder, StrUtf8Coder, TupleCoder, VarIntCoder
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import (
     BagStateSpec,
@@ -32,6 +32,7 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 
 from transforms.metrics import DUPLICATES
 from transforms.schema import BatchId, MicroBatch
+from transforms.state_coders import MicroBatchCoder, SeenKeysCoder
 
 DedupKey = Literal["id", "text_sha256"]  # the config's ``dedup.key``
 # Documents (PreparedDoc, streaming) and vector rows (EmbeddedDoc, batch) both have these.
@@ -152,7 +153,7 @@ class _KeepFirstPerShard(beam.DoFn):
     per micro-batch, so its cost grows with the keys held (benchmarks/dedup.py).
     """
 
-    SEEN = ReadModifyWriteStateSpec("seen", PickleCoder())  # {dedup key: expiry in micros}
+    SEEN = ReadModifyWriteStateSpec("seen", SeenKeysCoder())  # {dedup key: expiry in micros}
     PRUNE = TimerSpec("prune", TimeDomain.WATERMARK)
 
     def __init__(self, key_fn, horizon_s: float):
@@ -236,7 +237,7 @@ class _Regroup(beam.DoFn):
     processed when the micro-batch goes out, so the output is never behind the watermark.
     """
 
-    HEADER = ReadModifyWriteStateSpec("header", PickleCoder())
+    HEADER = ReadModifyWriteStateSpec("header", MicroBatchCoder())
     VERDICTS = BagStateSpec("verdicts", TupleCoder((StrUtf8Coder(), BooleanCoder())))
     PENDING = ReadModifyWriteStateSpec("pending", VarIntCoder())
 

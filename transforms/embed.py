@@ -38,7 +38,6 @@ from typing import Iterable, Optional, Sequence, cast
 
 import apache_beam as beam
 from apache_beam import pvalue
-from apache_beam.coders import PickleCoder
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, TimerSpec, on_timer
@@ -67,6 +66,7 @@ from transforms.schema import (
     Step,
 )
 from transforms.shared_engine import shared_engine
+from transforms.state_coders import MicroBatchCoder, PendingIdCoder
 
 _LOG = logging.getLogger(__name__)
 
@@ -452,8 +452,8 @@ class _EmbedInFlightFn(beam.DoFn):
     The state makes it safe: a micro-batch leaves it only with its rows emitted (in one commit).
     A call that failed is forgotten, so that the retried work item calls again."""
 
-    PENDING = BagStateSpec("pending", PickleCoder())  # the micro-batches, whole
-    PENDING_IDS = BagStateSpec("pending_ids", PickleCoder())  # (id, timestamp in micros) of each
+    PENDING = BagStateSpec("pending", MicroBatchCoder())  # the micro-batches, whole
+    PENDING_IDS = BagStateSpec("pending_ids", PendingIdCoder())  # (id, timestamp in micros) of each
     POLL = TimerSpec("poll", TimeDomain.REAL_TIME)
     DONE = TimerSpec("done", TimeDomain.WATERMARK)
 
