@@ -398,3 +398,34 @@ def test_an_old_spawners_exit_leaves_the_new_engine_alone(tmp_path, monkeypatch)
                 process.join(timeout=10)
             if process.is_alive():
                 process.kill()
+
+
+def test_streaming_an_input_that_ends_the_shared_engine_is_dead_lettered_alone(
+        tmp_path, monkeypatch):
+    # TestStream through EmbedMicroBatches with the engine shared: the second micro-batch holds a
+    # document on which the engine's process exits. Each micro-batch comes out once, that document
+    # as its one dead letter, instead of a bundle retried without end that ends the machine's
+    # engine each time.
+    from apache_beam.testing.test_pipeline import TestPipeline
+    from apache_beam.testing.test_stream import TestStream
+
+    from transforms.embed import EmbedMicroBatches
+    from transforms.schema import MicroBatch
+
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    settings = make_config().model.model_copy(update={"share_across_processes": True})
+    embed = EmbedMicroBatches(settings, engine_factory=PoisonEngine)
+    docs = [[doc(0), doc(1), doc(2)], [doc(10), doc(11, ids=(101, EXIT, 102)), doc(12)]]
+    stream = TestStream()
+    for k, batch_docs in enumerate(docs):
+        stream = stream.add_elements([MicroBatch(
+            window_start_us=k * 60_000_000, window_end_us=(k + 1) * 60_000_000, pane=0,
+            shard=0, shards=1, docs=tuple(batch_docs), messages_in=3)]).advance_watermark_to(
+            60 * (k + 1))
+    out = tmp_path / "out"
+    p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions(streaming=True))
+    _ = (p | stream.advance_watermark_to_infinity() | embed
+         | beam.Map(_record_micro_batch, str(out)))
+    p.run().wait_until_finish()
+    assert sorted(out.read_text().split()) == sorted(
+        ["row:d0", "row:d1", "row:d2", "row:d10", "row:d12", "dead:d11"])
