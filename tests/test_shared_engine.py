@@ -400,6 +400,31 @@ def test_an_old_spawners_exit_leaves_the_new_engine_alone(tmp_path, monkeypatch)
                 process.kill()
 
 
+def test_an_engine_left_loading_by_a_killed_spawner_is_ended_before_the_next_starts(
+        tmp_path, monkeypatch):
+    # P1 starts the engine and is killed (SIGKILL) while the engine loads: nothing recorded it
+    # as the engine yet. The next SDK process ends that load before it starts its own engine, so
+    # two never load on one GPU.
+    log = tmp_path / "engine.log"
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
+    settings = make_config().model.model_copy(update={"share_across_processes": True})
+    tag = f"newsvec-test-{uuid.uuid4().hex}"
+    p1 = multiprocessing.get_context("spawn").Process(
+        target=reach_engine, args=(settings, HangsOnLoad, tag, str(tmp_path / "p1")))
+    p1.start()
+    deadline = time.monotonic() + 60
+    while not (log.exists() and _engine_pids(log)):
+        assert p1.is_alive() and time.monotonic() < deadline, "P1 started no engine"
+        time.sleep(0.1)
+    (loading,) = _engine_pids(log)
+    p1.kill()
+    p1.join()
+    client = SharedEngineClient(settings, LoggingEngine, tag)
+    assert _process_state((loading, 0)) != "alive", "the orphaned load was ended"
+    assert [pid for pid in _engine_pids(log) if _process_state((pid, 0)) == "alive"] == \
+        [client._process[0]]
+
+
 def test_streaming_an_input_that_ends_the_shared_engine_is_dead_lettered_alone(
         tmp_path, monkeypatch):
     # TestStream through EmbedMicroBatches with the engine shared: the second micro-batch holds a

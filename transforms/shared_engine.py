@@ -111,6 +111,7 @@ class _SharedEngine:
             if (current is None or current.number != self._generation
                     or current.engine is not None or current.spawner[0] != os.getppid()):
                 raise EngineFailedError(f"generation {self._generation}: {_SUPERSEDED}")
+            self._record.mark_loading(self._generation)
         if self._device is not None:
             torch = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_initialized():
@@ -212,6 +213,28 @@ class _EngineRecord:
         with open(tmp, "w") as f:
             json.dump(dataclasses.asdict(generation), f)
         os.replace(tmp, self.path)
+
+    def mark_loading(self, number: int) -> None:
+        """In an engine's process, as its load begins: ``{tag}.loading`` names it, so that if its
+        spawner ends before recording it, the process that starts the next generation can end
+        it (else two engines could load on one device)."""
+        pid, started = _process_identity(os.getpid())
+        tmp = f"{self.path}.loading.{pid}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(f"{number} {pid} {started}")
+            os.replace(tmp, os.path.join(self.folder, f"{self.tag}.loading"))
+        except OSError:
+            _LOG.exception("could not record the loading shared engine")
+
+    def loading(self, number: int) -> Optional[tuple[int, int]]:
+        """The process that began to load generation ``number``'s engine, if recorded."""
+        try:
+            with open(os.path.join(self.folder, f"{self.tag}.loading")) as f:
+                recorded, pid, started = (int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            return None
+        return (pid, started) if recorded == number else None
 
 
 def _pair(value: Any) -> tuple[int, int]:
@@ -402,16 +425,20 @@ class SharedEngineClient:
         if current is not None and os.path.exists(self._record.address_file(current)) and (
                 current.engine is None or _process_state(current.engine) == "alive"):
             return current
-        if current is not None and current.engine is not None:
-            if _process_state(current.engine) == "alive":
-                _LOG.error("the shared embedding engine (process %d) runs but its address file "
-                           "is gone; ending it before starting another", current.engine[0])
-                _end_process(current.engine)
-                if _process_state(current.engine) == "alive":
-                    raise self._failed_to_connect(None, (
-                        f"the previous engine (process {current.engine[0]}) has not exited; a "
-                        "second one is not started on its device"))
         if current is not None:
+            named = (current.engine, self._record.loading(current.number))
+            for left in dict.fromkeys(p for p in named if p is not None):
+                if _process_state(left) != "alive":
+                    continue
+                _LOG.error("the shared embedding engine of generation %d (process %d) runs, but "
+                           "cannot be reached (its address file is gone, or its spawner ended "
+                           "during its load); ending it before starting another", current.number,
+                           left[0])
+                _end_process(left)
+                if _process_state(left) == "alive":
+                    raise self._failed_to_connect(None, (
+                        f"the previous engine (process {left[0]}) has not exited; a second one "
+                        "is not started on its device"))
             for stale in (self._record.address_file(current),
                           self._record.address_file(current) + ".error"):
                 try:
