@@ -17,11 +17,14 @@ document vector): they go to the engine mixed with other documents' inputs, in c
 ``model.token_budget`` tokens, and a document with a failing input is dead-lettered whole.
 
 A failed engine call is an INPUT failure or an ENGINE failure (``transforms.engine`` tells them
-apart with a canary input). An input failure is split in halves and retried (bisection) until the
-failing inputs stand alone; only those are dead-lettered (``embedding_failed``). An engine failure
-(``EngineFailedError``, also raised when the engine cannot be loaded) blames no input: it fails
-the bundle, which the runner retries on a fresh engine. A model that fails for every input while
-its canary passes stops the job (``ModelBrokenError``, counted per process: ``FailureRun``).
+apart with a canary input; for the shared engine, a call its process ended in is checked on the
+next engine the same way: ``transforms.shared_engine``). An input failure is split in halves and
+retried (bisection) until the failing inputs stand alone; only those are dead-lettered
+(``embedding_failed``). An engine failure (``EngineFailedError``, also raised when the engine
+cannot be loaded) blames no input: it fails the bundle, which the runner retries on a fresh
+engine. Every vector is checked: one holding a NaN or an infinity is its document's dead letter,
+never a row. A model that fails for every input while its canary passes stops the job
+(``ModelBrokenError``, counted per process: ``FailureRun``).
 """
 from __future__ import annotations
 

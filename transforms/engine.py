@@ -16,7 +16,9 @@ or an ENGINE failure, told apart by the canary:
   the handle loads a fresh engine on its next use, so whatever still holds the handle (the
   embedding step, RunInference's shared model, the retried bundle) gets a working one.
 A load that fails (the first, or one after an engine failure) is an engine failure too:
-``EngineFailedError``, raised before any input is tried, so no input is ever blamed for it.
+``EngineFailedError``, raised before any input is tried, so no input is ever blamed for it. A call
+that returns a vector holding a NaN or an infinity is checked with the canary as well: a failing
+canary is an engine failure; a passing one leaves those documents to be dead-lettered.
 
 Where the engine lives: ``process_engine`` gives a handle in this process (``load_engine`` keeps one
 per process for given engine settings); ``transforms.shared_engine`` serves one engine per machine,
