@@ -351,6 +351,19 @@ def test_an_engine_that_ends_in_every_call_and_its_canary_still_fails_the_bundle
         VLLMEmbeddingHandler(settings).run_inference([doc(i) for i in range(4)], client)
 
 
+def test_a_temp_dir_that_cannot_be_written_is_an_engine_failure_not_the_inputs(monkeypatch):
+    # A guard: an error reaching the engine is never raised as something the handler would take
+    # for the inputs' failure (and bisect, dead-lettering every document).
+    from transforms import shared_engine as module
+
+    def full(self, generation):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module._EngineRecord, "write", full)
+    with pytest.raises(EngineFailedError, match="No space left"):
+        SharedEngineClient(make_config().model, LoggingEngine, f"newsvec-test-{uuid.uuid4().hex}")
+
+
 def test_an_old_spawners_exit_leaves_the_new_engine_alone(tmp_path, monkeypatch):
     # Three SDK processes share a tag: P1 spawns engine E1, P2 reaches it, finds it gone (killed:
     # an OOM kill, or a hang that P2 ended) and starts E2; P1 exits normally (Beam's exit hooks

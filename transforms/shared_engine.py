@@ -383,12 +383,21 @@ class SharedEngineClient:
         try:
             machine_lock = fasteners.InterProcessLock(self._record.lock_path)
             left = max(0.0, self._load_timeout_s - (time.monotonic() - started))
-            if not machine_lock.acquire(timeout=left):
+            try:
+                acquired = machine_lock.acquire(timeout=left)
+            except (OSError, threading.ThreadError) as exc:
+                raise self._failed_to_connect(exc, f"its lock file: {exc}") from exc
+            if not acquired:
                 raise self._failed_to_connect(None, (
                     f"waited {self._load_timeout_s:g} s (model.load_timeout_s) for another SDK "
                     "process of this machine to start or reach it"))
             try:
                 self._connect_locked()
+            except EngineFailedError:
+                raise
+            except Exception as exc:  # pylint: disable=broad-except  # the temp dir, a lock file
+                # Never an input's failure: the handler would bisect it and blame the inputs.
+                raise self._failed_to_connect(exc, f"{type(exc).__name__}: {exc}") from exc
             finally:
                 machine_lock.release()
         finally:
