@@ -17,7 +17,7 @@ from apache_beam.testing.test_stream import TestStream
 from apache_beam.testing.util import assert_that, equal_to
 
 from tests.conftest import make_config
-from tests.fakes import POISON, FakeEngine
+from tests.fakes import NAN, POISON, FakeEngine
 from transforms.embed import EmbedFailure, EmbedWithVLLM, ModelBrokenError, VLLMEmbeddingHandler
 from transforms.engine import Engine, EngineFailedError, EngineHandle, load_engine
 from transforms.schema import NewsEvent, PreparedDoc, Reason
@@ -368,3 +368,49 @@ def test_streaming_micro_batches_of_a_broken_model_stop_the_job(tmp_path):
                      for line in path.read_text().splitlines())
     assert letters == ["first-0", "first-1", "first-2"], letters
     assert "ModelBrokenError" in error or "in a row" in error, error
+
+
+# ---- non-finite vectors (the store refuses them: a row must never hold one) ----
+
+def test_a_non_finite_vector_is_that_documents_dead_letter_never_a_row():
+    docs = [doc(i, ids=(101, NAN, 102) if i == 2 else None) for i in range(6)]
+    with TestPipeline(runner="FnApiRunner") as p:
+        out = p | beam.Create(docs) | EmbedWithVLLM(SETTINGS, engine_factory=NanEngine)
+        assert_that(out.embedded | beam.Map(lambda e: (e.id, bool(np.isfinite(e.embedding).all()))),
+                    equal_to([(f"d{i}", True) for i in (0, 1, 3, 4, 5)]), label="rows")
+        assert_that(out.dead_letter | beam.Map(lambda d: (d.event_id, d.reason, d.detail)),
+                    equal_to([("d2", Reason.EMBEDDING_FAILED, "the engine returned a non-finite "
+                               "vector (384 NaN and 0 infinite of 384 values)")]), label="dead")
+
+
+class NanEngine(FakeEngine):
+    """FAKE: a NaN vector for each prompt holding the NAN token; the canary passes."""
+
+    def embed(self, prompts):
+        vectors = super().embed(prompts)
+        for p, v in zip(prompts, vectors, strict=True):
+            if NAN in p:
+                v[:] = np.nan
+        return vectors
+
+
+def test_non_finite_vectors_count_toward_the_broken_model_stop():
+    # A model that returns NaN for every input while its canary passes is a broken model.
+    with pytest.raises(ModelBrokenError, match="non-finite"):
+        handler(max_consecutive_failures=3).run_inference(
+            [doc(i, ids=(101, NAN, 102 + i)) for i in range(4)], EngineHandle(SETTINGS, NanEngine))
+
+
+class NanAndBroken(NanEngine):
+    """FAKE: NaN vectors, and a canary that fails too (an engine gone bad, not the inputs)."""
+
+    def healthy(self):
+        return False
+
+
+def test_non_finite_vectors_with_a_failing_canary_are_an_engine_failure():
+    model = EngineHandle(SETTINGS, NanAndBroken)
+    engine = model._engine
+    with pytest.raises(EngineFailedError, match="non-finite"):
+        handler().run_inference([doc(i, ids=(101, NAN, 102 + i)) for i in range(4)], model)
+    assert engine.closed, "no document is blamed; the engine is closed, the next call loads anew"

@@ -8,6 +8,7 @@ the handler still tells it from an input failure."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import time
@@ -20,28 +21,21 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.run import run_batch
 from tests.conftest import make_config
-from tests.fakes import FakeEngine
+from tests.fakes import (
+    EXIT,
+    HANG,
+    BrokenEngine,
+    HangsOnLoad,
+    LoggingEngine,
+    PoisonEngine,
+    reach_engine,
+    sdk_process,
+)
 from tests.test_embed_failures import Breaks, doc
-from transforms.embed import VLLMEmbeddingHandler
+from transforms.embed import EmbedFailure, VLLMEmbeddingHandler
 from transforms.engine import EngineFailedError
 from transforms.model import ModelSettings
 from transforms.shared_engine import SharedEngineClient, _process_state
-
-
-class LoggingEngine(FakeEngine):
-    """FAKE; appends "load <pid> 0" and "call <pid> <docs>" to $NEWSVEC_TEST_ENGINE_LOG."""
-
-    def __init__(self, settings=None):
-        super().__init__(settings)
-        self._log("load")
-
-    def _log(self, what: str, docs: int = 0) -> None:
-        with open(os.environ["NEWSVEC_TEST_ENGINE_LOG"], "a") as f:
-            f.write(f"{what} {os.getpid()} {docs}\n")
-
-    def embed(self, prompts):
-        self._log("call", len(prompts))
-        return super().embed(prompts)
 
 
 def test_two_worker_processes_share_one_engine_in_a_process_of_its_own(tmp_path, monkeypatch):
@@ -114,18 +108,19 @@ class NeverReturns(LoggingEngine):
         return super().embed(prompts)
 
 
-def _events(tmp_path, n: int):
+def _events(tmp_path, n: int, body=lambda i: f"Story number {i}. " * 20):
     events = tmp_path / "in.jsonl"
-    events.write_text("".join(json.dumps({"id": f"e{i}", "body": f"Story number {i}. " * 20})
-                              + "\n" for i in range(n)))
+    events.write_text("".join(json.dumps({"id": f"e{i}", "body": body(i)}) + "\n"
+                              for i in range(n)))
     return events
 
 
-def _run_shared(tmp_path, factory, n=300, **model_changes):
+def _run_shared(tmp_path, factory, n=300, body=lambda i: f"Story number {i}. " * 20,
+                **model_changes):
     """A batch run on two worker processes sharing one engine; its summary, the engine log's lines
     and the ids of the rows it wrote."""
     log = tmp_path / "engine.log"
-    config = make_config(input=str(_events(tmp_path, n)), output=str(tmp_path / "out"))
+    config = make_config(input=str(_events(tmp_path, n, body)), output=str(tmp_path / "out"))
     config = config.model_copy(update={"model": config.model.model_copy(
         update={"share_across_processes": True, "token_budget": 1024, **model_changes})})
     summary = run_batch(config, PipelineOptions(["--runner=FnApiRunner", "--direct_num_workers=2",
@@ -265,3 +260,210 @@ def _record_micro_batch(batch, path: str):
         for letter in batch.dead_letters:
             f.write(f"dead:{letter.event_id}\n")
     return batch
+
+
+# ---- deadlines on reaching the engine; an input that ends it; one engine per tag ----
+
+def _engine_pids(log) -> list[int]:
+    """The processes of the engines that were loaded (or began to), as the FAKE logged them."""
+    return [int(pid) for what, pid, _ in (line.split() for line in log.read_text().splitlines())
+            if what == "load"]
+
+
+def test_a_load_that_hangs_fails_within_load_timeout_in_every_process(tmp_path, monkeypatch):
+    # Two SDK processes of the machine ask for the engine at once; its load never finishes. Each
+    # gives up within model.load_timeout_s (plus as long again for the other's start), with an
+    # EngineFailedError naming the setting, and no engine process is left.
+    log = tmp_path / "engine.log"
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
+    settings = make_config().model.model_copy(update={"share_across_processes": True,
+                                                      "load_timeout_s": 3.0})
+    tag = f"newsvec-test-{uuid.uuid4().hex}"
+    other_out = tmp_path / "other"
+    other = multiprocessing.get_context("spawn").Process(
+        target=reach_engine, args=(settings, HangsOnLoad, tag, str(other_out)))
+    other.start()
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        error = pool.submit(SharedEngineClient, settings, HangsOnLoad, tag).exception(timeout=30)
+    except concurrent.futures.TimeoutError:
+        error = None
+    other.join(timeout=30)
+    assert isinstance(error, EngineFailedError) and "load_timeout_s" in str(error), error
+    assert not other.is_alive(), "the other SDK process is still waiting"
+    assert other_out.read_text().startswith("EngineFailedError") and \
+        "load_timeout_s" in other_out.read_text(), other_out.read_text()
+    assert _engine_pids(log), "an engine was spawned"
+    assert [pid for pid in _engine_pids(log) if _process_state((pid, 0)) == "alive"] == [], \
+        "every engine that hung in its load was ended"
+    pool.shutdown(wait=False)
+
+
+def test_an_input_that_ends_the_shared_engine_is_dead_lettered_alone(tmp_path, monkeypatch,
+                                                                     tokenizer):
+    # Batch, two worker processes sharing one engine; article e5 holds a token on which the
+    # engine's process exits. Bisection finds it: one embedding_failed dead letter, every other
+    # article written once, and the job completes.
+    assert EXIT in tokenizer("poison")[0], "the marker word is one token of the test model"
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    summary, lines, ids = _run_shared(
+        tmp_path, PoisonEngine, n=24, token_budget=512,
+        body=lambda i: f"Story number {i}. " * 10 + (" poison" if i == 5 else ""))
+    counts = summary["counts"]
+    assert (counts["written"], counts["dead_lettered"]) == (23, 1) and summary["invariant_holds"]
+    assert sorted(ids) == sorted(f"e{i}" for i in range(24) if i != 5)
+    (letter,) = [json.loads(line) for f in (tmp_path / "out" / "dead_letter").glob("*.jsonl")
+                 for line in f.read_text().splitlines()]
+    assert (letter["event_id"], letter["reason"]) == ("e5", "embedding_failed")
+    assert "ended during this call" in letter["detail"], letter["detail"]
+    exits = [pid for what, pid, _ in lines if what == "exit"]
+    assert len(exits) >= 2, lines  # the call holding it, then each half holding it, ...
+
+
+def test_an_input_that_hangs_the_shared_engine_is_dead_lettered_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    settings = make_config().model.model_copy(update={"call_timeout_s": 1.0})
+    client = SharedEngineClient(settings, PoisonEngine, tag=f"newsvec-test-{uuid.uuid4().hex}")
+    handler = VLLMEmbeddingHandler(settings)
+    results = handler.run_inference([doc(0), doc(1, ids=(101, HANG, 102)), doc(2)], client)
+    failed = {r.example.event.id: r.inference.error for r in results
+              if isinstance(r.inference, EmbedFailure)}
+    assert list(failed) == ["d1"] and "call_timeout_s" in failed["d1"], failed
+    assert all(_process_state((pid, 0)) != "alive" for pid in _hung_pids(tmp_path)), \
+        "every engine that hung was ended"
+
+
+def _hung_pids(tmp_path) -> list[int]:
+    return [int(pid) for what, pid, _ in (line.split() for line in
+                                          (tmp_path / "engine.log").read_text().splitlines())
+            if what == "hang"]
+
+
+def test_an_engine_that_ends_in_every_call_and_its_canary_still_fails_the_bundle(
+        tmp_path, monkeypatch):
+    # A guard for the bisection above: no input is blamed when the next engine fails its canary.
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    settings = make_config().model
+    client = SharedEngineClient(settings, BrokenEngine, tag=f"newsvec-test-{uuid.uuid4().hex}")
+    with pytest.raises(EngineFailedError):
+        VLLMEmbeddingHandler(settings).run_inference([doc(i) for i in range(4)], client)
+
+
+def test_a_temp_dir_that_cannot_be_written_is_an_engine_failure_not_the_inputs(monkeypatch):
+    # A guard: an error reaching the engine is never raised as something the handler would take
+    # for the inputs' failure (and bisect, dead-lettering every document).
+    from transforms import shared_engine as module
+
+    def full(self, generation):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module._EngineRecord, "write", full)
+    with pytest.raises(EngineFailedError, match="No space left"):
+        SharedEngineClient(make_config().model, LoggingEngine, f"newsvec-test-{uuid.uuid4().hex}")
+
+
+def test_an_old_spawners_exit_leaves_the_new_engine_alone(tmp_path, monkeypatch):
+    # Three SDK processes share a tag: P1 spawns engine E1, P2 reaches it, finds it gone (killed:
+    # an OOM kill, or a hang that P2 ended) and starts E2; P1 exits normally (Beam's exit hooks
+    # run). P3 then reaches E2: one engine runs for the tag, never two on its GPU.
+    log = tmp_path / "engine.log"
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
+    settings = make_config().model.model_copy(update={"share_across_processes": True})
+    tag = f"newsvec-test-{uuid.uuid4().hex}"
+    ctx = multiprocessing.get_context("spawn")
+    processes, pipes = [], []
+
+    def start():
+        ours, theirs = ctx.Pipe()
+        process = ctx.Process(target=sdk_process, args=(settings, LoggingEngine, tag, theirs))
+        process.start()
+        processes.append(process)
+        pipes.append(ours)
+        assert ours.poll(60), "the SDK process did not reach the engine"
+        return ours, ours.recv()
+
+    def ask(pipe, command):
+        pipe.send(command)
+        assert pipe.poll(60), f"no answer to {command}"
+        return pipe.recv()
+
+    try:
+        p1, e1 = start()
+        p2, reached = start()
+        assert reached == e1
+        e2 = ask(p2, "kill")
+        assert e2 != e1 and _process_state(e1) != "alive"
+        ask(p1, "exit")
+        processes[0].join(timeout=30)
+        p3, e3 = start()
+        alive = [pid for pid in _engine_pids(log) if _process_state((pid, 0)) == "alive"]
+        assert alive == [e2[0]], f"engines running: {alive} (E2: {e2[0]})"
+        assert e3 == e2 and ask(p3, "embed") == e2 and ask(p2, "embed") == e2
+    finally:
+        for pipe, process in zip(pipes, processes, strict=True):
+            if process.is_alive():
+                try:
+                    pipe.send("exit")
+                except OSError:
+                    pass
+                process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+
+
+def test_an_engine_left_loading_by_a_killed_spawner_is_ended_before_the_next_starts(
+        tmp_path, monkeypatch):
+    # P1 starts the engine and is killed (SIGKILL) while the engine loads: nothing recorded it
+    # as the engine yet. The next SDK process ends that load before it starts its own engine, so
+    # two never load on one GPU.
+    log = tmp_path / "engine.log"
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
+    settings = make_config().model.model_copy(update={"share_across_processes": True})
+    tag = f"newsvec-test-{uuid.uuid4().hex}"
+    p1 = multiprocessing.get_context("spawn").Process(
+        target=reach_engine, args=(settings, HangsOnLoad, tag, str(tmp_path / "p1")))
+    p1.start()
+    deadline = time.monotonic() + 60
+    while not (log.exists() and _engine_pids(log)):
+        assert p1.is_alive() and time.monotonic() < deadline, "P1 started no engine"
+        time.sleep(0.1)
+    (loading,) = _engine_pids(log)
+    p1.kill()
+    p1.join()
+    client = SharedEngineClient(settings, LoggingEngine, tag)
+    assert _process_state((loading, 0)) != "alive", "the orphaned load was ended"
+    assert [pid for pid in _engine_pids(log) if _process_state((pid, 0)) == "alive"] == \
+        [client._process[0]]
+
+
+def test_streaming_an_input_that_ends_the_shared_engine_is_dead_lettered_alone(
+        tmp_path, monkeypatch):
+    # TestStream through EmbedMicroBatches with the engine shared: the second micro-batch holds a
+    # document on which the engine's process exits. Each micro-batch comes out once, that document
+    # as its one dead letter, instead of a bundle retried without end that ends the machine's
+    # engine each time.
+    from apache_beam.testing.test_pipeline import TestPipeline
+    from apache_beam.testing.test_stream import TestStream
+
+    from transforms.embed import EmbedMicroBatches
+    from transforms.schema import MicroBatch
+
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    settings = make_config().model.model_copy(update={"share_across_processes": True})
+    embed = EmbedMicroBatches(settings, engine_factory=PoisonEngine)
+    docs = [[doc(0), doc(1), doc(2)], [doc(10), doc(11, ids=(101, EXIT, 102)), doc(12)]]
+    stream = TestStream()
+    for k, batch_docs in enumerate(docs):
+        stream = stream.add_elements([MicroBatch(
+            window_start_us=k * 60_000_000, window_end_us=(k + 1) * 60_000_000, pane=0,
+            shard=0, shards=1, docs=tuple(batch_docs), messages_in=3)]).advance_watermark_to(
+            60 * (k + 1))
+    out = tmp_path / "out"
+    p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions(streaming=True))
+    _ = (p | stream.advance_watermark_to_infinity() | embed
+         | beam.Map(_record_micro_batch, str(out)))
+    p.run().wait_until_finish()
+    assert sorted(out.read_text().split()) == sorted(
+        ["row:d0", "row:d1", "row:d2", "row:d10", "row:d12", "dead:d11"])

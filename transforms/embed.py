@@ -17,11 +17,14 @@ document vector): they go to the engine mixed with other documents' inputs, in c
 ``model.token_budget`` tokens, and a document with a failing input is dead-lettered whole.
 
 A failed engine call is an INPUT failure or an ENGINE failure (``transforms.engine`` tells them
-apart with a canary input). An input failure is split in halves and retried (bisection) until the
-failing inputs stand alone; only those are dead-lettered (``embedding_failed``). An engine failure
-(``EngineFailedError``, also raised when the engine cannot be loaded) blames no input: it fails
-the bundle, which the runner retries on a fresh engine. A model that fails for every input while
-its canary passes stops the job (``ModelBrokenError``, counted per process: ``FailureRun``).
+apart with a canary input; for the shared engine, a call its process ended in is checked on the
+next engine the same way: ``transforms.shared_engine``). An input failure is split in halves and
+retried (bisection) until the failing inputs stand alone; only those are dead-lettered
+(``embedding_failed``). An engine failure (``EngineFailedError``, also raised when the engine
+cannot be loaded) blames no input: it fails the bundle, which the runner retries on a fresh
+engine. Every vector is checked: one holding a NaN or an infinity is its document's dead letter,
+never a row. A model that fails for every input while its canary passes stops the job
+(``ModelBrokenError``, counted per process: ``FailureRun``).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import uuid
 from typing import Iterable, Optional, Sequence, cast
 
 import apache_beam as beam
+import numpy as np
 from apache_beam import pvalue
 from apache_beam.ml.inference.base import ModelHandler, PredictionResult
 from apache_beam.transforms.timeutil import TimeDomain
@@ -50,6 +54,7 @@ from transforms.engine import (
     EngineFactory,
     EngineFailedError,
     ModelHandle,
+    finite_rows,
     process_engine,
 )
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
@@ -115,6 +120,21 @@ def failure_run(step_id: str) -> FailureRun:
     """This process's count of consecutive failures for the embedding step ``step_id``."""
     with _FAILURE_RUNS_LOCK:
         return _FAILURE_RUNS.setdefault(step_id, FailureRun())
+
+
+def _finite_or_failures(vectors: list) -> list:
+    """The engine's vectors, each that holds a NaN or an infinity replaced by an EmbedFailure."""
+    finite = finite_rows(vectors)
+    if finite.all():
+        return vectors
+    return [v if ok else EmbedFailure(_non_finite(v)) for v, ok in zip(vectors, finite,
+                                                                       strict=True)]
+
+
+def _non_finite(vector) -> str:
+    values = np.asarray(vector, dtype=np.float64).ravel()
+    return (f"the engine returned a non-finite vector ({int(np.isnan(values).sum())} NaN and "
+            f"{int(np.isinf(values).sum())} infinite of {values.size} values)")
 
 
 def token_budget_slices(items: Sequence, budget: int, size=len) -> Iterable[list]:
@@ -197,11 +217,13 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, ModelHand
 
     def _embed(self, model: ModelHandle, prompts: Sequence[Sequence[int]], retried=False) -> list:
         """A vector or an EmbedFailure per prompt: a failing call is retried in halves
-        (bisection), and a single failing prompt once more before it is blamed."""
+        (bisection), and a single failing prompt once more before it is blamed. A vector with a
+        NaN or an infinity is its prompt's EmbedFailure (not retried: the engine's canary passed,
+        ``transforms.engine``), never a row."""
         if not prompts:
             return []
         try:
-            return model.embed(prompts)
+            return _finite_or_failures(model.embed(prompts))
         except EngineFailedError:
             raise  # no input is to blame: the bundle fails and is retried on a fresh engine
         except Exception as exc:  # pylint: disable=broad-except

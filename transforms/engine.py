@@ -16,7 +16,9 @@ or an ENGINE failure, told apart by the canary:
   the handle loads a fresh engine on its next use, so whatever still holds the handle (the
   embedding step, RunInference's shared model, the retried bundle) gets a working one.
 A load that fails (the first, or one after an engine failure) is an engine failure too:
-``EngineFailedError``, raised before any input is tried, so no input is ever blamed for it.
+``EngineFailedError``, raised before any input is tried, so no input is ever blamed for it. A call
+that returns a vector holding a NaN or an infinity is checked with the canary as well: a failing
+canary is an engine failure; a passing one leaves those documents to be dead-lettered.
 
 Where the engine lives: ``process_engine`` gives a handle in this process (``load_engine`` keeps one
 per process for given engine settings); ``transforms.shared_engine`` serves one engine per machine,
@@ -247,21 +249,53 @@ class EngineHandle:
 
     def embed(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """A vector per prompt. Raises ``EngineFailedError`` when the engine broke (it is closed,
-        and the next call loads a fresh one), or the engine's own error when the inputs failed."""
+        and the next call loads a fresh one), or the engine's own error when the inputs failed.
+        A call that returns a non-finite vector is checked with the canary too: if it fails,
+        the engine broke (``EngineFailedError``); if it passes, the vectors are returned as they
+        are, and the handler dead-letters the documents whose vectors are not finite."""
         with self._lock:
             # A reload that fails raises EngineFailedError here, before any input is tried.
             engine = self._engine if self._engine is not None else self._load()
             try:
-                return engine.embed(prompts)
+                vectors = engine.embed(prompts)
             except Exception as exc:  # pylint: disable=broad-except
                 if not _engine_is_dead(exc) and _healthy(engine):
                     raise  # the engine works: the inputs are to blame
-                _LOG.error("the embedding engine failed (%s: %s); closing it, the next call loads "
-                           "a fresh one", type(exc).__name__, exc)
-                self._engine = None
-                _close(engine)
-                raise EngineFailedError(f"the embedding engine failed, not the inputs: "
-                                        f"{type(exc).__name__}: {exc}"[:2000]) from exc
+                raise self._broke(engine, f"{type(exc).__name__}: {exc}") from exc
+            if not all_finite(vectors) and not _healthy(engine):
+                raise self._broke(engine, "it returned non-finite vectors, and its canary fails")
+            return vectors
+
+    def _broke(self, engine: EmbeddingEngine, why: str) -> EngineFailedError:
+        """Close a broken engine (the next call loads a fresh one); the error to raise."""
+        _LOG.error("the embedding engine failed (%s); closing it, the next call loads a fresh one",
+                   why)
+        self._engine = None
+        _close(engine)
+        return EngineFailedError(f"the embedding engine failed, not the inputs: {why}"[:2000])
+
+    def healthy(self) -> bool:
+        """Whether the engine's canary embeds (after loading it if needed: a load that fails
+        raises ``EngineFailedError``)."""
+        with self._lock:
+            engine = self._engine if self._engine is not None else self._load()
+            return _healthy(engine)
+
+
+def finite_rows(vectors: Sequence[np.ndarray]) -> np.ndarray:
+    """Per vector, whether every value of it is finite (one ``isfinite`` over the batch's matrix;
+    vectors of several lengths are checked one by one)."""
+    if not len(vectors):
+        return np.ones(0, dtype=bool)
+    try:
+        matrix = np.stack([np.asarray(v) for v in vectors])
+    except ValueError:  # not all of one length
+        return np.array([bool(np.isfinite(v).all()) for v in vectors], dtype=bool)
+    return np.isfinite(matrix).reshape(len(vectors), -1).all(axis=1)
+
+
+def all_finite(vectors: Sequence[np.ndarray]) -> bool:
+    return bool(finite_rows(vectors).all())
 
 
 def _healthy(engine: EmbeddingEngine) -> bool:

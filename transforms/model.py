@@ -153,12 +153,19 @@ class ModelSettings(BaseModel):
     call_timeout_s: Optional[float] = Field(
         None, gt=0, le=86_400,
         description="with `share_across_processes`: seconds the shared engine may spend in one "
-                    "call (embed, its canary, a reload) before its process is ended and replaced "
-                    "(an engine failure; the call is retried once on the new engine); the wait "
-                    "for the engine behind other processes' calls is not counted. null: 60 + "
-                    "`token_budget` / 250 (the engine embedding at least 250 tokens/s, half the "
-                    "slowest rate measured: bfloat16 emulated on a CPU without AVX512_BF16). An "
-                    "engine in the SDK process itself is not timed")
+                    "call (embed, its canary) before its process is ended and replaced; the call "
+                    "is then an input failure (bisected) if the new engine passes its canary, an "
+                    "engine failure if not, and the other calls waiting for it are retried on "
+                    "the new engine; the wait for the engine behind other processes' calls is "
+                    "not counted. null: 60 + `token_budget` / 250 (the engine embedding at least "
+                    "250 tokens/s, half the slowest rate measured: bfloat16 emulated on a CPU "
+                    "without AVX512_BF16). An engine in the SDK process itself is not timed")
+    load_timeout_s: float = Field(
+        900, gt=0, le=86_400,
+        description="with `share_across_processes`: seconds an SDK process waits for the shared "
+                    "engine to be spawned and loaded (a model download included), and as long "
+                    "again for another process that is starting it; an engine not ready by then "
+                    "is ended and the bundle fails (`EngineFailedError`, retried)")
     max_consecutive_failures: int = Field(
         64, gt=0, description="documents dead-lettered in a row (`embedding_failed`, the engine's "
                               "canary passing) by one worker process before its bundles fail with "
