@@ -59,7 +59,7 @@ def synthetic_rows(n: int, dim: int = 384, seed: int = 0) -> pa.Table:
         "text_sha256": [f"{i:064x}" for i in range(n)], "token_count": [200] * n,
         "truncated": [False] * n, "embedded_at": [now] * n, "pubsub_message_id": [None] * n,
         "pubsub_publish_time": [None] * n, "pubsub_attributes": [None] * n,
-        "doc_vector": ["head"] * n, "chunk_count": [0] * n}
+        "doc_vector": ["head"] * n, "chunk_count": [0] * n, "updated_at": [None] * n}
     return pa.table(columns, schema=schema)
 
 

@@ -76,6 +76,9 @@ class NewsEvent(BaseModel):
     source: Optional[str] = None
     language: Optional[str] = None
     published_at: Annotated[Optional[AwareDatetime], BeforeValidator(_require_rfc3339)] = None
+    # When the article was last changed (a correction): RFC 3339 like published_at. It orders the
+    # versions of an article (VERSION_ORDER): a correction that sends a later one wins.
+    updated_at: Annotated[Optional[AwareDatetime], BeforeValidator(_require_rfc3339)] = None
     # Set by the parse step from the Pub/Sub message, never from the payload
     # (see _no_lineage_input).
     lineage: Optional[Any] = Field(default=None, exclude=True)
@@ -135,6 +138,7 @@ class EmbeddedDoc:
     doc_vector: str = "head"  # what ``embedding`` is: "head" or "mean" (of the chunk vectors)
     chunk_count: int = 0  # chunks written to chunks/ (0 in head mode)
     chunks: tuple = ()  # ChunkRow, written to chunks/ (not a column of vectors/)
+    updated_at: Optional[dt.datetime] = None  # the event's (VERSION_ORDER)
 
     @classmethod
     def of(cls, doc: PreparedDoc, embedding, model: str, embedded_at: dt.datetime, *,
@@ -149,7 +153,9 @@ class EmbeddedDoc:
                    token_count=doc.chunks[-1].token_end if mean else doc.token_count,
                    truncated=False if mean else doc.truncated, embedded_at=embedded_at,
                    lineage=e.lineage, doc_vector=doc_vector, chunk_count=len(chunks),
-                   chunks=chunks)
+                   chunks=chunks,
+                   # An event held in streaming state by a release before updated_at has none.
+                   updated_at=getattr(e, "updated_at", None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,8 +415,21 @@ VECTOR_COLUMNS = (
            "what `embedding` is: `head` (head mode, or `chunking.doc_vector: head`) or `mean` (of "
            "the article's chunk vectors)"),
     _CHUNK_COUNT,
+    # Last, so that tables built from the columns before it gained this one take it at their end.
+    Column("updated_at", _TIMESTAMP, True,
+           "from the event: when the article was last changed; the first order of its versions "
+           "(the [current vector](incremental.md#the-current-vector-of-every-article))"),
 )
 """``vectors/``: one row per article."""
+
+VERSION_ORDER = ("updated_at", "published_at", "dt", "pubsub_publish_time", "embedded_at")
+"""Which of two rows of one article is its current version: the one later by these columns, in
+this order, a null lower than any value (``dt``: the row's day, the ``dt=`` partition). The
+article's own order first (``updated_at``, then ``published_at``), then the day it was delivered
+(the batch run's day, the streaming window's), then its Pub/Sub publish time; the embedding time
+only breaks a tie. The store's upsert (``transforms.store``), ``pipeline.current`` and the SQL in
+docs/incremental.md, docs/dataflow.md and docs/bigquery.md all order by it."""
+NULLABLE_IN_ORDER = frozenset({"updated_at", "published_at", "pubsub_publish_time"})
 
 CHUNK_COLUMNS = (
     _ID,
@@ -663,6 +682,9 @@ class LedgerRecord:
     # The store (transforms.store): rows loaded, under this load key; 0 and None with it off
     store_rows: int = 0
     store_load_key: Optional[str] = None
+    # The rows the store refused (transforms.store, StoreLoad.rejected): one
+    # {"id", "text_sha256", "reason", "detail"} each; store_rows + these = rows_written
+    store_rejected: list = dataclasses.field(default_factory=list)
 
     @property
     def counts(self) -> Counts:
