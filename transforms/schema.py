@@ -430,6 +430,25 @@ article's own order first (``updated_at``, then ``published_at``), then the day 
 only breaks a tie. The store's upsert (``transforms.store``), ``pipeline.current`` and the SQL in
 docs/incremental.md, docs/dataflow.md and docs/bigquery.md all order by it."""
 NULLABLE_IN_ORDER = frozenset({"updated_at", "published_at", "pubsub_publish_time"})
+_LOWEST = -(1 << 80)  # below any microsecond or day count: where a null stands in version_key
+
+
+def version_key(values: Mapping[str, Any]) -> tuple:
+    """``VERSION_ORDER`` as a Python sort key of one row: ``values`` maps each of its columns to
+    microseconds since the epoch (``dt``: a ``datetime.date``, or days), or None; the later
+    version has the larger key."""
+    key = []
+    for name in VERSION_ORDER:
+        value = values.get(name)
+        if isinstance(value, dt.date) and not isinstance(value, dt.datetime):
+            value = value.toordinal()
+        elif isinstance(value, dt.datetime):
+            value = (value - _EPOCH) // dt.timedelta(microseconds=1)
+        key.append(_LOWEST if value is None else value)
+    return tuple(key)
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
 
 CHUNK_COLUMNS = (
     _ID,
