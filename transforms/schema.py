@@ -326,18 +326,38 @@ def common_schema(schemas: list[pa.Schema], merge_columns: bool = False) -> pa.S
     """The schema files of one kind are compacted into, or read together under: their own, with
     the ``embedding`` column declared as now (files written before carry nullable elements), its
     elements float32 if any file's are (float16 widens exactly; a ``sink.vector_dtype`` changed
-    between them). Raises ValueError if they differ in anything else (another dimension, other
-    columns), unless ``merge_columns``: then columns some files lack are added (outputs of
-    several newsvec versions, read together)."""
+    between them), and the nullable columns some files lack (written before the column was
+    added, as ``updated_at``) added. Raises ValueError if they differ in anything else (another
+    dimension, a column of another type), unless ``merge_columns``: then any column some files
+    lack is added (outputs of several newsvec versions, read together). ``conform`` makes a
+    file's rows fit it."""
     unified = [_with_embedding(schema) for schema in schemas]
     if any(_embedding_dtype(schema) == "float32" for schema in unified):
         unified = [_with_embedding(schema, "float32") for schema in unified]
     if merge_columns:
         return pa.unify_schemas(unified)
-    for i, schema in enumerate(unified[1:], 1):
-        if not schema.equals(unified[0]):
-            raise ValueError(f"file {i} has another schema than file 0: not compacted together")
-    return unified[0]
+    try:
+        union = pa.unify_schemas(unified)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        raise ValueError("the files' columns have different types: not compacted together") \
+            from None
+    for i, schema in enumerate(unified):
+        lacking = [f for f in union if f.name not in schema.names]
+        if any(not f.nullable for f in lacking) or any(
+                not union.field(f.name).equals(f) for f in schema):
+            raise ValueError(f"file {i} has another schema than the others: not compacted "
+                             f"together")
+    return union
+
+
+def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """``batch`` under ``schema`` (``common_schema``'s): a column it lacks as nulls, the
+    embedding's elements cast."""
+    if batch.schema.equals(schema):
+        return batch
+    columns = [batch.column(f.name) if f.name in batch.schema.names
+               else pa.nulls(batch.num_rows, f.type) for f in schema]
+    return pa.RecordBatch.from_arrays(columns, names=schema.names).cast(schema)
 
 
 def _embedding_dtype(schema: pa.Schema) -> Optional[str]:

@@ -501,10 +501,15 @@ def _problems(table: pa.Table, not_null: set[str], halfvec: bool) -> list[Option
             micros = pc.fill_null(column.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
             mark(where((micros < _PY_MIN_US) | (micros > _PY_MAX_US)), Refusal.TIMESTAMP,
                  f"{name} is outside years 1-9999 UTC")
-        elif pa.types.is_map(type_) and len(column.keys):
-            entries = pc.or_(pc.fill_null(pc.match_substring(column.keys, "\x00"), False),
-                             pc.fill_null(pc.match_substring(column.items, "\x00"), False))
-            parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+        elif pa.types.is_map(type_):
+            # As a list of (key, value) structs: Arrow's list kernels do not take a map.
+            pairs = pa.ListArray.from_arrays(column.offsets, column.values)
+            flat = pc.list_flatten(pairs)
+            if not len(flat):
+                continue
+            entries = pc.or_(pc.fill_null(pc.match_substring(flat.field(0), "\x00"), False),
+                             pc.fill_null(pc.match_substring(flat.field(1), "\x00"), False))
+            parents = pc.list_parent_indices(pairs).to_numpy(zero_copy_only=False)
             mark(parents[where(entries.to_numpy(zero_copy_only=False))], Refusal.NUL,
                  f"{name} holds a NUL character in a key or value")
         elif pa.types.is_fixed_size_list(type_) and name == "embedding":
@@ -1040,7 +1045,9 @@ def _n(table: Optional[pa.Table]) -> int:
 def store_of(settings: StoreSettings) -> Store:
     """The store of a config's ``store:`` section; ``StoreLoadFailed`` when its connection string
     is not set."""
+    failure = None
     try:
         return Store(settings)
     except StoreError as exc:
-        raise StoreLoadFailed(str(exc)) from None
+        failure = StoreLoadFailed(str(exc))
+    raise failure  # outside the except: nothing chained
