@@ -359,6 +359,7 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
                             f"{loads[key][1]}) under {key}, the record says {rows} (refused "
                             f"{refused})")
     missing, older = [], []
+    named: set[str] = set()  # articles already named: each once
     in_files = set()
     for row in file_rows:
         doc_id, sha = row["id"], row["text_sha256"]
@@ -371,6 +372,7 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
         elif not ((held["text_sha256"] == sha and _micros(held["embedded_at"])
                    == row["embedded_at"]) or version_key(held) > version_key(row)):
             older.append(f"{doc_id} (the files' text {sha}, the store's {held['text_sha256']})")
+            named.add(doc_id)
     if missing:
         problems.append(f"store: {len(missing)} articles of the vectors files are not in the store "
                         f"(first: {_printable(sorted(missing)[0])})")
@@ -378,7 +380,7 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
         problems.append(f"store: {len(older)} articles are stored as an older version than the "
                         f"vectors files hold (first: {_printable(sorted(older)[0])})")
     strays = sorted(f"{doc_id} (under {held['load_key']})" for doc_id, held in stored.items()
-                    if held["load_key"] in batch_keys and (
+                    if held["load_key"] in batch_keys and doc_id not in named and (
                         doc_id, held["text_sha256"], _micros(held["embedded_at"])) not in in_files)
     if strays:
         problems.append(f"store: {len(strays)} rows stored by a micro-batch are not in its files "
