@@ -243,8 +243,10 @@ def _load_key(r) -> Optional[str]:
         return r.store_load_key
     if r.digest is None:
         return None
+    from transforms.sinks import load_key
+
     start = _parse_time(r.window_start)
-    return f"mb:{start:%Y%m%dT%H%M%SZ}:{r.pane}:{r.shard}:{r.digest}"
+    return None if start is None else load_key(start, r.pane, r.shard, r.digest)
 
 
 _ORDER_COLUMNS = [c for c in VERSION_ORDER if c != "dt"]

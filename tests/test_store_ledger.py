@@ -110,9 +110,10 @@ def test_the_rows_the_store_refuses_are_named_in_the_ledger_record_and_counted(
     writer anyway): before, the load failed and the micro-batch's bundle with it, for ever."""
     out = tmp_path / "out"
     bad = np.full(DIM, np.nan, np.float32)
-    record = write(out, store_settings, micro_batch([doc("x", "m1", vector=bad),
-                                                     doc("y", "m2")]))
-    assert (record.rows_written, record.store_rows) == (2, 1)
+    record = write(out, store_settings, micro_batch(
+        [doc("x", "m1", vector=bad), doc("y", "m2")],
+        [letter("z\x00", "m3", reason="invalid_field")]))  # an id the store could never hold
+    assert (record.rows_written, record.store_rows, record.dead_lettered) == (2, 1, 1)
     assert [(r["id"], r["reason"]) for r in record.store_rejected] == [
         ("x", "non_finite_vector")]
     assert set(record.store_rejected[0]) == {"id", "text_sha256", "reason", "detail"}

@@ -274,11 +274,16 @@ def micro_batch_digest(batch: MicroBatch) -> str:
     return hashlib.sha256("\n".join(identities).encode("utf-8")).hexdigest()[:16]
 
 
-def micro_batch_load_key(batch: MicroBatch, digest: str) -> str:
+def load_key(window_start: dt.datetime, pane: int, shard: int, digest: str) -> str:
     """The store's load key of a micro-batch: ``mb:<window start>:<pane>:<shard>:<digest>``, the
-    same for every attempt at it (as its file names)."""
-    start = micro_batch_window(batch).start.to_utc_datetime()
-    return f"mb:{start:%Y%m%dT%H%M%SZ}:{batch.pane}:{batch.shard}:{digest}"
+    same for every attempt at it (as its file names); ``newsvec ledger`` makes it from a record."""
+    return f"mb:{window_start:%Y%m%dT%H%M%SZ}:{pane}:{shard}:{digest}"
+
+
+def micro_batch_load_key(batch: MicroBatch, digest: str) -> str:
+    """``load_key`` of a micro-batch."""
+    return load_key(micro_batch_window(batch).start.to_utc_datetime(), batch.pane, batch.shard,
+                    digest)
 
 
 class _WriteMicroBatchFn(beam.DoFn):
@@ -319,7 +324,7 @@ class _WriteMicroBatchFn(beam.DoFn):
         if self._store is None:
             return 0, None, []
         maybe_stored = {letter.event_id for letter in batch.dead_letters
-                        if letter.event_id is not None}
+                        if letter.event_id is not None and "\x00" not in letter.event_id}
         if not rows and not maybe_stored:
             return 0, None, []
         window = micro_batch_window(batch)

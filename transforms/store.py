@@ -702,8 +702,9 @@ class Store:
         stored."""
         import tenacity
 
-        withdraw = sorted(set(rows.vectors.column("id").to_pylist() if ids is None else ids)
-                          - {None})
+        # An id with a NUL cannot be in the table (nor be sent as a parameter).
+        withdraw = sorted({i for i in (rows.vectors.column("id").to_pylist() if ids is None
+                                       else ids) if isinstance(i, str) and "\x00" not in i})
         outcome = rows.outcome()
 
         def log_retry(state: tenacity.RetryCallState) -> None:
@@ -754,6 +755,8 @@ class Store:
                                       "vector)")
             info.register(conn)
             conn.adapters.register_dumper(np.ndarray, _vector_dumper(info.oid, pgvector_type))
+            keep, rejected = self._check(rows, pgvector_type == "halfvec")  # before the lock
+            groups = _chunk_groups(rows)
             with conn.transaction():
                 self._bound(conn)
                 conn.execute(lock)
@@ -773,9 +776,7 @@ class Store:
                 if not index_after:
                     for table in (vectors_table, chunks_table):
                         conn.execute(_index_statement(self.settings, table, pgvector_type))
-                keep, rejected = self._check(rows, pgvector_type == "halfvec")
                 done = _Part()
-                groups = _chunk_groups(rows)
                 self._load_parts(conn, rows, keep, groups, load_key, pgvector_type, done,
                                  rejected)
                 if index_after:
