@@ -326,8 +326,11 @@ def test_a_micro_batch_load_reads_none_of_the_table_it_loads_into(store_settings
     def seq_read() -> int:
         with psycopg.connect(pg, autocommit=True) as conn:
             # Every other session has ended: their statistics are flushed when they end.
-            while conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = "
-                               "current_database() AND pid <> pg_backend_pid()").fetchone()[0]:
+            for _ in range(600):
+                if not conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                                    "current_database() AND pid <> pg_backend_pid()"
+                                    ).fetchone()[0]:
+                    break
                 conn.execute("SELECT pg_sleep(0.05)")
             conn.execute("SELECT pg_stat_force_next_flush()")
             conn.execute("SELECT pg_stat_clear_snapshot()")
@@ -457,6 +460,22 @@ def test_scrub_removes_every_secret_bearing_part(dsn, secrets):
     for secret in secrets:
         assert secret not in cleaned, cleaned
     assert cleaned.startswith("error: ") and cleaned.endswith(" / done")
+
+
+def test_a_dsn_file_others_can_read_is_warned_of(tmp_path, caplog):
+    from transforms.store import resolve_dsn
+
+    secret = tmp_path / "dsn"
+    secret.write_text("host=db password=pw\n")
+    secret.chmod(0o644)
+    caplog.set_level(logging.WARNING, logger="newsvec.store")
+    assert resolve_dsn(StoreSettings(dsn_file=str(secret))) == "host=db password=pw"
+    assert "can be read by others" in caplog.text and "pw" not in caplog.text.replace(
+        str(tmp_path), "")
+    caplog.clear()
+    secret.chmod(0o600)
+    resolve_dsn(StoreSettings(dsn_file=str(secret)))
+    assert "can be read by others" not in caplog.text
 
 
 # --- the batch load of a run ---------------------------------------------------------------------

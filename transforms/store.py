@@ -159,6 +159,13 @@ def resolve_dsn(settings: StoreSettings) -> str:
                              f"({exc.strerror})") from None
         if not dsn:
             raise StoreError("store.dsn_file: the file is empty")
+        try:
+            mode = os.stat(settings.dsn_file).st_mode
+        except OSError:
+            mode = 0
+        if mode & 0o077:
+            _LOG.warning("store.dsn_file %s can be read by others than its owner (mode %o): "
+                         "chmod 600 it", settings.dsn_file, mode & 0o777)
         return dsn
     dsn = os.environ.get(settings.dsn_env, "").strip()
     if not dsn:
