@@ -1,5 +1,5 @@
 """The store (PostgreSQL + pgvector): figures, not timed asserts.
-``python -m benchmarks.store --part bulk|bbc|streaming``.
+``python -m benchmarks.store --part bulk|bbc|streaming|microbatch``.
 
 Each part starts its own PostgreSQL with pgvector (``tools.emulators.PostgresServer``) on loopback:
   bulk       100,000 synthetic rows (384 dims) loaded into an empty table in one load (COPY,
@@ -12,7 +12,14 @@ Each part starts its own PostgreSQL with pgvector (``tools.emulators.PostgresSer
              connection, the query vector given, embedding not included);
   streaming  the streaming job (Pub/Sub emulator, local runner, real vLLM) with the store on,
              articles published at a steady rate: publish-to-searchable latency per article (first
-             seen in the store by a poller, minus the message's publish time), p50/p95.
+             seen in the store by a poller, minus the message's publish time), p50/p95;
+  microbatch one streaming micro-batch's load (``--batch-rows`` rows, new articles and a few
+             corrected ones) into a table that already holds each of ``--sizes`` articles (384
+             dims, filled with SQL ``generate_series``), the median of ``--loads`` loads: it must
+             not grow with the table. The HNSW index is left out (a btree stands in under its
+             name, so the load's ``CREATE INDEX IF NOT EXISTS`` is a no-op): building one over a
+             million rows takes hours here, and its inserts cost the same per row whatever the
+             load does; what is measured is everything else a load does under the table's lock.
 Writes ``bench-results/store-<part>-<time>.json``.
 """
 from __future__ import annotations
@@ -44,12 +51,13 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def synthetic_rows(n: int, dim: int = 384, seed: int = 0) -> pa.Table:
+def synthetic_rows(n: int, dim: int = 384, seed: int = 0, ids: list[str] | None = None
+                   ) -> pa.Table:
     rng = np.random.default_rng(seed)
     emb = rng.standard_normal((n, dim)).astype(np.float32)
     emb /= np.linalg.norm(emb, axis=1, keepdims=True)
     now = dt.datetime.now(dt.timezone.utc)
-    ids = [f"doc-{i:07d}" for i in range(n)]
+    ids = ids or [f"doc-{i:07d}" for i in range(n)]
     schema = vector_schema(dim)
     columns = {
         "id": ids, "url": [f"https://example.com/{i}" for i in ids], "source": ["bench"] * n,
@@ -59,7 +67,7 @@ def synthetic_rows(n: int, dim: int = 384, seed: int = 0) -> pa.Table:
         "text_sha256": [f"{i:064x}" for i in range(n)], "token_count": [200] * n,
         "truncated": [False] * n, "embedded_at": [now] * n, "pubsub_message_id": [None] * n,
         "pubsub_publish_time": [None] * n, "pubsub_attributes": [None] * n,
-        "doc_vector": ["head"] * n, "chunk_count": [0] * n}
+        "doc_vector": ["head"] * n, "chunk_count": [0] * n, "updated_at": [None] * n}
     return pa.table(columns, schema=schema)
 
 
@@ -81,6 +89,63 @@ def bulk(work: Path, n: int, index_build_memory_mb: int | None) -> dict:
           f"built after the rows, maintenance_work_mem "
           f"{index_build_memory_mb or 'of the server'} MB); the same load again: "
           f"{again.seconds:.3f} s (no-op)")
+    return results
+
+
+def _fill(dsn: str, n: int, dim: int) -> float:
+    """``n`` articles into the (empty but for a row) articles' table, by one INSERT ...
+    generate_series; the HNSW indexes replaced by btrees of the same names. Returns seconds."""
+    import psycopg
+
+    started = time.perf_counter()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for table in ("news_vectors", "news_vectors_chunks"):
+            conn.execute(f"DROP INDEX {table}_embedding_hnsw")
+            conn.execute(f"CREATE INDEX {table}_embedding_hnsw ON {table} (dt)")  # a stand-in
+        conn.execute(
+            "INSERT INTO news_vectors (id, url, source, title, published_at, language, model, "
+            "dim, embedding, text_sha256, token_count, truncated, embedded_at, doc_vector, "
+            "chunk_count, dt, load_key) "
+            "SELECT 'fill-' || g, 'https://example.com/fill-' || g, 'bench', "
+            "'Title of fill ' || g, now(), 'en', 'bench', %s, "
+            "(SELECT ('[' || array_to_string(array_fill(0.05::real, ARRAY[%s]), ',') || ']')"
+            "::vector), md5(g::text) || md5(g::text), 200, false, now(), 'head', 0, "
+            "current_date, 'run:fill-' || (g / 1000) FROM generate_series(1, %s) g",
+            (dim, dim, n))
+        conn.execute("VACUUM ANALYZE news_vectors")
+    return time.perf_counter() - started
+
+
+def microbatch(work: Path, sizes: list[int], batch_rows: int, loads: int) -> dict:
+    import psycopg
+
+    day = dt.date.today()
+    results: dict = {"batch_rows": batch_rows, "loads": loads, "dim": 384,
+                     "hnsw": "left out (a btree under its name)", "sizes": {}}
+    with postgres_server(work) as server:
+        for size in sizes:
+            dsn = server.create_database(f"bench_{size}")
+            os.environ[DSN_ENV] = dsn
+            store = Store(_settings(StoreSettings()))
+            store.load(LoadRows(synthetic_rows(1, ids=["first"]), None, day), "run:create")
+            fill_s = _fill(dsn, size, 384)
+            timings = []
+            for i in range(loads):
+                # New articles, and a few corrections of articles the table holds.
+                ids = [f"mb-{i}-{j}" for j in range(batch_rows - 5)] + [
+                    f"fill-{1 + (i * 7919 + j * 104729) % size}" for j in range(5)]
+                rows = synthetic_rows(batch_rows, seed=i + 1, ids=ids)
+                timings.append(store.load(LoadRows(rows, None, day), f"mb:bench:{i}").seconds)
+            with psycopg.connect(dsn) as conn:
+                found = conn.execute("SELECT pg_total_relation_size('news_vectors')").fetchone()
+                table_mb = (found[0] if found else 0) / 2**20
+            results["sizes"][str(size)] = {
+                "fill_s": fill_s, "table_mb": table_mb, "load_p50_s": percentile(timings, 0.5),
+                "load_min_s": min(timings), "load_max_s": max(timings)}
+            print(f"microbatch: {batch_rows} rows into a table of {size:,} articles "
+                  f"({table_mb:,.0f} MB): load p50 {percentile(timings, 0.5):.3f} s "
+                  f"(min {min(timings):.3f}, max {max(timings):.3f}, {loads} loads); "
+                  f"filled in {fill_s:.0f} s")
     return results
 
 
@@ -221,7 +286,8 @@ def streaming(work: Path, config_path: str, n: int, rate: float) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.store",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("bulk", "bbc", "streaming"), required=True)
+    parser.add_argument("--part", choices=("bulk", "bbc", "streaming", "microbatch"),
+                        required=True)
     parser.add_argument("--config", default=None, help="default: configs/local.yaml (bulk, bbc), "
                         "configs/local-streaming.yaml (streaming)")
     parser.add_argument("--rows", type=int, default=100_000, help="bulk: rows loaded")
@@ -231,6 +297,10 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="bbc: the first N articles")
     parser.add_argument("--articles", type=int, default=600, help="streaming: articles")
     parser.add_argument("--rate", type=float, default=20, help="streaming: published per second")
+    parser.add_argument("--sizes", default="10000,1000000",
+                        help="microbatch: the table sizes, comma-separated")
+    parser.add_argument("--batch-rows", type=int, default=200, help="microbatch: its rows")
+    parser.add_argument("--loads", type=int, default=7, help="microbatch: loads per size")
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="newsvec-store-bench-"))
@@ -240,6 +310,9 @@ def main(argv=None) -> int:
         results = bulk(work, args.rows, args.index_build_memory_mb)
     elif args.part == "bbc":
         results = bbc(work, config, args.k, args.limit)
+    elif args.part == "microbatch":
+        results = microbatch(work, [int(x) for x in args.sizes.split(",")], args.batch_rows,
+                             args.loads)
     else:
         results = streaming(work, config, args.articles, args.rate)
     results = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -19,8 +19,12 @@ both optional), prints the totals as JSON, and exits 1, naming each window, if:
   of ``newsvec compact`` finishes. Over compacted hours the records are read from the compacted
   ledger files and each record's files resolved through the manifest (``transforms.compaction``).
 - with ``--store --config C``: a record with rows has no store load, its load key is not in the
-  store's ``<table>_loads`` (or with another row count), or an article of its vectors file is not
-  in the store.
+  store's ``<table>_loads`` (or with another row count or other rejected rows), its stored rows
+  and the rows the store refused (``store_rejected``) do not add up to its rows; with
+  verification on, an article of its vectors file (compacted or not) is not in the store, or is
+  there as another version that is not a later one (``schema.VERSION_ORDER``); or the store
+  holds a row, loaded under a micro-batch's key, that the micro-batch's files do not hold (a
+  message dead-lettered there, or an earlier attempt's row).
 A window still being written (the job is running, a late pane may come) can show a data file whose
 record is not written yet; check windows older than ``allowed_lateness_s`` plus a few minutes, or a
 drained job.
@@ -32,9 +36,11 @@ import collections
 import dataclasses
 import datetime as dt
 import json
+import re
 import sys
 from typing import Optional, Union
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
@@ -50,7 +56,7 @@ from transforms.layout import (
     parquet_rows,
     partitions_between,
 )
-from transforms.schema import Counts
+from transforms.schema import VERSION_ORDER, Counts, version_key
 from transforms.store import StoreSettings
 
 
@@ -149,6 +155,7 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
     expected: collections.Counter[str] = collections.Counter()  # file -> rows its records say
     checked: dict[str, tuple[str, str, str]] = {}  # file -> (kind, first record, as named)
     written_in: dict[str, str] = {}  # Pub/Sub message id -> the vectors file that holds its row
+    holders: dict[str, set[str]] = {"vectors": set(), "dead letter": set()}  # of in-range records
     windows = set()
     for r in sorted(every, key=lambda r: (r.window_start, r.pane, r.shard)):
         where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
@@ -181,6 +188,8 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
                 named[prefix + relative] += 1
             if ours and holder not in checked:
                 checked[holder] = (kind, where, relative)
+            if ours and kind in holders:
+                holders[kind].add(holder)
     for holder, (kind, where, relative) in sorted(checked.items()):
         path = prefix + holder
         compacted = is_compacted(holder)
@@ -235,7 +244,7 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
                                 f"named by {named[path]} ledger records")
     store_totals: dict = {}
     if store is not None:
-        store_problems, store_totals = _check_store(output, records, store, verify)
+        store_problems, store_totals = _check_store(output, records, store, verify, holders)
         problems += store_problems
     total = Counts.total(r.counts for r in records)
     totals = {"windows": len(windows), "records": len(records), "messages_in": total.articles_in,
@@ -250,50 +259,171 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
     return LedgerReport(totals=totals, problems=problems)
 
 
-def _check_store(output: str, records: list, settings: StoreSettings, verify: bool
-                 ) -> tuple[list[str], dict]:
+def _load_key(r) -> Optional[str]:
+    """The store load key a record's micro-batch loads under (``sinks.micro_batch_load_key``),
+    also when its record names none (it had no rows): None for records without a digest."""
+    if r.store_load_key:
+        return r.store_load_key
+    if r.digest is None:
+        return None
+    from transforms.sinks import load_key
+
+    start = _parse_time(r.window_start)
+    return None if start is None else load_key(start, r.pane, r.shard, r.digest)
+
+
+_ORDER_COLUMNS = [c for c in VERSION_ORDER if c != "dt"]
+
+
+def _file_rows(prefix: str, holders: dict[str, set[str]]) -> tuple[list[dict], set[str]]:
+    """The article versions of the vectors files (each row: id, text_sha256 and the
+    ``VERSION_ORDER`` columns, timestamps as microseconds, ``dt`` from the file's partition), and
+    the article ids of the dead letters of the dead-letter files. Compacted files are whole hours
+    and may hold rows of records out of the range: checked all the same."""
+    rows: list[dict] = []
+    for holder in sorted(holders["vectors"]):
+        path = prefix + holder
+        if not FileSystems.exists(path):
+            continue  # named missing by the file checks
+        with FileSystems.open(path) as f:
+            table = pq.read_table(f)
+        day = _DAY.search(holder)
+        columns: dict[str, list] = {"id": table.column("id").to_pylist(),
+                                    "text_sha256": table.column("text_sha256").to_pylist()}
+        for name in _ORDER_COLUMNS:
+            columns[name] = (table.column(name).cast(pa.int64()).to_pylist()
+                             if name in table.column_names else [None] * table.num_rows)
+        for i in range(table.num_rows):
+            row = {name: values[i] for name, values in columns.items()}
+            row["dt"] = dt.date.fromisoformat(day.group(1)) if day else None
+            rows.append(row)
+    letters: set[str] = set()
+    for holder in sorted(holders["dead letter"]):
+        path = prefix + holder
+        if not FileSystems.exists(path):
+            continue
+        for line in _read(path).splitlines():
+            if line.strip():
+                event_id = json.loads(line).get("event_id")
+                if isinstance(event_id, str):
+                    letters.add(event_id)
+    return rows, letters
+
+
+_DAY = re.compile(r"/dt=([0-9]{4}-[0-9]{2}-[0-9]{2})/")
+
+
+def _check_store(output: str, records: list, settings: StoreSettings, verify: bool,
+                 holders: dict[str, set[str]]) -> tuple[list[str], dict]:
     """The store against the records (``newsvec ledger --store``): each record with rows was loaded
-    (its load key is in ``<table>_loads`` with its row count), and, verifying, every article of its
-    vectors file is in the store's table (once: the table's key is the article id)."""
+    (its load key is in ``<table>_loads`` with its row count and its rejected rows), and its
+    stored rows and rejected rows add up to its rows; verifying, every article version of the
+    vectors files (read through the compaction manifests) is the stored row of its article or
+    older than it, except the rows the store refused; and no row stored under a micro-batch's key
+    is missing from the files (a message that micro-batch dead-lettered, an earlier attempt's
+    row)."""
     from psycopg import sql
 
-    from transforms.store import store_of
+    from transforms.store import _printable, store_of
 
     problems = []
     prefix = output.rstrip("/") + "/"
-    ids: set[str] = set()
     keys = {}
+    batch_keys: dict[str, str] = {}  # every micro-batch's load key -> where
+    rejected: set[tuple] = set()
+    by_reason: collections.Counter[str] = collections.Counter()
     for r in records:
         where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
+        key = _load_key(r)
+        if key is not None:
+            batch_keys[key] = where
+        for item in r.store_rejected:
+            rejected.add((item.get("id"), item.get("text_sha256")))
+            by_reason[str(item.get("reason"))] += 1
         if r.rows_written and not r.store_load_key:
             problems.append(f"{where}: {r.rows_written} rows but no store load in its record")
             continue
         if r.store_load_key:
-            keys[r.store_load_key] = (where, r.store_rows)
-        if verify and r.vectors_file and FileSystems.exists(prefix + r.vectors_file):
-            with FileSystems.open(prefix + r.vectors_file) as f:
-                ids.update(pq.read_table(f, columns=["id"])["id"].to_pylist())
+            keys[r.store_load_key] = (where, r.store_rows, len(r.store_rejected))
+            if r.store_rows + len(r.store_rejected) != r.rows_written:
+                problems.append(f"{where}: {r.store_rows} rows stored and "
+                                f"{len(r.store_rejected)} refused by the store, of "
+                                f"{r.rows_written} rows")
+    file_rows, letters = _file_rows(prefix, holders) if verify else ([], set())
+    ids = sorted({row["id"] for row in file_rows if isinstance(row["id"], str)} | letters)
     store = store_of(settings)
+    names = ["id", "text_sha256", *VERSION_ORDER, "load_key"]
+    stored: dict[str, dict] = {}
     with store.connect() as conn:
+        def columns(table: str) -> set[str]:  # a table created by an earlier release lacks some
+            return {name for (name,) in conn.execute(
+                "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
+                "AND NOT attisdropped", (f'"{settings.schema_name}"."{table}"',)).fetchall()}
+
+        def select(wanted: list[str], there: set[str]):
+            return sql.SQL(", ").join(sql.Identifier(n) if n in there else sql.SQL("NULL")
+                                      for n in wanted)
+
         loads_table = sql.Identifier(settings.schema_name, f"{settings.table}_loads")
-        loads: dict = dict(conn.execute(
-            sql.SQL("SELECT load_key, rows FROM {} WHERE load_key = ANY(%s)").format(loads_table),
-            (list(keys),)).fetchall())
+        loads: dict = {key: (rows, len(refused or [])) for key, rows, refused in conn.execute(
+            sql.SQL("SELECT load_key, rows, {} FROM {} WHERE load_key = ANY(%s)").format(
+                select(["rejected"], columns(f"{settings.table}_loads")), loads_table),
+            (list(keys),)).fetchall()}
         table = sql.Identifier(settings.schema_name, settings.table)
-        found = {row[0] for row in conn.execute(
-            sql.SQL("SELECT id FROM {} WHERE id = ANY(%s)").format(table),
-            (sorted(ids),)).fetchall()}
-    for key, (where, rows) in sorted(keys.items()):
+        there = columns(settings.table) if ids else set()
+        sendable = [i for i in ids if "\x00" not in i]  # text cannot hold NUL: never stored
+        for start in range(0, len(sendable), 5000):
+            for values in conn.execute(sql.SQL("SELECT {} FROM {} WHERE id = ANY(%s)").format(
+                    select(names, there), table), (sendable[start:start + 5000],)).fetchall():
+                stored[values[0]] = dict(zip(names, values, strict=True))
+    for key, (where, rows, refused) in sorted(keys.items()):
         if key not in loads:
             problems.append(f"{where}: its store load {key} is not in the store")
-        elif loads[key] != rows:
-            problems.append(f"{where}: the store loaded {loads[key]} rows under {key}, the record "
-                            f"says {rows}")
-    missing = sorted(ids - found)
+        elif loads[key] != (rows, refused):
+            problems.append(f"{where}: the store loaded {loads[key][0]} rows (refused "
+                            f"{loads[key][1]}) under {key}, the record says {rows} (refused "
+                            f"{refused})")
+    missing, older = [], []
+    named: set[str] = set()  # articles already named: each once
+    in_files = set()
+    for row in file_rows:
+        doc_id, sha = row["id"], row["text_sha256"]
+        in_files.add((doc_id, sha, row["embedded_at"]))
+        if (_printable(doc_id), _printable(sha)) in rejected:
+            continue
+        held = stored.get(doc_id)
+        if held is None:
+            missing.append(doc_id)
+        elif not ((held["text_sha256"] == sha and _micros(held["embedded_at"])
+                   == row["embedded_at"]) or version_key(held) > version_key(row)):
+            older.append(f"{doc_id} (the files' text {sha}, the store's {held['text_sha256']})")
+            named.add(doc_id)
     if missing:
         problems.append(f"store: {len(missing)} articles of the vectors files are not in the store "
-                        f"(first: {missing[0]})")
-    return problems, {"store_loads": len(keys), "store_articles": len(found)}
+                        f"(first: {_printable(sorted(missing)[0])})")
+    if older:
+        problems.append(f"store: {len(older)} articles are stored as an older version than the "
+                        f"vectors files hold (first: {_printable(sorted(older)[0])})")
+    strays = sorted(f"{doc_id} (under {held['load_key']})" for doc_id, held in stored.items()
+                    if held["load_key"] in batch_keys and doc_id not in named and (
+                        doc_id, held["text_sha256"], _micros(held["embedded_at"])) not in in_files)
+    if strays:
+        problems.append(f"store: {len(strays)} rows stored by a micro-batch are not in its files "
+                        f"(dead-lettered there, or an earlier attempt's; first: "
+                        f"{_printable(strays[0])})")
+    found = sum(1 for doc_id in {row["id"] for row in file_rows} if doc_id in stored)
+    return problems, {"store_loads": len(keys), "store_articles": found,
+                      "store_rejected": sum(by_reason.values()),
+                      "store_rejected_by_reason": dict(sorted(by_reason.items()))}
+
+
+def _micros(value: Optional[dt.datetime]) -> Optional[int]:
+    if value is None:
+        return None
+    return (value - _EPOCH) // dt.timedelta(microseconds=1)
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
 
 
 def main(argv=None) -> int:

@@ -50,18 +50,49 @@ def _read(output: str, relative: list[str]) -> Optional[pa.Table]:
     return pa.concat_tables(tables) if tables else None
 
 
-def run_rows(output: str, run_id: str) -> LoadRows:
-    """The rows of ``run_id`` in ``output``, which must hold it committed."""
+def _holds(output: str, run_id: str):
+    """The output's manifest, which must hold ``run_id`` committed."""
     manifest = read_manifest(output)
     if manifest is None or manifest.run_id != run_id or manifest.state != COMMITTED:
         held = "nothing" if manifest is None else f"run {manifest.run_id} ({manifest.state})"
         raise StoreLoadFailed(f"{output} does not hold run {run_id} committed (it holds {held}): "
                               "only the run an output holds can be loaded")
-    vectors = _read(output, manifest.vectors)
+    return manifest
+
+
+def run_rows(output: str, run_id: str) -> LoadRows:
+    """The rows of ``run_id`` in ``output``, which must hold it committed from before the read
+    to after it. A newer run may publish into the output meanwhile and delete these files: the
+    manifest is read again after the files, and a read that failed or raced such a publish is a
+    ``StoreLoadFailed`` that says what to run, never a storage error of its own."""
+    retry = (f"load it alone once it can be read: newsvec load --config CONFIG --run-id {run_id}")
+    failure: Optional[StoreLoadFailed] = None
+    try:
+        manifest = _holds(output, run_id)
+        vectors = _read(output, manifest.vectors)
+        chunks = _read(output, manifest.chunks)
+        after = read_manifest(output)
+    except StoreLoadFailed:
+        raise
+    except Exception as exc:  # pylint: disable=broad-except  # any storage or Parquet error
+        failure = StoreLoadFailed(f"cannot read run {run_id} from {output} "
+                                  f"({type(exc).__name__}: {exc}); {retry}")
+    if failure is not None:
+        try:
+            _holds(output, run_id)  # a newer run published meanwhile: say so instead
+        except StoreLoadFailed as newer:
+            failure = StoreLoadFailed(f"{newer} (a run published into it while this one was "
+                                      "read: that run's own load stores it)")
+        except Exception:  # pylint: disable=broad-except  # the first failure says enough
+            pass
+        raise failure
+    if after != manifest:
+        held = "nothing" if after is None else f"run {after.run_id} ({after.state})"
+        raise StoreLoadFailed(f"{output} changed while run {run_id} was read (it now holds "
+                              f"{held}): nothing was loaded; if it still holds the run, {retry}")
     if vectors is None:
         raise StoreLoadFailed(f"run {run_id} wrote no vector files")
-    return LoadRows(vectors=vectors, chunks=_read(output, manifest.chunks),
-                    dt=run_day(output, run_id))
+    return LoadRows(vectors=vectors, chunks=chunks, dt=run_day(output, run_id))
 
 
 def load_run(config: config_lib.Config, run_id: str) -> StoreLoad:
@@ -70,9 +101,10 @@ def load_run(config: config_lib.Config, run_id: str) -> StoreLoad:
     store = store_of(config.store)
     rows = run_rows(config.output, run_id)
     result = store.load(rows, load_key(run_id))
-    _LOG.info("store: run %s %s (%d rows, %d chunk rows, %d articles current) in %.2f s", run_id,
-              "was loaded already" if result.already_loaded else "loaded", result.rows,
-              result.chunk_rows, result.articles_current, result.seconds)
+    _LOG.info("store: run %s %s (%d rows, %d chunk rows, %d articles current, %d rows refused) "
+              "in %.2f s", run_id, "was loaded already" if result.already_loaded else "loaded",
+              result.rows, result.chunk_rows, result.articles_current, len(result.rejected),
+              result.seconds)
     return result
 
 

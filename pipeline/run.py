@@ -26,7 +26,7 @@ from pipeline.summary import job_statistics
 from transforms.engine import EngineFactory
 from transforms.layout import SUMMARY_FILE, join_path, new_run_id
 from transforms.read import count_lines
-from transforms.store import StoreLoadFailed
+from transforms.store import StoreLoad, StoreLoadFailed
 
 _LOG = logging.getLogger("newsvec")
 
@@ -116,26 +116,34 @@ def run_batch(config: config_lib.Config, options: PipelineOptions,
         _LOG.warning("run %s succeeded, but run %s has published into %s since", run_id,
                      summary["run_id"], config.output)
     _LOG.info("run %s committed: %s", run_id, path)
+    store: dict = {}
     if config.store.enabled and summary["run_id"] == run_id and summary.get("published", True):
-        _load_into_store(config, run_id)
-    return {**summary, **job_statistics(result, config.model.token_budget, {
+        store = {"store": _load_into_store(config, run_id).to_json()}
+    return {**summary, **store, **job_statistics(result, config.model.token_budget, {
         "startup_s": run_started - started,
         "run_s": finished - run_started,
         "total_s": finished - started,
     })}
 
 
-def _load_into_store(config: config_lib.Config, run_id: str) -> None:
-    """The committed run into the store (``store:``). A failure leaves the Parquet committed and
-    raises ``StoreLoadFailed``; ``newsvec load --run-id`` then loads the run alone."""
+def _load_into_store(config: config_lib.Config, run_id: str) -> StoreLoad:
+    """The committed run into the store (``store:``): what the load did (``StoreLoad``: the
+    summary's ``store``; the rows the store refused, with their reasons, in its ``rejected``). A
+    failure leaves the Parquet committed and raises ``StoreLoadFailed`` (a run that cannot be read
+    because a newer one replaced it included); ``newsvec load --run-id`` then loads the run
+    alone."""
     from pipeline.load import load_run
 
     try:
-        load_run(config, run_id)
+        result = load_run(config, run_id)
     except StoreLoadFailed as exc:
         _LOG.error("run %s is committed in %s, but its store load failed: %s. Load it alone with: "
                    "newsvec load --config CONFIG --run-id %s", run_id, config.output, exc, run_id)
         raise
+    for item in result.rejected:
+        _LOG.warning("run %s: the store refused article %s (%s: %s); its Parquet row stands",
+                     run_id, item["id"], item["reason"], item["detail"])
+    return result
 
 
 def _progress(config: config_lib.Config, options: PipelineOptions):
@@ -219,6 +227,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except StoreLoadFailed:  # logged with what to run; the Parquet is committed
         return 1
-    # A batch run's counts; a launched job (Flex Template, Dataflow streaming): its state.
-    print(json.dumps(summary.get("counts", summary), indent=2))
+    # A batch run's counts (and its store load); a launched job (Flex Template, Dataflow
+    # streaming): its state.
+    shown = summary.get("counts", summary)
+    if "counts" in summary and "store" in summary:
+        shown = {**shown, "store": summary["store"]}
+    print(json.dumps(shown, indent=2))
     return 0

@@ -312,6 +312,14 @@ CORPUS: list[Case] = [
         published_at=rfc3339(NOW + _SKEW + dt.timedelta(hours=1), offset_h=-23)),
          Reason.PUBLISHED_IN_FUTURE, note="2 h ahead on its wall clock, 25 h ahead in UTC"),
 
+    # ---- updated_at_in_future, and updated_at's own checks ----
+    Case("updated_year_2999", ev(id="upd-2999", body="x", updated_at="2999-01-01T00:00:00Z"),
+         Reason.UPDATED_IN_FUTURE, note="it would keep its version current for ever"),
+    Case("updated_year_0", ev(id="upd-0", body="x", updated_at="0001-01-01T00:00:00+00:01"),
+         Reason.INVALID_FIELD),
+    Case("updated_not_rfc3339", ev(id="upd-fmt", body="x", updated_at="yesterday"),
+         Reason.INVALID_FIELD),
+
     # ---- text_too_long ----
     Case("text_one_char_over", ev(id="long-1", title="t" * 101,
                                   body="word " * ((MAX_TEXT_CHARS - 100) // 5)),

@@ -39,7 +39,7 @@ from transforms.text import normalize_text
 # docs/input.md's dead-letter table: the step that gives each reason.
 PARSE_REASONS = {Reason.PAYLOAD_TOO_LARGE, Reason.INVALID_UTF8, Reason.INVALID_JSON,
                  Reason.NOT_AN_OBJECT, Reason.MISSING_ID, Reason.INVALID_ID, Reason.INVALID_FIELD,
-                 Reason.NO_TEXT, Reason.PUBLISHED_IN_FUTURE}
+                 Reason.NO_TEXT, Reason.PUBLISHED_IN_FUTURE, Reason.UPDATED_IN_FUTURE}
 PREPARE_REASONS = {Reason.TEXT_TOO_LONG, Reason.EMPTY_AFTER_NORMALIZATION, Reason.PREPARE_FAILED,
                    Reason.UNREADABLE_FOR_MODEL}
 ALL_REASONS = {v for k, v in vars(Reason).items() if k.isupper()}

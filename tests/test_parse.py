@@ -225,3 +225,13 @@ def test_pubsub_attributes_with_control_characters_are_dead_lettered():
             ("3", "m-3", Reason.INVALID_FIELD,
              "pubsub attribute 'x': control character U+0009 at character 3 of its value"),
         ]), label="dead")
+
+
+def test_updated_at_is_held_to_the_same_range_and_the_same_limit_ahead_of_now():
+    """``updated_at`` orders an article's versions: a far-future one would keep its version
+    current for ever, whatever correction came after it."""
+    assert parse_event(payload(updated_at="2026-12-01T18:00:00Z"), **LIMITS).updated_at == \
+        dt.datetime(2026, 12, 1, 18, tzinfo=dt.timezone.utc)
+    assert reason_of(payload(updated_at="2031-01-01T00:00:00Z")) == Reason.UPDATED_IN_FUTURE
+    assert reason_of(payload(updated_at="0001-01-01T00:00:00+00:01")) == Reason.INVALID_FIELD
+    assert reason_of(payload(updated_at="2026-11-30 09:15Z")) == Reason.INVALID_FIELD

@@ -100,8 +100,13 @@ def _micro_batch_v1() -> MicroBatch:
 def _micro_batch_now() -> MicroBatch:
     """``_micro_batch_v1`` with every field added to its classes since set to something other
     than its default (``test_the_sample_sets_every_field`` checks): what today's coders must
-    carry. None added yet."""
-    return _micro_batch_v1()
+    carry: ``updated_at`` of the event and of the row."""
+    batch = _micro_batch_v1()
+    updated = dt.datetime(2026, 12, 1, 8, 30, 0, 500000, tzinfo=_IST)
+    doc = batch.docs[0]
+    doc = dataclasses.replace(doc, event=doc.event.model_copy(update={"updated_at": updated}))
+    row = dataclasses.replace(batch.rows[0], updated_at=updated)
+    return dataclasses.replace(batch, docs=(doc,), rows=(row,))
 
 
 def _wide_tokens_v1() -> MicroBatch:
@@ -268,7 +273,7 @@ def test_the_sample_sets_every_field():
 
 def test_a_date_time_field_added_with_a_default_needs_no_coder_change(monkeypatch):
     """A field added to a document type is carried by its name; a date-time one (as
-    ``updated_at`` would be) by its declared type, with its offset; state written before it reads
+    ``updated_at`` was) by its declared type, with its offset; state written before it reads
     as its default."""
     from transforms.state_coders import MicroBatchCoder
 
@@ -277,17 +282,17 @@ def test_a_date_time_field_added_with_a_default_needs_no_coder_change(monkeypatc
 
     @dataclasses.dataclass(frozen=True)
     class EmbeddedDoc(schema.EmbeddedDoc):
-        updated_at: Optional[dt.datetime] = None
+        revised_at: Optional[dt.datetime] = None
 
     _as_next_release(monkeypatch, EmbeddedDoc)
     batch = _micro_batch_now()
     updated = dt.datetime(2026, 12, 2, 8, 0, tzinfo=_IST)
     row = EmbeddedDoc(**{f.name: getattr(batch.rows[0], f.name)
                          for f in dataclasses.fields(schema.EmbeddedDoc)
-                         if f.name != "updated_at"}, updated_at=updated)
+                         if f.name != "revised_at"}, revised_at=updated)
     with_field = dataclasses.replace(batch, rows=(row,))
     assert_same(coder.decode(coder.encode(with_field)), with_field)
-    assert coder.decode(before).rows[0].updated_at is None
+    assert coder.decode(before).rows[0].revised_at is None
 
 
 # ---- what pickled state did when a class changed ------------------------------------------------

@@ -64,7 +64,7 @@ from transforms.layout import (
     write_whole,
 )
 from transforms.lease import PublishLease
-from transforms.schema import LedgerRecord, common_schema
+from transforms.schema import LedgerRecord, common_schema, conform
 
 MANIFEST_NAME = "manifest.json"
 # Each kind: its folder, the compacted file's suffix, and the ledger record's field naming its file.
@@ -276,8 +276,7 @@ def _write_parquet(output: str, target: str, sources: list[str], row_group_rows:
                 with FileSystems.open(source) as f:
                     parquet = pq.ParquetFile(f)
                     for batch in parquet.iter_batches(batch_size=row_group_rows):
-                        if not batch.schema.equals(schema):
-                            batch = batch.cast(schema)
+                        batch = conform(batch, schema)
                         pending.append(batch)
                         rows += batch.num_rows
                         if sum(b.num_rows for b in pending) >= row_group_rows:

@@ -106,14 +106,15 @@ def parse_event(
     if not (event.title or "").strip() and not (event.body or "").strip():
         raise ParseError(Reason.NO_TEXT, "title and body are both missing or empty", event.id,
                          event.language)
-    if event.published_at is not None:
-        now = now or dt.datetime.now(dt.timezone.utc)
-        if event.published_at - now > max_future_skew:
+    now = now or dt.datetime.now(dt.timezone.utc)
+    for field, reason in (("published_at", Reason.PUBLISHED_IN_FUTURE),
+                          ("updated_at", Reason.UPDATED_IN_FUTURE)):
+        at = getattr(event, field)
+        if at is not None and at - now > max_future_skew:
+            # A far-future updated_at would keep its version current for ever (VERSION_ORDER).
             raise ParseError(
-                Reason.PUBLISHED_IN_FUTURE,
-                f"published_at {event.published_at.isoformat()} is more than "
-                f"{max_future_skew} after now ({now.isoformat(timespec='seconds')})", event.id,
-                event.language)
+                reason, f"{field} {at.isoformat()} is more than {max_future_skew} after now "
+                f"({now.isoformat(timespec='seconds')})", event.id, event.language)
     return event
 
 

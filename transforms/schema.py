@@ -122,6 +122,9 @@ class NewsEvent(BaseModel):
     source: Optional[Identifier] = None
     language: Optional[Identifier] = None
     published_at: Rfc3339Time = None
+    # When the article was last changed (a correction): RFC 3339 like published_at. It orders the
+    # versions of an article (VERSION_ORDER): a correction that sends a later one wins.
+    updated_at: Rfc3339Time = None
     # Set by the parse step from the Pub/Sub message, never from the payload
     # (see _no_lineage_input).
     lineage: Optional[Any] = Field(default=None, exclude=True)
@@ -181,6 +184,7 @@ class EmbeddedDoc:
     doc_vector: str = "head"  # what ``embedding`` is: "head" or "mean" (of the chunk vectors)
     chunk_count: int = 0  # chunks written to chunks/ (0 in head mode)
     chunks: tuple = ()  # ChunkRow, written to chunks/ (not a column of vectors/)
+    updated_at: Optional[dt.datetime] = None  # the event's (VERSION_ORDER)
 
     @classmethod
     def of(cls, doc: PreparedDoc, embedding, model: str, embedded_at: dt.datetime, *,
@@ -195,7 +199,9 @@ class EmbeddedDoc:
                    token_count=doc.chunks[-1].token_end if mean else doc.token_count,
                    truncated=False if mean else doc.truncated, embedded_at=embedded_at,
                    lineage=e.lineage, doc_vector=doc_vector, chunk_count=len(chunks),
-                   chunks=chunks)
+                   chunks=chunks,
+                   # An event held in streaming state by a release before updated_at has none.
+                   updated_at=getattr(e, "updated_at", None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +248,7 @@ class Reason(enum.StrEnum):
     INVALID_FIELD = "invalid_field"
     NO_TEXT = "no_text"
     PUBLISHED_IN_FUTURE = "published_at_in_future"
+    UPDATED_IN_FUTURE = "updated_at_in_future"
     TEXT_TOO_LONG = "text_too_long"
     EMPTY_AFTER_NORMALIZATION = "empty_after_normalization"
     UNREADABLE_FOR_MODEL = "unreadable_for_model"
@@ -366,18 +373,38 @@ def common_schema(schemas: list[pa.Schema], merge_columns: bool = False) -> pa.S
     """The schema files of one kind are compacted into, or read together under: their own, with
     the ``embedding`` column declared as now (files written before carry nullable elements), its
     elements float32 if any file's are (float16 widens exactly; a ``sink.vector_dtype`` changed
-    between them). Raises ValueError if they differ in anything else (another dimension, other
-    columns), unless ``merge_columns``: then columns some files lack are added (outputs of
-    several newsvec versions, read together)."""
+    between them), and the nullable columns some files lack (written before the column was
+    added, as ``updated_at``) added. Raises ValueError if they differ in anything else (another
+    dimension, a column of another type), unless ``merge_columns``: then any column some files
+    lack is added (outputs of several newsvec versions, read together). ``conform`` makes a
+    file's rows fit it."""
     unified = [_with_embedding(schema) for schema in schemas]
     if any(_embedding_dtype(schema) == "float32" for schema in unified):
         unified = [_with_embedding(schema, "float32") for schema in unified]
     if merge_columns:
         return pa.unify_schemas(unified)
-    for i, schema in enumerate(unified[1:], 1):
-        if not schema.equals(unified[0]):
-            raise ValueError(f"file {i} has another schema than file 0: not compacted together")
-    return unified[0]
+    try:
+        union = pa.unify_schemas(unified)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        raise ValueError("the files' columns have different types: not compacted together") \
+            from None
+    for i, schema in enumerate(unified):
+        lacking = [f for f in union if f.name not in schema.names]
+        if any(not f.nullable for f in lacking) or any(
+                not union.field(f.name).equals(f) for f in schema):
+            raise ValueError(f"file {i} has another schema than the others: not compacted "
+                             f"together")
+    return union
+
+
+def conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """``batch`` under ``schema`` (``common_schema``'s): a column it lacks as nulls, the
+    embedding's elements cast."""
+    if batch.schema.equals(schema):
+        return batch
+    columns = [batch.column(f.name) if f.name in batch.schema.names
+               else pa.nulls(batch.num_rows, f.type) for f in schema]
+    return pa.RecordBatch.from_arrays(columns, names=schema.names).cast(schema)
 
 
 def _embedding_dtype(schema: pa.Schema) -> Optional[str]:
@@ -455,8 +482,40 @@ VECTOR_COLUMNS = (
            "what `embedding` is: `head` (head mode, or `chunking.doc_vector: head`) or `mean` (of "
            "the article's chunk vectors)"),
     _CHUNK_COUNT,
+    # Last, so that tables built from the columns before it gained this one take it at their end.
+    Column("updated_at", _TIMESTAMP, True,
+           "from the event: when the article was last changed; the first order of its versions "
+           "(the [current vector](incremental.md#the-current-vector-of-every-article))"),
 )
 """``vectors/``: one row per article."""
+
+VERSION_ORDER = ("updated_at", "published_at", "dt", "pubsub_publish_time", "embedded_at")
+"""Which of two rows of one article is its current version: the one later by these columns, in
+this order, a null lower than any value (``dt``: the row's day, the ``dt=`` partition). The
+article's own order first (``updated_at``, then ``published_at``), then the day it was delivered
+(the batch run's day, the streaming window's), then its Pub/Sub publish time; the embedding time
+only breaks a tie. The store's upsert (``transforms.store``), ``pipeline.current`` and the SQL in
+docs/incremental.md, docs/dataflow.md and docs/bigquery.md all order by it."""
+NULLABLE_IN_ORDER = frozenset({"updated_at", "published_at", "pubsub_publish_time"})
+_LOWEST = -(1 << 80)  # below any microsecond or day count: where a null stands in version_key
+
+
+def version_key(values: Mapping[str, Any]) -> tuple:
+    """``VERSION_ORDER`` as a Python sort key of one row: ``values`` maps each of its columns to
+    microseconds since the epoch (``dt``: a ``datetime.date``, or days), or None; the later
+    version has the larger key."""
+    key = []
+    for name in VERSION_ORDER:
+        value = values.get(name)
+        if isinstance(value, dt.date) and not isinstance(value, dt.datetime):
+            value = value.toordinal()
+        elif isinstance(value, dt.datetime):
+            value = (value - _EPOCH) // dt.timedelta(microseconds=1)
+        key.append(_LOWEST if value is None else value)
+    return tuple(key)
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
 
 CHUNK_COLUMNS = (
     _ID,
@@ -709,6 +768,9 @@ class LedgerRecord:
     # The store (transforms.store): rows loaded, under this load key; 0 and None with it off
     store_rows: int = 0
     store_load_key: Optional[str] = None
+    # The rows the store refused (transforms.store, StoreLoad.rejected): one
+    # {"id", "text_sha256", "reason", "detail"} each; store_rows + these = rows_written
+    store_rejected: list = dataclasses.field(default_factory=list)
 
     @property
     def counts(self) -> Counts:

@@ -91,14 +91,22 @@ def rows_table(rows, schema: pa.Schema, columns: Optional[dict] = None) -> pa.Ta
                      for f in schema}, schema=schema)
 
 
-def to_table(rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
+def vectors_table(rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
     """Vector rows as one Arrow table, their Pub/Sub lineage as columns (null for events read
-    from files), counted as written."""
+    from files)."""
+    if not rows:
+        return schema.empty_table()
     lineages = [r.lineage for r in rows]
-    table = rows_table(rows, schema, {
+    return rows_table(rows, schema, {
         "pubsub_message_id": [x.message_id if x else None for x in lineages],
         "pubsub_publish_time": [x.publish_time if x else None for x in lineages],
         "pubsub_attributes": [list(x.attributes) if x else None for x in lineages]})
+
+
+def to_table(rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
+    """``vectors_table``, its rows counted as written."""
+    table = vectors_table(rows, schema)
+    lineages = [r.lineage for r in rows]
     ROWS_WRITTEN.inc(len(rows))
     TRUNCATED.inc(sum(r.truncated for r in rows))
     now = dt.datetime.now(dt.timezone.utc)
@@ -266,11 +274,16 @@ def micro_batch_digest(batch: MicroBatch) -> str:
     return hashlib.sha256("\n".join(identities).encode("utf-8")).hexdigest()[:16]
 
 
-def micro_batch_load_key(batch: MicroBatch, digest: str) -> str:
+def load_key(window_start: dt.datetime, pane: int, shard: int, digest: str) -> str:
     """The store's load key of a micro-batch: ``mb:<window start>:<pane>:<shard>:<digest>``, the
-    same for every attempt at it (as its file names)."""
-    start = micro_batch_window(batch).start.to_utc_datetime()
-    return f"mb:{start:%Y%m%dT%H%M%SZ}:{batch.pane}:{batch.shard}:{digest}"
+    same for every attempt at it (as its file names); ``newsvec ledger`` makes it from a record."""
+    return f"mb:{window_start:%Y%m%dT%H%M%SZ}:{pane}:{shard}:{digest}"
+
+
+def micro_batch_load_key(batch: MicroBatch, digest: str) -> str:
+    """``load_key`` of a micro-batch."""
+    return load_key(micro_batch_window(batch).start.to_utc_datetime(), batch.pane, batch.shard,
+                    digest)
 
 
 class _WriteMicroBatchFn(beam.DoFn):
@@ -299,19 +312,29 @@ class _WriteMicroBatchFn(beam.DoFn):
             self._store = store_of(self._store_settings)
 
     def _load(self, batch: MicroBatch, digest: str, rows: list, chunk_rows: list
-              ) -> tuple[int, Optional[str]]:
+              ) -> tuple[int, Optional[str], list]:
         """The micro-batch's rows into the store, after its files and before its ledger record,
-        under its load key (once: a retried or redone micro-batch changes nothing). Retried while
-        the database is down (``store.retry_s``); then the bundle fails and Beam retries it."""
-        if self._store is None or not rows:
-            return 0, None
+        under its load key. Returns the rows stored, the key, and the rows the store refused
+        (``StoreLoad.rejected``: set aside with their reason, the rest stored). Once per outcome:
+        a retried micro-batch changes nothing, and one redone with another outcome (a row this
+        time, a dead letter the last, or the reverse) replaces what the earlier attempt stored,
+        so the store holds what the files hold. It is loaded even with no rows when a dead letter
+        names an article an earlier attempt may have stored. Retried on transient errors
+        (``store.retry_s``); then the bundle fails and Beam retries it."""
+        if self._store is None:
+            return 0, None, []
+        maybe_stored = {letter.event_id for letter in batch.dead_letters
+                        if letter.event_id is not None and "\x00" not in letter.event_id}
+        if not rows and not maybe_stored:
+            return 0, None, []
         window = micro_batch_window(batch)
         key = micro_batch_load_key(batch, digest)
         loaded = self._store.load(LoadRows(
-            vectors=to_table(rows, self._schema),
+            vectors=vectors_table(rows, self._schema),
             chunks=chunks_table(chunk_rows, self._chunk_schema) if chunk_rows else None,
-            dt=window.start.to_utc_datetime().date()), key)
-        return loaded.rows, key
+            dt=window.start.to_utc_datetime().date()), key,
+            ids=sorted({row.id for row in rows} | maybe_stored))
+        return loaded.rows, key, list(loaded.rejected)
 
     def _path(self, subdir: str, batch: MicroBatch, digest: str, suffix: str) -> str:
         """``<subdir>/dt=…/hour=…/<name>``, relative to the output."""
@@ -355,7 +378,7 @@ class _WriteMicroBatchFn(beam.DoFn):
         letters = self._write_or_delete(
             self._path(DEAD_LETTER_DIR, batch, digest, ".jsonl"), _JsonLinesSink(),
             list(batch.dead_letters), map(_count_dead_letter, batch.dead_letters))
-        store_rows, store_key = self._load(batch, digest, rows, chunk_rows)
+        store_rows, store_key, store_rejected = self._load(batch, digest, rows, chunk_rows)
         window = micro_batch_window(batch)
         record = LedgerRecord(
             run_id=self._run_id, window_start=_rfc3339(window.start),
@@ -372,7 +395,7 @@ class _WriteMicroBatchFn(beam.DoFn):
             written_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),
             chunks_written=len(chunk_rows), chunks_file=chunks,
             keys_written=len(key_rows), keys_file=keys, digest=digest,
-            store_rows=store_rows, store_load_key=store_key)
+            store_rows=store_rows, store_load_key=store_key, store_rejected=store_rejected)
         self._write(self._path(LEDGER_DIR, batch, digest, ".json"), _JsonLinesSink(),
                     [record.to_json()])
         yield record
