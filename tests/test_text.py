@@ -8,7 +8,7 @@ import pytest
 from apache_beam import pvalue
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import BBC
@@ -321,3 +321,30 @@ def test_the_title_limit_and_the_budget_are_settings():
         assert_that(out.dead_letter | beam.Map(lambda d: (d.event_id, d.reason)),
                     equal_to([("long-title", Reason.TEXT_TOO_LONG),
                               ("any", Reason.PREPARE_FAILED)]))
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(st.text(alphabet="abcXYZ019", min_size=1, max_size=300),
+                          st.sampled_from(["<", "<a", '"', "/", "&", ".", "-", "[UNK]", " ",
+                                           "\t", "\x07"])),
+                min_size=1, max_size=60).map("".join).map(lambda t: t * (8192 // len(t) + 1)))
+def test_long_ascii_texts_with_few_spaces_tokenize_as_the_whole_text(tokenizer, value):
+    """Past 8,192 characters an ASCII text with fewer spaces than the head has words (markup
+    left as text, code) is cut after its punctuation to tokenize its head: the same head as
+    tokenizing all of it (tests/reference_prepare.py)."""
+    from tests import reference_prepare as reference
+
+    assert tokenizer.batch([value]) == reference.head_tokens(tokenizer._tok, [value],
+                                                             tokenizer.max_tokens)
+
+
+def test_markup_left_as_text_is_cut_to_its_head_before_tokenizing(tokenizer):
+    """200,000 characters of '<a' (what a field of tags that never close comes out as) are cut
+    after the head's punctuation, not tokenized whole: same head."""
+    from tests import reference_prepare as reference
+
+    value = "<a" * 100_000
+    assert 0 < tokenizer._head_end(value) < 1000
+    assert tokenizer.batch([value]) == reference.head_tokens(tokenizer._tok, [value],
+                                                             tokenizer.max_tokens)

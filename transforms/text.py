@@ -136,14 +136,17 @@ def _is_non_starter(ch: str) -> bool:
 
 
 _NON_STARTER = _char_class([c for c in range(sys.maxunicode + 1) if _is_non_starter(chr(c))])
-_LONG_NON_STARTER_RUN = re.compile("(?<!%s)(%s{%d})%s+" % (
-    _NON_STARTER, _NON_STARTER, MAX_COMBINING_RUN, _NON_STARTER))
+_LONG_NON_STARTER_RUN = re.compile("(%s{%d})%s+" % (_NON_STARTER, MAX_COMBINING_RUN, _NON_STARTER))
+# Every non-starter is U+0300 or above: a text without a run of that many such characters has no
+# run to cut, and this is far faster to look for (the class above reaches past the BMP, where the
+# regex engine has no bitmap: about 0.1 us per character).
+_HIGH_RUN = re.compile("[^\\x00-\\u02ff]{%d}" % (MAX_COMBINING_RUN + 1))
 
 
 def collapse_combining_marks(text: str) -> str:
     """``text`` with each run of more than ``MAX_COMBINING_RUN`` non-starters cut to its first
     ``MAX_COMBINING_RUN`` ("Zalgo" text). Any other text is returned as it is."""
-    if text.isascii():
+    if text.isascii() or not _HIGH_RUN.search(text):
         return text
     return _LONG_NON_STARTER_RUN.sub(r"\1", text)
 
@@ -179,7 +182,7 @@ def _ftfy_fixes_char(ch: str) -> bool:
 
 
 _ASCII_FTFY_FIXES = re.compile(_char_class([c for c in range(128) if _ftfy_fixes_char(chr(c))]))
-_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+_NON_ASCII_RUN = re.compile(r"[^\x00-\x7f]+")
 # The longest mojibake pattern ftfy looks for: a window this wide around each non-ASCII
 # character sees every match that contains it.
 _BADNESS_WIDTH = sre_parse.parse(ftfy.badness.BADNESS_RE.pattern,
@@ -193,22 +196,25 @@ def ftfy_may_change(text: str, deadline: Optional[Deadline] = None) -> bool:
         return bool(_ASCII_FTFY_FIXES.search(text))
     if _ASCII_FTFY_FIXES.search(text) or not unicodedata.is_normalized("NFC", text):
         return True
+    if any(ord(ch) > 127 and _ftfy_fixes_char(ch) for ch in set(text)):
+        return True
+    # Mojibake: each match of ftfy's badness pattern holds a non-ASCII character and is at most
+    # _BADNESS_WIDTH long, so it lies within that many characters of it, on its line (fix_text
+    # checks each line on its own, and one of the patterns anchors at a line's start). So the
+    # pattern is looked for around each run of non-ASCII characters, as far as it can reach, and
+    # no further than the run's line; the line's bounds are found once per line.
     width = _BADNESS_WIDTH
     line_start = line_end = 0
-    for count, match in enumerate(_NON_ASCII.finditer(text), 1):
-        i = match.start()
-        if _ftfy_fixes_char(text[i]):
-            return True
-        # fix_text checks each line on its own, and is_bad's patterns anchor at a line's start.
-        # The line's bounds are found once per line (each search reads only that line).
-        if i >= line_end:
-            line_start = text.rfind("\n", 0, i) + 1
-            line_end = text.find("\n", i)
+    for count, run in enumerate(_NON_ASCII_RUN.finditer(text), 1):
+        start, end = run.span()
+        if start >= line_end:
+            line_start = text.rfind("\n", 0, start) + 1
+            line_end = text.find("\n", start)
             line_end = len(text) if line_end < 0 else line_end + 1
-        window = text[max(line_start, i - width + 1): min(line_end, i + width)]
-        if ftfy.badness.BADNESS_RE.search(window):
+        around = text[max(line_start, start - width + 1): min(line_end, end - 1 + width)]
+        if ftfy.badness.BADNESS_RE.search(around):
             return True
-        if not count % 4096:
+        if not count % 1024:
             _check(deadline, "the mojibake check")
     return False
 
@@ -542,8 +548,8 @@ class HeadTokenizer:
         words = text.split(" ", self._head_words)
         if len(words) > self._head_words:
             return len(text) - len(words[-1]) - 1  # before the _head_words-th space
-        if text.isascii() or len(text) < self._head_words:  # English: short, tokenized whole
-            return 0
+        if len(text) < self._head_words or (text.isascii() and len(text) <= _WHOLE_ASCII_CHARS):
+            return 0  # English with few spaces: short, tokenized whole
         if self._singles is None:
             with _SINGLES_LOCK:
                 if self._singles is None:
@@ -570,6 +576,10 @@ class HeadTokenizer:
 
 
 _SINGLES_LOCK = threading.Lock()  # HeadTokenizer._singles is built once, by one thread
+# An ASCII text with too few spaces to cut at is tokenized whole up to this length; a longer one
+# (code, lists of links, markup that stayed text) is cut after single-token characters (its
+# punctuation), as a text in a script without spaces is.
+_WHOLE_ASCII_CHARS = 8192
 
 # What BERT's normalizer changes in ASCII text besides the case: control characters (removed) and
 # whitespace other than a space (made a space).
