@@ -321,12 +321,12 @@ class _BoundedTextExtractor(_TextExtractor):
         self._allowance = allowance
         self._deadline = deadline
         self._calls = 0
-        self.charged = 0  # characters charged so far (the tests read it)
+        self._charged = 0  # characters charged so far
 
     def _charge(self, i: int, end: int) -> int:
         if end < 0:
-            self.charged += len(self.rawdata) - i
-            if self.charged > self._allowance:
+            self._charged += len(self.rawdata) - i
+            if self._charged > self._allowance:
                 raise _MarkupTooBroken
         self._calls += 1
         if not self._calls % 1024:
