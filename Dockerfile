@@ -14,6 +14,12 @@
 # - The model is downloaded once, at build time, into /models/MODEL_DIR; nothing is downloaded at
 #   run time (the Dataflow configs also set HF_HUB_OFFLINE=1 in model.engine_env).
 ARG PYTHON_VERSION=3.11
+# The interpreter of the image, to the patch level (python:<this>-slim-bookworm): 3.11.16 or later
+# has the fixes for html.parser's quadratic time on markup that never closes (CVE-2025-6069, in
+# 3.11.14) and unicodedata.normalize's on long runs of combining marks (CVE-2026-3276,
+# gh-149079, in 3.11.16). newsvec's own bounds on hostile text hold on any 3.11
+# (docs/input.md#limits); these close the same holes for anything else in the image.
+ARG PYTHON_RELEASE=3.11.18
 ARG BEAM_VERSION=2.77.0
 # Dataflow's Python Flex Template launcher; its name carries the Python version. Pin it by digest
 # (docker buildx imagetools inspect ...) for reproducible builds.
@@ -25,7 +31,7 @@ FROM ${LAUNCHER_IMAGE} AS launcher
 
 # The model, at a pinned revision (a commit sha), in a stage of its own: a code change does not
 # download it again.
-FROM python:${PYTHON_VERSION}-slim-bookworm AS model
+FROM python:${PYTHON_RELEASE}-slim-bookworm AS model
 ARG MODEL_ID
 ARG MODEL_REVISION
 ARG MODEL_DIR
@@ -36,7 +42,7 @@ RUN test -n "${MODEL_ID}" && test -n "${MODEL_REVISION}" && test -n "${MODEL_DIR
     && hf download "${MODEL_ID}" --revision "${MODEL_REVISION}" --local-dir "/models/${MODEL_DIR}" \
     && rm -rf "/models/${MODEL_DIR}/.cache"
 
-FROM python:${PYTHON_VERSION}-slim-bookworm
+FROM python:${PYTHON_RELEASE}-slim-bookworm
 
 # A C compiler: Triton (torch.compile, vLLM's kernels) builds small launchers at run time. Debian's
 # security updates move the exact versions, so they are not pinned.

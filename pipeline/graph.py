@@ -60,7 +60,9 @@ def _prepare(events, config: Config):
         config.model, chunking=config.chunking, max_text_chars=config.text.max_text_chars,
         dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes,
         unicode_form=config.text.unicode_form,
-        max_unknown_token_ratio=config.text.max_unknown_token_ratio)
+        max_unknown_token_ratio=config.text.max_unknown_token_ratio,
+        max_title_chars=config.text.max_title_chars,
+        prepare_budget_s=config.text.prepare_budget_s)
 
 
 def _embed_settings(config: Config, engine_factory) -> dict:

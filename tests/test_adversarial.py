@@ -270,6 +270,6 @@ def test_batch_rows_keep_their_fields_as_sent_and_the_prepared_title(batch_run):
         assert row["title"] == (normalize_text(raw.get("title")) or None), \
             f"{case.name}: the title as it was embedded"
         assert us == (_micros(raw["published_at"]) if raw.get("published_at") else None), case.name
-    assert by_id["row-long-title"][0][0]["truncated"], "a 9,000-character title keeps its head"
+    assert by_id["row-long-title"][0][0]["truncated"], "a 2,000-character title keeps its head"
     survivor = json.loads(BY_NAME["dup_original"].payload)
     assert by_id["dup-1"][0][0]["title"] == survivor["title"], "the copy published last survives"

