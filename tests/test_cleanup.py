@@ -13,6 +13,7 @@ import time
 from pipeline import cleanup
 from tests.conftest import REPO
 from transforms import manifest
+from transforms.lease import PublishLease
 
 RUN_ID = "20261201T093000Z-1a2b3c4d"
 LIFECYCLE = REPO / "configs" / "gcs-lifecycle.json"
@@ -69,7 +70,9 @@ def test_clean_stale_never_touches_published_data_or_a_run_being_published(tmp_p
                                  started_at=time.time(), vectors=[], dead_letter=[],
                                  summary="_summary.json", counts={})
     manifest.write_manifest(str(tmp_path), publishing)
-    deleted = manifest.clean_stale(str(tmp_path), older_than_s=0, now=time.time() + 10)
+    with PublishLease(str(tmp_path), "cleanup", lease_s=30) as lease:
+        deleted = manifest.clean_stale(str(tmp_path), older_than_s=0, lease=lease,
+                                       now=time.time() + 10)
     assert sorted(os.path.relpath(p, tmp_path) for p in deleted) == [
         "_staging/20261130T000000Z-00000000/vectors/x.parquet", "_temp/z.tmp"]
     assert set(files(tmp_path)) == {"vectors/part-a.parquet", "dead_letter/part-a.jsonl",

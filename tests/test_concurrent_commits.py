@@ -128,14 +128,14 @@ def _slow_copies_of(monkeypatch, seconds: float, started: threading.Event) -> li
     original = manifest._copy_whole
     slowed: list = []
 
-    def slow(output, source, target):
+    def slow(output, source, target, lease):
         staged_run = source.split("/_staging/", 1)[1].split("/", 1)[0]
         if not slowed:
             slowed.append(staged_run)
         if staged_run == slowed[0]:
             started.set()
             time.sleep(seconds)
-        return original(output, source, target)
+        return original(output, source, target, lease)
 
     monkeypatch.setattr(manifest, "_copy_whole", slow)
     return slowed
