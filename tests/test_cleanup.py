@@ -117,7 +117,7 @@ def test_cleanup_checks_the_lease_before_each_delete(tmp_path, monkeypatch):
         return real_delete(paths)
 
     def fenced(self):
-        if requests == [requests[0]]:  # after the first delete request, another
+        if len(requests) == 1:  # after the first delete request, another
             generation, body = self.read()  # holder takes the lease over
             self.replace({**body, "holder": "the-next-holder"}, generation)
             requests.append(0)
