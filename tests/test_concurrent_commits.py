@@ -319,6 +319,7 @@ def hand_staged_run(output: str, run_id: str, ids, unchanged: int = 0) -> tuple[
     """A batch run stopped just before its commit, its files written by hand: one vectors and one
     keys file of ``ids``. Returns the commit's inputs (staged files, tallies)."""
     import pyarrow.parquet as pq
+    from apache_beam.io.filesystems import FileSystems
 
     from transforms.incremental import KeysTable
     from transforms.schema import key_schema, vector_schema
@@ -330,10 +331,13 @@ def hand_staged_run(output: str, run_id: str, ids, unchanged: int = 0) -> tuple[
     for subdir, table in (("vectors", to_table(rows, vector_schema(384))),
                           ("keys", KeysTable("sig")(rows, key_schema()))):
         path = f"{staging}/{subdir}/part-{run_id}-00000-of-00001.parquet"
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        pq.write_table(table, path)
+        if not path.startswith("gs://"):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with FileSystems.create(path) as f:
+            pq.write_table(table, f)
         staged.append((subdir, path))
-    Path(staging, "_summary.json").write_text(json.dumps({"run_id": run_id}))
+    with FileSystems.create(f"{staging}/_summary.json") as f:
+        f.write(json.dumps({"run_id": run_id}).encode())
     return staged, {"in": len(rows) + unchanged, "rows": len(rows), "unchanged": unchanged}
 
 
@@ -747,3 +751,41 @@ def test_the_lease_and_the_clean_up_age_have_floors_no_config_can_lower(tmp_path
     data["sink"]["commit_lease_s"] = 360
     path.write_text(json.dumps(data))
     assert config_lib.load(str(path)).sink.commit_lease_s == 360
+
+
+def test_a_copy_that_ends_after_a_takeover_is_undone_on_gcs(gcs, tmp_path, monkeypatch):
+    """On GCS a copy can land after the lease was taken over (the holder froze, or retried
+    through a brown-out, in the middle of it). Before, the holder went on publishing (its next
+    check looked only at its own clock); now it reads the lock after the copy, deletes what it
+    copied, and stops. On gcp-storage-emulator (Beam's GCS filesystem runs there; the takeover
+    needs no precondition)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    from tests.conftest import GCS_BUCKET
+
+    output = f"gs://{GCS_BUCKET}/{tmp_path.name}"
+    staged, _ = hand_staged_run(output, OLD_RUN, ["a"])
+    intent = manifest.Manifest(
+        run_id=OLD_RUN, state="publishing", started_at=0.0, dead_letter=[],
+        vectors=[p[len(output) + 1:] for k, p in staged if k == "vectors"],
+        keys=[p[len(output) + 1:] for k, p in staged if k == "keys"],
+        summary=f"_staging/{OLD_RUN}/_summary.json", counts={})
+    real_copy = FileSystems.copy
+
+    def copy_then_taken_over(sources, targets):
+        real_copy(sources, targets)
+        if "/vectors/" in targets[0]:  # the first copy lands after another run took over
+            store = GcsLockStore(f"{output}/_publish.lock")
+            generation, body = store.read()
+            store.replace({**body, "holder": "the-newer-run"}, generation)
+
+    with PublishLease(output, OLD_RUN, lease_s=30) as holder:
+        if "lease" in inspect.signature(manifest.write_manifest).parameters:
+            manifest.write_manifest(output, intent, holder)
+        else:
+            manifest.write_manifest(output, intent)
+        monkeypatch.setattr(FileSystems, "copy", staticmethod(copy_then_taken_over))
+        with pytest.raises(LeaseLost, match="the-newer-run"):
+            manifest.publish(output, intent, holder)
+    published = [m.path for m in FileSystems.match([f"{output}/vectors/**"])[0].metadata_list]
+    assert published == [], "the late copy deleted again"
