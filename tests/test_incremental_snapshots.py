@@ -198,7 +198,7 @@ def test_a_cut_off_incremental_publish_is_checked_by_whoever_finishes_it(tmp_pat
                 if RUN_A in p.name and "_staging" not in p.parts], "nothing of the run published"
 
 
-def test_a_micro_batch_redone_without_an_article_fails_the_run_that_skipped_it(tmp_path,
+def test_a_micro_batch_redone_without_an_article_fails_the_run_that_skipped_it(root, tmp_path,
                                                                               monkeypatch):
     """The review's F13 sequence: the nightly batch skips x because the streaming output's
     micro-batch M holds its key; before the batch commits, M is redone and dead-letters x this
@@ -214,10 +214,10 @@ def test_a_micro_batch_redone_without_an_article_fails_the_run_that_skipped_it(t
     from transforms.schema import NewsEvent
     from transforms.text import compose_text
 
-    stream, out = tmp_path / "stream", str(tmp_path / "out")
+    stream, out = f"{root}/stream", f"{root}/out"
     x, y, z = events(["x", "y", "z"])
     config = make_config(input=write_input(str(tmp_path), "in", [x, y]), output=out,
-                         incremental=IncrementalSettings(previous_outputs=[str(stream)]))
+                         incremental=IncrementalSettings(previous_outputs=[stream]))
     label = model_label(config.model, resolve_model_path(config.model.path))
 
     def row(article):
@@ -228,12 +228,12 @@ def test_a_micro_batch_redone_without_an_article_fails_the_run_that_skipped_it(t
     redone_same = batch
     redone_without_x = dataclasses.replace(batch, rows=(row(z),),
                                            dead_letters=(letter("x", "embedding_failed"),))
-    streaming_output.write(str(stream), [batch], signature=signature_of(config))
+    streaming_output.write(stream, [batch], signature=signature_of(config))
     redo: list = []
     original = commit.PublishLease
 
     def redone_before_the_commit(output, run_id, *args, **kwargs):
-        streaming_output.write(str(stream), [redo.pop()], signature=signature_of(config))
+        streaming_output.write(stream, [redo.pop()], signature=signature_of(config))
         return original(output, run_id, *args, **kwargs)
 
     monkeypatch.setattr(commit, "PublishLease", redone_before_the_commit)
@@ -243,7 +243,7 @@ def test_a_micro_batch_redone_without_an_article_fails_the_run_that_skipped_it(t
     redo.append(redone_without_x)
     with pytest.raises(Exception, match="changed since") as failed:
         run_batch(config, PipelineOptions(["--runner=FnApiRunner"]), engine_factory=FakeEngine)
-    assert str(stream) in str(failed.value)
+    assert stream in str(failed.value)
     assert read_manifest(out).run_id == first["run_id"], "the rerun published nothing"
 
 
