@@ -384,7 +384,8 @@ class _SkipFn(beam.DoFn):
         yield pvalue.TaggedOutput(UNCHANGED, doc.id)
         if source not in self._reported:  # once a bundle, not once an article
             self._reported.add(source)
-            yield pvalue.TaggedOutput(SKIPPED_FROM, files.snapshots[source])
+            # Its position, not the snapshot: a streaming output's pins are bytes per file.
+            yield pvalue.TaggedOutput(SKIPPED_FROM, source)
 
     def finish_bundle(self):
         if self._looked_up:
@@ -405,5 +406,8 @@ class SkipUnchanged(beam.PTransform):
     def expand(self, docs):
         out = docs | "Skip" >> beam.ParDo(self._fn, pvalue.AsSingleton(self._files)).with_outputs(
             UNCHANGED, SKIPPED_FROM, main="docs")
-        skipped_from = out[SKIPPED_FROM] | "OncePerSnapshot" >> beam.Distinct()
+        skipped_from = (out[SKIPPED_FROM]
+                        | "OncePerSnapshot" >> beam.Distinct()
+                        | "Snapshot" >> beam.Map(lambda source, files: files.snapshots[source],
+                                                 pvalue.AsSingleton(self._files)))
         return {"docs": out.docs, UNCHANGED: out[UNCHANGED], SKIPPED_FROM: skipped_from}
