@@ -233,11 +233,12 @@ def test_cleanup_while_a_rerun_publishes_waits_and_takes_nothing(tmp_path, monke
     root, output = str(tmp_path), f"{tmp_path}/out"
     run_batch(_config(write_input(root, "in1", DAY_1), output), _options(),
               engine_factory=FakeEngine)
+    time.sleep(1.1)  # run ids order launches by the second (then at random): the rerun is newer
     copying = threading.Event()
     _slow_copies_of(monkeypatch, 0.5, copying)
     rerun, rerun_result = _in_thread(run_batch, _config(write_input(root, "in2", DAY_2), output),
                                      _options(), None, FakeEngine)
-    assert copying.wait(120), "the rerun is publishing"
+    assert copying.wait(120), ("the rerun is publishing", rerun_result.get("error"))
     assert cleanup.main(["--output", output, "--older-than-s", "0"]) == 0
     rerun.join(300)
     assert "error" not in rerun_result, rerun_result.get("error")
