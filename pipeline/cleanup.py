@@ -2,43 +2,71 @@
 PREFIX [--older-than-s 86400]``.
 
 1. A batch publish that was killed midway (``_manifest.json`` still says ``publishing``) is finished
-   from its staged files, so readers that glob ``vectors/`` see the whole run again.
-2. Files under ``_temp/`` (a streaming file a killed worker was writing) and ``_staging/<run_id>/``
-   (a batch run killed before it committed) last written more than ``--older-than-s`` ago are
-   deleted. Published data is never touched.
-On GCS, a lifecycle rule does step 2 without a command: ``configs/gcs-lifecycle.json``
-(docs/dataflow.md).
-Prints what it did as JSON.
+   from its staged files, so readers that glob ``vectors/`` see the whole run again; first its
+   snapshot check, for an incremental run: if an output it skipped articles for has changed since,
+   its manifest is withdrawn instead (the previous one put back), and the command says so and
+   exits with status 1 (rerun that run).
+2. Files in the published folders that the committed manifest does not name (what a publisher that
+   lost its lease may have landed late) are deleted.
+3. Files under ``_temp/`` (a streaming file a killed worker was writing) last written more than
+   ``--older-than-s`` ago, and the staging folders ``_staging/<run_id>/`` (a batch run killed
+   before it committed) whose newest file is that old, are deleted; ``--older-than-s`` is at least
+   an hour (``transforms.manifest.MIN_STALE_AGE_S``): younger files may be a live run's. Published
+   data is never touched.
+On GCS, a lifecycle rule does step 3 for temporary files without a command:
+``configs/gcs-lifecycle.json`` (docs/dataflow.md).
+Every delete is fenced by the output's publish lease, held throughout. Prints what it did as JSON.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
-from transforms.lease import PublishLease
-from transforms.manifest import clean_stale, repair
+from transforms.incremental import SnapshotChanged
+from transforms.lease import PublishLease, require_lease_s
+from transforms.manifest import clean_stale, remove_strays, repair, require_stale_age
+
+_LOG = logging.getLogger(__name__)
+
+
+def _checked(check, name: str):
+    def parse(text: str) -> float:
+        try:
+            return check(float(text))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{name}: {exc}") from None
+    return parse
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.cleanup",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="a newsvec output prefix, local or gs://")
-    parser.add_argument("--older-than-s", type=float, default=86400,
-                        help="delete temporary and staged files older than this (default: a day; "
-                             "longer than any batch job runs)")
-    parser.add_argument("--lease-s", type=float, default=600,
+    parser.add_argument("--older-than-s", type=_checked(require_stale_age, "--older-than-s"),
+                        default=86400,
+                        help="delete temporary files and staged runs older than this (default: a "
+                             "day, longer than any batch job runs; at least an hour)")
+    parser.add_argument("--lease-s", type=_checked(require_lease_s, "--lease-s"), default=600,
                         help="the output's publish lease (sink.commit_lease_s): a run that holds "
-                             "it is waited for, one killed while publishing for this long on GCS")
+                             "it is waited for, one killed while publishing for this long on GCS "
+                             "(at least 360)")
     args = parser.parse_args(argv)
+    withdrawn = None
     # Under the output's publish lease: never beside a run that publishes.
     with PublishLease(args.output, "cleanup", args.lease_s) as lease:
-        repaired = repair(args.output, lease)
-        lease.check()
-        deleted = clean_stale(args.output, args.older_than_s)
+        try:
+            repaired = repair(args.output, lease)
+        except SnapshotChanged as exc:
+            repaired, withdrawn = None, str(exc)
+            _LOG.error("%s", exc)
+        strays = remove_strays(args.output, lease)
+        deleted = clean_stale(args.output, args.older_than_s, lease)
     print(json.dumps({"repaired_run": repaired.run_id if repaired else None,
+                      "withdrawn": withdrawn, "strays_deleted": strays,
                       "deleted": len(deleted), "deleted_files": deleted}, indent=2))
-    return 0
+    return 1 if withdrawn else 0
 
 
 if __name__ == "__main__":

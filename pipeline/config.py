@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from transforms.chunking import ChunkingSettings
 from transforms.dedup import DedupKey
+from transforms.lease import require_lease_s
 from transforms.model import ModelSettings, check_dimensions
 from transforms.schema import VectorDtype
 from transforms.store import StoreSettings
@@ -85,7 +86,10 @@ class SinkSettings(_Section):
     commit_lease_s: float = Field(
         600, gt=0, description="batch: the output's publish lease: renewed every quarter of this "
                                "while a run publishes; another run takes it over once it has "
-                               "stood unrenewed this long (its holder killed or stalled)")
+                               "stood unrenewed this long (its holder killed or stalled). At "
+                               "least 360: twice the longest one GCS request can take with "
+                               "retries, so that a change started just before its holder stops "
+                               "lands before a taker starts")
     vector_dtype: VectorDtype = Field(
         "float32", description="`float32` or `float16`: the element type of the `embedding` "
                                "column of `vectors/` and `chunks/`; float16 about halves the "
@@ -94,6 +98,11 @@ class SinkSettings(_Section):
     store_chunk_text: bool = Field(
         False, description="chunks mode: write each chunk's text (`chunk_text`), for "
                            "retrieval-augmented generation")
+
+    @field_validator("commit_lease_s")
+    @classmethod
+    def _lease_floor(cls, value: float) -> float:
+        return require_lease_s(value, "sink.commit_lease_s")
 
 
 class IncrementalSettings(_Section):

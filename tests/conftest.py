@@ -21,6 +21,9 @@ _SESSION_TMP = (os.environ.get("NEWSVEC_TEST_SESSION_TMP")
                 or tempfile.mkdtemp(prefix="newsvec-tests-"))
 os.environ["NEWSVEC_TEST_SESSION_TMP"] = os.environ["TMPDIR"] = _SESSION_TMP
 tempfile.tempdir = None
+# Short publish leases and clean-up ages (below the floors users get: transforms/lease.py), for the
+# whole session and the processes it starts; tests of the floors themselves unset it.
+os.environ["NEWSVEC_UNSAFE_TEST_TIMINGS"] = "1"
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_EVENTS = REPO / "pipeline" / "sample_data" / "news-events.jsonl"

@@ -10,9 +10,12 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from pipeline import cleanup
 from tests.conftest import REPO
 from transforms import manifest
+from transforms.lease import PublishLease
 
 RUN_ID = "20261201T093000Z-1a2b3c4d"
 LIFECYCLE = REPO / "configs" / "gcs-lifecycle.json"
@@ -69,7 +72,9 @@ def test_clean_stale_never_touches_published_data_or_a_run_being_published(tmp_p
                                  started_at=time.time(), vectors=[], dead_letter=[],
                                  summary="_summary.json", counts={})
     manifest.write_manifest(str(tmp_path), publishing)
-    deleted = manifest.clean_stale(str(tmp_path), older_than_s=0, now=time.time() + 10)
+    with PublishLease(str(tmp_path), "cleanup", lease_s=30) as lease:
+        deleted = manifest.clean_stale(str(tmp_path), older_than_s=0, lease=lease,
+                                       now=time.time() + 10)
     assert sorted(os.path.relpath(p, tmp_path) for p in deleted) == [
         "_staging/20261130T000000Z-00000000/vectors/x.parquet", "_temp/z.tmp"]
     assert set(files(tmp_path)) == {"vectors/part-a.parquet", "dead_letter/part-a.jsonl",
@@ -85,3 +90,56 @@ def test_the_lifecycle_rule_is_one_gcs_accepts():
     (rule,) = list(bucket.lifecycle_rules)
     assert isinstance(rule, storage.bucket.LifecycleRuleDelete)
     assert rule["condition"] == {"age": 1, "matchesSuffix": [".tmp"]}
+
+
+def _stale(path, age_s: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("x")
+    past = time.time() - age_s
+    os.utime(path, (past, past))
+
+
+def test_cleanup_checks_the_lease_before_each_delete(tmp_path, monkeypatch):
+    """A clean-up whose lease is taken over midway (it stalled; the next holder took over) stops
+    before its next delete. Before, it checked once, then deleted everything in one go."""
+    from apache_beam.io.filesystems import FileSystems
+
+    from transforms import lease as lease_lib
+    from transforms.lease import LeaseLost, LocalLockStore
+
+    for i in range(150):
+        _stale(tmp_path / "_temp" / f"{i:03d}.tmp", 7200)
+    real_delete, real_fenced = FileSystems.delete, getattr(LocalLockStore, "fenced", None)
+    requests: list = []
+
+    def delete(paths):
+        requests.append(len(paths))
+        return real_delete(paths)
+
+    def fenced(self):
+        if len(requests) == 1:  # after the first delete request, another
+            generation, body = self.read()  # holder takes the lease over
+            self.replace({**body, "holder": "the-next-holder"}, generation)
+            requests.append(0)
+        return real_fenced(self)
+
+    monkeypatch.setattr(FileSystems, "delete", staticmethod(delete))
+    monkeypatch.setattr(lease_lib.LocalLockStore, "fenced", fenced, raising=False)
+    with pytest.raises(LeaseLost, match="the-next-holder"):
+        cleanup.main(["--output", str(tmp_path), "--older-than-s", "3600"])
+    assert requests[1:] == [0], "not one more delete once the lease was lost"
+    assert len(list((tmp_path / "_temp").iterdir())) == 150 - requests[0] > 0
+
+
+def test_cleanup_never_deletes_the_staging_of_a_run_still_writing(tmp_path):
+    """A batch run that is still writing has old staged files beside new ones (its first shards
+    an hour ago, its last just now). Before, each file was judged by its own age, and the clean-up
+    deleted the old half of a live run's staging, failing it at its commit."""
+    live, dead = "20261201T000000Z-11111111", "20261130T000000Z-00000000"
+    _stale(tmp_path / "_staging" / live / "vectors" / "part-0.parquet", 7200)
+    _stale(tmp_path / "_staging" / live / "vectors" / "part-1.parquet", 10)
+    _stale(tmp_path / "_staging" / dead / "vectors" / "part-0.parquet", 7200)
+    _stale(tmp_path / "_staging" / dead / "keys" / "part-0.parquet", 7000)
+    assert cleanup.main(["--output", str(tmp_path), "--older-than-s", "3600"]) == 0
+    assert files(tmp_path) == [f"_staging/{live}/vectors/part-0.parquet",
+                               f"_staging/{live}/vectors/part-1.parquet"]

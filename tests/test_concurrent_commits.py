@@ -14,16 +14,24 @@ that guarantees when runs, retried commit attempts and clean-ups meet in one out
 The runs use a FAKE engine: what is tested is storage."""
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline import cleanup
 from pipeline.run import run_batch
-from tests.conftest import make_config
+from tests.conftest import REPO, make_config
 from tests.emulators import fake_gcs_with_client
 from tests.fakes import FakeEngine
 from tests.test_reruns import DAY_1, DAY_2, check_is_run, listing, write_input
@@ -128,14 +136,14 @@ def _slow_copies_of(monkeypatch, seconds: float, started: threading.Event) -> li
     original = manifest._copy_whole
     slowed: list = []
 
-    def slow(output, source, target):
+    def slow(output, source, target, lease):
         staged_run = source.split("/_staging/", 1)[1].split("/", 1)[0]
         if not slowed:
             slowed.append(staged_run)
         if staged_run == slowed[0]:
             started.set()
             time.sleep(seconds)
-        return original(output, source, target)
+        return original(output, source, target, lease)
 
     monkeypatch.setattr(manifest, "_copy_whole", slow)
     return slowed
@@ -225,11 +233,12 @@ def test_cleanup_while_a_rerun_publishes_waits_and_takes_nothing(tmp_path, monke
     root, output = str(tmp_path), f"{tmp_path}/out"
     run_batch(_config(write_input(root, "in1", DAY_1), output), _options(),
               engine_factory=FakeEngine)
+    time.sleep(1.1)  # run ids order launches by the second (then at random): the rerun is newer
     copying = threading.Event()
     _slow_copies_of(monkeypatch, 0.5, copying)
     rerun, rerun_result = _in_thread(run_batch, _config(write_input(root, "in2", DAY_2), output),
                                      _options(), None, FakeEngine)
-    assert copying.wait(120), "the rerun is publishing"
+    assert copying.wait(120), ("the rerun is publishing", rerun_result.get("error"))
     assert cleanup.main(["--output", output, "--older-than-s", "0"]) == 0
     rerun.join(300)
     assert "error" not in rerun_result, rerun_result.get("error")
@@ -283,3 +292,501 @@ def test_an_attempt_of_an_older_run_never_publishes_over_a_newer_one(tmp_path, m
     late = list(captured["fn"].process(None, captured["staged"], captured["tallies"]))[0]
     assert late["published"] is False and late["superseded_by"] == newer["run_id"]
     check_is_run(output, DAY_1, newer)
+
+
+# A stalled publisher cannot overwrite the newer run: the fencing of each change, the clock, lost
+# responses, the local lock's limits. Small staged runs built by hand (no Beam), short leases (the
+# test override of the lease floor, set for the session by tests/conftest.py).
+
+def embedded(event_id: str, text: str = None, model: str = "fake@0", sha: str = None):
+    """One vector row: ``text`` as prepared, ``sha`` its hash (default: of ``text``)."""
+    import datetime as dt
+    import hashlib
+
+    import numpy as np
+
+    from transforms.schema import EmbeddedDoc, NewsEvent, PreparedDoc
+
+    text = text if text is not None else f"text of {event_id}"
+    event = NewsEvent(id=event_id, body=text)
+    doc = PreparedDoc(event=event, text=text,
+                      text_sha256=sha or hashlib.sha256(text.encode()).hexdigest(),
+                      token_ids=(101, 7, 102), truncated=False)
+    return EmbeddedDoc.of(doc, np.ones(384, np.float32) / np.sqrt(384), model,
+                          dt.datetime(2026, 12, 1, 10, 5, tzinfo=dt.timezone.utc))
+
+
+def hand_staged_run(output: str, run_id: str, ids, unchanged: int = 0) -> tuple[list, dict]:
+    """A batch run stopped just before its commit, its files written by hand: one vectors and one
+    keys file of ``ids``. Returns the commit's inputs (staged files, tallies)."""
+    import pyarrow.parquet as pq
+    from apache_beam.io.filesystems import FileSystems
+
+    from transforms.incremental import KeysTable
+    from transforms.schema import key_schema, vector_schema
+    from transforms.sinks import to_table
+
+    rows = [embedded(i) for i in ids]
+    staging = f"{output}/_staging/{run_id}"
+    staged = []
+    for subdir, table in (("vectors", to_table(rows, vector_schema(384))),
+                          ("keys", KeysTable("sig")(rows, key_schema()))):
+        path = f"{staging}/{subdir}/part-{run_id}-00000-of-00001.parquet"
+        if not path.startswith("gs://"):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with FileSystems.create(path) as f:
+            pq.write_table(table, f)
+        staged.append((subdir, path))
+    with FileSystems.create(f"{staging}/_summary.json") as f:
+        f.write(json.dumps({"run_id": run_id}).encode())
+    return staged, {"in": len(rows) + unchanged, "rows": len(rows), "unchanged": unchanged}
+
+
+def committed(run_id: str) -> manifest.Manifest:
+    """The manifest of a committed run (no files; what matters is the manifest)."""
+    return manifest.Manifest(run_id=run_id, state="committed", started_at=1.0, vectors=[],
+                             dead_letter=[], summary="_summary.json", counts={},
+                             committed_at="2026-12-01T00:00:00+00:00")
+
+
+def committed_manifest(output: str, run_id: str) -> manifest.Manifest:
+    """An output as a committed run left it."""
+    done = committed(run_id)
+    manifest.write_manifest(output, done)
+    return done
+
+
+def published_files(output: str) -> list[str]:
+    root = Path(output)
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                  if p.is_file() and p.parts[len(root.parts)] in PUBLISHED)
+
+
+PUBLISHED = ("vectors", "dead_letter", "chunks", "keys")
+OLD_RUN, NEW_RUN = "20261201T000000Z-0000000a", "20261201T000001Z-0000000b"
+
+# The older run's holder, in a process of its own: it publishes its staged run, and stops itself
+# (SIGSTOP, as a suspend, a paused VM or a long GC would) at the moment its manifest write reaches
+# the storage: on local disk the rename of the manifest into place.
+STALLED_PUBLISHER = textwrap.dedent("""
+    import inspect, os, signal, sys, json
+    from apache_beam.io.filesystems import FileSystems
+    from transforms import manifest
+    from transforms.lease import PublishLease
+
+    out, run_id = sys.argv[1], sys.argv[2]
+    staged = json.loads(sys.argv[3])
+    real_rename = FileSystems.rename
+    stopped = []
+
+    def rename(sources, targets, *args, **kwargs):
+        if targets[0].endswith("_manifest.json") and not stopped:
+            stopped.append(1)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real_rename(sources, targets, *args, **kwargs)
+
+    FileSystems.rename = staticmethod(rename)
+    intent = manifest.Manifest(run_id=run_id, state="publishing", started_at=0.0,
+                               vectors=[p for k, p in staged if k == "vectors"], dead_letter=[],
+                               keys=[p for k, p in staged if k == "keys"],
+                               summary=f"_staging/{run_id}/_summary.json", counts={})
+    with PublishLease(out, run_id, lease_s=2.0) as lease:
+        # As the commit does (transforms/commit.py): its intent, then the publish.
+        if "lease" in inspect.signature(manifest.write_manifest).parameters:
+            manifest.write_manifest(out, intent, lease)
+        else:  # the code before the fencing: a check, then the write
+            lease.check()
+            manifest.write_manifest(out, intent)
+        manifest.publish(out, intent, lease)
+""")
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_publisher_stalled_at_its_manifest_write_never_lands_it_over_the_newer_run(tmp_path):
+    """The review's SIGSTOP sequence: the older run stops at its manifest write; the newer run
+    wants the lease meanwhile. Before, the newer run took the lease over after 2 s and published,
+    then the older run's write landed: the output's manifest said the older run, publishing, over
+    the newer run's files (and a clean-up would then have deleted them). Now the check and the
+    write are one step under the lock a takeover needs: the newer run publishes after it, and
+    wins."""
+    output = str(tmp_path / "out")
+    old_staged, _ = hand_staged_run(output, OLD_RUN, ["a"])
+    new_staged, _ = hand_staged_run(output, NEW_RUN, ["b"])
+    relative = [(k, os.path.relpath(p, output)) for k, p in old_staged]
+    holder = subprocess.Popen([sys.executable, "-c", STALLED_PUBLISHER, output, OLD_RUN,
+                               json.dumps(relative)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _stopped(holder.pid):
+            assert holder.poll() is None and time.monotonic() < deadline, holder.stderr.read()
+            time.sleep(0.05)
+        newer: dict = {}
+
+        def publish_newer():
+            intent = manifest.Manifest(
+                run_id=NEW_RUN, state="publishing", started_at=0.0,
+                vectors=[os.path.relpath(p, output) for k, p in new_staged if k == "vectors"],
+                keys=[os.path.relpath(p, output) for k, p in new_staged if k == "keys"],
+                dead_letter=[], summary=f"_staging/{NEW_RUN}/_summary.json", counts={})
+            with PublishLease(output, NEW_RUN, lease_s=2.0, poll_s=0.05) as held:
+                newer["acquired"] = time.monotonic()
+                if "lease" in inspect.signature(manifest.write_manifest).parameters:
+                    manifest.write_manifest(output, intent, held)
+                else:
+                    manifest.write_manifest(output, intent)
+                manifest.publish(output, intent, held)
+
+        thread, result = _in_thread(publish_newer)
+        thread.join(6.0)  # three leases: long enough to take over a holder that is not renewing
+        continued = time.monotonic()
+        os.kill(holder.pid, signal.SIGCONT)
+        thread.join(60)
+        holder.wait(60)
+    finally:
+        if holder.poll() is None:
+            os.kill(holder.pid, signal.SIGCONT)
+            holder.kill()
+    assert "error" not in result, result.get("error")
+    final = manifest.read_manifest(output)
+    assert (final.run_id, final.state) == (NEW_RUN, "committed"), \
+        "the stalled older run's manifest write did not land over the newer run"
+    assert published_files(output) == sorted(final.vectors + final.keys)
+    assert all(NEW_RUN in name for name in published_files(output)), "the newer run's files"
+    assert newer["acquired"] > continued, "no takeover while the holder was inside its change"
+    assert cleanup.main(["--output", output]) == 0
+    assert manifest.read_manifest(output).run_id == NEW_RUN, "and a clean-up keeps it"
+
+
+# On GCS (fake-gcs-server enforces preconditions): the manifest written only if unchanged since
+# the holder last saw it; the holder stops itself just before the upload leaves.
+STALLED_GCS_WRITER = textwrap.dedent("""
+    import os, signal, sys
+    from google.cloud.storage import Blob
+    from tests.emulators import _clients_pointed_at
+    from transforms import manifest
+    from transforms.lease import LeaseLost, PublishLease
+
+    out, run_id, endpoint = sys.argv[1], sys.argv[2], sys.argv[3]
+    real_upload = Blob.upload_from_string
+    stopped = []
+
+    def upload(self, *args, **kwargs):
+        if self.name.endswith("_manifest.json") and not stopped:
+            stopped.append(1)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real_upload(self, *args, **kwargs)
+
+    Blob.upload_from_string = upload
+    with _clients_pointed_at(endpoint):
+        with PublishLease(out, run_id, lease_s=2.0) as lease:
+            current = manifest.read_manifest(out, lease)
+            intent = manifest.Manifest(run_id=run_id, state="publishing", started_at=0.0,
+                                       vectors=[], dead_letter=[], summary="_summary.json",
+                                       counts={})
+            try:
+                manifest.write_manifest(out, intent, lease)
+            except LeaseLost as exc:
+                print("refused:", exc)
+                sys.exit(3)
+""")
+
+
+def test_a_manifest_write_delayed_past_a_takeover_is_refused_by_gcs(fake_gcs, tmp_path):
+    output = f"gs://{BUCKET}/{tmp_path.name}"
+    holder = subprocess.Popen([sys.executable, "-c", STALLED_GCS_WRITER, output, OLD_RUN,
+                               fake_gcs], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _stopped(holder.pid):
+            assert holder.poll() is None and time.monotonic() < deadline, holder.stderr.read()
+            time.sleep(0.05)
+        with PublishLease(output, NEW_RUN, lease_s=2.0, poll_s=0.05) as taker:
+            manifest.read_manifest(output, taker)
+            manifest.write_manifest(output, committed(NEW_RUN), taker)
+        os.kill(holder.pid, signal.SIGCONT)
+        out, err = holder.communicate(timeout=60)
+    finally:
+        if holder.poll() is None:
+            os.kill(holder.pid, signal.SIGCONT)
+            holder.kill()
+    assert holder.returncode == 3 and "refused" in out, err[-2000:]
+    from transforms.lease import gcs_read
+
+    _, data = gcs_read(f"{output}/_manifest.json")
+    final = json.loads(data)
+    assert (final["run_id"], final["state"]) == (NEW_RUN, "committed"), \
+        "the stalled holder's write, sent after the takeover, did not land"
+
+
+class _ScriptedLock:
+    """A lock store on a fake clock: a holder renewed it every second until ``dies_at``; a read
+    started in ``slow`` takes ``slow_s`` (GCS retries through a brown-out), and answers with the
+    lock as it is when the read ends."""
+
+    exclusive = True
+
+    def __init__(self, clock: list, dies_at: float, slow: tuple, slow_s: float):
+        self.clock, self.dies_at, self.slow, self.slow_s = clock, dies_at, slow, slow_s
+        self.taken_at = None
+
+    def _generation(self) -> int:
+        return int(min(self.clock[0], self.dies_at))
+
+    def read(self):
+        if self.slow[0] <= self.clock[0] < self.slow[1]:
+            self.clock[0] += self.slow_s
+        else:
+            self.clock[0] += 0.01
+        if self.taken_at is not None:
+            return 10**6, {"holder": "taker"}
+        return self._generation(), {"holder": "renewing-holder"}
+
+    def replace(self, body, generation):
+        if generation != self._generation():
+            return None
+        self.taken_at = self.clock[0]
+        return 10**6
+
+    def create(self, body):
+        return None
+
+    def release(self, body, generation):
+        pass
+
+    def holder_is_gone(self, body):
+        return False
+
+    @contextlib.contextmanager
+    def fenced(self):
+        yield self.read()
+
+
+def test_the_takers_clock_starts_after_the_read_that_saw_the_last_renewal(monkeypatch):
+    """The holder's last renewal lands at t=10, during a read of the taker's that started at 8.5
+    and took 2 s. Before, the taker counted the lease from the start of that read (8.5), and took
+    over at 11.5, 1.5 s before the lease had stood unrenewed for its 3 s."""
+    from transforms import lease as lease_lib
+
+    clock = [0.0]
+    store = _ScriptedLock(clock, dies_at=10.0, slow=(8.5, 9.0), slow_s=2.0)
+    monkeypatch.setattr(lease_lib, "now", lambda: clock[0], raising=False)
+    monkeypatch.setattr(lease_lib.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(lease_lib.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(lease_lib.random, "uniform", lambda a, b: 1.0)
+    taker = PublishLease("out", "20261201T000001Z-bbbbbbbb", 3.0, poll_s=0.5, store=store)
+    clock[0] = 8.5 - 0.5  # the taker's first read, just before the slow one
+    taker.acquire()
+    taker._stop.set()  # no renewals on a fake clock
+    assert store.taken_at >= 10.0 + 3.0, f"taken over at {store.taken_at}"
+
+
+def test_a_holder_frozen_by_a_suspend_stops_when_it_wakes(store_factory, monkeypatch):
+    """A suspended machine's ``time.monotonic`` does not advance (CLOCK_MONOTONIC), while the taker
+    elsewhere counts real time: before, a holder that woke from a suspend longer than its lease
+    measured no staleness and went on writing. The lease's clock is CLOCK_BOOTTIME. The suspend is
+    played by freezing ``time.monotonic`` in the holder."""
+    from transforms import lease as lease_lib
+
+    holder = lease(store_factory, "20261201T000000Z-aaaaaaaa", lease_s=1.0)
+    holder.acquire()
+    holder._stop.set()  # its renewals stop with it
+    holder._renewer.join()
+    frozen = time.monotonic()
+    monkeypatch.setattr(lease_lib.time, "monotonic", lambda: frozen)
+    time.sleep(0.7)  # the suspend: more than half the lease
+    with pytest.raises(LeaseLost, match="not renewed"):
+        holder.check()
+    monkeypatch.undo()
+    holder.release()
+
+
+class _LostResponses:
+    """A lock store whose conditional writes are applied, but answered as refused: the response
+    of the first request was lost, and google-cloud-storage's retry of it got 412."""
+
+    def __init__(self, store, creates: bool = True, replaces: bool = True):
+        self._store, self.exclusive = store, getattr(store, "exclusive", True)
+        self._creates, self._replaces = creates, replaces
+        self.lost = 0
+
+    def create(self, body):
+        generation = self._store.create(body)
+        if self._creates and generation is not None:
+            self.lost += 1
+            return None
+        return generation
+
+    def replace(self, body, generation):
+        new = self._store.replace(body, generation)
+        if self._replaces and new is not None:
+            self.lost += 1
+            return None
+        return new
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_lost_response_is_not_a_lost_lease(store_factory, monkeypatch):
+    """Before, a renewal applied but answered 412 read as "taken over": LeaseLost mid-publish,
+    the lock never released; and a create answered 412 made the run wait a whole lease for its
+    own lock. Now a refused change is followed by a read, and a lock with this holder's body is
+    its own."""
+    from transforms import lease as lease_lib
+
+    store = _LostResponses(store_factory())
+    holder = PublishLease("out", "20261201T000000Z-aaaaaaaa", 0.8, poll_s=0.05, store=store)
+    real_sleep = time.sleep
+
+    def no_wait(seconds):
+        raise AssertionError("the holder waited for its own lock")
+
+    monkeypatch.setattr(lease_lib.time, "sleep", no_wait)
+    holder.acquire()  # its create was applied: it holds the lease at once
+    monkeypatch.setattr(lease_lib.time, "sleep", real_sleep)
+    real_sleep(0.7)  # three renewals, each answered as refused
+    assert store.lost >= 3
+    holder.check()  # no LeaseLost
+    holder.release()
+    after = store_factory().read()
+    assert after is None or after[1].get("released"), "and it released the lock"
+
+
+def test_a_lost_response_on_gcs_is_recognised_by_the_body(fake_gcs, tmp_path, monkeypatch):
+    """The same through google-cloud-storage against fake-gcs-server: each upload of the lock is
+    sent twice (the first applied, its response lost), the second refused with 412."""
+    from google.cloud.storage import Blob
+
+    real_upload = Blob.upload_from_string
+    sent: list = []
+
+    def upload_twice(self, *args, **kwargs):
+        real_upload(self, *args, **kwargs)
+        sent.append(self.name)
+        return real_upload(self, *args, **kwargs)  # the retry: 412 if conditional
+
+    store = GcsLockStore(f"gs://{BUCKET}/{tmp_path.name}/_publish.lock")
+    monkeypatch.setattr(Blob, "upload_from_string", upload_twice)
+    holder = PublishLease("out", "20261201T000000Z-aaaaaaaa", 0.8, poll_s=0.05, store=store)
+    acquiring, _ = _in_thread(holder.acquire)
+    acquiring.join(10)  # before: it waited on its own lock, each takeover of it refused too
+    assert not acquiring.is_alive(), "the holder never got its own lock"
+    time.sleep(0.7)
+    assert len(sent) >= 3, "a create and renewals, each retried"
+    holder.check()
+    holder.release()
+    assert store.read()[1].get("released")
+
+
+def test_a_live_holder_in_another_pid_namespace_is_not_taken_for_dead(tmp_path):
+    """Containers that share the output volume and the hostname (host networking) see each other's
+    pids as absent. Before, a holder recorded with this hostname and a pid absent here was judged
+    dead and taken over at once."""
+    import socket
+
+    from transforms import lease as lease_lib
+
+    store = LocalLockStore(str(tmp_path / "_publish.lock"))
+    unused = 2 ** 22 + 12345  # above the default pid_max: no process has it here
+    elsewhere = {"holder": "run/1", "run_id": "run", "host": socket.gethostname(), "pid": unused,
+                 "pid_namespace": "pid:[1]", "boot_id": "another-boot"}
+    assert not store.holder_is_gone(elsewhere), "another namespace: its pid means nothing here"
+    assert not store.holder_is_gone({**elsewhere, "pid_namespace": None, "boot_id": None}), \
+        "a holder that recorded no namespace is waited for"
+    here = {**elsewhere, **lease_lib.process_identity(), "pid": unused}
+    assert store.holder_is_gone(here), "this namespace, and the process has ended"
+
+
+MOUNTINFO = """\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+27 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw
+40 27 0:45 / /mnt/shared rw,relatime - nfs4 server:/export rw,vers=4.2
+41 27 0:46 / /mnt/bucket rw,relatime - fuse.gcsfuse my-bucket rw
+42 27 8:2 / /mnt/shared/local\\040disk rw - xfs /dev/sdb1 rw
+"""
+
+
+def test_a_local_output_on_a_filesystem_several_machines_mount_is_refused(tmp_path):
+    """flock does not span machines on NFS (and gcsfuse has none): two machines could both hold
+    the lock. Before, such an output was accepted."""
+    from transforms import lease as lease_lib
+
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(MOUNTINFO)
+    kind = lambda path: lease_lib.filesystem_type(path, str(mountinfo))  # noqa: E731
+    assert kind("/mnt/shared/out") == "nfs4"
+    assert kind("/mnt/bucket/newsvec/out") == "fuse.gcsfuse"
+    assert kind("/mnt/shared/local disk/out") == "xfs", "the longest mount point above"
+    assert kind("/home/me/out") == "ext4"
+    for shared in ("nfs4", "fuse.gcsfuse"):
+        with pytest.raises(ValueError, match="does not span machines"):
+            LocalLockStore(str(tmp_path / "_publish.lock"), filesystem=shared)
+    LocalLockStore(str(tmp_path / "_publish.lock"))  # this machine's own disk: accepted
+
+
+def test_the_lease_and_the_clean_up_age_have_floors_no_config_can_lower(tmp_path, monkeypatch):
+    """Before, any positive ``commit_lease_s`` was taken (the tests used 1 s), and ``newsvec
+    cleanup --older-than-s 0`` deleted the staging of runs still writing. The floors give way only
+    to the test suite's environment variable, which logs a warning."""
+    from pipeline import config as config_lib
+
+    monkeypatch.delenv("NEWSVEC_UNSAFE_TEST_TIMINGS", raising=False)
+    config = make_config()
+    data = json.loads(config.model_dump_json())
+    data["sink"]["commit_lease_s"] = 60
+    path = tmp_path / "short-lease.yaml"
+    path.write_text(json.dumps(data))
+    with pytest.raises(Exception, match="commit_lease_s"):
+        config_lib.load(str(path))
+    with pytest.raises(ValueError, match="floor"):
+        PublishLease(str(tmp_path), "run", lease_s=60)
+    with pytest.raises(SystemExit):
+        cleanup.main(["--output", str(tmp_path), "--older-than-s", "0"])
+    with pytest.raises(SystemExit):
+        cleanup.main(["--output", str(tmp_path), "--lease-s", "60"])
+    data["sink"]["commit_lease_s"] = 360
+    path.write_text(json.dumps(data))
+    assert config_lib.load(str(path)).sink.commit_lease_s == 360
+
+
+def test_a_copy_that_ends_after_a_takeover_is_undone_on_gcs(gcs, tmp_path, monkeypatch):
+    """On GCS a copy can land after the lease was taken over (the holder froze, or retried
+    through a brown-out, in the middle of it). Before, the holder went on publishing (its next
+    check looked only at its own clock); now it reads the lock after the copy, deletes what it
+    copied, and stops. On gcp-storage-emulator (Beam's GCS filesystem runs there; the takeover
+    needs no precondition)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    from tests.conftest import GCS_BUCKET
+
+    output = f"gs://{GCS_BUCKET}/{tmp_path.name}"
+    staged, _ = hand_staged_run(output, OLD_RUN, ["a"])
+    intent = manifest.Manifest(
+        run_id=OLD_RUN, state="publishing", started_at=0.0, dead_letter=[],
+        vectors=[p[len(output) + 1:] for k, p in staged if k == "vectors"],
+        keys=[p[len(output) + 1:] for k, p in staged if k == "keys"],
+        summary=f"_staging/{OLD_RUN}/_summary.json", counts={})
+    real_copy = FileSystems.copy
+
+    def copy_then_taken_over(sources, targets):
+        real_copy(sources, targets)
+        if "/vectors/" in targets[0]:  # the first copy lands after another run took over
+            store = GcsLockStore(f"{output}/_publish.lock")
+            generation, body = store.read()
+            store.replace({**body, "holder": "the-newer-run"}, generation)
+
+    with PublishLease(output, OLD_RUN, lease_s=30) as holder:
+        if "lease" in inspect.signature(manifest.write_manifest).parameters:
+            manifest.write_manifest(output, intent, holder)
+        else:
+            manifest.write_manifest(output, intent)
+        monkeypatch.setattr(FileSystems, "copy", staticmethod(copy_then_taken_over))
+        with pytest.raises(LeaseLost, match="the-newer-run"):
+            manifest.publish(output, intent, holder)
+    published = [m.path for m in FileSystems.match([f"{output}/vectors/**"])[0].metadata_list]
+    assert published == [], "the late copy deleted again"

@@ -10,17 +10,23 @@ and never count an article unchanged unless a committed output still holds its v
 Real vLLM (the session's engine): a key holds the model's label, which a fake engine's rows lack."""
 from __future__ import annotations
 
+import dataclasses
 import threading
+from pathlib import Path
 
 import apache_beam as beam
+import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
+from pipeline import cleanup
 from pipeline.config import IncrementalSettings
 from pipeline.graph import build_batch
 from pipeline.run import run_batch
 from tests.conftest import make_config
+from tests.test_concurrent_commits import committed_manifest, embedded, hand_staged_run
 from tests.test_reruns import listing, rows_of, write_input
 from transforms import commit
+from transforms.incremental import SnapshotChanged
 from transforms.layout import new_run_id
 from transforms.manifest import read_manifest
 
@@ -129,3 +135,132 @@ def test_racing_reruns_of_two_days_never_lose_an_article_both_hold(tmp_path, mon
     again = run(config(root, "b", [out_a]))
     assert again["counts"]["unchanged"] == 0 and "x" in ids_in(out_b), \
         "day b's rerun reads day a's new run, which lacks x, and embeds x"
+
+
+# Every path that publishes an incremental run checks its snapshots first (FAKE engine, staged
+# runs built by hand: what is tested is the commit and the storage).
+
+PREVIOUS = "20261101T000000Z-00000000"  # what day a's output held before
+B1, B2 = "20261201T000000Z-bbbbbbb1", "20261202T000000Z-bbbbbbb2"  # day b, then its rerun
+OLDER, RUN_A = "20261202T000000Z-aaaaaaa0", "20261202T000001Z-aaaaaaa1"  # two launches of day a
+
+
+def _fails_with(exc: Exception):
+    def still_holds(self):
+        raise exc
+    return still_holds
+
+
+@pytest.mark.parametrize("finisher", ["its retry", "newsvec cleanup", "an older run"])
+def test_a_cut_off_incremental_publish_is_checked_by_whoever_finishes_it(tmp_path, monkeypatch,
+                                                                         finisher):
+    """The review's F1 sequence. Day a's run skipped article x because day b's committed run B1
+    held it. Its commit wrote its ``publishing`` manifest, then its snapshot check failed on a
+    storage error (or its worker died): the manifest stays. Day b is rerun meanwhile, without x
+    (B2). Before, the retried commit, ``newsvec cleanup``, or an older launch of day a that found
+    the cut-off publish published it with no check: x counted unchanged, held by no output. Now
+    each checks the recorded snapshots first, puts the previous manifest back, and the run
+    fails."""
+    from transforms.commit import _CommitFn
+    from transforms.incremental import Snapshot
+
+    out_a, out_b = f"{tmp_path}/a", f"{tmp_path}/b"
+    committed_manifest(out_b, B1)
+    before = committed_manifest(out_a, PREVIOUS)
+    if finisher == "an older run":
+        older_staged, older_tallies = hand_staged_run(out_a, OLDER, ["o1"])
+    staged, tallies = hand_staged_run(out_a, RUN_A, ["a1"], unchanged=1)  # x: skipped
+    skipped = [Snapshot(out_b, B1)]
+    attempt = _CommitFn(out_a, RUN_A, {}, lease_s=30)
+    with monkeypatch.context() as patch:
+        patch.setattr(Snapshot, "still_holds", _fails_with(OSError("503 Service Unavailable")))
+        with pytest.raises(OSError, match="503"):
+            list(attempt.process(None, staged, tallies, skipped))
+    cut_off = read_manifest(out_a)
+    assert (cut_off.run_id, cut_off.state) == (RUN_A, "publishing")
+    committed_manifest(out_b, B2)  # day b rerun: its committed run no longer holds x
+    if finisher == "its retry":
+        with pytest.raises(SnapshotChanged, match=out_b):
+            list(attempt.process(None, staged, tallies, skipped))
+    elif finisher == "newsvec cleanup":
+        assert cleanup.main(["--output", out_a]) == 1, "it says the run was withdrawn"
+    else:
+        summary = list(_CommitFn(out_a, OLDER, {}, lease_s=30).process(
+            None, older_staged, older_tallies))[0]
+        assert summary["run_id"] == OLDER and "superseded_by" not in summary
+    after = read_manifest(out_a)
+    if finisher == "an older run":
+        assert (after.run_id, after.state) == (OLDER, "committed"), \
+            "the newer run withdrawn, the older publishes"
+    else:
+        assert after == before, "the previous manifest put back"
+    assert not [p for p in Path(out_a).rglob("*.parquet")
+                if RUN_A in p.name and "_staging" not in p.parts], "nothing of the run published"
+
+
+def test_a_micro_batch_redone_without_an_article_fails_the_run_that_skipped_it(root, tmp_path,
+                                                                              monkeypatch):
+    """The review's F13 sequence: the nightly batch skips x because the streaming output's
+    micro-batch M holds its key; before the batch commits, M is redone and dead-letters x this
+    time, so the writer rewrites M's key file without x. Before, a streaming snapshot always held,
+    and the batch published x as unchanged, held by no output. Now the snapshot pins each
+    micro-batch key file it read by its checksum: a redo with the same outcome (the same bytes)
+    changes nothing, one that withdraws a key fails the run."""
+    from pipeline.graph import signature_of
+    from tests import streaming_output
+    from tests.fakes import FakeEngine
+    from tests.test_sinks_streaming import letter, micro_batch
+    from transforms.model import model_label, resolve_model_path
+    from transforms.schema import NewsEvent
+    from transforms.text import compose_text
+
+    stream, out = f"{root}/stream", f"{root}/out"
+    x, y, z = events(["x", "y", "z"])
+    config = make_config(input=write_input(str(tmp_path), "in", [x, y]), output=out,
+                         incremental=IncrementalSettings(previous_outputs=[stream]))
+    label = model_label(config.model, resolve_model_path(config.model.path))
+
+    def row(article):
+        text = compose_text(NewsEvent(**article))
+        return embedded(article["id"], text=text, model=label)
+
+    batch = micro_batch(0, rows=[row(x), row(z)])  # the streaming job embedded x and z
+    redone_same = batch
+    redone_without_x = dataclasses.replace(batch, rows=(row(z),),
+                                           dead_letters=(letter("x", "embedding_failed"),))
+    streaming_output.write(stream, [batch], signature=signature_of(config))
+    redo: list = []
+    original = commit.PublishLease
+
+    def redone_before_the_commit(output, run_id, *args, **kwargs):
+        streaming_output.write(stream, [redo.pop()], signature=signature_of(config))
+        return original(output, run_id, *args, **kwargs)
+
+    monkeypatch.setattr(commit, "PublishLease", redone_before_the_commit)
+    redo.append(redone_same)
+    first = run_batch(config, PipelineOptions(["--runner=FnApiRunner"]), engine_factory=FakeEngine)
+    assert first["counts"]["unchanged"] == 1, "x skipped: M holds it, redone the same"
+    redo.append(redone_without_x)
+    with pytest.raises(Exception, match="changed since") as failed:
+        run_batch(config, PipelineOptions(["--runner=FnApiRunner"]), engine_factory=FakeEngine)
+    assert stream in str(failed.value)
+    assert read_manifest(out).run_id == first["run_id"], "the rerun published nothing"
+
+
+def test_previous_output_globs_never_take_a_staged_run_for_a_streaming_output(tmp_path):
+    """F14: a ``**`` glob matched the key files of runs staged under ``_staging/<run>/keys/`` (never
+    committed) and took each for a streaming output whose snapshot always held; and an output
+    under a folder named ``keys`` was cut at that folder."""
+    from transforms.incremental import output_prefixes
+
+    root = tmp_path / "root"
+    for name in ("day1/_manifest.json", "day1/keys/part-r1-00000-of-00001.parquet",
+                 "day1/_staging/r2/keys/part-r2-00000-of-00001.parquet",
+                 "day2/_staging/r3/keys/part-r3-00000-of-00001.parquet",
+                 "day2/_staging/r3/keys/dt=2026-12-01/hour=09/part-x.parquet",
+                 "keys/stream/keys/dt=2026-12-01/hour=09/part-y.parquet",
+                 "own/_manifest.json"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"x")
+    assert output_prefixes(f"{root}/**", str(root / "own")) == [
+        str(root / "day1"), str(root / "keys" / "stream")]

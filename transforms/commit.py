@@ -23,6 +23,7 @@ import collections
 import dataclasses
 import enum
 import json
+import logging
 import time
 from typing import Optional
 
@@ -34,7 +35,6 @@ from transforms.layout import (
     CHUNKS_DIR,
     DEAD_LETTER_DIR,
     KEYS_DIR,
-    MANIFEST_FILE,
     PUBLISHED_DIRS,
     SUMMARY_FILE,
     VECTORS_DIR,
@@ -42,6 +42,7 @@ from transforms.layout import (
     parquet_rows,
     relative_to,
     staging_prefix,
+    write_whole,
 )
 from transforms.lease import PublishLease
 from transforms.manifest import (
@@ -55,6 +56,8 @@ from transforms.manifest import (
     read_manifest,
     write_manifest,
 )
+
+_LOG = logging.getLogger(__name__)
 
 
 class AccountingError(RuntimeError):
@@ -83,21 +86,35 @@ class _CommitFn(beam.DoFn):
         with PublishLease(self._output, self._run_id, self._lease_s) as lease:
             yield self._commit(staged, tallies, lease, list(skipped_from))
 
+    def _settled(self, lease: PublishLease) -> Optional[Manifest]:
+        """The output's manifest once no publish of this run or a newer one is left cut off:
+        such a publish is finished first (``publish``, with its snapshot check). A newer run's
+        whose check fails is withdrawn by it (its previous manifest put back), and this run
+        decides again on what is there then."""
+        while True:
+            current = read_manifest(self._output, lease)
+            if (current is None or current.state != PUBLISHING
+                    or current.run_id < self._run_id):
+                return current
+            try:
+                # This run's (another attempt got here first and was cut off: its staged files
+                # are whole until the manifest says committed), or a newer run's.
+                return publish(self._output, current, lease)
+            except SnapshotChanged:
+                if current.run_id == self._run_id:
+                    raise
+                _LOG.warning("run %s: the newer run %s's cut-off publish failed its snapshot "
+                             "check and was withdrawn", self._run_id, current.run_id,
+                             exc_info=True)
+
     def _commit(self, staged, tallies, lease: PublishLease, skipped_from: list[Snapshot]) -> dict:
-        current = read_manifest(self._output)
+        current = self._settled(lease)
         if current is not None and current.run_id == self._run_id:
-            # Another attempt of this commit got here first: finish its publish if it was cut
-            # off (its staged files are whole until the manifest says committed), else done.
-            if current.state == PUBLISHING:
-                publish(self._output, current, lease)
             return self._published_summary()
         if current is not None and current.run_id > self._run_id:
             # A run launched after this one holds the output: the newest run wins, whichever
-            # commits last. Finish its publish if it was cut off; this run publishes nothing.
-            if current.state == PUBLISHING:
-                publish(self._output, current, lease)
-            lease.check()
-            delete_tree(staging_prefix(self._output, self._run_id))
+            # commits last. This run publishes nothing.
+            lease.change(delete_tree, staging_prefix(self._output, self._run_id))
             return {**self._summary, "run_id": self._run_id, "published": False,
                     "superseded_by": current.run_id}
         files: dict[str, list[str]] = {subdir: [] for subdir in PUBLISHED_DIRS}
@@ -122,45 +139,28 @@ class _CommitFn(beam.DoFn):
                 f"(sent: {sent[Tally.CHUNKS]})")
         staging = staging_prefix(self._output, self._run_id)
         summary_path = join_path(staging, SUMMARY_FILE)
-        lease.check()
-        with FileSystems.create(summary_path, mime_type="application/json") as f:
-            f.write(json.dumps(summary, indent=2, default=str).encode("utf-8"))
+        data = json.dumps(summary, indent=2, default=str).encode("utf-8")
+        lease.change(write_whole, self._output, summary_path, lambda f: f.write(data))
         relative = {subdir: [relative_to(self._output, p) for p in paths]
                     for subdir, paths in files.items()}
+        # The snapshots it skipped articles for and the manifest it replaces travel with this
+        # run's intent: whoever publishes it checks them first (``manifest.check_snapshots``).
+        snapshots = sorted((s.to_dict() for s in skipped_from), key=json.dumps)
         manifest = Manifest(
             run_id=self._run_id, state=PUBLISHING, started_at=time.time(),
             summary=relative_to(self._output, summary_path), counts=counts.to_summary(),
             vectors=relative[VECTORS_DIR], dead_letter=relative[DEAD_LETTER_DIR],
-            chunks=relative[CHUNKS_DIR], keys=relative[KEYS_DIR])
-        lease.check()
-        write_manifest(self._output, manifest)  # this run's intent, visible to the other runs
-        self._check_snapshots(skipped_from, current, lease)
+            chunks=relative[CHUNKS_DIR], keys=relative[KEYS_DIR],
+            skipped_from=snapshots or None,
+            previous=current.to_dict() if snapshots and current is not None else None)
+        # This run's intent, visible to the other runs, then checked and published. Of two runs
+        # that each skipped articles for the other's output, at least one sees the other's
+        # manifest changed and publishes nothing (both may; then both fail and are rerun).
+        write_manifest(self._output, manifest, lease)
         publish(self._output, manifest, lease)
         # What runs killed before their commit left here (on local disk, also partial files).
-        clean_stale(self._output, STALE_AFTER_S)
+        clean_stale(self._output, STALE_AFTER_S, lease)
         return summary
-
-    def _check_snapshots(self, skipped_from: list[Snapshot], previous: Optional[Manifest],
-                         lease: PublishLease) -> None:
-        """An article counted ``unchanged`` must stay in a committed output that holds its vector.
-        Each previous output it was found in must still hold the run that was read, checked after
-        this run's ``publishing`` manifest is written: of two runs that each skipped articles for
-        the other's output, at least one sees the other's manifest changed and publishes nothing
-        (both may; then both fail and are rerun). Else the previous manifest is put back and the
-        run fails, to be rerun with what the other run published."""
-        changed = [s for s in skipped_from if not s.still_holds()]
-        if not changed:
-            return
-        lease.check()
-        if previous is None:
-            FileSystems.delete([join_path(self._output, MANIFEST_FILE)])
-        else:
-            write_manifest(self._output, previous)
-        raise SnapshotChanged(
-            f"run {self._run_id} counted articles unchanged because "
-            + ", ".join(f"{s.prefix} (run {s.run_id})" for s in changed)
-            + " held them, but each has been republished since (or is being): nothing published;"
-              " rerun this run, which reads the new output")
 
     def _published_summary(self) -> dict:
         with FileSystems.open(join_path(self._output, SUMMARY_FILE)) as f:

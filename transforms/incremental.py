@@ -32,9 +32,18 @@ from apache_beam import pvalue
 from apache_beam.io.filesystems import FileSystems
 
 from transforms.chunking import ChunkingSettings
-from transforms.compaction import current_key_files
+from transforms.compaction import current_key_files, is_compacted
 from transforms.key_index import KeyIndex, MissingKeyFile, ProcessCache
-from transforms.layout import KEYS_DIR, MANIFEST_FILE, join_path
+from transforms.layout import (
+    COMPACTION_DIR,
+    KEYS_DIR,
+    MANIFEST_FILE,
+    STAGING_DIR,
+    TEMP_DIR,
+    join_path,
+    relative_to,
+)
+from transforms.lease import gcs_bucket_and_name
 from transforms.manifest import COMMITTED, read_manifest
 from transforms.metrics import KEY_INDEX_LOAD_MS, KEY_INDEX_WAIT_MS, SKIP_LOOKUPS, SKIP_NS
 from transforms.model import ModelSettings
@@ -89,19 +98,73 @@ class KeysTable:
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-    """One previous output as a run read its keys: a batch output's committed run, or a streaming
-    output (``run_id`` None: no manifest, and no file of it is ever withdrawn, only replaced by the
-    same micro-batch)."""
+    """One previous output as a run read its keys: a batch output's committed run (``run_id``),
+    or a streaming output (``run_id`` None; no manifest). A streaming output's files can change
+    under a reader: a micro-batch redone with another outcome rewrites its key file without a key,
+    or deletes it (``transforms.sinks``); compaction replaces micro-batch files by one file an
+    hour. So its snapshot pins each micro-batch key file it read by a checksum of its bytes
+    (``pins``: (path relative to the output, checksum)); compacted files are not pinned (a
+    compaction only ever adds to an hour's compacted file)."""
 
     prefix: str
     run_id: Optional[str]
+    pins: tuple[tuple[str, str], ...] = ()
 
     def still_holds(self) -> bool:
-        """Whether the output still holds what was read: the same run, committed."""
+        """Whether the output still holds what was read: the same run, committed; for a streaming
+        output, every pinned key file still there with the same bytes."""
         if self.run_id is None:
-            return True
+            now = key_file_checksums(self.prefix)
+            return all(now.get(path) == checksum for path, checksum in self.pins)
         current = read_manifest(self.prefix)
         return current is not None and current.state == COMMITTED and current.run_id == self.run_id
+
+    def describe(self) -> str:
+        return (f"{self.prefix} (run {self.run_id})" if self.run_id is not None
+                else f"{self.prefix} (streaming, {len(self.pins)} micro-batch key files)")
+
+    def to_dict(self) -> dict:
+        """As a ``publishing`` manifest records it (``transforms.manifest``)."""
+        out: dict = {"prefix": self.prefix, "run_id": self.run_id}
+        if self.pins:
+            out["pins"] = [list(pin) for pin in self.pins]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Snapshot":
+        return cls(data["prefix"], data.get("run_id"),
+                   tuple((str(p), str(c)) for p, c in data.get("pins", ())))
+
+
+def key_file_checksums(prefix: str) -> dict[str, str]:
+    """{path relative to the output: checksum} of a streaming output's micro-batch key files (not
+    the compacted ones): one listing on GCS (its CRC32C, kept by the object), the bytes hashed on
+    local disk. A micro-batch redone with the same outcome writes the same bytes (the same keys in
+    the same order), so only a change of what it holds changes its checksum."""
+    keys = join_path(prefix, KEYS_DIR)
+    out = {}
+    if keys.startswith("gs://"):
+        bucket, name = gcs_bucket_and_name(keys + "/")
+        for blob in bucket.list_blobs(prefix=name):
+            path = f"gs://{bucket.name}/{blob.name}"
+            if path.endswith(".parquet") and not is_compacted(path):
+                out[relative_to(prefix, path)] = (blob.crc32c or blob.md5_hash
+                                                  or f"{blob.size}:{blob.updated}")
+        return out
+    if FileSystems.get_scheme(keys) is not None:
+        raise ValueError(f"{prefix}: streaming outputs as previous outputs are read on gs:// or "
+                         f"local disk")
+    for folder, _, names in os.walk(keys):
+        for file_name in names:
+            path = os.path.join(folder, file_name)
+            if file_name.endswith(".parquet") and not is_compacted(file_name):
+                try:
+                    with open(path, "rb") as f:
+                        digest = hashlib.file_digest(f, "sha256").hexdigest()
+                except FileNotFoundError:
+                    continue  # deleted while listed: not held
+                out[relative_to(prefix, path)] = digest
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,20 +194,44 @@ def _normal(path: str) -> str:
     return path if FileSystems.get_scheme(path) else os.path.abspath(path)
 
 
+_INTERNAL_DIRS = frozenset({STAGING_DIR, TEMP_DIR, COMPACTION_DIR})
+
+
+def _streaming_prefix(path: str) -> Optional[str]:
+    """The output prefix of a streaming micro-batch or compacted key file,
+    ``<prefix>/keys/dt=…/hour=…/<name>.parquet``; None for any other path (a batch output's
+    ``keys/part-….parquet``, a staged run's keys under ``_staging/``, a temporary file). Cut at
+    the ``keys`` folder of that shape, so a ``keys`` folder higher in the prefix is kept."""
+    parts = path.split("/")
+    if (len(parts) < 5 or parts[-4] != KEYS_DIR or not parts[-3].startswith("dt=")
+            or not parts[-2].startswith("hour=") or not parts[-1].endswith(".parquet")):
+        return None
+    prefix = "/".join(parts[:-4])
+    if _INTERNAL_DIRS.intersection(prefix.split("/")):
+        return None  # inside an output's own working folders
+    return prefix
+
+
 def output_prefixes(pattern: str, own_output: str) -> list[str]:
-    """The output prefixes a ``previous_outputs`` glob matches (those with a manifest or a key
-    index), the run's own output left out (a rerun replaces its output: skipping what it held would
-    drop it). Matched when the keys are read, not at launch."""
+    """The output prefixes a ``previous_outputs`` glob matches: batch outputs by their manifest,
+    streaming outputs by their key files (``keys/dt=…/hour=…/``, no manifest); never a staged
+    run's or a temporary file's folder, and the run's own output left out (a rerun replaces its
+    output: skipping what it held would drop it). Matched when the keys are read, not at
+    launch."""
     own = _normal(own_output)
     pattern = pattern.rstrip("/")
-    found = set()
+    found: set[str] = set()
     for result in FileSystems.match([f"{pattern}/{MANIFEST_FILE}", f"{pattern}/{KEYS_DIR}/**"]):
         for match in result.metadata_list:
-            prefix = (match.path[:-len(MANIFEST_FILE) - 1] if match.path.endswith(MANIFEST_FILE)
-                      else match.path.split(f"/{KEYS_DIR}/", 1)[0])
-            if _normal(prefix) != own:
-                found.add(prefix)
-    return sorted(found)
+            if match.path.endswith("/" + MANIFEST_FILE):
+                batch = match.path[:-len(MANIFEST_FILE) - 1]
+                if not _INTERNAL_DIRS.intersection(batch.split("/")):
+                    found.add(batch)
+            else:
+                streaming = _streaming_prefix(match.path)
+                if streaming is not None:
+                    found.add(streaming)
+    return sorted(p for p in found if _normal(p) != own)
 
 
 def streaming_key_files(prefix: str) -> list[str]:
@@ -152,6 +239,25 @@ def streaming_key_files(prefix: str) -> list[str]:
     partition and the micro-batch files not compacted yet (``transforms.compaction``). The one
     place that lists them."""
     return current_key_files(prefix)
+
+
+def streaming_snapshot(prefix: str) -> Optional[tuple[Snapshot, tuple[str, ...]]]:
+    """A streaming output's snapshot and its key files: the compacted files and the micro-batch
+    files not compacted yet, each micro-batch file pinned by its checksum, taken after the listing
+    and before any worker reads it (a file rewritten in between is read as it is then, or later:
+    never older than its pin). None if a listed file went before it was pinned (compacted,
+    redone): read again."""
+    files = streaming_key_files(prefix)
+    checksums = key_file_checksums(prefix)
+    pins = []
+    for path in files:
+        relative = relative_to(prefix, path)
+        if is_compacted(relative):
+            continue
+        if relative not in checksums:
+            return None
+        pins.append((relative, checksums[relative]))
+    return Snapshot(prefix, None, tuple(sorted(pins))), tuple(files)
 
 
 class _ReadSnapshotFn(beam.DoFn):
@@ -166,9 +272,13 @@ class _ReadSnapshotFn(beam.DoFn):
     def process(self, prefix: str):
         for _ in range(self._attempts):
             manifest = read_manifest(prefix)
-            if manifest is None:  # a streaming output: files per micro-batch, never withdrawn
-                yield Snapshot(prefix, None), tuple(streaming_key_files(prefix))
-                return
+            if manifest is None:  # a streaming output: its micro-batch key files pinned
+                read = streaming_snapshot(prefix)
+                if read is not None:
+                    yield read
+                    return
+                time.sleep(self._wait_s)
+                continue
             if manifest.state == COMMITTED:
                 yield (Snapshot(prefix, manifest.run_id),
                        tuple(join_path(prefix, p) for p in manifest.keys))
@@ -274,7 +384,8 @@ class _SkipFn(beam.DoFn):
         yield pvalue.TaggedOutput(UNCHANGED, doc.id)
         if source not in self._reported:  # once a bundle, not once an article
             self._reported.add(source)
-            yield pvalue.TaggedOutput(SKIPPED_FROM, files.snapshots[source])
+            # Its position, not the snapshot: a streaming output's pins are bytes per file.
+            yield pvalue.TaggedOutput(SKIPPED_FROM, source)
 
     def finish_bundle(self):
         if self._looked_up:
@@ -295,5 +406,8 @@ class SkipUnchanged(beam.PTransform):
     def expand(self, docs):
         out = docs | "Skip" >> beam.ParDo(self._fn, pvalue.AsSingleton(self._files)).with_outputs(
             UNCHANGED, SKIPPED_FROM, main="docs")
-        skipped_from = out[SKIPPED_FROM] | "OncePerSnapshot" >> beam.Distinct()
+        skipped_from = (out[SKIPPED_FROM]
+                        | "OncePerSnapshot" >> beam.Distinct()
+                        | "Snapshot" >> beam.Map(lambda source, files: files.snapshots[source],
+                                                 pvalue.AsSingleton(self._files)))
         return {"docs": out.docs, UNCHANGED: out[UNCHANGED], SKIPPED_FROM: skipped_from}

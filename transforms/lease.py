@@ -8,23 +8,42 @@ every change to it is conditional on the generation the changer last saw:
   absent, ``if_generation_match=G`` replaces it only if nobody changed it since G. The storage
   refuses the loser of any race (``412 Precondition Failed``). Releasing is a conditional replace
   too (a body that says ``released``), not a delete: fake-gcs-server, the emulator the tests use,
-  does not enforce preconditions on deletes;
+  does not enforce preconditions on deletes. google-cloud-storage retries a conditional upload
+  whose response was lost; the retry then gets 412 although the first request was applied: a
+  refused change is therefore followed by a read, and a lock whose body is this holder's is its own;
 - on local disk, the same operations under an OS lock (``fcntl.flock``) on the output folder, with
-  the generation kept in the file; a released lock is deleted.
+  the generation kept in the file; a released lock is deleted. A local output shared by several
+  machines (NFS, gcsfuse) is refused: ``flock`` does not span machines there.
 
 The holder renews the lease every ``lease_s / 4`` (a new generation each time). Another run waits
 while the generation changes; when it has seen one generation stand for ``lease_s`` by its own
-clock, the holder is dead or stalled, and it takes the lease over with a conditional replace of that
-generation. No clocks are compared across machines. The holder checks before every file it deletes
-or copies (``check``): once a renewal failed (the lease was taken over) or none succeeded for
-``lease_s / 2``, it stops (``LeaseLost``), so it stops before the taker, who waited a whole
-``lease_s`` after the holder's last renewal, starts.
+clock (started after the read that saw it), the holder is dead or stalled, and it takes the lease
+over with a conditional replace of that generation. No clocks are compared across machines; time
+is counted with ``CLOCK_BOOTTIME``, which runs while a machine is suspended.
+
+Every change the holder makes to the output goes through ``change`` (or ``put``/``remove`` for the
+manifest): immediately before it, the lock is read again and must still name this holder, and the
+holder must have renewed within ``lease_s / 2``; else ``LeaseLost``, and nothing is changed:
+
+- on local disk the read and the change run under the same ``flock`` that a taker needs to take
+  the lease over: a change never lands after a takeover;
+- on GCS a request can be delayed after that read (a frozen process, a request retried through a
+  brown-out). The manifest is therefore written with a precondition on the generation this holder
+  last read or wrote: a late write is refused by GCS. A copy is followed by another read of the
+  lock, and undone (the copied file deleted) if the lease was lost meanwhile; a late delete only
+  removes a file the holder listed before the takeover (an older run's file, never the taker's,
+  whose names hold its run id).
+
+The margin of that fencing is ``lease_s / 2`` minus the longest a single storage request can take,
+so ``lease_s`` has a floor (``MIN_LEASE_S``): twice the longest one request can take through Beam's
+GCS client (a 120 s retry deadline, then up to 60 s for the last attempt).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -33,13 +52,65 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 from apache_beam.io.filesystems import FileSystems
 
 from transforms.layout import PUBLISH_LOCK_FILE, join_path
 
 _LOG = logging.getLogger(__name__)
+
+# The longest one storage request can take through Beam's GCS client: google-cloud-storage's
+# default retry deadline (120 s), then the last attempt's own timeout (60 s).
+SLOWEST_STORAGE_REQUEST_S = 180.0
+# commit_lease_s, --lease-s: the holder stops at lease_s / 2 without a renewal, so a request it
+# started just before must land before the taker can start, lease_s / 2 later.
+MIN_LEASE_S = 2 * SLOWEST_STORAGE_REQUEST_S
+# For the test suite only: set (to anything), leases and clean-up ages go below their floors. Not
+# a setting of any config or command; every process that uses it logs a warning.
+UNSAFE_TEST_TIMINGS_ENV = "NEWSVEC_UNSAFE_TEST_TIMINGS"
+
+_CLOCK_ID = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def now() -> float:
+    """Seconds on a clock that keeps running while the machine is suspended (``CLOCK_BOOTTIME``,
+    Linux); elsewhere ``time.monotonic``."""
+    if _CLOCK_ID is not None:
+        return time.clock_gettime(_CLOCK_ID)
+    return time.monotonic()
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_unsafe_timings() -> None:
+    _LOG.warning("%s is set: publish leases and clean-up ages may go below their floors. For "
+                 "tests only: never set it where real outputs are published",
+                 UNSAFE_TEST_TIMINGS_ENV)
+
+
+def unsafe_test_timings() -> bool:
+    """Whether the test suite's override of the floors is set (logged once per process)."""
+    if os.environ.get(UNSAFE_TEST_TIMINGS_ENV):
+        _warn_unsafe_timings()
+        return True
+    return False
+
+
+def min_lease_s() -> float:
+    """The shortest publish lease accepted: ``MIN_LEASE_S``, or any under the test override."""
+    return 0.0 if unsafe_test_timings() else MIN_LEASE_S
+
+
+def require_lease_s(lease_s: float, what: str = "the publish lease") -> float:
+    if not lease_s > 0:
+        raise ValueError(f"{what} must be positive, got {lease_s!r}")
+    floor = min_lease_s()
+    if lease_s < floor:
+        raise ValueError(
+            f"{what} is {lease_s:g} s, under its floor of {floor:g} s: a holder stops at half "
+            f"its lease without a renewal, and a storage request it started just before may take "
+            f"{SLOWEST_STORAGE_REQUEST_S:g} s (GCS retries) to land")
+    return lease_s
 
 
 class LeaseLost(RuntimeError):
@@ -48,6 +119,8 @@ class LeaseLost(RuntimeError):
 
 class LockStore(Protocol):
     """A small object with generations: every change is conditional, and the storage decides."""
+
+    exclusive: bool  # whether a change inside ``fenced`` cannot interleave with a takeover
 
     def read(self) -> Optional[tuple[int, dict]]:
         """(generation, body), or None when there is no lock."""
@@ -64,41 +137,90 @@ class LockStore(Protocol):
     def holder_is_gone(self, body: dict) -> bool:
         """Whether the holder is known dead now (no need to wait out its lease)."""
 
+    def fenced(self) -> contextlib.AbstractContextManager[Optional[tuple[int, dict]]]:
+        """The lock as it is now, read for a change made inside the block (locally, the block
+        holds the OS lock that every change to the lock needs)."""
+
+
+# GCS objects with generations, through google-cloud-storage (Beam's client has no preconditions).
+
+@functools.lru_cache(maxsize=16)
+def _gcs_client(_endpoint: Optional[str], _pid: int):
+    from google.cloud.storage import Client
+
+    return Client()
+
+
+def gcs_bucket_and_name(path: str) -> tuple[Any, str]:
+    """The bucket and object name of a gs:// path; one client per process and endpoint."""
+    bucket, _, name = path[len("gs://"):].partition("/")
+    client = _gcs_client(os.environ.get("STORAGE_EMULATOR_HOST"), os.getpid())
+    return client.bucket(bucket), name
+
+
+def gcs_read(path: str) -> Optional[tuple[int, bytes]]:
+    """(generation, bytes) of a GCS object, the bytes of that generation; None if absent."""
+    from google.api_core import exceptions
+
+    bucket, name = gcs_bucket_and_name(path)
+    while True:
+        blob = bucket.get_blob(name)  # its metadata: the generation
+        if blob is None:
+            return None
+        generation = int(blob.generation)
+        try:  # the body of that generation, not of a newer one
+            return generation, blob.download_as_bytes(if_generation_match=generation)
+        except (exceptions.NotFound, exceptions.PreconditionFailed):
+            continue  # changed in between: look again
+
+
+def gcs_write(path: str, data: bytes, if_generation: int,
+              content_type: str = "application/json") -> Optional[int]:
+    """Upload ``data`` only if the object is at ``if_generation`` (0: absent). The new
+    generation, or None when refused. A refusal whose object now holds exactly ``data`` was this
+    upload, applied, its response lost and its retry refused: its generation is returned."""
+    from google.api_core import exceptions
+
+    bucket, name = gcs_bucket_and_name(path)
+    blob = bucket.blob(name)
+    try:
+        blob.upload_from_string(data, content_type=content_type, if_generation_match=if_generation)
+    except exceptions.PreconditionFailed:
+        current = gcs_read(path)
+        if current is not None and current[1] == data and current[0] != if_generation:
+            return current[0]
+        return None
+    return int(blob.generation)
+
+
+def gcs_delete(path: str, if_generation: int) -> bool:
+    """Delete the object only if it is at ``if_generation``: whether it is gone now."""
+    from google.api_core import exceptions
+
+    bucket, name = gcs_bucket_and_name(path)
+    try:
+        bucket.blob(name).delete(if_generation_match=if_generation)
+    except exceptions.NotFound:
+        return True
+    except exceptions.PreconditionFailed:
+        return gcs_read(path) is None
+    return True
+
 
 class GcsLockStore:
     """The lock as a GCS object, every change under an ``if_generation_match`` precondition."""
 
-    def __init__(self, path: str):
-        from google.cloud.storage import Client
+    exclusive = False
 
-        bucket, _, name = path[len("gs://"):].partition("/")
-        self._blob_name = name
-        self._bucket = Client().bucket(bucket)
+    def __init__(self, path: str):
+        self._path = path
 
     def read(self) -> Optional[tuple[int, dict]]:
-        from google.api_core import exceptions
-
-        while True:
-            blob = self._bucket.get_blob(self._blob_name)  # its metadata: the generation
-            if blob is None:
-                return None
-            generation = int(blob.generation)
-            try:  # the body of that generation, not of a newer one
-                data = blob.download_as_bytes(if_generation_match=generation)
-            except (exceptions.NotFound, exceptions.PreconditionFailed):
-                continue  # changed in between: look again
-            return generation, json.loads(data)
+        found = gcs_read(self._path)
+        return None if found is None else (found[0], json.loads(found[1]))
 
     def _upload(self, body: dict, generation: int) -> Optional[int]:
-        from google.api_core import exceptions
-
-        blob = self._bucket.blob(self._blob_name)
-        try:
-            blob.upload_from_string(json.dumps(body), content_type="application/json",
-                                    if_generation_match=generation)
-        except exceptions.PreconditionFailed:
-            return None
-        return int(blob.generation)
+        return gcs_write(self._path, json.dumps(body).encode("utf-8"), generation)
 
     def create(self, body: dict) -> Optional[int]:
         return self._upload(body, 0)  # 0: only if no live object has this name
@@ -112,15 +234,91 @@ class GcsLockStore:
     def holder_is_gone(self, body: dict) -> bool:
         return False  # another machine's process: only its lease running out tells
 
+    @contextlib.contextmanager
+    def fenced(self) -> Iterator[Optional[tuple[int, dict]]]:
+        yield self.read()
+
+
+# Local disk.
+
+# Filesystems that several machines mount: flock does not span them (gcsfuse has none at all).
+SHARED_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "gpfs", "afs",
+    "beegfs", "ocfs2", "gfs2", "fuse.gcsfuse", "gcsfuse", "fuse.sshfs", "fuse.s3fs",
+    "fuse.rclone", "fuse.juicefs", "fuse.glusterfs", "fuse.ceph-fuse", "fuse.goofys",
+    "fuse.mountpoint-s3", "fuse.blobfuse", "fuse.blobfuse2"})
+
+
+def _unescape_mount_path(path: str) -> str:
+    """mountinfo's octal escapes (``\\040`` for a space) undone."""
+    out, i = [], 0
+    while i < len(path):
+        if path[i] == "\\" and path[i + 1:i + 4].isdigit():
+            out.append(chr(int(path[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(path[i])
+            i += 1
+    return "".join(out)
+
+
+def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> Optional[str]:
+    """The type of the filesystem that holds ``path`` (``ext4``, ``nfs4``, ``fuse.gcsfuse``...)
+    from the longest mount point above it in ``mountinfo``; None where it cannot be read."""
+    try:
+        with open(mountinfo, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best, best_type = "", None
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        parts, kinds = fields.split(), rest.split()
+        if len(parts) < 5 or not kinds:
+            continue
+        mount = _unescape_mount_path(parts[4])
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, best_type = mount, kinds[0]
+    return best_type
+
+
+def _read_text(path: str) -> Optional[str]:
+    try:
+        if os.path.islink(path):
+            return os.readlink(path)
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def process_identity() -> dict:
+    """Where this process lives: hostname, pid, and (Linux) its PID namespace and boot, so that a
+    holder on the same hostname in another container or after a reboot is never judged by a pid
+    that means nothing here."""
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "pid_namespace": _read_text("/proc/self/ns/pid"),
+            "boot_id": _read_text("/proc/sys/kernel/random/boot_id")}
+
 
 class LocalLockStore:
     """The lock as a local file; each read-compare-write holds ``flock`` on its folder (every
     process on this machine sees it; a killed process's flock is released by the OS)."""
 
-    def __init__(self, path: str):
+    exclusive = True
+
+    def __init__(self, path: str, filesystem: Optional[str] = None):
         self._path = path
         self._folder = os.path.dirname(path) or "."
         os.makedirs(self._folder, exist_ok=True)
+        kind = filesystem if filesystem is not None else filesystem_type(self._folder)
+        if kind in SHARED_FILESYSTEMS:
+            raise ValueError(
+                f"{self._folder} is on a {kind} filesystem, which several machines may mount: the "
+                f"publish lock (flock) does not span machines there. Write to gs:// or to a "
+                f"local disk")
 
     @contextlib.contextmanager
     def _guarded(self) -> Iterator[None]:
@@ -170,9 +368,20 @@ class LocalLockStore:
             if current is not None and current[0] == generation:
                 os.remove(self._path)
 
+    @contextlib.contextmanager
+    def fenced(self) -> Iterator[Optional[tuple[int, dict]]]:
+        with self._guarded():
+            yield self._read()
+
     def holder_is_gone(self, body: dict) -> bool:
-        """A holder on this machine whose process has ended (killed: it never released)."""
-        if body.get("host") != socket.gethostname() or not isinstance(body.get("pid"), int):
+        """A holder in this machine's boot and PID namespace whose process has ended (killed: it
+        never released). A holder that recorded another namespace or boot, or none (an earlier
+        release), is waited for: its pid means nothing here."""
+        here = process_identity()
+        if (body.get("host") != here["host"] or not isinstance(body.get("pid"), int)
+                or here["pid_namespace"] is None or here["boot_id"] is None
+                or body.get("pid_namespace") != here["pid_namespace"]
+                or body.get("boot_id") != here["boot_id"]):
             return False
         try:
             os.kill(body["pid"], 0)
@@ -197,64 +406,89 @@ def lock_store(output: str) -> LockStore:
 @dataclasses.dataclass
 class _Held:
     generation: int
-    renewed: float  # time.monotonic() of the last successful renewal's start
+    renewed: float  # now() at the start of the last successful renewal
 
 
 class PublishLease:
     """``with PublishLease(output, run_id, lease_s):`` holds the output's publish lease inside the
-    block, renewed in a thread of its own; ``check()`` raises ``LeaseLost`` once it is not safe to
-    write any more."""
+    block, renewed in a thread of its own. ``change(action, ...)`` runs one change of the output
+    fenced by it (``LeaseLost`` once it is not safe to write any more); ``check()`` verifies it
+    without a change."""
 
     def __init__(self, output: str, run_id: str, lease_s: float = 600,
                  poll_s: Optional[float] = None, store: Optional[LockStore] = None):
-        if lease_s <= 0:
-            raise ValueError(f"lease_s must be positive, got {lease_s!r}")
+        require_lease_s(lease_s)
         self._output, self._lease_s = output, lease_s
         self._poll_s = min(lease_s / 4, 5.0) if poll_s is None else poll_s
         self._store = store if store is not None else lock_store(output)
         self._body: dict[str, Any] = {
-            "holder": f"{run_id}/{uuid.uuid4().hex[:8]}", "run_id": run_id,
-            "host": socket.gethostname(), "pid": os.getpid()}
+            "holder": f"{run_id}/{uuid.uuid4().hex[:8]}", "run_id": run_id, **process_identity()}
         self._held: Optional[_Held] = None
         self._lost: Optional[str] = None
         self._stop = threading.Event()
         self._renewer: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        # GCS generations of the small objects (the manifest) this holder read or wrote: its
+        # writes of them are conditional on these (``put``, ``remove``).
+        self.generations: dict[str, int] = {}
 
     @property
     def holder(self) -> str:
         return self._body["holder"]
+
+    @property
+    def output(self) -> str:
+        return self._output
+
+    def _ours(self, current: Optional[tuple[int, dict]]) -> bool:
+        return (current is not None and current[1].get("holder") == self.holder
+                and not current[1].get("released"))
+
+    def _adopt(self, refused_generation: Optional[int]) -> Optional[int]:
+        """After a refused create or replace: the lock's generation if it holds this holder's
+        body (the change was applied, its response lost, its retry refused), else None."""
+        if refused_generation is not None:
+            return refused_generation
+        current = self._store.read()
+        if self._ours(current):
+            assert current is not None
+            _LOG.info("the publish lease on %s: a change reported refused had been applied "
+                      "(a lost response); %s holds it", self._output, self.holder)
+            return current[0]
+        return None
 
     def acquire(self) -> None:
         """Wait until the lease is free, or has stood unrenewed for ``lease_s``, and take it."""
         seen: Optional[int] = None
         seen_since = 0.0
         while True:
-            now = time.monotonic()
             current = self._store.read()
+            read_at = now()  # after the read: a read that took long saw a generation at its end
             if current is None:
-                generation = self._store.create(self._body)
+                generation = self._adopt(self._store.create(self._body))
+            elif self._ours(current):
+                generation = current[0]  # our own create or takeover, its response lost
             elif current[1].get("released"):
-                generation = self._store.replace(self._body, current[0])
+                generation = self._adopt(self._store.replace(self._body, current[0]))
             else:
                 if current[0] != seen:  # renewed since we last looked: the holder lives
-                    seen, seen_since = current[0], now
+                    seen, seen_since = current[0], read_at
                 generation = None
                 if self._store.holder_is_gone(current[1]):
                     _LOG.warning("the publish lease on %s is held by %s, whose process has ended: "
                                  "%s takes it over", self._output, current[1].get("holder"),
                                  self.holder)
-                    generation = self._store.replace(self._body, current[0])
-                elif now - seen_since >= self._lease_s:
+                    generation = self._adopt(self._store.replace(self._body, current[0]))
+                elif read_at - seen_since >= self._lease_s:
                     _LOG.warning("the publish lease on %s held by %s was not renewed for %.0f s "
                                  "(killed or stalled): %s takes it over", self._output,
-                                 current[1].get("holder"), now - seen_since, self.holder)
-                    generation = self._store.replace(self._body, current[0])
+                                 current[1].get("holder"), read_at - seen_since, self.holder)
+                    generation = self._adopt(self._store.replace(self._body, current[0]))
                 else:
                     _LOG.info("%s is publishing into %s; %s waits", current[1].get("holder"),
                               self._output, self.holder)
             if generation is not None:
-                self._held = _Held(generation, now)
+                self._held = _Held(generation, read_at)
                 self._renewer = threading.Thread(target=self._renew, daemon=True,
                                                  name="newsvec-publish-lease")
                 self._renewer.start()
@@ -267,9 +501,9 @@ class PublishLease:
                 held = self._held
             if held is None:
                 return
-            started = time.monotonic()
+            started = now()
             try:
-                generation = self._store.replace(self._body, held.generation)
+                generation = self._adopt(self._store.replace(self._body, held.generation))
             except Exception as exc:  # pylint: disable=broad-except  # retried at the next turn
                 _LOG.warning("renewing the publish lease on %s failed (%s); retrying",
                              self._output, exc)
@@ -280,20 +514,103 @@ class PublishLease:
                     _LOG.error("the publish lease on %s was taken over: %s stops", self._output,
                                self.holder)
                     return
-                self._held = _Held(generation, started)
+                if self._held is not None:
+                    self._held = _Held(generation, started)
 
-    def check(self) -> None:
-        """Raise ``LeaseLost`` unless this holder may still write: call before every change."""
+    def _check_time(self) -> None:
         with self._lock:
             if self._held is None:
                 raise LeaseLost(f"{self.holder} does not hold the publish lease on {self._output}")
             if self._lost:
                 raise LeaseLost(f"{self.holder} lost the publish lease on {self._output}: "
                                 f"{self._lost}")
-            stale = time.monotonic() - self._held.renewed
+            stale = now() - self._held.renewed
             if stale > self._lease_s / 2:
                 raise LeaseLost(f"{self.holder}: the publish lease on {self._output} was not "
                                 f"renewed for {stale:.0f} s (lease {self._lease_s:.0f} s)")
+
+    def _verify(self, current: Optional[tuple[int, dict]]) -> None:
+        """The lock as just read must still name this holder, and its renewal be recent."""
+        if not self._ours(current):
+            other = current[1].get("holder") if current is not None else None
+            with self._lock:
+                if self._held is not None and not self._lost:
+                    self._lost = f"it was taken over by {other}" if other else "it is gone"
+            self._check_time()  # raises: lost
+        self._check_time()
+
+    @contextlib.contextmanager
+    def fenced(self) -> Iterator[None]:
+        """The block changes the output only while this holder holds the lease: the lock is read
+        immediately before it (locally the block holds the OS lock a takeover needs)."""
+        with self._store.fenced() as current:
+            self._verify(current)
+            yield
+
+    def check(self) -> None:
+        """Raise ``LeaseLost`` unless this holder may still write: the lock read again, and a
+        renewal within half the lease."""
+        with self.fenced():
+            pass
+
+    def change(self, action: Callable[..., Any], *args, undo: Optional[Callable[[], Any]] = None
+               ) -> Any:
+        """``action(*args)``, one change of the output, fenced (``fenced``). ``undo``: for a long
+        change (a copy), what makes it harmless if the lease turns out lost by its end; then the
+        lock is read again after it (where the storage cannot exclude a takeover during it)."""
+        with self.fenced():
+            result = action(*args)
+        if undo is not None and not self._store.exclusive:
+            try:
+                self.check()
+            except LeaseLost:
+                _LOG.error("%s lost the publish lease on %s during a change: undoing it",
+                           self.holder, self._output)
+                undo()
+                raise
+        return result
+
+    def put(self, path: str, data: bytes, write_local: Callable[[], Any]) -> None:
+        """Replace a small object of the output (the manifest), fenced: on GCS only if it is
+        still at the generation this holder last read or wrote (``generations``, read now if
+        this holder never did), so that a write delayed past a takeover is refused by GCS; on
+        local disk by ``write_local()`` under the lock (``change``)."""
+        if not path.startswith("gs://"):
+            self.change(write_local)
+            return
+        if path not in self.generations:
+            self.read_object(path)
+
+        def conditional() -> None:
+            generation = gcs_write(path, data, self.generations[path])
+            if generation is None:
+                raise LeaseLost(f"{self.holder}: {path} was changed by another holder of the "
+                                f"publish lease on {self._output}: it was taken over")
+            self.generations[path] = generation
+
+        self.change(conditional)
+
+    def remove(self, path: str, remove_local: Callable[[], Any]) -> None:
+        """Delete a small object of the output (the manifest), fenced as ``put``."""
+        if not path.startswith("gs://"):
+            self.change(remove_local)
+            return
+        if path not in self.generations:
+            self.read_object(path)
+
+        def conditional() -> None:
+            if not gcs_delete(path, self.generations[path]):
+                raise LeaseLost(f"{self.holder}: {path} was changed by another holder of the "
+                                f"publish lease on {self._output}: it was taken over")
+            self.generations[path] = 0
+
+        self.change(conditional)
+
+    def read_object(self, path: str) -> Optional[bytes]:
+        """A small GCS object of the output, its generation kept for ``put`` and ``remove``."""
+        found = gcs_read(path)
+        self.generations[path] = found[0] if found is not None else 0
+        return found[1] if found is not None else None
 
     def release(self) -> None:
         self._stop.set()

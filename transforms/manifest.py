@@ -5,7 +5,13 @@ A batch run writes into ``<output>/_staging/<run_id>/`` (``vectors/``, ``dead_le
 ``transforms.commit``, the job's last step), ``publish``:
 
 1. writes ``_manifest.json`` (state ``publishing``) naming the staged files: from this moment a
-   reader that follows the manifest reads the new run, whole;
+   reader that follows the manifest reads the new run, whole. An incremental run's manifest also
+   records the snapshots of the previous outputs it skipped articles for (``skipped_from``) and
+   the manifest it replaces (``previous``): before anything else, whoever publishes it (the run,
+   a retried attempt of it, an older run that finds it cut off, ``repair``) checks that each
+   snapshot still holds; if one does not, it puts ``previous`` back and fails
+   (``SnapshotChanged``); if all do, it writes the manifest again without them (checked: from
+   here on the publish only goes forward);
 2. deletes every file of the published folders (``vectors/``, ``dead_letter/``, ``chunks/``,
    ``keys/``) that is not this run's, then copies this run's files in (a copy, so that the staged
    files the manifest names stay whole meanwhile): a reader that globs ``vectors/**/*.parquet``
@@ -14,9 +20,12 @@ A batch run writes into ``<output>/_staging/<run_id>/`` (``vectors/``, ``dead_le
    and deletes the staging folder.
 
 Every step can run again (a retried bundle, ``repair``). Only the holder of the output's publish
-lease (``transforms.lease``) publishes, and it checks the lease before every file it writes,
-deletes or copies: a publisher whose lease was taken over stops before it changes one more file.
-``repair`` and ``clean_stale`` serve ``newsvec cleanup`` (``pipeline/cleanup.py``) after a kill.
+lease (``transforms.lease``) publishes, and every change it makes is fenced by it
+(``PublishLease.change``: the lock read again just before; on GCS the manifest written only if
+unchanged since this holder last saw it, a copy undone if the lease was lost during it): a
+publisher whose lease was taken over stops before it changes one more file. ``repair``,
+``remove_strays`` and ``clean_stale`` serve ``newsvec cleanup`` (``pipeline/cleanup.py``) after a
+kill.
 """
 from __future__ import annotations
 
@@ -25,7 +34,7 @@ import datetime as dt
 import json
 import shutil
 import time
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from apache_beam.io.filesystems import FileSystems
 
@@ -44,11 +53,18 @@ from transforms.layout import (
     temp_path,
     write_whole,
 )
-from transforms.lease import PublishLease
+from transforms.lease import PublishLease, unsafe_test_timings
 from transforms.schema import Counts
 
 PUBLISHING, COMMITTED = "publishing", "committed"
 STALE_AFTER_S = 2 * 86400  # older staged or temporary files than this are a dead run's
+# The youngest staged or temporary file a clean-up may take for a dead run's: a live writer's
+# temporary file is younger (it is written within one bundle), and so is the newest staged file of
+# a batch job that still runs unless the job has been running for longer (the default of
+# ``newsvec cleanup`` is a day, of the commit's own clean-up two). Under the test override only
+# (``transforms.lease.UNSAFE_TEST_TIMINGS_ENV``) it may be less.
+MIN_STALE_AGE_S = 3600.0
+_DELETES_PER_CHANGE = 100  # files in one fenced delete (one GCS batch request)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,23 +82,63 @@ class Manifest:
     committed_at: Optional[str] = None
     chunks: list = dataclasses.field(default_factory=list)  # chunks mode
     keys: list = dataclasses.field(default_factory=list)  # the key index (transforms.incremental)
+    # A publishing manifest of an incremental run, until its check: the snapshots it skipped
+    # articles for (``Snapshot.to_dict``), and the manifest it replaces (None: there was none).
+    # Both absent (written without) once checked, in a committed manifest, and in the manifests
+    # of earlier releases.
+    skipped_from: Optional[list] = None
+    previous: Optional[dict] = None
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        if not self.skipped_from:  # nothing to check: neither field is written
+            del out["skipped_from"], out["previous"]
+        return out
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Manifest":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})  # a later release's fields
 
 
-def read_manifest(output: str) -> Optional[Manifest]:
-    path = join_path(output, MANIFEST_FILE)
+def _manifest_path(output: str) -> str:
+    return join_path(output, MANIFEST_FILE)
+
+
+def read_manifest(output: str, lease: Optional[PublishLease] = None) -> Optional[Manifest]:
+    """The output's manifest, or None. With ``lease`` (its holder's read, before it writes the
+    manifest), on GCS the generation read is kept for the holder's conditional writes."""
+    path = _manifest_path(output)
+    if lease is not None and path.startswith("gs://"):
+        data = lease.read_object(path)
+        return None if data is None else Manifest.from_dict(json.loads(data.decode("utf-8")))
     if not FileSystems.exists(path):
         return None
     with FileSystems.open(path) as f:
-        return Manifest(**json.loads(f.read().decode("utf-8")))
+        return Manifest.from_dict(json.loads(f.read().decode("utf-8")))
 
 
-def write_manifest(output: str, manifest: Manifest) -> None:
-    """Replace ``<output>/_manifest.json`` whole."""
+def write_manifest(output: str, manifest: Manifest, lease: Optional[PublishLease] = None) -> None:
+    """Replace ``<output>/_manifest.json`` whole: by the holder of ``lease``, fenced by it
+    (``PublishLease.put``); without (a tool that writes an output no run publishes into), as is."""
+    path = _manifest_path(output)
     data = manifest.to_json().encode("utf-8")
-    write_whole(output, join_path(output, MANIFEST_FILE), lambda f: f.write(data))
+
+    def write() -> None:
+        write_whole(output, path, lambda f: f.write(data))
+
+    if lease is None:
+        write()
+    else:
+        lease.put(path, data, write)
+
+
+def _remove_manifest(output: str, lease: PublishLease) -> None:
+    path = _manifest_path(output)
+    lease.remove(path, lambda: FileSystems.delete([path]) if FileSystems.exists(path) else None)
 
 
 def delete_tree(path: str) -> None:
@@ -94,15 +150,34 @@ def delete_tree(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)  # Beam's local delete does not take empty folders
 
 
-def _copy_whole(output: str, source: str, target: str) -> None:
-    """Copy so that the target never exists half-written: a GCS copy creates the object whole; on
-    local disk the copy goes to ``_temp/`` first and is renamed."""
+def _delete_quietly(paths: list[str]) -> None:
+    try:
+        FileSystems.delete(paths)
+    except IOError:
+        pass  # already gone
+
+
+def _copy_whole(output: str, source: str, target: str, lease: PublishLease) -> None:
+    """Copy so that the target never exists half-written, fenced by ``lease``: a GCS copy creates
+    the object whole (and is undone if the lease was lost while it ran); on local disk the copy
+    goes to ``_temp/`` first (not a change: nobody reads there) and the rename is the change."""
     if FileSystems.get_scheme(target) is not None:
-        FileSystems.copy([source], [target])
+        lease.change(FileSystems.copy, [source], [target],
+                     undo=lambda: _delete_quietly([target]))
         return
     temp = temp_path(output)
     FileSystems.copy([source], [temp])
-    FileSystems.rename([temp], [target])
+    try:
+        lease.change(FileSystems.rename, [temp], [target])
+    except BaseException:
+        _delete_quietly([temp])
+        raise
+
+
+def _delete_fenced(paths: list[str], lease: PublishLease) -> None:
+    """Delete files, the lease checked before each request (of up to ``_DELETES_PER_CHANGE``)."""
+    for start in range(0, len(paths), _DELETES_PER_CHANGE):
+        lease.change(FileSystems.delete, paths[start:start + _DELETES_PER_CHANGE])
 
 
 def _published(relative_staged: str) -> str:
@@ -110,21 +185,45 @@ def _published(relative_staged: str) -> str:
     return relative_staged.split("/", 2)[2]
 
 
+def check_snapshots(output: str, manifest: Manifest, lease: PublishLease) -> Manifest:
+    """Before a ``publishing`` manifest is published: each snapshot it skipped articles for must
+    still hold the run that was read (``transforms.incremental.Snapshot.still_holds``). If one
+    does not, the manifest it replaced is put back (nothing has been changed yet but the
+    manifest), and ``SnapshotChanged`` is raised. If all do, the manifest is written again without
+    them, and returned: from then on the publish only goes forward, and a retry does not check
+    again. A manifest without snapshots is returned as it is."""
+    if not manifest.skipped_from:
+        return manifest
+    # Here, not at the top: transforms.incremental reads manifests (this module) itself.
+    from transforms.incremental import Snapshot, SnapshotChanged  # pylint: disable=import-outside-toplevel
+
+    snapshots = [Snapshot.from_dict(s) for s in manifest.skipped_from]
+    changed = [s for s in snapshots if not s.still_holds()]
+    if changed:
+        if manifest.previous is None:
+            _remove_manifest(output, lease)
+        else:
+            write_manifest(output, Manifest.from_dict(manifest.previous), lease)
+        raise SnapshotChanged(
+            f"run {manifest.run_id} counted articles unchanged because "
+            + ", ".join(s.describe() for s in changed)
+            + " held them, but each has changed since (republished, being published, or a "
+              "micro-batch redone or compacted): nothing published, the output's previous "
+              "manifest put back; rerun this run, which reads the new output")
+    checked = dataclasses.replace(manifest, skipped_from=None, previous=None)
+    write_manifest(output, checked, lease)
+    return checked
+
+
 def publish(output: str, manifest: Manifest, lease: PublishLease) -> Manifest:
     """Steps 1-3 of the module docstring, for a manifest in state ``publishing``, by the holder of
-    ``lease``. Returns the committed manifest."""
-
-    def change(action, *args) -> None:
-        lease.check()  # fenced: never one more change once the lease is lost
-        action(*args)
-
-    change(write_manifest, output, manifest)
+    ``lease``: its snapshot check first (``check_snapshots``). Returns the committed manifest."""
+    manifest = check_snapshots(output, manifest, lease)
     # First every old file, in every folder, then the new ones: a reader never sees two runs.
     for subdir in PUBLISHED_DIRS:
         ours = {_published(p) for p in getattr(manifest, subdir)}
-        for path in list_files(join_path(output, subdir, "**")):
-            if relative_to(output, path) not in ours:
-                change(FileSystems.delete, [path])
+        _delete_fenced([path for path in list_files(join_path(output, subdir, "**"))
+                        if relative_to(output, path) not in ours], lease)
     sizes = list_files(join_path(staging_prefix(output, manifest.run_id), "**"))
     for subdir in PUBLISHED_DIRS:
         present = list_files(join_path(output, subdir, "**"))
@@ -132,10 +231,10 @@ def publish(output: str, manifest: Manifest, lease: PublishLease) -> Manifest:
         for staged in getattr(manifest, subdir):
             source, target = join_path(output, staged), join_path(output, _published(staged))
             if present.get(target) != sizes.get(source):  # not there yet, or a torn local copy
-                change(_copy_whole, output, source, target)
+                _copy_whole(output, source, target, lease)
     if manifest.summary != SUMMARY_FILE:
-        change(FileSystems.copy, [join_path(output, manifest.summary)],
-               [join_path(output, SUMMARY_FILE)])
+        _copy_whole(output, join_path(output, manifest.summary),
+                    join_path(output, SUMMARY_FILE), lease)
     committed = dataclasses.replace(
         manifest, state=COMMITTED, summary=SUMMARY_FILE,
         vectors=[_published(p) for p in manifest.vectors],
@@ -143,38 +242,88 @@ def publish(output: str, manifest: Manifest, lease: PublishLease) -> Manifest:
         chunks=[_published(p) for p in manifest.chunks],
         keys=[_published(p) for p in manifest.keys],
         committed_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
-    change(write_manifest, output, committed)
-    change(delete_tree, staging_prefix(output, manifest.run_id))
+    write_manifest(output, committed, lease)
+    lease.change(delete_tree, staging_prefix(output, manifest.run_id))
     return committed
 
 
 def repair(output: str, lease: PublishLease) -> Optional[Manifest]:
     """Finish a publish that was killed midway (its manifest still says ``publishing``, and its
-    staged files are whole), by the holder of ``lease``. Returns the committed manifest, or None if
-    there was nothing to do."""
-    current = read_manifest(output)
+    staged files are whole), by the holder of ``lease``, after its snapshot check (which may put
+    the previous manifest back and raise ``SnapshotChanged``). Returns the committed manifest, or
+    None if there was nothing to do."""
+    current = read_manifest(output, lease)
     if current is None or current.state != PUBLISHING:
         return None
     return publish(output, current, lease)
 
 
-def clean_stale(output: str, older_than_s: float, now: Optional[float] = None) -> list[str]:
-    """Delete what killed workers and runs leave behind: files under ``_temp/`` and
-    ``_staging/<run_id>/`` last written more than ``older_than_s`` ago. Never the files of a run
-    that the manifest says is publishing (``repair`` finishes that one), never published data."""
+def remove_strays(output: str, lease: PublishLease) -> list[str]:
+    """Delete the files of the published folders that a committed manifest does not name: what a
+    publisher that lost its lease may have landed after the taker published (a late copy it could
+    not undo). Nothing while the manifest says publishing, or without a manifest (a streaming
+    output)."""
+    current = read_manifest(output, lease)
+    if current is None or current.state != COMMITTED:
+        return []
+    strays = []
+    for subdir in PUBLISHED_DIRS:
+        ours = set(getattr(current, subdir))
+        strays += [path for path in list_files(join_path(output, subdir, "**"))
+                   if relative_to(output, path) not in ours]
+    _delete_fenced(strays, lease)
+    return strays
+
+
+def min_stale_age_s() -> float:
+    """The youngest a staged or temporary file taken for a dead run's may be."""
+    return 0.0 if unsafe_test_timings() else MIN_STALE_AGE_S
+
+
+def require_stale_age(older_than_s: float) -> float:
+    floor = min_stale_age_s()
+    if older_than_s < floor:
+        raise ValueError(f"older than {older_than_s:g} s: a staged or temporary file that young "
+                         f"may be a live run's; the least is {floor:g} s")
+    return older_than_s
+
+
+def _runs_being_published(manifest: Optional[Manifest]) -> set[str]:
+    """The runs whose staged files a publishing manifest may still need: its own, and those of the
+    publishing manifests it would put back (``previous``)."""
+    runs: set[str] = set()
+    current: Optional[dict[str, Any]] = manifest.to_dict() if manifest is not None else None
+    while current is not None and current.get("state") == PUBLISHING:
+        runs.add(current["run_id"])
+        current = current.get("previous")
+    return runs
+
+
+def clean_stale(output: str, older_than_s: float, lease: PublishLease,
+                now: Optional[float] = None) -> list[str]:
+    """Delete what killed workers and runs leave behind, by the holder of ``lease`` (checked
+    before each delete): the files under ``_temp/`` last written more than ``older_than_s`` ago,
+    and the staging folders ``_staging/<run_id>/`` whose newest file is that old (a run that still
+    writes keeps all of its files). ``older_than_s`` is at least ``MIN_STALE_AGE_S``. Never the
+    files of a run that the manifest says is publishing (``repair`` finishes that one), never
+    published data."""
+    require_stale_age(older_than_s)
     now = time.time() if now is None else now
-    current = read_manifest(output)
-    keep = (join_path(staging_prefix(output, current.run_id), "")
-            if current is not None and current.state == PUBLISHING else None)
-    doomed = []
-    for subdir in (TEMP_DIR, STAGING_DIR):
-        for match in FileSystems.match([join_path(output, subdir, "**")])[0].metadata_list:
-            if keep and match.path.startswith(keep):
-                continue
-            if now - match.last_updated_in_seconds > older_than_s:
-                doomed.append(match.path)
-    if doomed:
-        FileSystems.delete(doomed)
+    keep = _runs_being_published(read_manifest(output, lease))
+    doomed: list[str] = []
+    staging_root = join_path(output, STAGING_DIR, "")
+    runs: dict[str, list] = {}
+    for match in FileSystems.match([join_path(output, STAGING_DIR, "**")])[0].metadata_list:
+        run = match.path[len(staging_root):].split("/", 1)[0]
+        runs.setdefault(run, []).append(match)
+    for run, matches in sorted(runs.items()):
+        newest = max(m.last_updated_in_seconds for m in matches)
+        if run not in keep and now - newest > older_than_s:
+            doomed += sorted(m.path for m in matches)
+    for match in FileSystems.match([join_path(output, TEMP_DIR, "**")])[0].metadata_list:
+        if now - match.last_updated_in_seconds > older_than_s:
+            doomed.append(match.path)
+    _delete_fenced(doomed, lease)
     return doomed
 
 
