@@ -31,12 +31,14 @@ from transforms.manifest import clean_stale, remove_strays, repair, require_stal
 _LOG = logging.getLogger(__name__)
 
 
-def _checked(check, name: str):
+def checked_argument(check):
+    """An argparse ``type`` that reads a float and checks it: a ``ValueError`` becomes a usage
+    error that argparse prints with the option's name, not a traceback."""
     def parse(text: str) -> float:
         try:
             return check(float(text))
         except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"{name}: {exc}") from None
+            raise argparse.ArgumentTypeError(str(exc)) from None
     return parse
 
 
@@ -44,11 +46,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.cleanup",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="a newsvec output prefix, local or gs://")
-    parser.add_argument("--older-than-s", type=_checked(require_stale_age, "--older-than-s"),
+    parser.add_argument("--older-than-s", type=checked_argument(require_stale_age),
                         default=86400,
                         help="delete temporary files and staged runs older than this (default: a "
                              "day, longer than any batch job runs; at least an hour)")
-    parser.add_argument("--lease-s", type=_checked(require_lease_s, "--lease-s"), default=600,
+    parser.add_argument("--lease-s", type=checked_argument(require_lease_s), default=600,
                         help="the output's publish lease (sink.commit_lease_s): a run that holds "
                              "it is waited for, one killed while publishing for this long on GCS "
                              "(at least 360)")

@@ -28,9 +28,10 @@ from typing import Optional
 import pyarrow as pa
 
 from pipeline import config as config_lib
+from pipeline.cleanup import checked_argument
 from transforms.compaction import CompactionResult, Hook, compact_partition
 from transforms.layout import new_run_id, partitions_between
-from transforms.lease import PublishLease
+from transforms.lease import PublishLease, require_lease_s
 from transforms.windowing import GROUPING_GRACE_S
 
 CLOSED_MARGIN_S = 300
@@ -96,8 +97,9 @@ def parser() -> argparse.ArgumentParser:
     when.add_argument("--from", dest="start", help="with --until: the hours of [from, until)")
     parser.add_argument("--until", dest="end", help="end of the range (exclusive), RFC 3339")
     parser.add_argument("--row-group-rows", type=int, help="default: the config's, or 16384")
-    parser.add_argument("--lease-s", type=float, help="the output's publish lease "
-                                                      "(default: sink.commit_lease_s, 600)")
+    parser.add_argument("--lease-s", type=checked_argument(require_lease_s),
+                        help="the output's publish lease (default: sink.commit_lease_s, 600; at "
+                             "least 360)")
     parser.add_argument("--closed-after-s", type=float,
                         help="an hour is closed this long after its end (default: "
                              "allowed_lateness_s + 3600 s of grouping grace + 300 s)")

@@ -749,6 +749,11 @@ def test_the_lease_and_the_clean_up_age_have_floors_no_config_can_lower(tmp_path
         cleanup.main(["--output", str(tmp_path), "--older-than-s", "0"])
     with pytest.raises(SystemExit):
         cleanup.main(["--output", str(tmp_path), "--lease-s", "60"])
+    from pipeline import compact
+
+    with pytest.raises(SystemExit) as usage:  # a usage error, not a ValueError's traceback
+        compact.main(["--output", str(tmp_path), "--lease-s", "60"])
+    assert usage.value.code == 2
     data["sink"]["commit_lease_s"] = 360
     path.write_text(json.dumps(data))
     assert config_lib.load(str(path)).sink.commit_lease_s == 360
