@@ -38,7 +38,7 @@ import datetime as dt
 import json
 import re
 import sys
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -273,32 +273,26 @@ def _load_key(r) -> Optional[str]:
 
 
 _ORDER_COLUMNS = [c for c in VERSION_ORDER if c != "dt"]
+_FILE_COLUMNS = ("id", "text_sha256", *_ORDER_COLUMNS)
+_CHUNK = 5000  # article ids per query of the store, and file rows compared at a time
+_DAY = re.compile(r"/dt=([0-9]{4}-[0-9]{2}-[0-9]{2})/")
 
 
-def _file_rows(prefix: str, holders: dict[str, set[str]]) -> tuple[list[dict], set[str]]:
-    """The article versions of the vectors files (each row: id, text_sha256 and the
-    ``VERSION_ORDER`` columns, timestamps as microseconds, ``dt`` from the file's partition), and
-    the article ids of the dead letters of the dead-letter files. Compacted files are whole hours
-    and may hold rows of records out of the range: checked all the same."""
-    rows: list[dict] = []
-    for holder in sorted(holders["vectors"]):
-        path = prefix + holder
-        if not FileSystems.exists(path):
-            continue  # named missing by the file checks
-        with FileSystems.open(path) as f:
-            table = pq.read_table(f)
-        day = _DAY.search(holder)
-        columns: dict[str, list] = {"id": table.column("id").to_pylist(),
-                                    "text_sha256": table.column("text_sha256").to_pylist()}
-        for name in _ORDER_COLUMNS:
-            columns[name] = (table.column(name).cast(pa.int64()).to_pylist()
-                             if name in table.column_names else [None] * table.num_rows)
-        for i in range(table.num_rows):
-            row = {name: values[i] for name, values in columns.items()}
-            row["dt"] = dt.date.fromisoformat(day.group(1)) if day else None
-            rows.append(row)
+def _file_columns(path: str, columns) -> Optional[pa.Table]:
+    """``columns`` of a Parquet file, those it has (a file written before ``updated_at`` lacks
+    it), never the others (its embeddings); None if it is gone (named missing by the file
+    checks)."""
+    if not FileSystems.exists(path):
+        return None
+    with FileSystems.open(path) as f:
+        parquet = pq.ParquetFile(f)
+        return parquet.read(columns=[c for c in columns if c in parquet.schema_arrow.names])
+
+
+def _letter_ids(prefix: str, holders: set[str]) -> set[str]:
+    """The article ids of the dead letters of the dead-letter files ``holders``."""
     letters: set[str] = set()
-    for holder in sorted(holders["dead letter"]):
+    for holder in sorted(holders):
         path = prefix + holder
         if not FileSystems.exists(path):
             continue
@@ -307,10 +301,33 @@ def _file_rows(prefix: str, holders: dict[str, set[str]]) -> tuple[list[dict], s
                 event_id = json.loads(line).get("event_id")
                 if isinstance(event_id, str):
                     letters.add(event_id)
-    return rows, letters
+    return letters
 
 
-_DAY = re.compile(r"/dt=([0-9]{4}-[0-9]{2}-[0-9]{2})/")
+class _StoredRows:
+    """The store's rows of given articles (id, ``text_sha256``, the ``VERSION_ORDER`` columns,
+    ``load_key``), read ``_CHUNK`` ids at a time through the primary key."""
+
+    NAMES = ["id", "text_sha256", *VERSION_ORDER, "load_key"]
+
+    def __init__(self, conn, settings: StoreSettings, there: set[str]):
+        from psycopg import sql
+
+        self._conn = conn
+        self._query = sql.SQL("SELECT {} FROM {} WHERE id = ANY(%s)").format(
+            sql.SQL(", ").join(sql.Identifier(n) if n in there else sql.SQL("NULL")
+                               for n in self.NAMES),
+            sql.Identifier(settings.schema_name, settings.table))
+
+    def of(self, ids) -> dict[str, dict]:
+        # text cannot hold NUL: such an id is never stored
+        sendable = sorted({i for i in ids if isinstance(i, str) and "\x00" not in i})
+        found: dict[str, dict] = {}
+        for start in range(0, len(sendable), _CHUNK):
+            for values in self._conn.execute(self._query,
+                                             (sendable[start:start + _CHUNK],)).fetchall():
+                found[values[0]] = dict(zip(self.NAMES, values, strict=True))
+        return found
 
 
 def _check_store(output: str, records: list, settings: StoreSettings, verify: bool,
@@ -319,9 +336,11 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
     (its load key is in ``<table>_loads`` with its row count and its rejected rows), and its
     stored rows and rejected rows add up to its rows; verifying, every article version of the
     vectors files (read through the compaction manifests) is the stored row of its article or
-    older than it, except the rows the store refused; and no row stored under a micro-batch's key
-    is missing from the files (a message that micro-batch dead-lettered, an earlier attempt's
-    row)."""
+    older than it, except the rows the store refused; no row stored under a micro-batch's key is
+    missing from the files (a message that micro-batch dead-lettered, an earlier attempt's row);
+    and no article a micro-batch withdrew (``store_withdrawn``: a redo with another outcome) is
+    without a row while a vectors file of the output holds it. The files are read one at a time,
+    only the columns compared (never the embeddings), and the store ``_CHUNK`` ids at a time."""
     from psycopg import sql
 
     from transforms.store import _printable, store_of
@@ -332,6 +351,7 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
     batch_keys: dict[str, str] = {}  # every micro-batch's load key -> where
     rejected: set[tuple] = set()
     by_reason: collections.Counter[str] = collections.Counter()
+    withdrawn: dict[str, str] = {}  # article -> the first record that withdrew it
     for r in records:
         where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
         key = _load_key(r)
@@ -340,6 +360,8 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
         for item in r.store_rejected:
             rejected.add((item.get("id"), item.get("text_sha256")))
             by_reason[str(item.get("reason"))] += 1
+        for doc_id in r.store_withdrawn:
+            withdrawn.setdefault(doc_id, where)
         if r.rows_written and not r.store_load_key:
             problems.append(f"{where}: {r.rows_written} rows but no store load in its record")
             continue
@@ -349,33 +371,69 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
                 problems.append(f"{where}: {r.store_rows} rows stored and "
                                 f"{len(r.store_rejected)} refused by the store, of "
                                 f"{r.rows_written} rows")
-    file_rows, letters = _file_rows(prefix, holders) if verify else ([], set())
-    ids = sorted({row["id"] for row in file_rows if isinstance(row["id"], str)} | letters)
     store = store_of(settings)
-    names = ["id", "text_sha256", *VERSION_ORDER, "load_key"]
-    stored: dict[str, dict] = {}
+    missing, older = [], []
+    named: set[str] = set()  # articles already named: each once
+    matched: set[str] = set()  # articles whose stored row a file holds
+    suspects: dict[str, str] = {}  # article -> its row's load key: a micro-batch's, no file's yet
+    found: set[str] = set()  # articles of the files that the store holds
+    held_by: dict[str, str] = {}  # withdrawn article with no row -> a vectors file that holds it
     with store.connect() as conn:
         def columns(table: str) -> set[str]:  # a table created by an earlier release lacks some
             return {name for (name,) in conn.execute(
                 "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
                 "AND NOT attisdropped", (f'"{settings.schema_name}"."{table}"',)).fetchall()}
 
-        def select(wanted: list[str], there: set[str]):
-            return sql.SQL(", ").join(sql.Identifier(n) if n in there else sql.SQL("NULL")
-                                      for n in wanted)
-
         loads_table = sql.Identifier(settings.schema_name, f"{settings.table}_loads")
+        refused_column = (sql.Identifier("rejected") if "rejected" in columns(
+            f"{settings.table}_loads") else sql.SQL("NULL"))
         loads: dict = {key: (rows, len(refused or [])) for key, rows, refused in conn.execute(
             sql.SQL("SELECT load_key, rows, {} FROM {} WHERE load_key = ANY(%s)").format(
-                select(["rejected"], columns(f"{settings.table}_loads")), loads_table),
-            (list(keys),)).fetchall()}
-        table = sql.Identifier(settings.schema_name, settings.table)
-        there = columns(settings.table) if ids else set()
-        sendable = [i for i in ids if "\x00" not in i]  # text cannot hold NUL: never stored
-        for start in range(0, len(sendable), 5000):
-            for values in conn.execute(sql.SQL("SELECT {} FROM {} WHERE id = ANY(%s)").format(
-                    select(names, there), table), (sendable[start:start + 5000],)).fetchall():
-                stored[values[0]] = dict(zip(names, values, strict=True))
+                refused_column, loads_table), (list(keys),)).fetchall()}
+        stored = _StoredRows(conn, settings, columns(settings.table))
+        gone = set(withdrawn) - set(stored.of(withdrawn))  # withdrawn, and no row now
+        for holder in sorted(holders["vectors"]) if verify else ():
+            table = _file_columns(prefix + holder, _FILE_COLUMNS)
+            if table is None:
+                continue
+            day = _DAY.search(holder)
+            day_value = dt.date.fromisoformat(day.group(1)) if day else None
+            values: dict[str, list[Any]] = {
+                name: ((table.column(name).cast(pa.int64()) if name in _ORDER_COLUMNS
+                        else table.column(name)).to_pylist()
+                       if name in table.column_names else [None] * table.num_rows)
+                for name in _FILE_COLUMNS}
+            for doc_id in gone.intersection(values["id"]):
+                held_by.setdefault(doc_id, holder)
+            for start in range(0, table.num_rows, _CHUNK):
+                end = min(start + _CHUNK, table.num_rows)
+                rows_held = stored.of(values["id"][start:end])
+                for i in range(start, end):
+                    doc_id, sha = values["id"][i], values["text_sha256"][i]
+                    held = rows_held.get(doc_id)
+                    if held is not None:
+                        found.add(doc_id)
+                    same = held is not None and held["text_sha256"] == sha and \
+                        _micros(held["embedded_at"]) == values["embedded_at"][i]
+                    if same:
+                        matched.add(doc_id)
+                    elif held is not None and held["load_key"] in batch_keys:
+                        suspects.setdefault(doc_id, held["load_key"])
+                    if same or (_printable(doc_id), _printable(sha)) in rejected:
+                        continue
+                    if held is None:
+                        missing.append(doc_id)
+                        continue
+                    row = {name: values[name][i] for name in _ORDER_COLUMNS}
+                    row["dt"] = day_value
+                    if not version_key(held) > version_key(row):
+                        older.append(f"{doc_id} (the files' text {sha}, the store's "
+                                     f"{held['text_sha256']})")
+                        named.add(doc_id)
+        if verify:
+            for doc_id, held in stored.of(_letter_ids(prefix, holders["dead letter"])).items():
+                if held["load_key"] in batch_keys:
+                    suspects.setdefault(doc_id, held["load_key"])
     for key, (where, rows, refused) in sorted(keys.items()):
         if key not in loads:
             problems.append(f"{where}: its store load {key} is not in the store")
@@ -383,38 +441,37 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
             problems.append(f"{where}: the store loaded {loads[key][0]} rows (refused "
                             f"{loads[key][1]}) under {key}, the record says {rows} (refused "
                             f"{refused})")
-    missing, older = [], []
-    named: set[str] = set()  # articles already named: each once
-    in_files = set()
-    for row in file_rows:
-        doc_id, sha = row["id"], row["text_sha256"]
-        in_files.add((doc_id, sha, row["embedded_at"]))
-        if (_printable(doc_id), _printable(sha)) in rejected:
-            continue
-        held = stored.get(doc_id)
-        if held is None:
-            missing.append(doc_id)
-        elif not ((held["text_sha256"] == sha and _micros(held["embedded_at"])
-                   == row["embedded_at"]) or version_key(held) > version_key(row)):
-            older.append(f"{doc_id} (the files' text {sha}, the store's {held['text_sha256']})")
-            named.add(doc_id)
     if missing:
         problems.append(f"store: {len(missing)} articles of the vectors files are not in the store "
                         f"(first: {_printable(sorted(missing)[0])})")
     if older:
         problems.append(f"store: {len(older)} articles are stored as an older version than the "
                         f"vectors files hold (first: {_printable(sorted(older)[0])})")
-    strays = sorted(f"{doc_id} (under {held['load_key']})" for doc_id, held in stored.items()
-                    if held["load_key"] in batch_keys and doc_id not in named and (
-                        doc_id, held["text_sha256"], _micros(held["embedded_at"])) not in in_files)
+    strays = sorted(f"{doc_id} (under {key})" for doc_id, key in suspects.items()
+                    if doc_id not in matched and doc_id not in named)
     if strays:
         problems.append(f"store: {len(strays)} rows stored by a micro-batch are not in its files "
                         f"(dead-lettered there, or an earlier attempt's; first: "
                         f"{_printable(strays[0])})")
-    found = sum(1 for doc_id in {row["id"] for row in file_rows} if doc_id in stored)
-    return problems, {"store_loads": len(keys), "store_articles": found,
+    if gone - set(held_by):  # not in the files checked: any vectors file of the output
+        for path in _list(output, VECTORS_DIR, ".parquet", None):
+            holder = path[len(prefix):]
+            if holder in holders["vectors"]:
+                continue
+            table = _file_columns(path, ("id",))
+            if table is not None and "id" in table.column_names:
+                for doc_id in gone.intersection(table.column("id").to_pylist()):
+                    held_by.setdefault(doc_id, holder)
+    if held_by:
+        first = sorted(held_by)[0]
+        problems.append(f"store: {len(held_by)} articles that a redone micro-batch withdrew have "
+                        f"no row in the store although a vectors file holds them (first: "
+                        f"{_printable(first)}, withdrawn in {withdrawn[first]}, held by "
+                        f"{held_by[first]})")
+    return problems, {"store_loads": len(keys), "store_articles": len(found),
                       "store_rejected": sum(by_reason.values()),
-                      "store_rejected_by_reason": dict(sorted(by_reason.items()))}
+                      "store_rejected_by_reason": dict(sorted(by_reason.items())),
+                      "store_withdrawn": len(withdrawn)}
 
 
 def _micros(value: Optional[dt.datetime]) -> Optional[int]:

@@ -523,3 +523,199 @@ def test_a_batch_load_that_races_a_newer_publish_says_what_to_run(tmp_path, stor
     assert load_module.main(["--config", str(config), "--run-id", run_a]) == 1
     err = capsys.readouterr().err
     assert err.startswith("newsvec load: cannot read run") and "Traceback" not in err
+
+
+# --- isolating the rows the server refuses -------------------------------------------------------
+
+def _check_constraint(dsn: str, check: str) -> None:
+    with psycopg.connect(dsn) as conn:
+        conn.execute(f"ALTER TABLE news_vectors ADD CONSTRAINT dba_rule CHECK ({check})")
+
+
+def test_rows_the_server_refuses_are_isolated_without_a_table_or_lock_per_part(store_settings,
+                                                                              pg):
+    """400 rows of which the server refuses 30: the parts of the halving are ranges of one
+    staging table, so the load's transaction holds a few locks however many parts it tried.
+    Before, each part created and dropped a staging table inside its savepoint: every one of
+    them held its locks until the commit (20,762 for 8,000 rows with 10% refused; a server with
+    a small max_locks_per_transaction failed with "out of shared memory", retried for ever).
+    The locks are counted by a trigger on ``<table>_loads``, whose row is the load's last
+    write."""
+    store = Store(store_settings)
+    store.load(LoadRows(rows(["first"]), None, DAY), "run:0")  # creates the tables
+    _check_constraint(pg, "source IS DISTINCT FROM 'refused'")
+    with psycopg.connect(pg) as conn:
+        conn.execute("CREATE TABLE lock_count (n bigint)")
+        conn.execute("CREATE FUNCTION count_locks() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                     "INSERT INTO lock_count SELECT count(*) FROM pg_locks "
+                     "WHERE pid = pg_backend_pid(); RETURN NULL; END $$")
+        conn.execute("CREATE TRIGGER count_locks AFTER INSERT OR UPDATE ON news_vectors_loads "
+                     "FOR EACH ROW EXECUTE FUNCTION count_locks()")
+    ids = [f"id-{i:03d}" for i in range(400)]
+    refused = set(ids[7::13][:30])
+    table = with_column(rows(ids), "source", ["refused" if i in refused else "s" for i in ids])
+    loaded = store.load(LoadRows(table, None, DAY), "run:1")
+    assert sorted(r["id"] for r in loaded.rejected) == sorted(refused)
+    assert loaded.rows == 370 and len(stored(pg)) == 371
+    with psycopg.connect(pg) as conn:
+        (locks,) = conn.execute("SELECT max(n) FROM lock_count").fetchone()
+    assert locks < 64, f"the load held {locks} locks until its commit"
+
+
+def test_a_load_whose_rows_the_server_all_refuses_fails_naming_the_first(store_settings, pg,
+                                                                        caplog):
+    """A constraint every row fails (a problem of the table, not of the rows): more than
+    max(3, 10%) of a load's rows refused fail the load at once, not transient (no retry),
+    naming the first refusal, and nothing of it is stored. Before, every row was set aside and
+    the load (and the ledger) went through as if the rows were bad."""
+    store = Store(store_settings)
+    store.load(LoadRows(rows(["first"]), None, DAY), "run:0")
+    _check_constraint(pg, "source <> 's' OR id = 'first'")  # every row of this load fails
+    caplog.set_level(logging.WARNING, logger="newsvec.store")
+    with pytest.raises(StoreLoadFailed) as failed:
+        store.load(LoadRows(rows([f"id-{i:02d}" for i in range(40)]), None, DAY), "run:1")
+    message = str(failed.value)
+    assert "refused more than 4 of the load's 40 rows" in message, message
+    assert "the first: article id-00" in message and "23514" in message, message
+    assert "retrying" not in caplog.text
+    assert stored(pg) == [("first", "a")]
+    with psycopg.connect(pg) as conn:
+        assert conn.execute("SELECT load_key FROM news_vectors_loads").fetchall() == [("run:0",)]
+
+
+def test_finding_the_rows_the_server_refuses_has_a_deadline(store_settings, pg, monkeypatch):
+    """The halving's total time is bounded by ``statement_timeout_s`` (here a clock that jumps
+    20 minutes at each look, and 2 refused rows of 64: under the cap on refusals). Before,
+    nothing bounded it (81 s for 8,000 rows, growing with the refusals)."""
+    from transforms import store as store_module
+
+    store = Store(store_settings)
+    store.load(LoadRows(rows(["first"]), None, DAY), "run:0")
+    _check_constraint(pg, "source IS DISTINCT FROM 'refused'")
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1200
+        return now[0]
+
+    monkeypatch.setattr(store_module, "_clock", clock, raising=False)
+    ids = [f"id-{i:02d}" for i in range(64)]
+    table = with_column(rows(ids), "source", ["refused" if i in (3, 40) else "s"
+                                              for i in range(64)])
+    with pytest.raises(StoreLoadFailed, match="took over 1800 s"):
+        store.load(LoadRows(table, None, DAY), "run:1")
+    assert stored(pg) == [("first", "a")]
+
+
+def test_a_database_whose_encoding_is_not_utf8_is_refused_at_connect(postgres_server, monkeypatch,
+                                                                     caplog):
+    """A LATIN1 database cannot hold Chinese or Cyrillic text: before, every such article was
+    set aside one by one (refused_by_store) and the ledger balanced. Now the load fails at once
+    (not transient: no retry), saying why."""
+    name = "t_latin1_" + __import__("os").urandom(3).hex()
+    postgres_server.execute(f"CREATE DATABASE \"{name}\" ENCODING 'LATIN1' LC_COLLATE 'C' "
+                            "LC_CTYPE 'C' TEMPLATE template0")
+    try:
+        postgres_server.execute("CREATE EXTENSION IF NOT EXISTS vector", dbname=name)
+        monkeypatch.setenv(STORE_DSN_ENV, postgres_server.dsn(name))
+        settings = StoreSettings(enabled=True, dsn_env=STORE_DSN_ENV, retry_s=5)
+        caplog.set_level(logging.WARNING, logger="newsvec.store")
+        table = with_column(rows(["en", "zh"]), "title", ["news", "北京新闻"])
+        with pytest.raises(StoreLoadFailed, match="encoding LATIN1, not UTF8"):
+            Store(settings).load(LoadRows(table, None, DAY), "run:1")
+        assert "retrying" not in caplog.text
+    finally:
+        postgres_server.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# --- the load's transactions ---------------------------------------------------------------------
+
+def test_a_load_commits_before_it_logs_the_rows_it_set_aside(store_settings, pg):
+    """A log sink that is slow (or stalls) must not hold the table. When the rejection's warning
+    is logged, the load is committed (its row in ``<table>_loads`` is visible to another
+    session) and no session holds the table's lock. Before, the type lookups had opened an
+    implicit transaction, the load's transactions were savepoints of it, and the COMMIT came
+    after the warnings: a sink slower than lock_timeout_s got the session ended, on every
+    retry."""
+    seen: list[tuple] = []
+
+    class Probe(logging.Handler):
+        def emit(self, record):
+            if "not stored" in record.getMessage():
+                with psycopg.connect(pg, autocommit=True) as conn:
+                    seen.append((
+                        conn.execute("SELECT count(*) FROM news_vectors_loads "
+                                     "WHERE load_key = 'run:1'").fetchone()[0],
+                        conn.execute("SELECT count(*) FROM pg_locks "
+                                     "WHERE locktype = 'advisory'").fetchone()[0]))
+
+    handler = Probe()
+    logging.getLogger("newsvec.store").addHandler(handler)
+    try:
+        loaded = Store(store_settings).load(LoadRows(_poisoned("NaN"), None, DAY), "run:1")
+    finally:
+        logging.getLogger("newsvec.store").removeHandler(handler)
+    assert len(loaded.rejected) == 1
+    assert seen == [(1, 0)], "the load's row committed, the table's lock free, when it logs"
+
+
+def test_a_loader_frozen_in_its_copy_holds_nothing_another_load_waits_for(store_settings, pg,
+                                                                          monkeypatch):
+    """Loader A freezes in the middle of its COPY (a paused VM, a stopped process: its kernel
+    still acknowledges, so keepalives do not end it). Loader B must get through: the COPY fills
+    a temporary table before the table's lock is taken. Before, A held the lock through its COPY
+    until statement_timeout_s (30 minutes by default): B failed after retry_s."""
+    settings = settings_with(store_settings, lock_timeout_s=1, retry_s=3)
+    Store(settings).load(LoadRows(rows(["first"]), None, DAY), "run:0")
+    frozen, thaw = threading.Event(), threading.Event()
+    real_write_row = psycopg.Copy.write_row
+    a_thread: list[threading.Thread] = []
+
+    def write_row(self, row):
+        if a_thread and threading.current_thread() is a_thread[0] and not frozen.is_set():
+            frozen.set()
+            thaw.wait(60)
+        return real_write_row(self, row)
+
+    monkeypatch.setattr(psycopg.Copy, "write_row", write_row)
+    thread_a, out_a = _in_thread(
+        lambda: Store(settings).load(LoadRows(rows(["a", "a2"]), None, DAY), "run:a"))
+    a_thread.append(thread_a)
+    try:
+        assert frozen.wait(60), "loader A is in its COPY"
+        thread_b, out_b = _in_thread(
+            lambda: Store(settings).load(LoadRows(rows(["b"]), None, DAY), "run:b"))
+        thread_b.join(60)
+        assert out_b.get("result") is not None and out_b["result"].rows == 1, out_b
+    finally:
+        thaw.set()
+    thread_a.join(60)
+    assert out_a.get("result") is not None and out_a["result"].rows == 2, out_a
+    assert [i for i, _ in stored(pg)] == ["a", "a2", "b", "first"]
+
+
+# --- connections and settings --------------------------------------------------------------------
+
+def test_a_connection_gives_up_on_data_its_peer_does_not_acknowledge(store_settings, pg,
+                                                                     monkeypatch):
+    """Keepalives are not sent while sent data is unacknowledged (a COPY's rows, a result):
+    ``tcp_user_timeout`` (30 s) ends such a connection on both ends, unless the connection
+    string sets its own. Before, neither end set it (the kernel retries for about 15 minutes)."""
+    with Store(store_settings).connect() as conn:
+        assert conn.info.get_parameters().get("tcp_user_timeout") == "30000"
+        assert conn.execute("SHOW tcp_user_timeout").fetchone()[0] == "30000"
+    monkeypatch.setenv(STORE_DSN_ENV, pg + " tcp_user_timeout=5000")
+    with Store(store_settings).connect() as conn:
+        assert conn.info.get_parameters().get("tcp_user_timeout") == "5000"
+
+
+@pytest.mark.parametrize("field", ["lock_timeout_s", "statement_timeout_s"])
+def test_a_timeout_under_one_second_is_refused(field):
+    """0.0005 s was taken as 0 ms: no timeout at all."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=field):
+        StoreSettings(**{field: 0.0005})
+    with pytest.raises(ValidationError, match=field):
+        StoreSettings(**{field: 0.5})
+    assert getattr(StoreSettings(**{field: 1}), field) == 1

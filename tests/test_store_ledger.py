@@ -20,6 +20,7 @@ import json
 import numpy as np
 import psycopg
 import pyarrow.parquet as pq
+import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.utils.timestamp import Timestamp
 
@@ -230,3 +231,191 @@ def test_a_batch_run_whose_load_meets_a_row_the_table_refuses_completes_and_name
     with psycopg.connect(pg) as conn:
         assert sorted(i for (i,) in conn.execute("SELECT id FROM news_vectors")) == [
             "e0", "e1", "e3", "seed"]
+
+
+# --- a redo brings back what its earlier attempt replaced ----------------------------------------
+
+def test_a_redo_that_withdraws_an_article_brings_back_the_version_it_had_replaced(
+        tmp_path, store_settings, pg):
+    """x v1 stored by the micro-batch of 09:00; the micro-batch of 11:00 stores x v2 (later, so it
+    replaces v1), then is redone and x is a dead letter this time. Its withdrawal brings v1 back
+    (the store holds what the files say is current), and its record and ``<table>_loads`` name
+    x as withdrawn. Before, x had no row at all while the Parquet's current version was v1, and
+    ``ledger --store`` over 11:00 balanced."""
+    out = tmp_path / "out"
+    first = write(out, store_settings, micro_batch([doc("x", "m1", text="v1")]))
+    eleven = at(120)
+    write(out, store_settings, micro_batch([doc("x", "m2", text="v2", embedded_at=at(121))],
+                                           start=eleven))
+    assert stored(pg)["x"][0] == "v2"
+    redo = write(out, store_settings, micro_batch([], [letter("x", "m2")], start=eleven))
+    assert stored(pg) == {"x": ("v1", T0)}
+    with psycopg.connect(pg) as conn:
+        assert conn.execute("SELECT load_key FROM news_vectors").fetchall() == [
+            (first.store_load_key,)], "the row is v1's again, under the load that stored it"
+        assert conn.execute("SELECT withdrawn FROM news_vectors_loads WHERE load_key = %s",
+                            (_load_key(redo),)).fetchone() == (["x"],)
+    assert redo.store_withdrawn == ["x"]
+    report = ledger.check(str(out), store=store_settings)
+    assert report.ok and report.totals["store_withdrawn"] == 1, (report.problems, report.totals)
+    ranged = ledger.check(str(out), eleven, eleven + dt.timedelta(hours=1), store=store_settings)
+    assert ranged.ok, ranged.problems
+
+
+def _store_rows(ids, **kwargs):
+    from tests.test_store_faults import rows
+
+    return rows(ids, **kwargs)
+
+
+def test_a_redo_brings_back_a_batch_runs_version_with_its_chunks(store_settings, pg):
+    """A batch run stored x v1 with 2 chunks; a micro-batch stores x v2 with 3; the micro-batch is
+    redone without x. x is v1 again, with v1's 2 chunks. Before, x and its chunks were gone."""
+    from tests.test_store_faults import DAY, chunks
+    from tests.test_store_faults import stored as store_rows
+    from transforms.store import LoadRows, Store
+
+    store = Store(store_settings)
+    store.load(LoadRows(_store_rows(["x"], text="v1", chunk_count=[2]), chunks({("x", "v1"): 2}),
+                        DAY), "run:20261201T000000Z-00000001")
+    v2 = _store_rows(["x", "y"], text="v2", embedded_at=at(5), chunk_count=[3, 1])
+    store.load(LoadRows(v2, chunks({("x", "v2"): 3, ("y", "v2"): 1}, at(5)), DAY), "mb:m2",
+               ids=["x", "y"])
+    assert store_rows(pg, "id, chunk_index, text_sha256", "news_vectors_chunks")[:3] == [
+        ("x", 0, "v2"), ("x", 1, "v2"), ("x", 2, "v2")]
+    redo = store.load(LoadRows(_store_rows(["y"], text="v2", embedded_at=at(6), chunk_count=[1]),
+                               chunks({("y", "v2"): 1}, at(6)), DAY), "mb:m2", ids=["x", "y"])
+    assert store_rows(pg) == [("x", "v1"), ("y", "v2")]
+    assert store_rows(pg, "id, chunk_index, text_sha256", "news_vectors_chunks") == [
+        ("x", 0, "v1"), ("x", 1, "v1"), ("y", 0, "v2")]
+    assert list(redo.withdrawn) == ["x"]
+    assert store_rows(pg, "id, load_key") == [("x", "run:20261201T000000Z-00000001"),
+                                              ("y", "mb:m2")]
+
+
+def test_a_redo_brings_back_the_latest_version_that_lost_to_it(store_settings, pg):
+    """x: v1 (micro-batch m1), then v3 (m2, replaces v1), then v2 from micro-batch m4 and z's v2
+    from a batch run, both older than m2's rows, so they lose. m2 is redone without x and z: each
+    gets the latest version the files hold, v2 (m4's, the run's), not v1 and not nothing."""
+    from tests.test_store_faults import DAY
+    from tests.test_store_faults import stored as store_rows
+    from transforms.store import LoadRows, Store
+
+    store = Store(store_settings)
+    store.load(LoadRows(_store_rows(["x", "z"], text="v1"), None, DAY), "mb:m1", ids=["x", "z"])
+    store.load(LoadRows(_store_rows(["x", "z"], text="v3", updated_at=at(30)), None, DAY),
+               "mb:m2", ids=["x", "z"])
+    store.load(LoadRows(_store_rows(["x"], text="v2", updated_at=at(20)), None, DAY), "mb:m4",
+               ids=["x"])
+    store.load(LoadRows(_store_rows(["z"], text="v2", updated_at=at(20)), None, DAY),
+               "run:20261201T000000Z-00000001")
+    assert store_rows(pg) == [("x", "v3"), ("z", "v3")], "v2 lost to v3"
+    store.load(LoadRows(_store_rows(["w"]), None, DAY), "mb:m2", ids=["x", "z", "w"])
+    assert store_rows(pg, "id, text_sha256, load_key") == [
+        ("w", "a", "mb:m2"), ("x", "v2", "mb:m4"), ("z", "v2", "run:20261201T000000Z-00000001")]
+    # m4 redone without x: the version v2 had replaced comes back (v1, kept under m2, then m4)
+    store.load(LoadRows(_store_rows(["q"]), None, DAY), "mb:m4", ids=["x", "q"])
+    assert store_rows(pg, "id, text_sha256, load_key") == [
+        ("q", "a", "mb:m4"), ("w", "a", "mb:m2"), ("x", "v1", "mb:m1"),
+        ("z", "v2", "run:20261201T000000Z-00000001")]
+
+
+def test_a_redo_whose_version_a_later_load_replaced_leaves_the_later_one(store_settings, pg):
+    """x: v1 (m1), v2 (m2), v3 (m3). m2 redone without x: x stays v3 (m3's); then m3 redone
+    without x: x is v1, the latest version left in the files (m2's v2 was withdrawn). Before:
+    x had no row after m3's redo."""
+    from tests.test_store_faults import DAY
+    from tests.test_store_faults import stored as store_rows
+    from transforms.store import LoadRows, Store
+
+    store = Store(store_settings)
+    for key, text, minute in (("mb:m1", "v1", 0), ("mb:m2", "v2", 10), ("mb:m3", "v3", 20)):
+        store.load(LoadRows(_store_rows(["x"], text=text, updated_at=at(minute)), None, DAY), key,
+                   ids=["x"])
+    store.load(LoadRows(_store_rows(["y"]), None, DAY), "mb:m2", ids=["x", "y"])
+    assert store_rows(pg, "id, text_sha256, load_key") == [("x", "v3", "mb:m3"),
+                                                           ("y", "a", "mb:m2")]
+    store.load(LoadRows(_store_rows(["z"]), None, DAY), "mb:m3", ids=["x", "z"])
+    assert store_rows(pg, "id, text_sha256, load_key") == [
+        ("x", "v1", "mb:m1"), ("y", "a", "mb:m2"), ("z", "a", "mb:m3")]
+
+
+def test_the_versions_kept_for_a_redo_are_pruned_and_batch_loads_keep_none(store_settings, pg):
+    """A micro-batch's load keeps the row it replaces (and its chunks) in
+    ``<table>_superseded`` (``_chunks_superseded``); a batch run's load, never redone with
+    another outcome, keeps nothing when it replaces; what is older than
+    ``superseded_keep_days`` is deleted by the next load."""
+    from tests.test_store_faults import DAY, chunks
+    from transforms.store import LoadRows, Store
+
+    def kept() -> tuple:
+        with psycopg.connect(pg) as conn:
+            return tuple(conn.execute(f"SELECT count(*) FROM news_vectors{t}_superseded")
+                         .fetchone()[0] for t in ("", "_chunks"))
+
+    store = Store(store_settings)
+    store.load(LoadRows(_store_rows(["x"], text="v1", chunk_count=[2]), chunks({("x", "v1"): 2}),
+                        DAY), "mb:m1", ids=["x"])
+    assert kept() == (0, 0), "a new article replaces nothing"
+    store.load(LoadRows(_store_rows(["x"], text="v2", updated_at=at(1), chunk_count=[1]),
+                        chunks({("x", "v2"): 1}), DAY), "mb:m2", ids=["x"])
+    assert kept() == (1, 2)
+    store.load(LoadRows(_store_rows(["x"], text="v3", updated_at=at(2), chunk_count=[1]),
+                        chunks({("x", "v3"): 1}), DAY), "run:20261201T000000Z-00000001")
+    assert kept() == (1, 2), "the batch load kept nothing of what it replaced"
+    with psycopg.connect(pg) as conn:
+        conn.execute("UPDATE news_vectors_superseded SET saved_at = saved_at - interval '8 days'")
+        conn.execute("UPDATE news_vectors_chunks_superseded "
+                     "SET saved_at = saved_at - interval '8 days'")
+    store.load(LoadRows(_store_rows(["y"]), None, DAY), "mb:m3", ids=["y"])
+    assert kept() == (0, 0)
+
+
+def test_the_ledger_names_an_article_a_redo_withdrew_that_a_file_holds_and_the_store_lacks(
+        tmp_path, store_settings, pg):
+    """The sequence of the first test, but redone after ``superseded_keep_days`` (the version it
+    had replaced is forgotten, so nothing can bring it back): x has no row while the file of
+    09:00 holds it. ``ledger --store`` over 11:00 alone names x, the window that withdrew it
+    and the file that holds it. Before, it balanced."""
+    out = tmp_path / "out"
+    write(out, store_settings, micro_batch([doc("x", "m1", text="v1")]))
+    eleven = at(120)
+    write(out, store_settings, micro_batch([doc("x", "m2", text="v2", embedded_at=at(121))],
+                                           start=eleven))
+    with psycopg.connect(pg) as conn:
+        if conn.execute("SELECT to_regclass('news_vectors_superseded')").fetchone()[0]:
+            conn.execute("UPDATE news_vectors_superseded "
+                         "SET saved_at = saved_at - interval '8 days'")
+    write(out, store_settings, micro_batch([], [letter("x", "m2")], start=eleven))
+    assert "x" not in stored(pg)
+    problems = "\n".join(ledger.check(str(out), eleven, eleven + dt.timedelta(hours=1),
+                                      store=store_settings).problems)
+    assert "1 articles that a redone micro-batch withdrew have no row" in problems, problems
+    assert "first: x, withdrawn in window 2026-12-01T11:00:00Z" in problems, problems
+    assert "held by vectors/dt=2026-12-01/hour=09/" in problems, problems
+
+
+def test_the_ledger_reads_no_embeddings_from_the_vectors_files(tmp_path, store_settings, pg):
+    """``ledger --store`` reads the columns it compares, file by file: here a vectors file whose
+    embeddings cannot be read at all (their pages overwritten) is checked all the same. Before,
+    it read every file whole (400,000 rows of 768 dimensions: 2.4 GB, with a dict per row)."""
+    out = tmp_path / "out"
+    record = write(out, store_settings, micro_batch([doc("x", "m1"), doc("y", "m2")]))
+    path = out / record.vectors_file
+    metadata = pq.ParquetFile(path).metadata
+    with open(path, "r+b") as f:
+        for group in range(metadata.num_row_groups):
+            for i in range(metadata.num_columns):
+                column = metadata.row_group(group).column(i)
+                if column.path_in_schema.startswith("embedding"):
+                    start = column.dictionary_page_offset or column.data_page_offset
+                    f.seek(start)
+                    f.write(b"\xff" * column.total_compressed_size)
+    with pytest.raises((OSError, ValueError)):  # the embeddings cannot be read
+        pq.read_table(path)
+    report = ledger.check(str(out), store=store_settings)
+    assert report.ok and report.totals["store_articles"] == 2, report.problems
+    with psycopg.connect(pg) as conn:
+        conn.execute("DELETE FROM news_vectors WHERE id = 'y'")
+    assert any("1 articles of the vectors files are not in the store (first: y)" in p
+               for p in ledger.check(str(out), store=store_settings).problems)

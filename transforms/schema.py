@@ -771,6 +771,9 @@ class LedgerRecord:
     # The rows the store refused (transforms.store, StoreLoad.rejected): one
     # {"id", "text_sha256", "reason", "detail"} each; store_rows + these = rows_written
     store_rejected: list = dataclasses.field(default_factory=list)
+    # The articles an earlier attempt at this micro-batch stored and this one does not hold: their
+    # rows were withdrawn, the versions they had replaced brought back (StoreLoad.withdrawn)
+    store_withdrawn: list = dataclasses.field(default_factory=list)
 
     @property
     def counts(self) -> Counts:

@@ -312,21 +312,23 @@ class _WriteMicroBatchFn(beam.DoFn):
             self._store = store_of(self._store_settings)
 
     def _load(self, batch: MicroBatch, digest: str, rows: list, chunk_rows: list
-              ) -> tuple[int, Optional[str], list]:
+              ) -> tuple[int, Optional[str], list, list]:
         """The micro-batch's rows into the store, after its files and before its ledger record,
-        under its load key. Returns the rows stored, the key, and the rows the store refused
-        (``StoreLoad.rejected``: set aside with their reason, the rest stored). Once per outcome:
-        a retried micro-batch changes nothing, and one redone with another outcome (a row this
-        time, a dead letter the last, or the reverse) replaces what the earlier attempt stored,
-        so the store holds what the files hold. It is loaded even with no rows when a dead letter
+        under its load key. Returns the rows stored, the key, the rows the store refused
+        (``StoreLoad.rejected``: set aside with their reason, the rest stored) and the articles
+        whose rows an earlier attempt stored and this one withdrew (``StoreLoad.withdrawn``).
+        Once per outcome: a retried micro-batch changes nothing, and one redone with another
+        outcome (a row this time, a dead letter the last, or the reverse) replaces what the
+        earlier attempt stored, bringing back the versions it had replaced, so the store holds
+        what the files hold. It is loaded even with no rows when a dead letter
         names an article an earlier attempt may have stored. Retried on transient errors
         (``store.retry_s``); then the bundle fails and Beam retries it."""
         if self._store is None:
-            return 0, None, []
+            return 0, None, [], []
         maybe_stored = {letter.event_id for letter in batch.dead_letters
                         if letter.event_id is not None and "\x00" not in letter.event_id}
         if not rows and not maybe_stored:
-            return 0, None, []
+            return 0, None, [], []
         window = micro_batch_window(batch)
         key = micro_batch_load_key(batch, digest)
         loaded = self._store.load(LoadRows(
@@ -334,7 +336,7 @@ class _WriteMicroBatchFn(beam.DoFn):
             chunks=chunks_table(chunk_rows, self._chunk_schema) if chunk_rows else None,
             dt=window.start.to_utc_datetime().date()), key,
             ids=sorted({row.id for row in rows} | maybe_stored))
-        return loaded.rows, key, list(loaded.rejected)
+        return loaded.rows, key, list(loaded.rejected), list(loaded.withdrawn)
 
     def _path(self, subdir: str, batch: MicroBatch, digest: str, suffix: str) -> str:
         """``<subdir>/dt=…/hour=…/<name>``, relative to the output."""
@@ -378,7 +380,8 @@ class _WriteMicroBatchFn(beam.DoFn):
         letters = self._write_or_delete(
             self._path(DEAD_LETTER_DIR, batch, digest, ".jsonl"), _JsonLinesSink(),
             list(batch.dead_letters), map(_count_dead_letter, batch.dead_letters))
-        store_rows, store_key, store_rejected = self._load(batch, digest, rows, chunk_rows)
+        store_rows, store_key, store_rejected, store_withdrawn = self._load(
+            batch, digest, rows, chunk_rows)
         window = micro_batch_window(batch)
         record = LedgerRecord(
             run_id=self._run_id, window_start=_rfc3339(window.start),
@@ -395,7 +398,8 @@ class _WriteMicroBatchFn(beam.DoFn):
             written_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),
             chunks_written=len(chunk_rows), chunks_file=chunks,
             keys_written=len(key_rows), keys_file=keys, digest=digest,
-            store_rows=store_rows, store_load_key=store_key, store_rejected=store_rejected)
+            store_rows=store_rows, store_load_key=store_key, store_rejected=store_rejected,
+            store_withdrawn=store_withdrawn)
         self._write(self._path(LEDGER_DIR, batch, digest, ".json"), _JsonLinesSink(),
                     [record.to_json()])
         yield record

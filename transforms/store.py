@@ -2,24 +2,33 @@
 
 A batch run that has committed its Parquet, and each streaming micro-batch once its files are
 written, is loaded into ``<schema>.<table>`` (one row per article, the ``vectors/`` columns) and, in
-chunks mode, ``<table>_chunks`` (one row per chunk), both with an HNSW index (cosine). A load is
-one transaction: binary COPY into a temporary staging table, an upsert that keeps each article's
-current version (``schema.VERSION_ORDER``: ``updated_at``, ``published_at``, the day ``dt``, the
-Pub/Sub publish time, then ``embedded_at``, each later wins), and a row under its load key in
+chunks mode, ``<table>_chunks`` (one row per chunk), both with an HNSW index (cosine). A load
+stages its rows by binary COPY into temporary tables of its session (before it takes the table's
+lock), then, in one transaction under that lock: an upsert that keeps each article's current
+version (``schema.VERSION_ORDER``: ``updated_at``, ``published_at``, the day ``dt``, the Pub/Sub
+publish time, then ``embedded_at``, each later wins), and a row under its load key in
 ``<table>_loads`` with the load's outcome (a digest of the article versions it was given): a load
 whose key is there with the same outcome changes nothing, so a retried or repeated load is a
 no-op; one with another outcome (a streaming micro-batch redone, a row this time where it was a
-dead letter) first withdraws the rows the earlier load wrote, then loads its own.
+dead letter) first withdraws the rows the earlier load wrote, bringing back the versions they
+had replaced, then loads its own. To that end a micro-batch's load keeps what it replaces (and
+the versions that lose to its rows) in ``<table>_superseded`` and ``<table>_chunks_superseded``
+for ``superseded_keep_days``; a batch run's load is never redone with another outcome.
 
 Errors are of two kinds. Transient ones (the database down, failing over or read-only for a
 moment, a lock or statement timeout, a serialization failure) are retried with backoff for
 ``retry_s``. Data errors never succeed on retry: rows that cannot be stored (a NUL character, a
 non-finite vector, a timestamp out of range, or any row the server refuses) are set aside with
-their reason (``StoreLoad.rejected``), the rest of the load commits.
+their reason (``StoreLoad.rejected``), the rest of the load commits; but a load the server
+refuses more than ``max(3, 10%)`` of the rows of fails (the table's or the database's problem),
+as does a load into a database whose encoding is not UTF8.
 
 Every load bounds its waits: ``lock_timeout_s`` for the table's lock, ``statement_timeout_s`` for
-each statement, the server ends a session idle in its transaction, and TCP keepalives on both ends
-end a connection whose other end vanished.
+each statement (and for finding the rows the server refuses), ``lock_timeout_s`` again for a
+session idle inside its transaction (the server ends it), and TCP keepalives and
+``tcp_user_timeout`` on both ends end a connection whose other end vanished. The rows are sent
+before the table's lock is taken; under it, each statement runs on the server from the staged
+rows, so a client that freezes there holds the table for at most ``lock_timeout_s``.
 
 The connection string (DSN) never comes from the config file: it is read from the environment
 variable ``store.dsn_env`` or the secret file ``store.dsn_file``, and it is scrubbed from every
@@ -31,12 +40,13 @@ import dataclasses
 import datetime as dt
 import hashlib
 import logging
+import math
 import os
 import re
 import struct
 import time
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -66,6 +76,10 @@ BUILD_INDEX_AFTER_ROWS = 10_000  # a first load this large into an empty table i
 # network cut, no FIN) is found within about idle + interval x count = 25 s, instead of the
 # kernel's default of over two hours, and its session ends, releasing the table's lock.
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 3
+# Keepalives are not sent while data the peer has not acknowledged is outstanding (a COPY's rows, a
+# result), and the kernel retransmits such data for about 15 minutes: ``tcp_user_timeout`` (both
+# ends) ends the connection once sent data has gone unacknowledged this long.
+TCP_USER_TIMEOUT_MS = 30_000
 # PostgreSQL 14+: a running statement checks this often that its client is still there.
 CLIENT_CHECK_INTERVAL_MS = 5000
 
@@ -76,6 +90,20 @@ class StoreError(RuntimeError):
 
 class StoreLoadFailed(StoreError):
     """A load into the store failed; the Parquet it was loading from stays as committed."""
+
+
+REDOABLE = "mb:"
+"""The load keys of streaming micro-batches begin with it: a micro-batch may be redone with another
+outcome while its work item is uncommitted, so its load keeps what it replaces (``_superseded``).
+A batch run's load (``run:<run_id>``) is never redone with another outcome: a run's files do not
+change once committed, so a second load of a run finds the same outcome and changes nothing."""
+
+REFUSED_SHARE, REFUSED_AT_LEAST = 0.10, 3
+"""A load the server refuses more than ``max(REFUSED_AT_LEAST, REFUSED_SHARE x its rows)`` rows of
+fails (``StoreLoadFailed``): so many refusals are the table's or the database's problem (a
+constraint or trigger every row fails), not the rows'."""
+
+_clock = time.monotonic  # the isolation's deadline (tests replace it)
 
 
 def _identifier(value: str) -> str:
@@ -117,17 +145,27 @@ class StoreSettings(BaseModel):
                                                   "transient errors (the database down or failing "
                                                   "over, a lock or statement timeout)")
     lock_timeout_s: float = Field(
-        60, gt=0, le=86400,
-        description="how long one try of a load waits for the table's lock (another load holds "
-                    "it) or any other lock; then the try fails and is retried within `retry_s`. "
+        60, ge=1, le=86400,
+        description="how long (1 s at least) one try of a load waits for the table's lock "
+                    "(another load holds it) or any other lock; then the try fails and is retried "
+                    "within `retry_s`. "
                     "Also how long a load's session may sit idle inside its transaction before the "
                     "server ends it (a loader that stalled or vanished releases the table)")
     statement_timeout_s: float = Field(
-        1800, gt=0, le=86400,
-        description="the longest one statement of a load may run (the COPY, the upsert); then the "
-                    "try fails and is retried within `retry_s`. Raise it for batch loads of "
-                    "millions of rows into an indexed table. The HNSW index build after a first "
+        1800, ge=1, le=86400,
+        description="the longest (1 s at least) one statement of a load may run (the COPY, the "
+                    "upsert); then the try fails and is retried within `retry_s`. Raise it for "
+                    "batch loads of "
+                    "millions of rows into an indexed table. Also how long a load may spend "
+                    "finding the rows the server refuses. The HNSW index build after a first "
                     "large load is not bounded by it")
+    superseded_keep_days: float = Field(
+        7, gt=0, le=3650,
+        description="how long the store keeps an article's version that a streaming micro-batch "
+                    "replaced (or that lost to a micro-batch's row), so that a redo of that "
+                    "micro-batch with another outcome can bring it back; a micro-batch redone "
+                    "later than this leaves the article without a row, which `newsvec ledger "
+                    "--store` names")
 
     @field_validator("schema_name", "table")
     @classmethod
@@ -366,15 +404,46 @@ def _create_statements(settings: StoreSettings, dim: int,
         "CREATE TABLE IF NOT EXISTS {} (load_key text PRIMARY KEY, loaded_at timestamptz NOT NULL "
         "DEFAULT now(), rows integer NOT NULL, chunk_rows integer NOT NULL, "
         "articles_current integer NOT NULL, outcome text, "
-        "rejected jsonb NOT NULL DEFAULT '[]')").format(
+        "rejected jsonb NOT NULL DEFAULT '[]', withdrawn jsonb NOT NULL DEFAULT '[]')").format(
             _ident(schema, f"{settings.table}_loads")))
     return statements
 
 
+def _superseded_statements(settings: StoreSettings) -> list:
+    """``<table>_superseded`` and ``<table>_chunks_superseded``: the versions of articles (and
+    their chunks) that a micro-batch's load replaced, or that lost to a micro-batch's row, keyed
+    by that micro-batch's load key (``withdrawn_with``), the article and the version's own load
+    key: what a redo of that micro-batch brings back (``Store._withdraw``). Pruned by
+    ``saved_at`` (``store.superseded_keep_days``). Created like the tables they keep rows of,
+    after those have every column (``_add_columns``)."""
+    from psycopg import sql
+
+    schema = settings.schema_name
+    statements = []
+    for table, short in zip(_tables(settings), ("sup", "chunks_sup"), strict=True):
+        kept = _ident(schema, f"{table.name}_superseded")
+        key = ["withdrawn_with", "id", "load_key", *table.key[1:]]
+        statements += [
+            sql.SQL("CREATE TABLE IF NOT EXISTS {} (LIKE {}, withdrawn_with text NOT NULL, "
+                    "saved_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY ({}))").format(
+                kept, _ident(schema, table.name), sql.SQL(", ").join(map(_ident, key))),
+            sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (id)").format(
+                _ident(f"{settings.table}_{short}_id"), kept),
+            sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (saved_at)").format(
+                _ident(f"{settings.table}_{short}_saved_at"), kept)]
+    statements.append(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (loaded_at)").format(
+        _ident(f"{settings.table}_loads_loaded_at"),
+        _ident(schema, f"{settings.table}_loads")))
+    return statements
+
+
 # Columns added since the first release: a table created before gets them (ALTER TABLE, once:
-# only when the catalog lacks them, since ALTER TABLE takes the table's strongest lock).
+# only when the catalog lacks them, since ALTER TABLE takes the table's strongest lock). A column
+# added to the articles' table must be added to ``<table>_superseded`` too (suffix
+# ``_superseded``; that table was created with every column up to ``updated_at``).
 _ADDED_COLUMNS = (("", "updated_at", "timestamptz"), ("_loads", "outcome", "text"),
-                  ("_loads", "rejected", "jsonb NOT NULL DEFAULT '[]'"))
+                  ("_loads", "rejected", "jsonb NOT NULL DEFAULT '[]'"),
+                  ("_loads", "withdrawn", "jsonb NOT NULL DEFAULT '[]'"))
 
 
 def _index_statement(settings: StoreSettings, table: _Table, pgvector_type: str = "vector"):
@@ -599,8 +668,9 @@ class StoreLoad:
     outcome (nothing changed); ``rows``: the articles' rows it stored (the rows given, less
     ``rejected``); ``articles_current``: the articles whose stored row it wrote (the others
     already had a later version); ``rejected``: the rows the store cannot take, each a dict of
-    ``REJECTED_FIELDS``; ``withdrawn``: rows of an earlier load under the same key with another
-    outcome, deleted first."""
+    ``REJECTED_FIELDS``; ``withdrawn``: the articles an earlier try of the same load (a
+    micro-batch redone with another outcome) stored and this one does not hold, whose rows were
+    withdrawn (and the version each had replaced brought back)."""
 
     load_key: str
     rows: int
@@ -609,11 +679,12 @@ class StoreLoad:
     already_loaded: bool
     seconds: float
     rejected: tuple = ()
-    withdrawn: int = 0
+    withdrawn: tuple = ()
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
         out["rejected"] = list(self.rejected)
+        out["withdrawn"] = list(self.withdrawn)
         return out
 
 
@@ -626,6 +697,84 @@ class _Part:
     rows: int = 0
     chunk_rows: int = 0
     current: int = 0
+
+    def add(self, other: "_Part") -> None:
+        self.rows += other.rows
+        self.chunk_rows += other.chunk_rows
+        self.current += other.current
+
+
+@dataclasses.dataclass
+class _Staged:
+    """A load's rows in temporary tables of its session, staged before the table's lock is
+    taken: ``vectors`` (the columns of the articles' table and ``rn``, the row's position in
+    ``keep``) and ``chunks`` (the chunks of those rows), both built from ``LoadRows``."""
+
+    keep: list[int]  # positions in rows.vectors of the rows staged at rn = 0, 1, ...
+    names: list[str]  # the articles' table's columns
+    chunk_names: list[str]
+    vectors: str = "newsvec_stage_vectors"
+    chunks: Optional[str] = None  # None: no chunks
+    indexed: bool = False  # indexes for the parts of an isolation (created at its first need)
+    missing: set[int] = dataclasses.field(default_factory=set)  # rn the staging set aside
+
+    def rows_between(self, lo: int, hi: int) -> int:
+        return hi - lo - sum(1 for rn in self.missing if lo <= rn < hi)
+
+    def index(self, conn) -> None:
+        """Index ``rn`` (and the chunks' ``id``): the parts of an isolation read ranges of
+        them. Once per load, when the server first refuses a part."""
+        from psycopg import sql
+
+        if self.indexed:
+            return
+        conn.execute(sql.SQL("CREATE INDEX ON {} (rn)").format(_ident(self.vectors)))
+        if self.chunks is not None:
+            conn.execute(sql.SQL("CREATE INDEX ON {} (id, text_sha256)").format(
+                _ident(self.chunks)))
+        self.indexed = True
+
+
+class _Isolation:
+    """The rows the server refuses of one load, found by halving (``Store._isolate``), and the
+    bounds on finding them: more than ``cap`` refusals, or longer than ``budget_s`` from the
+    first, fail the load (``StoreLoadFailed``, not transient)."""
+
+    def __init__(self, rows: int, budget_s: float):
+        self.rows = rows
+        self.cap = max(REFUSED_AT_LEAST, math.ceil(REFUSED_SHARE * rows))
+        self.budget_s = budget_s
+        self.deadline: Optional[float] = None
+        self.refused: list[dict] = []
+
+    def started(self) -> None:
+        if self.deadline is None:
+            self.deadline = _clock() + self.budget_s
+
+    def check_time(self) -> None:
+        if self.deadline is not None and _clock() > self.deadline:
+            raise StoreLoadFailed(
+                f"finding the rows the store refuses of a load of {self.rows} rows took over "
+                f"{self.budget_s:g} s (store.statement_timeout_s; {len(self.refused)} refused "
+                f"so far{self._first()}): nothing of this load was stored; a table or database "
+                "that refuses this many rows needs fixing")
+
+    def refuse(self, item: Optional[dict]) -> None:
+        if item is None:  # counted already (another chunk of the same article)
+            return
+        self.refused.append(item)
+        if len(self.refused) > self.cap:
+            raise StoreLoadFailed(
+                f"the store refused more than {self.cap} of the load's {self.rows} rows "
+                f"(max({REFUSED_AT_LEAST}, {REFUSED_SHARE:.0%}){self._first()}): that many "
+                "refusals are a problem of the table or the database (a constraint or trigger "
+                "every row fails), not of the rows; nothing of this load was stored")
+
+    def _first(self) -> str:
+        if not self.refused:
+            return ""
+        first = self.refused[0]
+        return f"; the first: article {first['id']}: {first['detail']}"
 
 
 class Store:
@@ -642,34 +791,52 @@ class Store:
         return scrub(text, self._dsn)
 
     def _connect_kwargs(self) -> dict:
-        """``connect_timeout`` and client-side TCP keepalives, where the DSN sets none itself."""
+        """``connect_timeout``, client-side TCP keepalives and ``tcp_user_timeout``, where the
+        DSN sets none itself."""
         given = _parsed(self._dsn) or {}
         wanted = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": KEEPALIVE_IDLE_S,
                   "keepalives_interval": KEEPALIVE_INTERVAL_S,
-                  "keepalives_count": KEEPALIVE_COUNT}
+                  "keepalives_count": KEEPALIVE_COUNT, "tcp_user_timeout": TCP_USER_TIMEOUT_MS}
         return {k: v for k, v in wanted.items() if k not in given}
 
-    def _open(self) -> "psycopg.Connection":
-        """A connection with keepalives on both ends; ``OperationalError`` (scrubbed) when the
-        database cannot be reached."""
+    def _open(self, load: bool = False) -> "psycopg.Connection":
+        """A connection with keepalives on both ends, to a database whose encoding is UTF8;
+        ``OperationalError`` (scrubbed) when the database cannot be reached. ``load``: an
+        autocommit connection (each transaction of a load is explicit: ``conn.transaction()``)
+        whose session bounds its waits: ``lock_timeout``, ``statement_timeout``, and
+        ``idle_in_transaction_session_timeout`` (= the lock timeout: a load that stalls inside
+        its transaction holds others no longer than they would wait for it)."""
         import psycopg
 
         error = None
         try:
-            conn = psycopg.connect(self._dsn, **self._connect_kwargs())
+            conn = psycopg.connect(self._dsn, autocommit=load, **self._connect_kwargs())
         except psycopg.OperationalError as exc:
             error = psycopg.OperationalError(self.scrub(str(exc)))
         if error is not None:
             raise error  # outside the except: no __context__ that quotes the DSN
         try:
+            encoding = conn.info.parameter_status("server_encoding")
+            if encoding != "UTF8":
+                raise StoreLoadFailed(
+                    f"the store's database has the encoding {encoding}, not UTF8: it cannot hold "
+                    "every article's text (any character outside its encoding would be refused, "
+                    "row by row); create the database with ENCODING 'UTF8'")
             settings = {"tcp_keepalives_idle": KEEPALIVE_IDLE_S,
                         "tcp_keepalives_interval": KEEPALIVE_INTERVAL_S,
-                        "tcp_keepalives_count": KEEPALIVE_COUNT}
+                        "tcp_keepalives_count": KEEPALIVE_COUNT,
+                        "tcp_user_timeout": TCP_USER_TIMEOUT_MS}
             if conn.info.server_version >= 140000:
                 settings["client_connection_check_interval"] = CLIENT_CHECK_INTERVAL_MS
+            if load:
+                lock_ms = max(1, int(self.settings.lock_timeout_s * 1000))
+                settings.update({
+                    "lock_timeout": lock_ms, "idle_in_transaction_session_timeout": lock_ms,
+                    "statement_timeout": max(1, int(self.settings.statement_timeout_s * 1000))})
             conn.execute("SELECT " + ", ".join("set_config(%s, %s, false)" for _ in settings),
                          [x for k, v in settings.items() for x in (k, str(v))])
-            conn.commit()
+            if not load:
+                conn.commit()
         except BaseException:
             conn.close()
             raise
@@ -685,18 +852,6 @@ class Store:
             failure = _failure(exc, self._dsn, "cannot connect to the store")
         raise failure
 
-    def _bound(self, conn, statement_timeout_s: Optional[float] = None) -> None:
-        """This transaction's waits: ``lock_timeout``, ``statement_timeout``, and
-        ``idle_in_transaction_session_timeout`` (= the lock timeout: a load that stalls in its
-        transaction holds others no longer than they would wait for it)."""
-        statement = self.settings.statement_timeout_s if statement_timeout_s is None \
-            else statement_timeout_s
-        lock_ms = str(max(1, int(self.settings.lock_timeout_s * 1000)))
-        conn.execute("SELECT set_config('lock_timeout', %s, true), "
-                     "set_config('statement_timeout', %s, true), "
-                     "set_config('idle_in_transaction_session_timeout', %s, true)",
-                     (lock_ms, str(int(statement * 1000)), lock_ms))
-
     def load(self, rows: LoadRows, load_key: str, ids: Optional[Sequence[str]] = None
              ) -> StoreLoad:
         """Load ``rows`` under ``load_key`` (see the module docstring); retried with backoff on
@@ -705,8 +860,8 @@ class Store:
         may have written before (a streaming micro-batch's rows and dead letters; default: the
         rows' ids): a load under the same key with another outcome withdraws its rows among them.
         Raises ``StoreLoadFailed`` (scrubbed, with no chained exception) when it gives up or on
-        any error that is neither transient nor a data error; nothing of the load is then
-        stored."""
+        any error that is neither transient nor a data error, or when the server refuses too
+        many rows (``REFUSED_SHARE``); nothing of the load is then stored."""
         import tenacity
 
         # An id with a NUL cannot be in the table (nor be sent as a parameter).
@@ -726,15 +881,27 @@ class Store:
             before_sleep=log_retry, reraise=True)
         failure: Optional[StoreLoadFailed] = None
         try:
-            return retrying(self._load_once, rows, load_key, outcome, withdraw)
+            loaded = retrying(self._load_once, rows, load_key, outcome, withdraw)
         except StoreLoadFailed as exc:
             failure = StoreLoadFailed(self.scrub(str(exc)))
         except Exception as exc:  # pylint: disable=broad-except  # scrubbed, never chained
             failure = _failure(exc, self._dsn, f"store load {load_key} failed")
-        raise failure
+        if failure is not None:
+            raise failure
+        if not loaded.already_loaded:  # logged once committed: a slow log holds no lock
+            for item in loaded.rejected:
+                _LOG.warning("store load %s: row %s (text %s) not stored: %s (%s)", load_key,
+                             item["id"], item["text_sha256"], item["reason"],
+                             self.scrub(item["detail"]))
+        return loaded
 
     def _load_once(self, rows: LoadRows, load_key: str, outcome: str,
                    withdraw: list[str]) -> StoreLoad:
+        """One try of a load, on its own autocommit connection, in three transactions: the
+        tables (created or upgraded under the table's lock); the rows staged in temporary tables
+        (no lock of the store's tables: a loader that stalls here holds nothing another load
+        waits for); then, under the table's lock, everything that changes the tables, each
+        statement run by the server from the staged rows."""
         from psycopg import sql
         from psycopg.types import TypeInfo
         from psycopg.types.json import Jsonb
@@ -743,18 +910,38 @@ class Store:
         vectors_table, chunks_table = _tables(self.settings)
         schema = self.settings.schema_name
         loads = _ident(schema, f"{self.settings.table}_loads")
-        conn = self._open()
+        conn = self._open(load=True)
         with conn:
             # One load at a time per table: concurrent upserts of the same articles would
             # deadlock, and concurrent CREATE ... IF NOT EXISTS can collide.
             lock = sql.SQL("SELECT pg_advisory_xact_lock(hashtext({}))").format(
                 sql.Literal(f"newsvec-store:{schema}.{self.settings.table}"))
             with conn.transaction():
-                self._bound(conn)
                 conn.execute(lock)
                 for statement in _create_statements(self.settings, rows.dim, rows.vector_dtype):
                     conn.execute(statement)
-                self._add_columns(conn)
+                self._add_columns(conn, ("", "_loads"))
+                for statement in _superseded_statements(self.settings):
+                    conn.execute(statement)
+                self._add_columns(conn, ("_superseded",))
+
+            def loaded_before():
+                return conn.execute(sql.SQL(
+                    "SELECT rows, chunk_rows, outcome, rejected, withdrawn FROM {} "
+                    "WHERE load_key = %s").format(loads), (load_key,)).fetchone()
+
+            def no_op(prior) -> StoreLoad:
+                return StoreLoad(load_key, prior[0], prior[1], 0, True,
+                                 time.perf_counter() - started, tuple(prior[3] or ()),
+                                 tuple(prior[4] or ()))
+
+            quick = loaded_before()  # without the lock: a retried load stages nothing
+            if quick is not None and quick[2] == outcome:
+                with conn.transaction():
+                    conn.execute(lock)
+                    prior = loaded_before()
+                    if prior is not None and prior[2] == outcome:
+                        return no_op(prior)
             pgvector_type = self._embedding_type(conn, rows)
             info = TypeInfo.fetch(conn, pgvector_type)
             if info is None:
@@ -762,20 +949,20 @@ class Store:
                                       "vector)")
             info.register(conn)
             conn.adapters.register_dumper(np.ndarray, _vector_dumper(info.oid, pgvector_type))
-            keep, rejected = self._check(rows, pgvector_type == "halfvec")  # before the lock
-            groups = _chunk_groups(rows)
+            keep, rejected = self._check(rows, pgvector_type == "halfvec")
+            isolation = _Isolation(rows.vectors.num_rows, self.settings.statement_timeout_s)
+            staged = self._stage(conn, rows, keep, pgvector_type, load_key, isolation)
+            redoable = load_key.startswith(REDOABLE)
             with conn.transaction():
-                self._bound(conn)
                 conn.execute(lock)
-                prior = conn.execute(sql.SQL(
-                    "SELECT rows, chunk_rows, outcome, rejected FROM {} WHERE load_key = %s")
-                    .format(loads), (load_key,)).fetchone()
+                prior = loaded_before()
                 if prior is not None and prior[2] == outcome:
-                    return StoreLoad(load_key, prior[0], prior[1], 0, True,
-                                     time.perf_counter() - started, tuple(prior[3] or ()))
-                withdrawn = 0
+                    return no_op(prior)
+                self._prune(conn)
+                withdrawn = set(prior[4] or ()) if prior is not None else set()
                 if prior is not None:  # the same load with another outcome: a redo
-                    withdrawn = self._withdraw(conn, load_key, withdraw)
+                    withdrawn.update(self._withdraw(conn, load_key, withdraw))
+                withdrawn -= set(rows.vectors.column("id").to_pylist())
                 empty = conn.execute(sql.SQL("SELECT NOT EXISTS (SELECT 1 FROM {})").format(
                     _ident(schema, vectors_table.name))).fetchone()
                 index_after = bool(empty and empty[0]) and (
@@ -783,11 +970,17 @@ class Store:
                 if not index_after:
                     for table in (vectors_table, chunks_table):
                         conn.execute(_index_statement(self.settings, table, pgvector_type))
+                keeps = "replaced" if redoable else (
+                    "lost" if self._recent_micro_batch(conn) else None)
                 done = _Part()
-                self._load_parts(conn, rows, keep, groups, load_key, pgvector_type, done,
-                                 rejected)
+                for part in self._isolate(
+                        conn, len(staged.keep),
+                        lambda lo, hi: self._load_part(conn, staged, lo, hi, load_key, keeps),
+                        lambda i, exc: self._refusal(rows, staged.keep[i], exc), isolation):
+                    done.add(part)
+                rejected += isolation.refused
                 if index_after:
-                    self._bound(conn, statement_timeout_s=0)  # bounded by the keepalives only
+                    conn.execute("SET LOCAL statement_timeout = 0")  # the keepalives bound it
                     if self.settings.index_build_memory_mb is not None:
                         conn.execute(sql.SQL("SET LOCAL maintenance_work_mem = {}").format(
                             sql.Literal(f"{self.settings.index_build_memory_mb}MB")))
@@ -795,45 +988,139 @@ class Store:
                         conn.execute(_index_statement(self.settings, table, pgvector_type))
                 conn.execute(sql.SQL(
                     "INSERT INTO {} (load_key, rows, chunk_rows, articles_current, outcome, "
-                    "rejected) VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (load_key) DO UPDATE "
-                    "SET loaded_at = now(), rows = EXCLUDED.rows, "
-                    "chunk_rows = EXCLUDED.chunk_rows, "
+                    "rejected, withdrawn) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+                    "ON CONFLICT (load_key) DO UPDATE SET loaded_at = now(), "
+                    "rows = EXCLUDED.rows, chunk_rows = EXCLUDED.chunk_rows, "
                     "articles_current = EXCLUDED.articles_current, "
-                    "outcome = EXCLUDED.outcome, rejected = EXCLUDED.rejected").format(loads),
+                    "outcome = EXCLUDED.outcome, rejected = EXCLUDED.rejected, "
+                    "withdrawn = EXCLUDED.withdrawn").format(loads),
                     (load_key, done.rows, done.chunk_rows, done.current, outcome,
-                     Jsonb(rejected)))
-            for item in rejected:
-                _LOG.warning("store load %s: row %s (text %s) not stored: %s (%s)", load_key,
-                             item["id"], item["text_sha256"], item["reason"],
-                             self.scrub(item["detail"]))
+                     Jsonb(rejected), Jsonb(sorted(withdrawn))))
             return StoreLoad(load_key, done.rows, done.chunk_rows, done.current, False,
-                             time.perf_counter() - started, tuple(rejected), withdrawn)
+                             time.perf_counter() - started, tuple(rejected),
+                             tuple(sorted(withdrawn)))
 
-    def _add_columns(self, conn) -> None:
+    def _add_columns(self, conn, suffixes: Sequence[str]) -> None:
+        """The columns of ``_ADDED_COLUMNS`` of the tables ``suffixes`` that the catalog lacks
+        (one read of the catalog, an ALTER TABLE only for a column missing)."""
         from psycopg import sql
 
-        for suffix, column, type_ in _ADDED_COLUMNS:
-            table = f"{self.settings.table}{suffix}"
-            there = conn.execute(
-                "SELECT 1 FROM pg_attribute WHERE attrelid = %s::regclass AND attname = %s "
-                "AND NOT attisdropped",
-                (f'"{self.settings.schema_name}"."{table}"', column)).fetchone()
-            if there is None:
+        schema = self.settings.schema_name
+        wanted = [(f"{self.settings.table}{suffix}", column, type_)
+                  for suffix, column, type_ in _ADDED_COLUMNS if suffix in suffixes]
+        if not wanted:
+            return
+        there = set(conn.execute(
+            "SELECT c.relname, a.attname FROM pg_attribute a JOIN pg_class c "
+            "ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relname = ANY(%s) AND a.attnum > 0 "
+            "AND NOT a.attisdropped", (schema, sorted({t for t, _, _ in wanted}))).fetchall())
+        for table, column, type_ in wanted:
+            if (table, column) not in there:
                 conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
-                    _ident(self.settings.schema_name, table), _ident(column),
+                    _ident(schema, table), _ident(column),
                     sql.SQL(type_)))  # ours (_ADDED_COLUMNS), never input
 
-    def _withdraw(self, conn, load_key: str, ids: list[str]) -> int:
-        """Delete the rows (and their chunks) that an earlier load under ``load_key`` wrote and
-        that are still current, among ``ids``: found through the primary key, never a scan."""
-        from psycopg import sql
-
+    def _names(self, kept: bool = False) -> dict[str, "Any"]:
+        """Identifiers of the tables: ``vectors``, ``chunks``, ``loads`` and the two kept
+        versions' tables ``sup``, ``chunks_sup``."""
         vectors_table, chunks_table = _tables(self.settings)
         schema = self.settings.schema_name
-        conn.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s) AND load_key = %s").format(
-            _ident(schema, chunks_table.name)), (ids, load_key))
-        return conn.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s) AND load_key = %s").format(
-            _ident(schema, vectors_table.name)), (ids, load_key)).rowcount
+        return {"vectors": _ident(schema, vectors_table.name),
+                "chunks": _ident(schema, chunks_table.name),
+                "loads": _ident(schema, f"{self.settings.table}_loads"),
+                "sup": _ident(schema, f"{vectors_table.name}_superseded"),
+                "chunks_sup": _ident(schema, f"{chunks_table.name}_superseded")}
+
+    def _prune(self, conn) -> None:
+        """Forget the kept versions older than ``superseded_keep_days`` (through their
+        ``saved_at`` index: nothing is read when none is that old)."""
+        from psycopg import sql
+
+        names = self._names()
+        for table in ("sup", "chunks_sup"):
+            conn.execute(sql.SQL("DELETE FROM {} WHERE saved_at < now() - make_interval("
+                                 "secs => %s)").format(names[table]),
+                         (self.settings.superseded_keep_days * 86400,))
+
+    def _recent_micro_batch(self, conn) -> bool:
+        """Whether a micro-batch was loaded within ``superseded_keep_days`` (a redo of it may
+        still come): only then does a batch load keep the versions that lose to its rows."""
+        from psycopg import sql
+
+        row = conn.execute(sql.SQL(
+            "SELECT EXISTS (SELECT 1 FROM {} WHERE loaded_at > now() - make_interval(secs => %s) "
+            "AND starts_with(load_key, %s))").format(self._names()["loads"]),
+            (self.settings.superseded_keep_days * 86400, REDOABLE)).fetchone()
+        return bool(row and row[0])
+
+    def _withdraw(self, conn, load_key: str, ids: list[str]) -> list[str]:
+        """Undo what an earlier try of the load ``load_key`` did to the articles ``ids`` (found
+        through the primary keys, never a scan), before this try loads its own rows:
+        - an article whose row is that load's: the row and its chunks are deleted, and the
+          latest of the versions kept under ``load_key`` (the one it replaced, or one that lost
+          to it since) comes back, with its chunks; the other versions kept under it are now
+          kept under the version brought back (if a micro-batch's);
+        - an article whose row is another's (a later load replaced this load's version): this
+          load's version, if kept under that load, is forgotten, and the versions kept under
+          ``load_key`` are kept under that load instead (they lost to it, through this one);
+        Returns the ids of the first kind."""
+        from psycopg import sql
+
+        if not ids:
+            return []
+        names = self._names()
+        vector_cols, chunk_cols = (
+            [n for n, _ in table.column_types(1)] for table in _tables(self.settings))
+
+        def cols(which: list[str], alias: str = ""):
+            return sql.SQL(", ").join(sql.SQL(alias + "{}").format(_ident(n)) for n in which)
+
+        def each(statement: str, kind: str, params: tuple, **extra) -> None:
+            table, columns = ("sup", vector_cols) if kind == "" else ("chunks_sup", chunk_cols)
+            conn.execute(sql.SQL(statement).format(
+                kept=names[table], main=names["vectors" if kind == "" else "chunks"],
+                cols=cols(columns), s_cols=cols(columns, "s."), **extra), params)
+
+        mine = sorted(r[0] for r in conn.execute(sql.SQL(
+            "DELETE FROM {} WHERE id = ANY(%s) AND load_key = %s RETURNING id").format(
+                names["vectors"]), (ids, load_key)).fetchall())
+        if mine:
+            conn.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(names["chunks"]),
+                         (mine,))
+            best = conn.execute(sql.SQL(
+                "SELECT DISTINCT ON (id) id, load_key FROM {} WHERE withdrawn_with = %s "
+                "AND id = ANY(%s) ORDER BY id, {}").format(names["sup"], _latest_first()),
+                (load_key, mine)).fetchall()
+            if best:
+                back = ([b[0] for b in best], [b[1] for b in best])
+                for kind in ("", "chunks"):
+                    each("INSERT INTO {main} ({cols}) SELECT {s_cols} FROM {kept} s "
+                         "JOIN unnest(%s::text[], %s::text[]) AS b(id, load_key) "
+                         "ON s.id = b.id AND s.load_key = b.load_key "
+                         "WHERE s.withdrawn_with = %s", kind, (*back, load_key))
+                    each("INSERT INTO {kept} ({cols}, withdrawn_with) SELECT {s_cols}, b.load_key "
+                         "FROM {kept} s JOIN unnest(%s::text[], %s::text[]) AS b(id, load_key) "
+                         "ON s.id = b.id AND s.load_key <> b.load_key "
+                         "WHERE s.withdrawn_with = %s AND starts_with(b.load_key, %s) "
+                         "ON CONFLICT DO NOTHING", kind, (*back, load_key, REDOABLE))
+        others = sorted(set(ids) - set(mine))
+        if others:
+            held = conn.execute(sql.SQL(
+                "SELECT DISTINCT ON (id) id, withdrawn_with FROM {} WHERE load_key = %s "
+                "AND id = ANY(%s) ORDER BY id, saved_at DESC").format(names["sup"]),
+                (load_key, others)).fetchall()
+            if held:
+                under = ([h[0] for h in held], [h[1] for h in held])
+                for kind in ("", "chunks"):
+                    each("INSERT INTO {kept} ({cols}, withdrawn_with) SELECT {s_cols}, h.holder "
+                         "FROM {kept} s JOIN unnest(%s::text[], %s::text[]) AS h(id, holder) "
+                         "ON s.id = h.id WHERE s.withdrawn_with = %s ON CONFLICT DO NOTHING",
+                         kind, (*under, load_key))
+        for kind in ("", "chunks"):
+            each("DELETE FROM {kept} WHERE id = ANY(%s) AND (withdrawn_with = %s "
+                 "OR load_key = %s)", kind, (ids, load_key, load_key))
+        return mine
 
     def _check(self, rows: LoadRows, halfvec: bool) -> tuple[list[int], list[dict]]:
         """The rows that can be sent (indices of ``rows.vectors``), and a rejection for each one
@@ -859,129 +1146,234 @@ class Store:
                     if problem is not None]
         return keep, rejected
 
-    def _load_parts(self, conn, rows: LoadRows, keep: list[int], groups: dict, load_key: str,
-                    pgvector_type: str, done: _Part, rejected: list[dict]) -> None:
-        """Load the rows ``keep`` (and their chunks), each part in a savepoint: when the server
-        refuses a part for its data (``is_data_error``), the part is rolled back and halved, down
-        to the single rows it refuses, which are set aside in ``rejected``."""
-        if not keep:
-            return
-        failure = None
-        try:
-            with conn.transaction():  # a savepoint
-                part = self._load_part(conn, rows, keep, groups, load_key, pgvector_type)
-            done.rows += part.rows
-            done.chunk_rows += part.chunk_rows
-            done.current += part.current
-            return
-        except Exception as exc:  # pylint: disable=broad-except  # sorted just below
-            if not is_data_error(exc) or is_transient(exc):
-                raise
-            failure = exc
-        if len(keep) == 1:
-            i = keep[0]
-            sqlstate = getattr(getattr(failure, "diag", None), "sqlstate", None)
-            rejected.append(rejection(
-                rows.vectors.column("id")[i].as_py(), rows.vectors.column("text_sha256")[i].as_py(),
-                Refusal.REFUSED, self.scrub(f"{sqlstate or ''} {type(failure).__name__}: "
-                                            f"{failure}".strip())))
-            return
-        middle = len(keep) // 2
-        for half in (keep[:middle], keep[middle:]):
-            self._load_parts(conn, rows, half, groups, load_key, pgvector_type, done, rejected)
+    def _refusal(self, rows: LoadRows, i: int, failure: BaseException) -> dict:
+        """The rejection of row ``i`` of ``rows.vectors``, which the store refused with
+        ``failure``."""
+        sqlstate = getattr(getattr(failure, "diag", None), "sqlstate", None)
+        return rejection(rows.vectors.column("id")[i].as_py(),
+                         rows.vectors.column("text_sha256")[i].as_py(), Refusal.REFUSED,
+                         self.scrub(f"{sqlstate or ''} {type(failure).__name__}: "
+                                    f"{failure}".strip()))
 
-    def _load_part(self, conn, rows: LoadRows, keep: list[int], groups: dict, load_key: str,
-                   pgvector_type: str) -> _Part:
-        """Stage and upsert the rows ``keep``; the articles whose row it wrote (the upsert's
-        ``RETURNING``: no scan of the table) get these rows' chunks of the same version, and only
-        them."""
+    def _isolate(self, conn, n: int, attempt: Callable[[int, int], Any],
+                 refusal: Callable[[int, BaseException], Optional[dict]],
+                 isolation: _Isolation) -> list:
+        """``attempt(0, n)`` in a savepoint; when the server refuses it for its data
+        (``is_data_error``), it is rolled back and halved, each half in a savepoint of its own,
+        down to the single positions it refuses (``refusal``: their rejections, into
+        ``isolation``, which bounds how many there may be and for how long they are sought).
+        Returns what the attempts that passed returned."""
+        done = []
+        pending = [(0, n)] if n else []
+        while pending:
+            lo, hi = pending.pop()
+            isolation.check_time()
+            failure = None
+            try:
+                with conn.transaction():  # a savepoint
+                    done.append(attempt(lo, hi))
+                continue
+            except Exception as exc:  # pylint: disable=broad-except  # sorted just below
+                if not is_data_error(exc) or is_transient(exc):
+                    raise
+                failure = exc
+            isolation.started()
+            if hi - lo == 1:
+                isolation.refuse(refusal(lo, failure))
+                continue
+            middle = (lo + hi) // 2
+            pending += [(middle, hi), (lo, middle)]  # the first half first
+        return done
+
+    def _stage(self, conn, rows: LoadRows, keep: list[int], pgvector_type: str, load_key: str,
+               isolation: _Isolation) -> _Staged:
+        """The rows ``keep`` (and their chunks) into temporary tables (``_Staged``), in a
+        transaction of their own before the table's lock: no lock of the store's tables is
+        taken (the staging tables' types are written out, not copied with LIKE). The rows are
+        built before each COPY starts, so a COPY only sends. A row that cannot be sent or that
+        the server refuses as its COPY's input is set aside (``_isolate``), with its chunks."""
         from psycopg import sql
 
         vectors_table, chunks_table = _tables(self.settings)
-        schema = self.settings.schema_name
-        every = len(keep) == rows.vectors.num_rows
-        vectors = rows.vectors if every else rows.vectors.take(pa.array(keep, pa.int64()))
-        won = self._upsert(conn, vectors_table, vectors, rows, load_key, pgvector_type)
-        part = _Part(rows=vectors.num_rows, current=len(won))
-        if not won:
-            return part
-        won_ids = sorted({doc_id for doc_id, _ in won})
-        conn.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(
-            _ident(schema, chunks_table.name)), (won_ids,))
+        dtype: VectorDtype = "float16" if pgvector_type == "halfvec" else "float32"
+        vector_types = vectors_table.column_types(rows.dim, dtype)
+        chunk_types = chunks_table.column_types(rows.dim, dtype)
+        staged = _Staged(keep=keep, names=[n for n, _ in vector_types],
+                         chunk_names=[n for n, _ in chunk_types])
+        kept = rows.vectors if len(keep) == rows.vectors.num_rows else rows.vectors.take(
+            pa.array(keep, pa.int64()))
+        ids = rows.vectors.column("id").to_pylist()
+        shas = rows.vectors.column("text_sha256").to_pylist()
+        data = [(*row, rn) for rn, row in enumerate(_rows(kept, staged.names, rows.dt,
+                                                          load_key))]
+        chunks = None
         if rows.chunks is not None and rows.chunks.num_rows:
-            wanted = set(won)
-            chunk_indices = sorted({c for key in wanted for c in groups.get(key, ())})
-            if chunk_indices:
-                chunks = rows.chunks.take(pa.array(chunk_indices, pa.int64()))
-                part.chunk_rows = self._copy_chunks(conn, chunks_table, chunks, rows, load_key,
-                                                    pgvector_type, sorted(wanted))
+            groups = _chunk_groups(rows)
+            versions = zip(kept.column("id").to_pylist(), kept.column("text_sha256").to_pylist(),
+                           strict=True)
+            indices = sorted({c for key in versions for c in groups.get(key, ())})
+            if indices:
+                chunks = rows.chunks.take(pa.array(indices, pa.int64()))
+                staged.chunks = "newsvec_stage_chunks"
+
+        def create(name: str, types: list[tuple[str, str]], extra: str = ""):
+            return sql.SQL("CREATE TEMP TABLE {} ({}{})").format(
+                _ident(name), sql.SQL(", ").join(
+                    sql.SQL("{} {}").format(_ident(n), sql.SQL(t))  # t: ours (_sql_type)
+                    for n, t in types), sql.SQL(extra))
+
+        def copy(name: str, names: list[str], types: list[str], batch: list) -> None:
+            with conn.cursor().copy(sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
+                    _ident(name), sql.SQL(", ").join(map(_ident, names)))) as out:
+                out.set_types(types)
+                for row in batch:
+                    out.write_row(row)
+
+        def sql_types(types: list[tuple[str, str]]) -> list[str]:
+            return [pgvector_type if n == "embedding" else t for n, t in types]
+
+        def refused_row(rn: int, exc: BaseException) -> dict:
+            staged.missing.add(rn)
+            return self._refusal(rows, keep[rn], exc)
+
+        with conn.transaction():
+            conn.execute(create(staged.vectors, vector_types, ", rn integer NOT NULL"))
+            self._isolate(conn, len(data), lambda lo, hi: copy(
+                staged.vectors, [*staged.names, "rn"], [*sql_types(vector_types), "integer"],
+                data[lo:hi]), refused_row, isolation)
+            chunk_stage = staged.chunks
+            if chunks is not None and chunk_stage is not None:
+                conn.execute(create(chunk_stage, chunk_types))
+                chunk_data = list(_rows(chunks, staged.chunk_names, rows.dt, load_key))
+                chunk_keys = list(zip(chunks.column("id").to_pylist(),
+                                      chunks.column("text_sha256").to_pylist(), strict=True))
+                position = {(ids[keep[rn]], shas[keep[rn]]): rn for rn in range(len(keep))}
+                gone: list[tuple] = []
+
+                def refused_chunk(i: int, exc: BaseException) -> Optional[dict]:
+                    rn = position[chunk_keys[i]]
+                    if rn in staged.missing:
+                        return None  # its article is set aside already
+                    staged.missing.add(rn)
+                    gone.append(chunk_keys[i])
+                    item = self._refusal(rows, keep[rn], exc)
+                    item["detail"] = f"a chunk: {item['detail']}"[:300]
+                    return item
+
+                self._isolate(conn, len(chunk_data), lambda lo, hi: copy(
+                    chunk_stage, staged.chunk_names, sql_types(chunk_types),
+                    chunk_data[lo:hi]), refused_chunk, isolation)
+                if gone:  # the articles of the chunks refused: out of the staged rows
+                    conn.execute(sql.SQL(
+                        "DELETE FROM {} s USING unnest(%s::text[], %s::text[]) AS g(id, sha) "
+                        "WHERE s.id = g.id AND s.text_sha256 = g.sha").format(
+                            _ident(staged.vectors)), ([g[0] for g in gone], [g[1] for g in gone]))
+        return staged
+
+    def _load_part(self, conn, staged: _Staged, lo: int, hi: int, load_key: str,
+                   keeps: Optional[str]) -> _Part:
+        """Upsert the staged rows ``lo <= rn < hi``; the articles whose row it wrote (the
+        upsert's ``RETURNING``: no scan of the table) get these rows' chunks of the same version,
+        and only them. ``keeps``: "replaced" (a micro-batch's load) keeps each row it replaces
+        (and its chunks) under ``load_key``, and each of its rows that loses to a recent
+        micro-batch's row under that load's key; "lost" (a batch load while micro-batches are
+        loaded) keeps only the latter; None keeps nothing."""
+        from psycopg import sql
+
+        names = self._names()
+        won, lost = self._upsert(conn, staged, lo, hi, load_key, keeps)
+        part = _Part(rows=staged.rows_between(lo, hi), current=len(won))
+        chunk_names = sql.SQL(", ").join(map(_ident, staged.chunk_names))
+        s_chunk_names = sql.SQL(", ").join(sql.SQL("s.{}").format(_ident(n))
+                                           for n in staged.chunk_names)
+        if won:
+            won_ids = sorted({doc_id for doc_id, _ in won})
+            if keeps == "replaced":
+                conn.execute(sql.SQL(
+                    "WITH gone AS (DELETE FROM {chunks} WHERE id = ANY(%s) RETURNING {cols}) "
+                    "INSERT INTO {kept} ({cols}, withdrawn_with) SELECT {cols}, %s FROM gone "
+                    "WHERE load_key <> %s ON CONFLICT DO NOTHING").format(
+                        chunks=names["chunks"], kept=names["chunks_sup"], cols=chunk_names),
+                    (won_ids, load_key, load_key))
+            else:
+                conn.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(
+                    names["chunks"]), (won_ids,))
+        if staged.chunks is None:
+            return part
+        if won:
+            part.chunk_rows = conn.execute(sql.SQL(
+                "INSERT INTO {} ({}) SELECT DISTINCT ON (s.id, s.chunk_index) {} FROM {} s "
+                "JOIN unnest(%s::text[], %s::text[]) AS v(id, text_sha256) "
+                "ON s.id = v.id AND s.text_sha256 = v.text_sha256 "
+                "ORDER BY s.id, s.chunk_index, s.embedded_at DESC").format(
+                    names["chunks"], chunk_names, s_chunk_names, _ident(staged.chunks)),
+                ([v[0] for v in won], [v[1] for v in won])).rowcount
+        if lost:
+            conn.execute(sql.SQL(
+                "INSERT INTO {} ({}, withdrawn_with) SELECT DISTINCT ON (s.id, s.chunk_index) "
+                "{}, v.holder FROM {} s "
+                "JOIN unnest(%s::text[], %s::text[], %s::text[]) AS v(id, text_sha256, holder) "
+                "ON s.id = v.id AND s.text_sha256 = v.text_sha256 "
+                "ORDER BY s.id, s.chunk_index, s.embedded_at DESC ON CONFLICT DO NOTHING").format(
+                    names["chunks_sup"], chunk_names, s_chunk_names, _ident(staged.chunks)),
+                ([v[0] for v in lost], [v[1] for v in lost], [v[2] for v in lost]))
         return part
 
-    def _stage(self, conn, table: _Table, data: pa.Table, rows: LoadRows, load_key: str,
-               pgvector_type: str) -> str:
-        """COPY (binary) ``data`` into a temporary table like ``table``; returns its name (dropped
-        by the caller's part, or at commit)."""
+    def _upsert(self, conn, staged: _Staged, lo: int, hi: int, load_key: str,
+                keeps: Optional[str]) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
+        """Upsert the staged rows ``lo <= rn < hi``: a row replaces the stored one only if it is
+        a later version (``version_order``); of two versions of one article in the rows, the
+        later one. One statement, whose parts all see the table as it was before it: the rows
+        replaced and the rows that lost are kept as ``keeps`` says (``_load_part``). Returns
+        (id, text_sha256) of the rows written, and (id, text_sha256, holder's load key) of the
+        rows kept because they lost."""
         from psycopg import sql
 
-        stage = f"newsvec_stage_{table.name}"
-        conn.execute(sql.SQL("CREATE TEMP TABLE {} (LIKE {}) ON COMMIT DROP").format(
-            _ident(stage), _ident(self.settings.schema_name, table.name)))
-        names = [name for name, _ in table.column_types(rows.dim)]
-        types = [type_ if name != "embedding" else pgvector_type
-                 for name, type_ in table.column_types(rows.dim)]
-        with conn.cursor().copy(sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
-                _ident(stage), sql.SQL(", ").join(_ident(n) for n in names))) as copy:
-            copy.set_types(types)
-            for row in _rows(data, names, rows.dt, load_key):
-                copy.write_row(row)
-        return stage
-
-    def _upsert(self, conn, table: _Table, data: pa.Table, rows: LoadRows, load_key: str,
-                pgvector_type: str) -> list[tuple[str, str]]:
-        """Stage the articles' rows and upsert them: a row replaces the stored one only if it is a
-        later version (``version_order``); of two versions of one article in the rows, the later
-        one. Returns (id, text_sha256) of the rows written."""
-        from psycopg import sql
-
-        stage = self._stage(conn, table, data, rows, load_key, pgvector_type)
-        names = [name for name, _ in table.column_types(rows.dim)]
-        target = _ident(self.settings.schema_name, table.name)
-        statement = sql.SQL(
-            "INSERT INTO {target} AS t ({cols}) SELECT DISTINCT ON ({key}) {cols} FROM {stage} "
-            "ORDER BY {key}, {latest} "
-            "ON CONFLICT ({key}) DO UPDATE SET {updates} "
-            "WHERE {excluded} > {stored} RETURNING t.id, t.text_sha256").format(
-                target=target, stage=_ident(stage),
-                cols=sql.SQL(", ").join(_ident(n) for n in names),
-                key=sql.SQL(", ").join(_ident(k) for k in table.key),
-                latest=_latest_first(),
-                excluded=version_order("excluded"), stored=version_order("t"),
+        names = self._names()
+        cols = staged.names
+        t = {alias: sql.SQL(", ").join(sql.SQL(alias + "{}").format(_ident(n)) for n in cols)
+             for alias in ("", "o.", "s.")}
+        parts: list[Any] = [sql.SQL(
+            "WITH src AS (SELECT DISTINCT ON (id) {cols} FROM {stage} "
+            "WHERE rn >= %(lo)s AND rn < %(hi)s ORDER BY id, {latest})").format(
+                cols=t[""], stage=_ident(staged.vectors), latest=_latest_first())]
+        if keeps is not None:
+            parts.append(sql.SQL(
+                ", old AS (SELECT {cols} FROM {target} WHERE id IN (SELECT id FROM src))").format(
+                    cols=t[""], target=names["vectors"]))
+        parts.append(sql.SQL(
+            ", up AS (INSERT INTO {target} AS t ({cols}) SELECT {cols} FROM src "
+            "ON CONFLICT (id) DO UPDATE SET {updates} WHERE {excluded} > {stored} "
+            "RETURNING t.id, t.text_sha256)").format(
+                target=names["vectors"], cols=t[""],
                 updates=sql.SQL(", ").join(sql.SQL("{} = EXCLUDED.{}").format(_ident(n), _ident(n))
-                                           for n in names if n not in table.key))
-        won = [(r[0], r[1]) for r in conn.execute(statement).fetchall()]
-        conn.execute(sql.SQL("DROP TABLE {}").format(_ident(stage)))
-        return won
-
-    def _copy_chunks(self, conn, table: _Table, data: pa.Table, rows: LoadRows, load_key: str,
-                     pgvector_type: str, versions: list[tuple[str, str]]) -> int:
-        """Insert the chunks of the article versions ``versions`` (id, text_sha256): the chunks
-        of the version kept, never another version's."""
-        from psycopg import sql
-
-        stage = self._stage(conn, table, data, rows, load_key, pgvector_type)
-        names = sql.SQL(", ").join(_ident(n) for n, _ in table.column_types(rows.dim))
-        written = conn.execute(sql.SQL(
-            "INSERT INTO {} ({}) SELECT DISTINCT ON (s.id, s.chunk_index) {} FROM {} s "
-            "JOIN unnest(%s::text[], %s::text[]) AS v(id, text_sha256) "
-            "ON s.id = v.id AND s.text_sha256 = v.text_sha256 "
-            "ORDER BY s.id, s.chunk_index, s.embedded_at DESC").format(
-                _ident(self.settings.schema_name, table.name), names,
-                sql.SQL(", ").join(sql.SQL("s.{}").format(_ident(n))
-                                   for n, _ in table.column_types(rows.dim)),
-                _ident(stage)),
-            ([v[0] for v in versions], [v[1] for v in versions])).rowcount
-        conn.execute(sql.SQL("DROP TABLE {}").format(_ident(stage)))
-        return written
+                                           for n in cols if n != "id"),
+                excluded=version_order("excluded"), stored=version_order("t")))
+        if keeps == "replaced":
+            parts.append(sql.SQL(
+                ", replaced AS (INSERT INTO {kept} ({cols}, withdrawn_with) "
+                "SELECT {o_cols}, %(key)s FROM old o JOIN up ON up.id = o.id "
+                "WHERE o.load_key <> %(key)s ON CONFLICT DO NOTHING)").format(
+                    kept=names["sup"], cols=t[""], o_cols=t["o."]))
+        if keeps is not None:
+            parts.append(sql.SQL(
+                ", lost AS (INSERT INTO {kept} ({cols}, withdrawn_with) "
+                "SELECT {s_cols}, o.load_key FROM src s JOIN old o ON o.id = s.id "
+                "WHERE NOT EXISTS (SELECT 1 FROM up WHERE up.id = s.id) "
+                "AND starts_with(o.load_key, %(redoable)s) AND o.load_key <> %(key)s "
+                "AND EXISTS (SELECT 1 FROM {loads} l WHERE l.load_key = o.load_key "
+                "AND l.loaded_at > now() - make_interval(secs => %(keep_s)s)) "
+                "ON CONFLICT DO NOTHING RETURNING id, text_sha256, withdrawn_with)").format(
+                    kept=names["sup"], cols=t[""], s_cols=t["s."], loads=names["loads"]))
+            parts.append(sql.SQL(" SELECT true, id, text_sha256, NULL FROM up UNION ALL "
+                                 "SELECT false, id, text_sha256, withdrawn_with FROM lost"))
+        else:
+            parts.append(sql.SQL(" SELECT true, id, text_sha256, NULL FROM up"))
+        result = conn.execute(sql.Composed(parts), {
+            "lo": lo, "hi": hi, "key": load_key, "redoable": REDOABLE,
+            "keep_s": self.settings.superseded_keep_days * 86400}).fetchall()
+        return ([(r[1], r[2]) for r in result if r[0]],
+                [(r[1], r[2], r[3]) for r in result if not r[0]])
 
     def _embedding_type(self, conn, rows: LoadRows) -> str:
         """``vector`` or ``halfvec``: the type the store's table was created with, whatever the
