@@ -385,3 +385,15 @@ def test_the_ledger_names_a_dead_letter_file_line_that_is_not_a_dead_letter(tmp_
     report = ledger.check(str(tmp_path))
     assert any("holds a line that is not a dead letter" in p for p in report.problems), \
         report.problems
+
+
+def test_a_ledger_record_of_a_newer_release_is_read_without_its_new_fields(tmp_path):
+    """Each release adds record fields (store_rejected, store_withdrawn...): a job rolled back to
+    an older release, or an older ``newsvec ledger``, must still read the newer records."""
+    write(tmp_path, [micro_batch(0, rows=[row("a")])])
+    [path] = (tmp_path / "ledger").rglob("*.json")
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({**record, "a_field_of_a_later_release": [1, 2]}) + "\n")
+    assert LedgerRecord.from_json(path.read_text()).rows_written == 1
+    report = ledger.check(str(tmp_path))
+    assert report.ok, report.problems

@@ -793,4 +793,7 @@ class LedgerRecord:
 
     @classmethod
     def from_json(cls, text: str) -> "LedgerRecord":
-        return cls(**json.loads(text))
+        """A record's fields; fields this release does not know (a newer release wrote the
+        record: a job rolled back, or an older ``newsvec ledger``) are left out, not an error."""
+        known = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
