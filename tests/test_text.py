@@ -250,6 +250,62 @@ def test_a_short_run_of_marks_is_kept_whole():
     assert collapse_combining_marks(cut) == "a" + "\u0301" * MAX_COMBINING_RUN + "b" + "\u0316" * 3
 
 
+# Mojibake that renews itself: each of ftfy's repair steps fixes one pair and leaves another, and
+# reads the whole line again (quadratic).
+MOJIBAKE_CHAINS = {
+    "UTF-8 read as Windows-1252": "\u00c3" + "\u0192" * 3000 + "\u00a9",
+    "C1 controls": "\u039e" + "\x9e" * 3000,
+}
+
+
+@pytest.fixture
+def ftfy_step_reads(monkeypatch):
+    """Characters ftfy's mojibake repair steps read, summed over a run: each step starts by asking
+    whether its text is ASCII (``chardata.possible_encoding(text, "ascii")``, called nowhere else),
+    counted on ftfy's own module."""
+    import ftfy.chardata
+
+    counted = {"chars": 0, "steps": 0}
+    real = ftfy.chardata.possible_encoding
+
+    def possible_encoding(text, encoding):
+        if encoding == "ascii":
+            counted["chars"] += len(text)
+            counted["steps"] += 1
+        return real(text, encoding)
+
+    monkeypatch.setattr(ftfy.chardata, "possible_encoding", possible_encoding)
+    return counted
+
+
+@pytest.mark.parametrize("name", MOJIBAKE_CHAINS)
+def test_ftfy_repairs_mojibake_reading_a_field_at_most_a_few_times(name, ftfy_step_reads):
+    """Past 8 times the field (and 4,096 characters), the repair stops and the field is fixed
+    without it: the other fixers and NFC still run, and the article is kept."""
+    import ftfy
+
+    text = MOJIBAKE_CHAINS[name]
+    out = normalize_text(text)
+    assert ftfy_step_reads["steps"] > 0, "ftfy's steps were counted"
+    assert ftfy_step_reads["chars"] <= 8 * len(text) + 4096, (
+        f"{name}: ftfy's repair steps read {ftfy_step_reads['chars']:,} characters of a "
+        f"{len(text):,}-character field")
+    assert out == " ".join(ftfy.fix_text(text, unescape_html=False, fix_encoding=False).split())
+
+
+def test_ftfy_still_repairs_the_mojibake_of_real_text(ftfy_step_reads):
+    """Layers of real mojibake (a curly quote encoded three times) are well within the bound."""
+    import ftfy.bad_codecs  # noqa: F401 -- registers sloppy-windows-1252
+
+    quote = "\u2019"
+    for _ in range(3):
+        quote = quote.encode("utf-8").decode("sloppy-windows-1252")
+    line = "it" + quote + "s"
+    assert normalize_text(line) == "it's"
+    assert normalize_text("\n".join(["Â£5m for the café, itâ€™s"] * 50)) == " ".join(
+        ["£5m for the café, it's"] * 50)
+
+
 def _prepare_fn(**kwargs):
     from tests.conftest import make_config
     from transforms.text import _PrepareTextFn
@@ -306,6 +362,20 @@ def test_a_document_over_its_cpu_budget_is_dead_lettered_prepare_failed(monkeypa
     assert clock.reads >= 10, "read inside the HTML parser, not only between the steps"
     assert _outcome(fn, NewsEvent(id="fast", title="Title", body="<p>word</p>")) == \
         ("row", "Title\nword")
+
+
+def test_the_cpu_budget_is_checked_inside_ftfys_mojibake_repair(monkeypatch):
+    """ftfy repairs each line on its own: a field of many short lines of mojibake keeps it busy
+    for long in one call, in which the budget is read too."""
+    import transforms.text
+
+    clock = _FakeCpuClock()
+    monkeypatch.setattr(transforms.text, "_clock", clock, raising=False)
+    fn = _prepare_fn()
+    reason, detail = _outcome(fn, NewsEvent(id="slow", body="Ã©\n" * 10_000))
+    assert reason == Reason.PREPARE_FAILED
+    assert "by ftfy's mojibake repair" in detail
+    assert _outcome(fn, NewsEvent(id="fast", body="Ã©")) == ("row", "é")
 
 
 def test_the_title_limit_and_the_budget_are_settings():

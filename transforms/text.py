@@ -151,12 +151,14 @@ def collapse_combining_marks(text: str) -> str:
     return _LONG_NON_STARTER_RUN.sub(r"\1", text)
 
 
+# ---- ftfy, adapted: the one place that changes how ftfy runs (tests/test_text.py checks that
+# ftfy 6.3 still goes through both) ----
+
 class _UnicodedataForFtfy:
     """``unicodedata`` as ftfy sees it: its ``normalize`` first cuts long runs of combining marks.
     ftfy decodes mojibake before normalizing, and a run of marks can come out of the decoding
     (``"\u0301\u0316"`` as UTF-8 read as Latin-1 is ``"Ì\x81Ì\x96"``), after newsvec's own cut. ftfy
-    (6.3) calls ``unicodedata.normalize`` in one place, ``fix_and_explain``; tests/test_text.py
-    checks that every normalization ftfy makes goes through this."""
+    (6.3) calls ``unicodedata.normalize`` in one place, ``fix_and_explain``."""
 
     @staticmethod
     def normalize(form, text):
@@ -166,7 +168,38 @@ class _UnicodedataForFtfy:
         return getattr(unicodedata, name)
 
 
+class _MojibakeTooDeep(Exception):
+    """ftfy's encoding steps read more than their allowance (``_ftfy``)."""
+
+
+class _FtfyWork(threading.local):
+    """What ftfy's encoding steps may still read in this thread, in characters (None: no bound,
+    outside ``_ftfy``), the document's deadline, and the steps taken so far."""
+    allowance: Optional[int] = None
+    deadline: Optional[Deadline] = None
+    steps = 0
+
+
+_FTFY_WORK = _FtfyWork()
+_ftfy_encoding_step = ftfy._fix_encoding_one_step_and_explain  # pylint: disable=protected-access
+
+
+def _bounded_encoding_step(text, config):
+    """ftfy's one step of mojibake repair (``_fix_encoding_one_step_and_explain``, which
+    ``fix_encoding`` looks up by name at every step), charged the length of the text it reads."""
+    work = _FTFY_WORK
+    if work.allowance is not None:
+        work.allowance -= len(text)
+        if work.allowance < 0:
+            raise _MojibakeTooDeep
+        work.steps += 1
+        if not work.steps % 256:
+            _check(work.deadline, "ftfy's mojibake repair")
+    return _ftfy_encoding_step(text, config)
+
+
 ftfy.unicodedata = _UnicodedataForFtfy()  # type: ignore[assignment]
+ftfy._fix_encoding_one_step_and_explain = _bounded_encoding_step  # pylint: disable=protected-access
 
 # ftfy (6.3) as fix_text runs it: per line, fix_encoding (only if is_bad(line)), then these
 # fixers, then NFC, until nothing changes. remove_terminal_escapes needs ESC.
@@ -229,19 +262,40 @@ _LONG_UNTOUCHED_STRETCH = re.compile(_UNTOUCHED_ASCII + "{%d,}" % (2 * _CONTEXT 
 _MARKER = "~#newsvec#~"
 
 
-def _ftfy(text: str) -> str:
-    return ftfy.fix_text(text, unescape_html=False, normalization="NFC")
+# ftfy repairs mojibake one step at a time, each step reading the whole line again; a line built so
+# that each step leaves a new pair of mojibake ("Ã" + "ƒ" * n + "©") takes n steps, quadratic. The
+# steps may read this many times the text given to ftfy, plus _DECODE_SLACK characters (the BBC
+# articles need at most 3x); past that, the text is fixed without mojibake repair.
+_DECODE_FACTOR = 8
+_DECODE_SLACK = 4096
+
+
+def _ftfy(text: str, deadline: Optional[Deadline] = None) -> str:
+    """``ftfy.fix_text(text, unescape_html=False, normalization="NFC")``, its mojibake repair
+    bounded: if its encoding steps read more than ``_DECODE_FACTOR`` times the text, the text is
+    fixed without it (``fix_encoding=False``: the other fixers and NFC still run)."""
+    work = _FTFY_WORK
+    work.allowance, work.deadline, work.steps = (_DECODE_FACTOR * len(text) + _DECODE_SLACK,
+                                                 deadline, 0)
+    try:
+        return ftfy.fix_text(text, unescape_html=False, normalization="NFC")
+    except _MojibakeTooDeep:
+        pass
+    finally:
+        work.allowance = work.deadline = None
+    _check(deadline, "ftfy's mojibake repair")
+    return ftfy.fix_text(text, unescape_html=False, normalization="NFC", fix_encoding=False)
 
 
 def fix_text(text: str, deadline: Optional[Deadline] = None) -> str:
     """``ftfy.fix_text(text, unescape_html=False, normalization="NFC")``, faster: skipped where it
     would change nothing, and given only the neighbourhoods of the non-ASCII characters (with the
-    lines kept whole) where it would."""
+    lines kept whole) where it would; its mojibake repair bounded (``_ftfy``)."""
     if not ftfy_may_change(text, deadline):
         return text
     _check(deadline, "the mojibake check")
     if _MARKER in text or len(text) >= ftfy.TextFixerConfig().max_decode_length:
-        return _ftfy(text)
+        return _ftfy(text, deadline)
     pieces, middles, last = [], [], 0
     for stretch in _LONG_UNTOUCHED_STRETCH.finditer(text):
         start, end = stretch.start() + _CONTEXT, stretch.end() - _CONTEXT
@@ -249,11 +303,11 @@ def fix_text(text: str, deadline: Optional[Deadline] = None) -> str:
         middles.append(text[start:end])
         last = end
     if not middles:
-        return _ftfy(text)
+        return _ftfy(text, deadline)
     pieces.append(text[last:])
-    fixed = _ftfy(_MARKER.join(pieces)).split(_MARKER)
+    fixed = _ftfy(_MARKER.join(pieces), deadline).split(_MARKER)
     if len(fixed) != len(pieces):  # the marker was changed: cannot happen, but then do it whole
-        return _ftfy(text)
+        return _ftfy(text, deadline)
     pairs = zip(fixed[:-1], middles, strict=True)  # the last piece has no middle after it
     return "".join(piece + middle for piece, middle in pairs) + fixed[-1]
 
