@@ -190,10 +190,19 @@ class Chunker:
         def piece(j: int) -> str:  # token j's text, without the space SentencePiece keeps in it
             return text[offsets[j][0]:offsets[j][1]].strip()
 
+        # For token j: the last token at or before it that is not a closing quote or bracket (or
+        # token 0), filled in as ends_sentence walks back, so that each token is walked over once
+        # in the whole text (a text of nothing but quotes was read back to its start at every
+        # place a chunk could end: quadratic).
+        before_closers: dict[int, int] = {}
+
         def ends_sentence(i: int) -> bool:  # the text's token i-1 closes a sentence
-            j = i - 1
-            while j > 0 and piece(j) in _CLOSERS:
+            j, walked = i - 1, []
+            while j > 0 and j not in before_closers and piece(j) in _CLOSERS:
+                walked.append(j)
                 j -= 1
+            j = before_closers.get(j, j)
+            before_closers.update(dict.fromkeys(walked, j))
             return piece(j).rstrip(_CLOSERS_TEXT)[-1:] in _SENTENCE_ENDS
 
         def ends(start: int) -> Iterator[int]:  # where the chunk from start may end, best first
