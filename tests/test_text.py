@@ -418,3 +418,142 @@ def test_markup_left_as_text_is_cut_to_its_head_before_tokenizing(tokenizer):
     assert 0 < tokenizer._head_end(value) < 1000
     assert tokenizer.batch([value]) == reference.head_tokens(tokenizer._tok, [value],
                                                              tokenizer.max_tokens)
+
+
+# ---- tokenization: the head costs what the head needs; every step under the budget ----
+
+class _CountingTokenizer:
+    """A tokenizer that counts the characters it is given to encode, and the calls (by length)."""
+
+    def __init__(self, tok, counted: dict):
+        self._tok, self._counted = tok, counted
+
+    def _count(self, texts):
+        for text in texts:
+            self._counted["chars"] += len(text)
+            self._counted["lengths"].append(len(text))
+
+    def encode(self, text, *args, **kwargs):
+        self._count([text])
+        return self._tok.encode(text, *args, **kwargs)
+
+    def encode_batch(self, texts, *args, **kwargs):
+        self._count(texts)
+        return self._tok.encode_batch(texts, *args, **kwargs)
+
+    def encode_batch_fast(self, texts, *args, **kwargs):
+        self._count(texts)
+        return self._tok.encode_batch_fast(texts, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+@pytest.fixture
+def tokenized(monkeypatch):
+    """Counts what every tokenizer of PrepareText (the head's, the chunker's, the unknown-token
+    counter's) is given to encode; returns (counts, a function that prepares one body)."""
+    from tests.conftest import make_config
+    from transforms.chunking import ChunkingSettings
+    from transforms.text import text_tools
+
+    counted: dict = {"chars": 0, "lengths": []}
+    model = make_config().model
+    for chunking in (ChunkingSettings(), ChunkingSettings(mode="chunks")):
+        tools = text_tools(model, chunking)
+        for owner, name in [(tools.head, "_tok"), (tools.head, "_ascii_tok"),
+                            (tools.unknown, "_tok"), (tools.chunker, "_tok")]:
+            if owner is not None and getattr(owner, name) is not None:
+                monkeypatch.setattr(owner, name, _CountingTokenizer(getattr(owner, name), counted))
+
+    def prepare(body: str, **kwargs):
+        (out,) = list(_prepare_fn(**kwargs).process([NewsEvent(id="t", body=body)]))
+        return out
+
+    return counted, prepare
+
+
+def _repeat(unit: str, chars: int) -> str:
+    return (unit * (chars // len(unit) + 1))[:chars]
+
+
+# Words of up to 100 characters (WordPiece reads such a word again for each of its tokens), between
+# punctuation outside the blocks the head's cut looked in (Arabic comma, Armenian comma: the
+# tokenizer's unknown token), or spaces; and the same words made by NFKC (U+3316 is six katakana).
+LONG_WORDS = {
+    "kana, Arabic comma": ("あ" * 100 + "\u060c", "NFC"),
+    "kana, Armenian comma (unknown)": ("あ" * 100 + "\u055d", "NFC"),
+    "NFKC katakana, Armenian comma": ("\u3316" * 16 + "\u055d", "NFKC"),
+    "NFKC katakana, spaces": ("\u3316" * 16 + " ", "NFKC"),
+}
+
+
+@pytest.mark.parametrize("name", LONG_WORDS)
+def test_the_head_of_a_long_text_of_long_words_is_tokenized_from_a_short_prefix(name, tokenized,
+                                                                              tokenizer):
+    """20,000 characters (NFKC makes the katakana six times as many): the head's tokens (and the
+    unknown-token count, on the head's span only) come from tokenizing a prefix of a few thousand
+    characters, and are the head of the whole text's tokens."""
+    from tests import reference_prepare as reference
+
+    counted, prepare = tokenized
+    unit, form = LONG_WORDS[name]
+    doc = prepare(_repeat(unit, 20_000), unicode_form=form)
+    assert not isinstance(doc, pvalue.TaggedOutput), doc.value.detail
+    assert counted["chars"] <= 10_000, (
+        f"{name}: {counted['chars']:,} characters tokenized, in calls of {counted['lengths']}")
+    assert (doc.token_ids, doc.truncated) == reference.head_tokens(
+        tokenizer._tok, [doc.text], tokenizer.max_tokens)[0]
+
+
+def test_chunks_mode_tokenizes_the_whole_text_once(tokenized):
+    """The unknown-token count reads the chunker's tokens of the text, not a second
+    tokenization; the chunks' own re-tokenizations are each at most a chunk's text."""
+    from transforms.chunking import ChunkingSettings
+
+    counted, prepare = tokenized
+    body = _repeat("あ" * 100 + "\u055d", 20_000)
+    doc = prepare(body, chunking=ChunkingSettings(mode="chunks"))
+    assert not isinstance(doc, pvalue.TaggedOutput), doc.value.detail
+    assert len(doc.chunks) > 10
+    assert counted["lengths"].count(len(doc.text)) == 1, counted["lengths"][:10]
+    assert max(length for length in counted["lengths"] if length != len(doc.text)) <= 2_000
+
+
+class _SettableClock:
+    """A thread CPU clock that stands still until a test moves it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("mode", ["head", "chunks"])
+def test_the_cpu_budget_covers_tokenization(mode, monkeypatch):
+    """A tokenization that uses the budget up (the clock moved past it while the text is
+    tokenized) dead-letters the article prepare_failed, naming the step, before its chunks or its
+    unknown tokens are looked at."""
+    import transforms.text
+    from tests.conftest import make_config
+    from transforms.chunking import ChunkingSettings
+    from transforms.text import text_tools
+
+    clock = _SettableClock()
+    monkeypatch.setattr(transforms.text, "_clock", clock, raising=False)
+    chunking = ChunkingSettings(mode=mode)
+    tools = text_tools(make_config().model, chunking)
+    owner = tools.chunker if mode == "chunks" else tools.head
+
+    class SlowTokenizer(_CountingTokenizer):
+        def _count(self, texts):
+            clock.now += 11.0
+
+    for name in ("_tok", "_ascii_tok"):
+        if getattr(owner, name, None) is not None:
+            monkeypatch.setattr(owner, name, SlowTokenizer(getattr(owner, name), {}))
+    fn = _prepare_fn(chunking=chunking)
+    reason, detail = _outcome(fn, NewsEvent(id="slow", title="Title", body="Rates held. " * 50))
+    assert reason == Reason.PREPARE_FAILED
+    assert "text.prepare_budget_s 10 s of CPU" in detail and "by tokenization" in detail

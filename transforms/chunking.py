@@ -21,7 +21,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Iterator, Literal, Optional, Sequence
+from typing import Callable, Iterator, Literal, Optional, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -164,16 +164,23 @@ class Chunker:
             tuple[tuple[int, ...], bool, tuple[ChunkSpan, ...]]]:
         """Per text: its head-mode input (its first tokens up to ``max_tokens``, with the prefix and
         the special tokens), whether that head was cut, and its chunks."""
-        out = []
-        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
-        for text, e in zip(texts, encodings, strict=True):
-            ids = e.ids
-            head = self._lead + self._prefix + tuple(ids[:self._head_room]) + self._trail
-            out.append((head, len(ids) > self._head_room,
-                        self._spans(text, ids, e.offsets, e.word_ids)))
-        return out
+        return [self.split_encoded(text, self.encode(text)) for text in texts]
 
-    def _spans(self, text: str, ids, offsets, word_ids) -> tuple[ChunkSpan, ...]:
+    def encode(self, text: str):
+        """The tokens of the whole text, with their offsets and words (no special tokens)."""
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def split_encoded(self, text: str, encoding, check: Optional[Callable[[], None]] = None
+                      ) -> tuple[tuple[int, ...], bool, tuple[ChunkSpan, ...]]:
+        """``split`` of one text, from its ``encode``; ``check`` is called every so many chunks
+        (a deadline)."""
+        ids = encoding.ids
+        head = self._lead + self._prefix + tuple(ids[:self._head_room]) + self._trail
+        return (head, len(ids) > self._head_room,
+                self._spans(text, ids, encoding.offsets, encoding.word_ids, check))
+
+    def _spans(self, text: str, ids, offsets, word_ids,
+               check: Optional[Callable[[], None]] = None) -> tuple[ChunkSpan, ...]:
         n = len(ids)
 
         def at_word_boundary(i: int) -> bool:
@@ -235,6 +242,8 @@ class Chunker:
                 char_start=offsets[start][0], char_end=offsets[end - 1][1]))
             if end >= n:
                 return tuple(spans)
+            if check is not None and not len(spans) % 16:
+                check()
             following = max(end - self._overlap, start + 1)
             while following > start + 1 and not at_break(following):
                 following -= 1

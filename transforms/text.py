@@ -17,11 +17,11 @@ and tests/test_text_equivalence.py, on the BBC articles and the adversarial corp
 - ftfy runs only on text it could change (``ftfy_may_change``): every one of its fixers is a
   no-op on the characters present, the text is NFC, and no window around a non-ASCII character
   looks like mojibake. Most news is ASCII or nearly so, and ftfy was 70% of the CPU time.
-- a long text is tokenized in two steps: first a prefix that ends where a BERT-style tokenizer
+- a long text is tokenized in steps: first a prefix that ends where a BERT-style tokenizer
   splits whatever follows (before a space, after a CJK ideograph or a punctuation mark); if that
-  already overflows ``max_tokens``, its head is the text's head. Otherwise the whole text is
-  tokenized. No bound on characters per token is assumed: none holds in every script (the proof:
-  ``HeadTokenizer``).
+  already overflows ``max_tokens``, its head is the text's head. Otherwise a longer prefix, and
+  at last the whole text. No bound on characters per token is assumed: none holds in every script
+  (the proof: ``HeadTokenizer``). The unknown-token count reads the same prefix.
 
 Hostile text costs time linear in its length, on every interpreter (Python 3.11.7's ``html.parser``
 and ``unicodedata.normalize`` are quadratic on some inputs; the worker image pins a patched 3.11,
@@ -33,8 +33,11 @@ but these guards do not rely on it):
   ``MAX_COMBINING_RUN`` before any Unicode normalization, ftfy's included (the Stream-Safe Text
   Format's limit: no text in any language needs more);
 - titles longer than ``max_title_chars`` are dead-lettered (``text_too_long``);
-- each document has a budget of CPU time (``prepare_budget_s``), checked between the steps and in
-  the loops that can be long: past it, the document is dead-lettered ``prepare_failed``.
+- ftfy's mojibake repair may read at most ``_DECODE_FACTOR`` times the text; past that, the text
+  is fixed without it;
+- each document has a budget of CPU time (``prepare_budget_s``), checked between the steps
+  (normalization, tokenization, chunking, the unknown-token count) and in the loops that can be
+  long: past it, the document is dead-lettered ``prepare_failed``.
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ import sys
 import threading
 import time
 import unicodedata
-from typing import Iterator, Literal, NamedTuple, Optional
+from typing import Generator, Iterator, Literal, NamedTuple, Optional
 
 import apache_beam as beam
 import ftfy
@@ -547,9 +550,12 @@ class HeadTokenizer:
 
     The cut is chosen so that (2) nearly always holds: before the ``room + 1``-th space (nearly
     every word is a token or more), or, in a text with fewer spaces (Chinese, Japanese), after
-    the ``room + 1``-th single-token character, where (2) holds by construction. Any other text,
-    and every text of any other tokenizer (SentencePiece's Metaspace, byte-level BPE: not proven
-    here), is tokenized whole."""
+    the ``room + 1``-th single-token character, where (2) holds by construction. A text whose
+    words are long (WordPiece reads a word of up to 100 characters again for each of its tokens:
+    up to about a hundred times the cost of English per character) is first cut shorter, and
+    further on while that does not overflow (``_cuts``), so that the characters tokenized stay
+    within a few times what the head needs. Any other text, and every text of any other tokenizer
+    (SentencePiece's Metaspace, byte-level BPE: not proven here), is tokenized whole."""
 
     def __init__(self, model: ModelSettings):
         model.apply_engine_env()  # e.g. HF_HUB_OFFLINE, read when transformers is imported
@@ -565,7 +571,8 @@ class HeadTokenizer:
         # Cuts before the room + 1-th space, and after as many single-token characters (found
         # when first needed, once: about 0.1 s). None: every text is tokenized whole.
         self._head_words = room + 1 if _cuts_at_words(self._tok) else None
-        self._singles: Optional[re.Pattern] = None
+        self._specials = self._tok.num_special_tokens_to_add(False)
+        self._singles: Optional[tuple[re.Pattern, re.Pattern]] = None
         self._ascii_tok = _without_bert_normalizer(self._tok)
         # An added token ([UNK], [MASK]...) in a text is matched before the normalizer, in the
         # text's own case: a text that holds one does not take the lowercased path.
@@ -574,62 +581,120 @@ class HeadTokenizer:
 
     def __call__(self, text: str) -> tuple[tuple[int, ...], bool]:
         """(token ids of the head, whether anything was cut)."""
-        return self.batch([text])[0]
+        return self.head(text)[:2]
 
     def batch(self, texts: list[str]) -> list[tuple[tuple[int, ...], bool]]:
-        """``__call__`` for many texts at once. A long text is first tokenized as far as a cut
-        (``_head_end``) only; the rest of it, only if that did not overflow. Plain ASCII texts skip
-        the tokenizer's normalizer (see ``_without_bert_normalizer``)."""
-        if self._ascii_tok is None:
-            return self._batch(self._tok, texts)
-        plain = [i for i, text in enumerate(texts)
-                 if text.isascii() and not _BERT_CLEANS.search(text)
-                 and not self._added.search(text)]
-        if not plain:
-            return self._batch(self._tok, texts)
-        results: list = [None] * len(texts)
-        lowered = self._batch(self._ascii_tok, [texts[i].lower() for i in plain])
-        for i, r in zip(plain, lowered, strict=True):
-            results[i] = r
-        rest = [i for i, r in enumerate(results) if r is None]
-        for i, r in zip(rest, self._batch(self._tok, [texts[i] for i in rest]), strict=True):
-            results[i] = r
-        return results
+        """``__call__`` for many texts."""
+        return [self.head(text)[:2] for text in texts]
 
-    def _head_end(self, text: str) -> int:
-        """Where to cut ``text`` to tokenize its head (see the class docstring); 0: nowhere."""
+    def head(self, text: str, deadline: Optional[Deadline] = None
+             ) -> tuple[tuple[int, ...], bool, int]:
+        """(token ids of the head, whether anything was cut, the length of the prefix of ``text``
+        that was tokenized: its first tokens are the text's, so ``UnknownTokens`` reads the head's
+        words there). A long text is first tokenized as far as a cut only (``_cuts``); the rest of
+        it, only if that did not overflow. Plain ASCII texts skip the tokenizer's normalizer (see
+        ``_without_bert_normalizer``). ``deadline`` is checked between the tries."""
+        if (self._ascii_tok is not None and text.isascii() and not _BERT_CLEANS.search(text)
+                and not self._added.search(text)):
+            return self._head(self._ascii_tok, text.lower(), deadline)
+        return self._head(self._tok, text, deadline)
+
+    def _head(self, tok, text: str, deadline: Optional[Deadline]
+              ) -> tuple[tuple[int, ...], bool, int]:
+        cuts = self._cuts(text)
+        end = next(cuts, 0)
+        while end:
+            e = tok.encode_batch_fast([text[:end]])[0]
+            if e.overflowing:
+                return tuple(e.ids), True, end
+            _check(deadline, "tokenization")
+            try:
+                end = cuts.send(len(e.ids) - self._specials)
+            except StopIteration:
+                end = 0
+        e = tok.encode_batch_fast([text])[0]
+        return tuple(e.ids), bool(e.overflowing), len(text)
+
+    def _cuts(self, text: str) -> Generator[int, int, None]:
+        """Where to cut ``text`` to tokenize its head, at the places the class docstring proves,
+        first to last; each is sent back the count of tokens its prefix held (not enough to
+        overflow). None: the whole text is tokenized.
+
+        The first is the cut before the ``room + 1``-th space, or after as many single-token
+        characters (``_head_end``), whose prefix nearly always overflows. A text whose words are
+        long and costly to tokenize (WordPiece reads a word of up to 100 characters again for each
+        of its tokens) or too few for that cut is first cut shorter: at the last place at most
+        ``_FIRST_CUT_CHARS_PER_TOKEN`` characters per token of the head from its start; then, while
+        that does not overflow, further on, as far again at least, or as far as the tokens counted
+        so far say the head reaches, with a quarter more (so the characters tokenized stay within
+        a few times the last prefix's)."""
+        if not self._head_words:
+            return
+        last = self._head_end(text)
+        if last is None:
+            return
+        end, first = 0, self._head_words * _FIRST_CUT_CHARS_PER_TOKEN
+        target = first
+        while True:
+            if last and target >= last:
+                if last > end:
+                    yield last
+                return
+            cut = self._cut_before(text, end, target) or self._cut_after(text, target)
+            if not cut:
+                return
+            tokens = yield cut
+            end = cut
+            target = max(2 * end, end * self._head_words * 5 // (4 * max(tokens, 1)))
+
+    def _head_end(self, text: str) -> Optional[int]:
+        """The cut before the ``room + 1``-th space, or after as many single-token characters (see
+        the class docstring); 0: the text has too few of both; None: it is short, tokenized
+        whole."""
         assert self._head_words
         words = text.split(" ", self._head_words)
         if len(words) > self._head_words:
             return len(text) - len(words[-1]) - 1  # before the _head_words-th space
         if len(text) < self._head_words or (text.isascii() and len(text) <= _WHOLE_ASCII_CHARS):
-            return 0  # English with few spaces: short, tokenized whole
+            return None  # English with few spaces: short, tokenized whole
+        match = self._single_chars()[1].match(text)
+        return match.end() if match else 0
+
+    def _single_chars(self) -> tuple[re.Pattern, re.Pattern]:
+        """One single-token character; the shortest prefix that holds ``room + 1`` of them (found
+        when first needed, once: about 0.3 s)."""
         if self._singles is None:
             with _SINGLES_LOCK:
                 if self._singles is None:
-                    chars = _single_token_chars(self._tok)
-                    # the shortest prefix that holds _head_words of them, if the text has that many
-                    self._singles = re.compile("(?:[^%s]*+[%s]){%d}" % (
-                        chars, chars, self._head_words) if chars else "(?!)")  # (?!): none
-        match = self._singles.match(text)
-        return match.end() if match else 0
+                    chars, count = _single_token_chars(self._tok), self._head_words or 0
+                    self._singles = (re.compile("[%s]" % chars if chars else "(?!)"),
+                                     re.compile("(?:[^%s]*+[%s]){%d}" % (chars, chars, count)
+                                                if chars else "(?!)"))  # (?!): none
+        return self._singles
 
-    def _batch(self, tok, texts: list[str]) -> list[tuple[tuple[int, ...], bool]]:
-        results: list = [None] * len(texts)
-        if self._head_words:
-            heads = [(i, end) for i, text in enumerate(texts) if (end := self._head_end(text))]
-            head_encodings = tok.encode_batch_fast([texts[i][:end] for i, end in heads])
-            for (i, _), e in zip(heads, head_encodings, strict=True):
-                if e.overflowing:
-                    results[i] = (tuple(e.ids), True)
-        rest = [i for i, r in enumerate(results) if r is None]
-        encodings = tok.encode_batch_fast([texts[i] for i in rest])
-        for i, e in zip(rest, encodings, strict=True):
-            results[i] = (tuple(e.ids), bool(e.overflowing))
-        return results
+    def _cut_before(self, text: str, low: int, high: int) -> int:
+        """The last place to cut in ``(low, high]`` (before a space, after a single-token
+        character), 0 if none."""
+        high = min(high, len(text) - 1)
+        space = text.rfind(" ", low + 1, high + 1)
+        single = 0
+        for single_match in self._single_chars()[0].finditer(text, low, high):
+            single = single_match.end()
+        return max(space, single, 0)
+
+    def _cut_after(self, text: str, low: int) -> int:
+        """The first place to cut after ``low``, 0 if none (or at the text's end)."""
+        space = text.find(" ", low + 1)
+        single_match = self._single_chars()[0].search(text, low)
+        cuts = [c for c in (space, single_match.end() if single_match else -1)
+                if low < c < len(text)]
+        return min(cuts, default=0)
 
 
 _SINGLES_LOCK = threading.Lock()  # HeadTokenizer._singles is built once, by one thread
+# HeadTokenizer's first cut is at most this many characters per token of the head from the start
+# (English takes about 5; the cut before the head's last space comes first there).
+_FIRST_CUT_CHARS_PER_TOKEN = 8
 # An ASCII text with too few spaces to cut at is tokenized whole up to this length; a longer one
 # (code, lists of links, markup that stayed text) is cut after single-token characters (its
 # punctuation), as a text in a script without spaces is.
@@ -671,18 +736,17 @@ def _cuts_at_words(tokenizer) -> bool:
 
 
 # Where BERT's normalizer puts spaces around CJK ideographs (its ``handle_chinese_chars``; the
-# supplementary planes' ranges left out), and the other blocks where punctuation is looked for.
+# supplementary planes' ranges left out).
 _BERT_CJK = ((0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF))
-_PUNCTUATION_BLOCKS = ((0x21, 0x7E), (0xA1, 0xBF), (0x2010, 0x205E), (0x3000, 0x303F),
-                       (0x30FB, 0x30FB), (0xFE10, 0xFE6F), (0xFF01, 0xFF65))
 
 
 def _single_token_chars(tokenizer) -> str:
     """The characters that this BERT-style tokenizer makes a word of exactly one token on their
     own, wherever they stand, and that no added token holds, as the inside of a regex character
     class ("" if none), each checked on the tokenizer:
-    - punctuation (and the ASCII symbols, which BERT counts as punctuation): given all of them
-      between letters (``"a" + "a".join(...) + "a"``), it makes each a word of one token;
+    - punctuation, all of Unicode's (and the ASCII symbols, which BERT counts as punctuation):
+      given all of them between letters (``"a" + "a".join(...) + "a"``), it makes each a word of
+      one token (its own, or the unknown token);
     - CJK ideographs, if its normalizer puts spaces around them: it turns each into one
       character that is not a space, between two spaces."""
     import json
@@ -697,7 +761,7 @@ def _single_token_chars(tokenizer) -> str:
         return ch not in in_added and all(unicodedata.combining(c) == 0
                                           for c in unicodedata.normalize("NFD", ch))
 
-    marks = [ch for low, high in _PUNCTUATION_BLOCKS for ch in map(chr, range(low, high + 1))
+    marks = [ch for ch in map(chr, range(sys.maxunicode + 1))
              if (ch in string.punctuation or unicodedata.category(ch).startswith("P"))
              and usable(ch)]
     whole = Tokenizer.from_str(tokenizer.to_str())
@@ -747,8 +811,9 @@ class UnknownTokens:
     """Counts the words of a prepared text that the model's tokenizer cannot read: its unknown
     tokens that hold a letter, among its own tokens (no special tokens, no document prefix). An
     unknown token of symbols only (emoji) counts neither way. Texts with no unknown id among their
-    token ids (nearly all, for a model that fits the feed) cost one scan of their ids; the others
-    are tokenized once more, with offsets, to see what each unknown token covers."""
+    token ids (nearly all, for a model that fits the feed) cost one scan of their ids; in head mode
+    the others have the prefix that gave their head tokenized once more, with offsets, to see what
+    each unknown token covers (in chunks mode, the text's tokens have their offsets already)."""
 
     def __init__(self, tokenizer, document_prefix: str = ""):
         from tokenizers import Tokenizer
@@ -761,27 +826,29 @@ class UnknownTokens:
         self._specials = self._tok.num_special_tokens_to_add(False)
         self._prefix = document_prefix
 
-    def of_head(self, text: str, head_ids: tuple[int, ...]) -> tuple[int, int]:
-        """(unknown words, tokens counted) of the head that ``head_ids`` (``HeadTokenizer``'s,
-        of the prefix and ``text``) holds."""
+    def of_head(self, text: str, head_ids: tuple[int, ...],
+                end: Optional[int] = None) -> tuple[int, int]:
+        """(unknown words, tokens counted) of the head that ``head_ids`` (``HeadTokenizer.head``'s,
+        of the prefix and ``text``) holds; ``end``: the length of the prefix of the document
+        prefix and ``text`` that ``HeadTokenizer.head`` tokenized (its first tokens are the
+        whole text's, cut where no token spans the cut; None: all of it)."""
         if self.unknown_id is None or self.unknown_id not in head_ids:
             return 0, 0
-        # The whole text, not a cut of it: a cut may change the last tokens before it (a word split
-        # in two, a run of characters that WordPiece makes one unknown token).
-        return self._count(self._prefix + text, len(head_ids) - self._specials, len(self._prefix))
+        encoding = self._tok.encode((self._prefix + text)[:end], add_special_tokens=False)
+        return self._count(self._prefix + text, encoding.ids, encoding.offsets,
+                           len(head_ids) - self._specials, len(self._prefix))
 
-    def of_text(self, text: str, chunks) -> tuple[int, int]:
-        """(unknown words, tokens counted) of the whole text (``transforms.chunking``'s
-        ``chunks`` of it hold its every token)."""
-        if self.unknown_id is None or not any(self.unknown_id in c.token_ids for c in chunks):
+    def of_text(self, text: str, ids, offsets) -> tuple[int, int]:
+        """(unknown words, tokens counted) of the whole text, from its tokens (``ids`` and their
+        ``offsets``: ``Chunker.encode``'s, of the text alone, with no special tokens)."""
+        if self.unknown_id is None or self.unknown_id not in ids:
             return 0, 0
-        return self._count(text, None, 0)
+        return self._count(text, ids, offsets, None, 0)
 
-    def _count(self, text: str, limit: Optional[int], skip_chars: int) -> tuple[int, int]:
-        encoding = self._tok.encode(text, add_special_tokens=False)
+    def _count(self, text: str, ids, offsets, limit: Optional[int],
+               skip_chars: int) -> tuple[int, int]:
         unknown = counted = 0
-        for token_id, (start, end) in list(zip(encoding.ids, encoding.offsets,
-                                               strict=True))[:limit]:
+        for token_id, (start, end) in itertools.islice(zip(ids, offsets, strict=True), limit):
             if start < skip_chars:  # the document prefix's
                 continue
             if token_id == self.unknown_id:
@@ -838,20 +905,34 @@ class _PrepareTextFn(beam.DoFn):
     def setup(self):
         self._tokenizer, self._chunker, self._unknown = text_tools(self._model, self._chunking)
 
-    def _tokenize_batch(self, texts: list[str]) -> list[tuple]:
-        """Per text: (head token ids, whether the head was cut, chunks)."""
+    def _tokenize(self, text: str, deadline: Deadline) -> tuple:
+        """(head token ids, whether the head was cut, chunks, (unknown words, tokens counted)),
+        the deadline checked after each step."""
+        assert self._tokenizer is not None and self._unknown is not None, "setup() makes them"
         if self._chunker is not None:
-            return self._chunker.split(texts)
-        assert self._tokenizer is not None, "setup() makes the tokenizer"
-        prefix = self._model.document_prefix
-        return [(ids, cut, ()) for ids, cut in self._tokenizer.batch([prefix + t for t in texts])]
+            encoding = self._chunker.encode(text)
+            _check(deadline, "tokenization")
+            ids, truncated, chunks = self._chunker.split_encoded(
+                text, encoding, check=lambda: _check(deadline, "chunking"))
+            _check(deadline, "chunking")
+            unknown = self._unknown.of_text(text, encoding.ids, encoding.offsets)
+        else:
+            ids, truncated, end = self._tokenizer.head(self._model.document_prefix + text,
+                                                       deadline)
+            _check(deadline, "tokenization")
+            chunks = ()
+            unknown = self._unknown.of_head(text, ids, end)
+        _check(deadline, "the unknown-token count")
+        return ids, truncated, chunks, unknown
 
     def _dead_letter(self, event: NewsEvent, reason: Reason, detail: str):
         return pvalue.TaggedOutput(DEAD_LETTER, DeadLetter.for_event(
             event, Step.PREPARE, reason, detail, self._dl_bytes))
 
-    def _compose(self, event: NewsEvent):
-        """(the prepared title, the composed text), or a dead letter."""
+    def _compose(self, event: NewsEvent, deadline: Optional[Deadline] = None):
+        """(the prepared title, the composed text), or a dead letter; ``PrepareTimeout`` past the
+        deadline (the document's own, if none is given)."""
+        deadline = deadline or Deadline(self._budget_s)
         length = len(event.title or "") + len(event.body or "")
         if length > self._max_text_chars:
             return self._dead_letter(event, Reason.TEXT_TOO_LONG,
@@ -862,16 +943,11 @@ class _PrepareTextFn(beam.DoFn):
                                      f"the title holds {len(event.title or '')} characters, over "
                                      f"text.max_title_chars {self._max_title_chars} (is the body "
                                      f"in the title field?)")
-        deadline = Deadline(self._budget_s)
         try:
             title = normalize_text(event.title, self._form, deadline)
             text = join_text(title, normalize_text(event.body, self._form, deadline))
-        except PrepareTimeout as exc:
-            return self._dead_letter(
-                event, Reason.PREPARE_FAILED,
-                f"text normalization went over its budget of text.prepare_budget_s "
-                f"{self._budget_s:g} s of CPU ({exc}): the text is built to be slow to clean, "
-                f"or the worker is starved of CPU")
+        except PrepareTimeout:
+            raise
         except Exception as exc:  # pylint: disable=broad-except  # hostile markup must not crash
             return self._dead_letter(
                 event, Reason.PREPARE_FAILED,
@@ -882,12 +958,9 @@ class _PrepareTextFn(beam.DoFn):
                                      "are removed")
         return title, text
 
-    def _unreadable(self, event: NewsEvent, text: str, ids: tuple[int, ...], chunks: tuple):
+    def _unreadable(self, event: NewsEvent, unknown: int, counted: int):
         """A dead letter if the model cannot read most of the text (``max_unknown_token_ratio``):
         its head's tokens, or in chunks mode the whole text's (every chunk is embedded)."""
-        assert self._unknown is not None, "setup() makes it"
-        unknown, counted = (self._unknown.of_text(text, chunks) if self._chunker is not None
-                            else self._unknown.of_head(text, ids))
         if not unknown or unknown <= self._max_unknown * counted:
             return None
         where = "the text's" if self._chunker is not None else "its head's"
@@ -898,38 +971,40 @@ class _PrepareTextFn(beam.DoFn):
             f"{event.language or 'not given'}): the model cannot read this text; embed this feed "
             f"with a model whose vocabulary covers its language")
 
-    def _tokenize(self, texts: list[str]) -> list:
+    def _prepare(self, event: NewsEvent):
+        """The event's PreparedDoc, or its dead letter. Its budget of CPU time covers every step:
+        normalization, tokenization, chunking and the unknown-token count."""
+        deadline = Deadline(self._budget_s)
         try:
-            return self._tokenize_batch(texts)
-        except Exception:  # pylint: disable=broad-except  # find the text to blame, keep the rest
-            results: list[tuple | Exception] = []
-            for text in texts:
-                try:
-                    results += self._tokenize_batch([text])
-                except Exception as exc:  # pylint: disable=broad-except
-                    results.append(exc)
-            return results
+            composed = self._compose(event, deadline)
+            if not isinstance(composed, tuple):
+                return composed
+            title, text = composed
+            try:
+                ids, truncated, chunks, (unknown, counted) = self._tokenize(text, deadline)
+            except PrepareTimeout:
+                raise
+            except Exception as exc:  # pylint: disable=broad-except  # blame this text only
+                return self._dead_letter(
+                    event, Reason.PREPARE_FAILED,
+                    f"tokenization failed: {type(exc).__name__}: {exc}"[:500])
+        except PrepareTimeout as exc:
+            return self._dead_letter(
+                event, Reason.PREPARE_FAILED,
+                f"text preparation went over its budget of text.prepare_budget_s "
+                f"{self._budget_s:g} s of CPU ({exc}): the text is built to be slow to prepare, "
+                f"or the worker is starved of CPU")
+        unreadable = self._unreadable(event, unknown, counted)
+        if unreadable is not None:
+            return unreadable
+        return PreparedDoc(event=event, text=text,
+                           text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                           token_ids=ids, truncated=truncated, chunks=chunks,
+                           title=title or None)
 
     def process(self, events: list[NewsEvent]) -> Iterator:
-        composed = [(event, self._compose(event)) for event in events]
-        yield from (out for _, out in composed if not isinstance(out, tuple))
-        ready = [(event, *out) for event, out in composed if isinstance(out, tuple)]
-        tokenized = self._tokenize([text for _, _, text in ready])
-        for (event, title, text), tokens in zip(ready, tokenized, strict=True):
-            if isinstance(tokens, Exception):
-                yield self._dead_letter(
-                    event, Reason.PREPARE_FAILED,
-                    f"tokenization failed: {type(tokens).__name__}: {tokens}"[:500])
-                continue
-            ids, truncated, chunks = tokens
-            unreadable = self._unreadable(event, text, ids, chunks)
-            if unreadable is not None:
-                yield unreadable
-                continue
-            yield PreparedDoc(event=event, text=text,
-                              text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
-                              token_ids=ids, truncated=truncated, chunks=chunks,
-                              title=title or None)
+        for event in events:
+            yield self._prepare(event)
 
 
 class PrepareText(beam.PTransform):
@@ -957,7 +1032,8 @@ class PrepareText(beam.PTransform):
 
     def expand(self, events):
         return (events
-                # Batches only so that the tokenizer works on many texts at once.
+                # Batches: each document is prepared on its own (its CPU budget covers all of its
+                # steps), but the step keeps the shape a running streaming job was built with.
                 | "Batch" >> beam.BatchElements(min_batch_size=_TOKENIZE_BATCH,
                                                 max_batch_size=_TOKENIZE_BATCH)
                 | "Prepare" >> beam.ParDo(self._fn).with_outputs(DEAD_LETTER, main="docs"))
