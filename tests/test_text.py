@@ -557,3 +557,22 @@ def test_the_cpu_budget_covers_tokenization(mode, monkeypatch):
     reason, detail = _outcome(fn, NewsEvent(id="slow", title="Title", body="Rates held. " * 50))
     assert reason == Reason.PREPARE_FAILED
     assert "text.prepare_budget_s 10 s of CPU" in detail and "by tokenization" in detail
+
+
+@pytest.mark.parametrize("mode", ["head", "chunks"])
+def test_special_tokens_written_in_a_text_are_read_as_text(mode, tokenizer):
+    """The model's input holds special tokens only where newsvec puts them ([CLS] first, [SEP]
+    last, in the head and in every chunk); "[UNK]" in a text is not an unknown word."""
+    from transforms.chunking import ChunkingSettings
+
+    specials = {t.content: i for i, t in tokenizer._tok.get_added_tokens_decoder().items()}
+    assert set(specials) == {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"}
+    fn = _prepare_fn(chunking=ChunkingSettings(mode=mode, chunk_tokens=16, overlap_tokens=4))
+    body = "Markets rose [SEP] [CLS] [MASK] [PAD] today. " + "In BERT, [UNK] replaces them. " * 9
+    (doc,) = list(fn.process([NewsEvent(id="t", body=body)]))
+    assert not isinstance(doc, pvalue.TaggedOutput), doc.value.detail
+    inputs = [doc.token_ids] + [chunk.token_ids for chunk in doc.chunks]
+    assert mode == "head" or len(doc.chunks) > 1
+    for ids in inputs:
+        assert ids[0] == specials["[CLS]"] and ids[-1] == specials["[SEP]"]
+        assert not set(ids[1:-1]) & set(specials.values()), ids

@@ -89,6 +89,17 @@ class ChunkSpan:
     char_end: int
 
 
+def copy_tokenizer(tokenizer, spec: Optional[str] = None):
+    """A copy of a ``tokenizers.Tokenizer`` (of ``spec``, its ``to_str()`` changed, if given) that
+    reads special tokens written in a text as the original does (``encode_special_tokens``, which
+    ``to_str`` leaves out)."""
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(spec or tokenizer.to_str())
+    copy.encode_special_tokens = tokenizer.encode_special_tokens
+    return copy
+
+
 def special_tokens_around(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The special token ids a tokenizer puts before and after one sequence ([CLS] / [SEP] for
     BERT, <s> / </s> for XLM-R), read from its own post-processor."""
@@ -138,9 +149,7 @@ class Chunker:
 
     def __init__(self, tokenizer, settings: ChunkingSettings, max_tokens: int,
                  document_prefix: str = ""):
-        from tokenizers import Tokenizer
-
-        self._tok = Tokenizer.from_str(tokenizer.to_str())
+        self._tok = copy_tokenizer(tokenizer)
         self._tok.no_truncation()
         self._tok.no_padding()
         self._lead, self._trail = special_tokens_around(self._tok)

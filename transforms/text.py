@@ -63,7 +63,7 @@ try:  # Python >= 3.11; typeshed has no stub for the private re._parser
 except ImportError:  # pragma: no cover
     import sre_parse
 
-from transforms.chunking import Chunker, ChunkingSettings, bert_style
+from transforms.chunking import Chunker, ChunkingSettings, bert_style, copy_tokenizer
 from transforms.model import ModelSettings, resolve_model_path
 from transforms.schema import DEAD_LETTER, DeadLetter, NewsEvent, PreparedDoc, Reason, Step
 
@@ -538,8 +538,9 @@ class HeadTokenizer:
     pre-tokenizer splits whatever lies around: before a space, or after a character it makes a
     word of one token on its own (``_single_token_chars``: punctuation marks, which it isolates,
     and CJK ideographs, which the normalizer puts spaces around; each checked on the tokenizer
-    itself, as Rust and Python do not agree on all of Unicode), as long as no added token
-    ([CLS], [MASK]...) holds a space or that character, so that no added token spans the cut.
+    itself, as Rust and Python do not agree on all of Unicode), as long as no added token that it
+    matches in a text (``_added_in_text``: the special tokens, [CLS], [MASK]..., are read as text)
+    holds a space or that character, so that no added token spans the cut.
     Then the prefix's words are the text's first words: the normalizer works character by
     character (it removes control characters, pads ideographs, lowercases, and strips accents after
     NFD, whose reordering moves combining marks only among themselves, never past a space or one
@@ -564,6 +565,9 @@ class HeadTokenizer:
         hf = AutoTokenizer.from_pretrained(resolve_model_path(model.path), revision=model.revision,
                                            trust_remote_code=model.trust_remote_code)
         self._tok = hf.backend_tokenizer  # the fast (Rust) tokenizer, without Python overhead
+        # A special token written in a text ("[SEP]", "[MASK]", "</s>") is text: the model's input
+        # holds special tokens only where the tokenizer's post-processor puts them.
+        self._tok.encode_special_tokens = True
         self._tok.no_padding()
         self._tok.enable_truncation(max_length=model.max_tokens, direction="right")
         self.max_tokens = model.max_tokens
@@ -574,10 +578,10 @@ class HeadTokenizer:
         self._specials = self._tok.num_special_tokens_to_add(False)
         self._singles: Optional[tuple[re.Pattern, re.Pattern]] = None
         self._ascii_tok = _without_bert_normalizer(self._tok)
-        # An added token ([UNK], [MASK]...) in a text is matched before the normalizer, in the
-        # text's own case: a text that holds one does not take the lowercased path.
-        self._added = re.compile("|".join(
-            re.escape(t.content) for t in self._tok.get_added_tokens_decoder().values()) or "(?!)")
+        # An added token that is not special (a model's own additions to its vocabulary) in a text
+        # is matched before the normalizer, in the text's own case: a text that holds one does not
+        # take the lowercased path.
+        self._added = re.compile("|".join(map(re.escape, _added_in_text(self._tok))) or "(?!)")
 
     def __call__(self, text: str) -> tuple[tuple[int, ...], bool]:
         """(token ids of the head, whether anything was cut)."""
@@ -715,7 +719,6 @@ def _without_bert_normalizer(tokenizer):
     other normalizer, or if an added token is matched after it."""
     import json
 
-    from tokenizers import Tokenizer
 
     spec = json.loads(tokenizer.to_str())
     normalizer = spec.get("normalizer") or {}
@@ -723,7 +726,14 @@ def _without_bert_normalizer(tokenizer):
             or any(t.get("normalized") for t in spec.get("added_tokens") or ())):
         return None
     spec["normalizer"] = None
-    return Tokenizer.from_str(json.dumps(spec))
+    return copy_tokenizer(tokenizer, json.dumps(spec))
+
+
+def _added_in_text(tokenizer) -> list[str]:
+    """The added tokens that this tokenizer matches in a text: all of them, but the special ones
+    ([CLS], [SEP], [MASK]...) where it reads those as text (``encode_special_tokens``)."""
+    return [t.content for t in tokenizer.get_added_tokens_decoder().values()
+            if not (t.special and tokenizer.encode_special_tokens)]
 
 
 def _cuts_at_words(tokenizer) -> bool:
@@ -732,7 +742,7 @@ def _cuts_at_words(tokenizer) -> bool:
     punctuation) after BERT's per-character normalizer (or none), and no added token that holds
     a space."""
     return bert_style(tokenizer) and not any(
-        any(c.isspace() for c in t.content) for t in tokenizer.get_added_tokens_decoder().values())
+        any(c.isspace() for c in t) for t in _added_in_text(tokenizer))
 
 
 # Where BERT's normalizer puts spaces around CJK ideographs (its ``handle_chinese_chars``; the
@@ -752,10 +762,8 @@ def _single_token_chars(tokenizer) -> str:
     import json
     import string
 
-    from tokenizers import Tokenizer
-
     spec = json.loads(tokenizer.to_str())
-    in_added = set("".join(t["content"] for t in spec.get("added_tokens") or ()))
+    in_added = set("".join(_added_in_text(tokenizer)))
 
     def usable(ch: str) -> bool:  # in no added token, and a starter (see HeadTokenizer)
         return ch not in in_added and all(unicodedata.combining(c) == 0
@@ -764,7 +772,7 @@ def _single_token_chars(tokenizer) -> str:
     marks = [ch for ch in map(chr, range(sys.maxunicode + 1))
              if (ch in string.punctuation or unicodedata.category(ch).startswith("P"))
              and usable(ch)]
-    whole = Tokenizer.from_str(tokenizer.to_str())
+    whole = copy_tokenizer(tokenizer)
     whole.no_truncation()
     text = "a" + "a".join(marks) + "a"
     encoding = whole.encode(text, add_special_tokens=False)
@@ -816,11 +824,10 @@ class UnknownTokens:
     each unknown token covers (in chunks mode, the text's tokens have their offsets already)."""
 
     def __init__(self, tokenizer, document_prefix: str = ""):
-        from tokenizers import Tokenizer
 
         spec = tokenizer.to_str()
         self.unknown_id = unknown_token_id(tokenizer, spec)
-        self._tok = Tokenizer.from_str(spec)
+        self._tok = copy_tokenizer(tokenizer, spec)
         self._tok.no_truncation()
         self._tok.no_padding()
         self._specials = self._tok.num_special_tokens_to_add(False)
