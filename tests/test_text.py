@@ -238,6 +238,21 @@ def test_unicode_normalization_never_sees_a_long_run_of_combining_marks(name, fo
     assert len(out) <= 60
 
 
+@pytest.mark.parametrize("form", ["NFC", "NFKC"])
+def test_format_characters_removed_leave_no_long_run_of_marks_and_a_normalized_text(form):
+    """Format characters (soft hyphens, joiners) are removed after the cut and the normalization:
+    runs of 30 marks split by soft hyphens are cut again once they join, and a letter and its
+    mark that come side by side are composed."""
+    import re
+
+    split_runs = "a" + ("\u0301\u0316" * 15 + "\u00ad") * 100
+    out = normalize_text(split_runs, form)
+    longest = max(len(m.group()) for m in re.finditer("[\u0300-\u036f]+", out))
+    assert longest <= 30, f"a run of {longest} marks"
+    assert unicodedata.is_normalized(form, out) and normalize_text(out, form) == out
+    assert normalize_text("e\u200d\u0301 cafe\u00ad\u0301", form) == "\u00e9 caf\u00e9"
+
+
 def test_a_short_run_of_marks_is_kept_whole():
     """Vietnamese and the like stack two or three marks; a run is cut only past
     MAX_COMBINING_RUN (30)."""

@@ -510,7 +510,13 @@ def normalize_text(text: Optional[str], form: UnicodeForm = "NFC",
     if _CONTROL.search(text):
         text = _CONTROL.sub(" ", text)
     if not text.isascii():  # format characters (Cf) are all outside ASCII
-        text = _FORMAT.sub("", text)
+        without = _FORMAT.sub("", text)
+        if len(without) != len(text):
+            # What stood between two runs of marks, or between a letter and its mark ("e\u200d"
+            # "\u0301"), is gone: the runs are cut again, and the text normalized again.
+            text = collapse_combining_marks(without)
+            if not unicodedata.is_normalized(form, text):
+                text = unicodedata.normalize(form, text)
     return " ".join(text.split())  # str.split's whitespace is re's \s (the test checks each)
 
 
