@@ -197,6 +197,45 @@ def test_markup_stripped_in_one_pass_reads_as_the_html_parser_reads_html(value):
     assert strip_markup_linear(value) == strip_html(value)
 
 
+# Constructs that never close, or close only as a whole, among markup that does: html.parser takes
+# such a construct as text as far as the next ">", then reads on.
+UNCLOSED_PIECES = ["<", ">", "a", "b", "/", "!", "-", "--", "?", " ", "=", "&", "&amp;", "&#65;",
+                   "p", "[", "]", "\n", "<!--", "-->", "--!>", "</", "</ ", "<![", "]]>", "CDATA",
+                   "cdata", "if", "DOCTYPE", "<!", "<?", "<p>", "</p>", "P", "br", "script",
+                   "style", "div"]
+
+
+@pytest.mark.parametrize("value", [
+    "x<!-- y <b>bold</b> z",          # a comment that never closes, a '>' after it
+    "<!-- a <p> b",
+    "<![CDATA[a>b]]>c",               # a marked section ends at ']]>', not at its first '>'
+    "<![CDATA[a>b c",                 # ... and one that never closes
+    "a <![if x]>y",
+    "</ p >x </ p junk>y",            # '</' and a space: an end tag only if whole
+    "s</\nP\n&#65;b&-->]",
+])
+def test_markup_stripped_in_one_pass_reads_what_never_closes_as_the_html_parser_does(value):
+    from transforms.text import strip_html, strip_markup_linear
+
+    assert strip_markup_linear(value) == strip_html(value)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(UNCLOSED_PIECES), min_size=1, max_size=30).map("".join))
+def test_markup_stripped_in_one_pass_reads_broken_markup_as_the_html_parser_reads_it(value):
+    """Without quotes (a '>' in a quoted value is the one difference), the same text, or the same
+    exception (a marked section with an unknown name)."""
+    from transforms.text import strip_html, strip_markup_linear
+
+    def outcome(strip):
+        try:
+            return strip(value)
+        except AssertionError:
+            return AssertionError
+
+    assert outcome(strip_markup_linear) == outcome(strip_html)
+
+
 def _longest_mark_run(text: str) -> int:
     longest = run = 0
     for ch in text:

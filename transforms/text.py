@@ -422,23 +422,38 @@ def strip_markup(text: str, deadline: Optional[Deadline] = None) -> str:
 
 # strip_markup_linear's constructs: what starts one (no further than its second character: a
 # construct that never closes is passed over, and must not have been read to its end), the end of
-# a comment, and a tag up to its ">" (its name as html.parser reads it).
+# a comment, a tag up to its ">" (its name as html.parser reads it), an end tag with space after
+# "</" (which html.parser takes as one only whole: "</ p >"), the name of a marked section ("<![")
+# and its ends.
 _OPENER = re.compile(r"<(?:(!--)|/?[A-Za-z]|/\s+[A-Za-z]|[!?/])")
 _COMMENT_CLOSE = re.compile(r"--\s*>")
 _MARKUP_TAG = re.compile(r"<(/\s*)?([A-Za-z][^\t\n\r\f />\x00]*)[^>]*>|<[^>]*>")
+_SPACED_END_TAG = re.compile(r"</\s*([a-zA-Z][-.a-zA-Z0-9:_]*)\s*>")
+_SECTION_NAME = re.compile(r"[a-zA-Z][-_.a-zA-Z0-9]*\s*")
+_SECTION_CLOSES = {"]]>": re.compile(r"]\s*]\s*>"), "]>": re.compile(r"]\s*>")}
+_SECTION_CLOSE = {**dict.fromkeys(("temp", "cdata", "ignore", "include", "rcdata"), "]]>"),
+                  **dict.fromkeys(("if", "else", "endif"), "]>")}
 _CDATA_END = {tag: re.compile(r"</\s*%s\s*>" % tag, re.I) for tag in ("script", "style")}
 
 
 def strip_markup_linear(text: str, deadline: Optional[Deadline] = None) -> str:
     """The text of an HTML fragment in one pass over it, with ``_TextExtractor``'s rules (block
     tags become spaces; scripts, styles, ``noscript`` and ``template`` are dropped; entities are
-    decoded). Like ``html.parser``, a construct that never closes is taken as text; unlike it, a
-    tag ends at its first ``>`` even inside a quoted attribute value (which ``strip_markup`` only
-    meets in markup built to stall the parser)."""
+    decoded). Like Python 3.11's ``html.parser``, a construct that never closes (a comment or a
+    marked section with no end, a tag with no ">" after it) is taken as text as far as the next
+    ">" (or "<"), and what follows is read as markup again; a marked section with an unknown name
+    raises ``AssertionError``, as the parser does. Unlike it, a tag ends at its first ``>`` even
+    inside a quoted attribute value (which ``strip_markup`` only meets in markup built to stall
+    the parser)."""
     extractor = _TextExtractor()
     last_gt = text.rfind(">")
-    closes = [m.start() for m in _COMMENT_CLOSE.finditer(text)]
-    last_comment_close = closes[-1] if closes else -1
+
+    def last_start(pattern: re.Pattern) -> int:
+        starts = [m.start() for m in pattern.finditer(text)]
+        return starts[-1] if starts else -1
+
+    last_comment_close = last_start(_COMMENT_CLOSE)
+    last_section_close = {kind: last_start(close) for kind, close in _SECTION_CLOSES.items()}
     pos = data_from = 0
     parts = extractor.parts
 
@@ -451,20 +466,35 @@ def strip_markup_linear(text: str, deadline: Optional[Deadline] = None) -> str:
         if match is None:
             break
         start = match.start()
-        closing = name = None
+        closing = name = end = None
         if match.group(1):  # a comment
-            if last_comment_close < start + 4:  # never closes: text
-                pos = start + 1
-                continue
-            end = _COMMENT_CLOSE.search(text, start + 4).end()  # type: ignore[union-attr]
-        elif start > last_gt:  # no ">" after it: it never closes, text
-            pos = start + 1
-            continue
-        else:  # a tag, or a declaration, processing instruction or bogus comment (dropped)
+            if last_comment_close >= start + 4:
+                end = _COMMENT_CLOSE.search(text, start + 4).end()  # type: ignore[union-attr]
+        elif text.startswith("<![", start):  # a marked section (CDATA...): dropped
+            section = _SECTION_NAME.match(text, start + 3)
+            if start + 3 == len(text):
+                pass  # the end of the text: it never closes
+            elif section is None:
+                raise AssertionError(f"expected name token at {text[start:start + 20]!r}")
+            elif section.end() < len(text):
+                kind = _SECTION_CLOSE.get(section.group().strip().lower())
+                if kind is None:
+                    raise AssertionError(f"unknown status keyword {section.group()!r} in marked "
+                                         f"section")
+                if last_section_close[kind] >= start + 3:
+                    end = _SECTION_CLOSES[kind].search(text, start + 3).end()  # type: ignore
+        elif start <= last_gt:  # a tag, or a declaration, processing instruction or bogus comment
             tag_match = _MARKUP_TAG.match(text, start)
             assert tag_match, "a '>' is left after it"
             end = tag_match.end()
             closing, name = tag_match.groups()
+            if closing is not None and closing != "/":  # "</ p>": an end tag only if whole
+                spaced = _SPACED_END_TAG.match(text, start)
+                name = spaced.group(1) if spaced else None  # else a bogus comment, dropped
+        if end is None:  # it never closes: text, as far as the next ">" or "<"
+            gt = text.find(">", start + 1) if start < last_gt else -1
+            pos = gt + 1 if gt >= 0 else start + 1
+            continue
         data(start)
         pos = data_from = end
         if name is not None:
