@@ -418,6 +418,27 @@ def test_a_document_over_its_cpu_budget_is_dead_lettered_prepare_failed(monkeypa
         ("row", "Title\nword")
 
 
+@pytest.mark.parametrize("line", ["\x80", "\u2019", "Ã©"])
+def test_ftfy_fixes_a_line_that_comes_again_once(line, monkeypatch):
+    """ftfy fixes each line on its own, at a cost of tens of microseconds however short the
+    line: 10,000 copies of a line are fixed once (counted as the calls of one of ftfy's fixers,
+    made once per line and pass), with the same text as fixing each."""
+    import ftfy
+
+    calls = {"n": 0}
+    real = ftfy.FIXERS["fix_line_breaks"]
+
+    def fix_line_breaks(text):
+        calls["n"] += 1
+        return real(text)
+
+    text = (line + "\n") * 10_000
+    want = " ".join(ftfy.fix_text(line, unescape_html=False).split() * 10_000)
+    monkeypatch.setitem(ftfy.FIXERS, "fix_line_breaks", fix_line_breaks)
+    assert normalize_text(text) == want
+    assert 0 < calls["n"] <= 10, f"{calls['n']:,} passes of ftfy's fixers over 10,000 lines"
+
+
 def test_the_cpu_budget_is_checked_inside_ftfys_mojibake_repair(monkeypatch):
     """ftfy repairs each line on its own: a field of many short lines of mojibake keeps it busy
     for long in one call, in which the budget is read too."""
@@ -426,7 +447,8 @@ def test_the_cpu_budget_is_checked_inside_ftfys_mojibake_repair(monkeypatch):
     clock = _FakeCpuClock()
     monkeypatch.setattr(transforms.text, "_clock", clock, raising=False)
     fn = _prepare_fn()
-    reason, detail = _outcome(fn, NewsEvent(id="slow", body="Ã©\n" * 10_000))
+    body = "".join(f"Ã© {i}\n" for i in range(10_000))  # distinct lines: each fixed
+    reason, detail = _outcome(fn, NewsEvent(id="slow", body=body))
     assert reason == Reason.PREPARE_FAILED
     assert "by ftfy's mojibake repair" in detail
     assert _outcome(fn, NewsEvent(id="fast", body="Ã©")) == ("row", "é")

@@ -177,14 +177,31 @@ class _MojibakeTooDeep(Exception):
 
 class _FtfyWork(threading.local):
     """What ftfy's encoding steps may still read in this thread, in characters (None: no bound,
-    outside ``_ftfy``), the document's deadline, and the steps taken so far."""
+    outside ``_ftfy``), the document's deadline, the steps taken so far, and the lines fixed so
+    far (``_fix_line_once``)."""
     allowance: Optional[int] = None
     deadline: Optional[Deadline] = None
     steps = 0
+    fixed: Optional[dict] = None
 
 
 _FTFY_WORK = _FtfyWork()
 _ftfy_encoding_step = ftfy._fix_encoding_one_step_and_explain  # pylint: disable=protected-access
+_ftfy_fix_and_explain = ftfy.fix_and_explain
+
+
+def _fix_line_once(text, config=None, **kwargs):
+    """ftfy's ``fix_and_explain``, which ``fix_text`` calls by name for each line (each fixed on
+    its own): inside ``_ftfy``, a line already fixed in the same text is not fixed again (its
+    result is the same). Each call costs tens of microseconds however short the line: a text of
+    many short lines, repeated, cost 100 times a normal text's time per character."""
+    fixed = _FTFY_WORK.fixed
+    if fixed is None or kwargs or config is None:
+        return _ftfy_fix_and_explain(text, config, **kwargs)
+    key = (text, config)
+    if key not in fixed:
+        fixed[key] = _ftfy_fix_and_explain(text, config)
+    return fixed[key]
 
 
 def _bounded_encoding_step(text, config):
@@ -203,6 +220,7 @@ def _bounded_encoding_step(text, config):
 
 ftfy.unicodedata = _UnicodedataForFtfy()  # type: ignore[assignment]
 ftfy._fix_encoding_one_step_and_explain = _bounded_encoding_step  # pylint: disable=protected-access
+ftfy.fix_and_explain = _fix_line_once
 
 # ftfy (6.3) as fix_text runs it: per line, fix_encoding (only if is_bad(line)), then these
 # fixers, then NFC, until nothing changes. remove_terminal_escapes needs ESC.
@@ -276,18 +294,23 @@ _DECODE_SLACK = 4096
 def _ftfy(text: str, deadline: Optional[Deadline] = None) -> str:
     """``ftfy.fix_text(text, unescape_html=False, normalization="NFC")``, its mojibake repair
     bounded: if its encoding steps read more than ``_DECODE_FACTOR`` times the text, the text is
-    fixed without it (``fix_encoding=False``: the other fixers and NFC still run)."""
+    fixed without it (``fix_encoding=False``: the other fixers and NFC still run). A line that
+    comes again is fixed once (``_fix_line_once``)."""
     work = _FTFY_WORK
-    work.allowance, work.deadline, work.steps = (_DECODE_FACTOR * len(text) + _DECODE_SLACK,
-                                                 deadline, 0)
+    work.fixed = {}
     try:
-        return ftfy.fix_text(text, unescape_html=False, normalization="NFC")
-    except _MojibakeTooDeep:
-        pass
+        work.allowance, work.deadline, work.steps = (_DECODE_FACTOR * len(text) + _DECODE_SLACK,
+                                                     deadline, 0)
+        try:
+            return ftfy.fix_text(text, unescape_html=False, normalization="NFC")
+        except _MojibakeTooDeep:
+            pass
+        finally:
+            work.allowance = work.deadline = None
+        _check(deadline, "ftfy's mojibake repair")
+        return ftfy.fix_text(text, unescape_html=False, normalization="NFC", fix_encoding=False)
     finally:
-        work.allowance = work.deadline = None
-    _check(deadline, "ftfy's mojibake repair")
-    return ftfy.fix_text(text, unescape_html=False, normalization="NFC", fix_encoding=False)
+        work.fixed = None
 
 
 def fix_text(text: str, deadline: Optional[Deadline] = None) -> str:
