@@ -389,6 +389,28 @@ def test_a_title_over_max_title_chars_is_dead_lettered_text_too_long():
         Reason.TEXT_TOO_LONG
 
 
+def test_a_text_that_normalization_makes_too_long_is_dead_lettered_text_too_long():
+    """NFKC writes some characters as many (U+FDFA as 18): the prepared text is held to
+    max_text_chars too, checked as soon as the normalization is done."""
+    from tests.conftest import make_config
+    from transforms.text import _PrepareTextFn
+
+    def fn(form):
+        prepare = _PrepareTextFn(make_config().model, 1000, 4096, unicode_form=form,
+                                 max_unknown_token_ratio=1.0)
+        prepare.setup()
+        return prepare
+
+    body = "\ufdfa" * 100
+    reason, detail = _outcome(fn("NFKC"), NewsEvent(id="t", body=body))
+    assert reason == Reason.TEXT_TOO_LONG
+    assert "makes the text 1800 characters long, over the limit of 1000" in detail
+    assert _outcome(fn("NFC"), NewsEvent(id="t", body=body)) == ("row", body)
+    assert _outcome(fn("NFKC"), NewsEvent(id="t", title="\ufdfa" * 40, body="\ufdfa" * 20))[0] \
+        == Reason.TEXT_TOO_LONG, "title and body together"
+    assert _outcome(fn("NFKC"), NewsEvent(id="t", body="\ufdfa" * 55))[0] == "row"
+
+
 class _FakeCpuClock:
     """A thread CPU clock that advances one second each time it is read."""
 

@@ -32,7 +32,9 @@ but these guards do not rely on it):
 - a run of more than ``MAX_COMBINING_RUN`` combining marks (non-starters) is cut to its first
   ``MAX_COMBINING_RUN`` before any Unicode normalization, ftfy's included (the Stream-Safe Text
   Format's limit: no text in any language needs more);
-- titles longer than ``max_title_chars`` are dead-lettered (``text_too_long``);
+- titles longer than ``max_title_chars`` are dead-lettered (``text_too_long``), and so is a text
+  that normalization makes longer than ``max_text_chars`` (NFKC writes U+FDFA as 18 characters),
+  before the steps after it;
 - ftfy's mojibake repair may read at most ``_DECODE_FACTOR`` times the text; past that, the text
   is fixed without it;
 - each document has a budget of CPU time (``prepare_budget_s``), checked between the steps
@@ -543,11 +545,21 @@ katakana and Latin ligatures; NFKC also folds the other compatibility characters
 ™, ½...)."""
 
 
+class TextTooLong(Exception):
+    """Normalization made a field longer than ``normalize_text``'s ``max_chars``: NFKC writes some
+    characters as many (U+FDFA is 18 characters), ftfy a ligature as its letters."""
+
+    def __init__(self, chars: int):
+        super().__init__(chars)
+        self.chars = chars
+
+
 def normalize_text(text: Optional[str], form: UnicodeForm = "NFC",
-                   deadline: Optional[Deadline] = None) -> str:
+                   deadline: Optional[Deadline] = None, max_chars: Optional[int] = None) -> str:
     """One field's text, cleaned for the model, in Unicode ``form``. Idempotent. Its cost is
     linear in the text's length (see the module docstring); ``deadline``: the document's budget
-    (``PrepareTimeout`` past it)."""
+    (``PrepareTimeout`` past it); ``max_chars``: ``TextTooLong`` if Unicode normalization makes
+    the text longer (checked before the steps after it)."""
     if not text:
         return ""
     if _TAG.search(text):
@@ -560,6 +572,8 @@ def normalize_text(text: Optional[str], form: UnicodeForm = "NFC",
     _check(deadline, "ftfy")
     if form == "NFKC" and not text.isascii():
         text = unicodedata.normalize("NFKC", text)  # NFKC(NFC(x)) == NFKC(x)
+    if max_chars is not None and len(text) > max_chars:
+        raise TextTooLong(len(text))
     if _CONTROL.search(text):
         text = _CONTROL.sub(" ", text)
     if not text.isascii():  # format characters (Cf) are all outside ASCII
@@ -1010,19 +1024,31 @@ class _PrepareTextFn(beam.DoFn):
                                      f"text.max_title_chars {self._max_title_chars} (is the body "
                                      f"in the title field?)")
         try:
-            title = normalize_text(event.title, self._form, deadline)
-            text = join_text(title, normalize_text(event.body, self._form, deadline))
+            title = normalize_text(event.title, self._form, deadline, self._max_text_chars)
+            text = join_text(title, normalize_text(event.body, self._form, deadline,
+                                                   self._max_text_chars))
         except PrepareTimeout:
             raise
+        except TextTooLong as exc:
+            return self._expanded(event, exc.chars)
         except Exception as exc:  # pylint: disable=broad-except  # hostile markup must not crash
             return self._dead_letter(
                 event, Reason.PREPARE_FAILED,
                 f"text normalization failed: {type(exc).__name__}: {exc}"[:500])
+        if len(text) > self._max_text_chars:
+            return self._expanded(event, len(text))
         if not text:
             return self._dead_letter(event, Reason.EMPTY_AFTER_NORMALIZATION,
                                      "no text is left once HTML, control characters and whitespace "
                                      "are removed")
         return title, text
+
+    def _expanded(self, event: NewsEvent, chars: int):
+        return self._dead_letter(
+            event, Reason.TEXT_TOO_LONG,
+            f"normalization (text.unicode_form {self._form}) makes the text {chars} characters "
+            f"long, over the limit of {self._max_text_chars}: some characters are written as "
+            f"several in {self._form} (U+FDFA is 18)")
 
     def _unreadable(self, event: NewsEvent, unknown: int, counted: int):
         """A dead letter if the model cannot read most of the text (``max_unknown_token_ratio``):
@@ -1080,9 +1106,10 @@ class PrepareText(beam.PTransform):
     Text in ``unicode_form`` (``text.unicode_form``). An article the model cannot read (more than
     ``max_unknown_token_ratio`` of its head's tokens unknown to the tokenizer: ``UnknownTokens``;
     in chunks mode, of the whole text's) is dead-lettered ``unreadable_for_model``, not embedded:
-    every such article would get about the same vector. A title over ``max_title_chars`` is
-    dead-lettered ``text_too_long``; a document that uses more than ``prepare_budget_s`` of CPU in
-    normalization, ``prepare_failed`` (``Deadline``)."""
+    every such article would get about the same vector. A title over ``max_title_chars``, or a text
+    over ``max_text_chars`` before or after normalization, is dead-lettered ``text_too_long``; a
+    document that uses more than ``prepare_budget_s`` of CPU in preparation, ``prepare_failed``
+    (``Deadline``)."""
 
     def __init__(self, model: ModelSettings, *, chunking: ChunkingSettings = ChunkingSettings(),
                  max_text_chars: int = 200_000, dead_letter_payload_bytes: int = 4096,
