@@ -238,8 +238,7 @@ class Chunker:
                 if end in tried:
                     continue
                 tried.add(end)
-                token_ids = self._token_ids(text, ids, offsets, start, end,
-                                            at_word_boundary(start) and at_word_boundary(end))
+                token_ids = self._token_ids(text, ids, offsets, start, end, at_word_boundary)
                 if token_ids is not None:  # else its text has more tokens than a chunk holds
                     break
             else:  # a unit of more tokens than a chunk holds, from start on: cut it inside
@@ -259,14 +258,35 @@ class Chunker:
             start = following if at_break(following) else end
 
     def _token_ids(self, text: str, ids, offsets, start: int, end: int,
-                   at_words: bool) -> Optional[tuple[int, ...]]:
+                   at_word_boundary: Callable[[int], bool]) -> Optional[tuple[int, ...]]:
         """The tokens of the chunk ``[start, end)``'s text tokenized alone (see the class
-        docstring), or None if they are more than a chunk holds."""
+        docstring), or None if they are more than a chunk holds. For a BERT-style tokenizer, whose
+        words are tokenized each on its own, only a word the chunk cuts is tokenized again (the
+        part of it in the chunk): the words in between keep the text's tokens."""
         char_start, char_end = offsets[start][0], offsets[end - 1][1]
-        if (self._words_exact and at_words) or (char_start == 0 and char_end == len(text)):
-            return tuple(ids[start:end])  # the same words, or the same text
-        own = self._tok.encode(text[char_start:char_end], add_special_tokens=False).ids
-        return tuple(own) if len(own) <= self.capacity else None
+        if char_start == 0 and char_end == len(text):
+            return tuple(ids[start:end])  # the same text
+        if self._words_exact:
+            first_whole = start  # the first token of the chunk's first whole word
+            while first_whole < end and not at_word_boundary(first_whole):
+                first_whole += 1
+            last_whole = end  # where its last word the chunk cuts starts
+            while last_whole > first_whole and not at_word_boundary(last_whole):
+                last_whole -= 1
+            if first_whole == start and last_whole == end:
+                return tuple(ids[start:end])  # the same words
+            if last_whole >= first_whole and (first_whole > start or last_whole < end):
+                own = (self._encode(text[char_start:offsets[first_whole - 1][1]])
+                       if first_whole > start else ())
+                own += tuple(ids[first_whole:last_whole])
+                if last_whole < end:
+                    own += self._encode(text[offsets[last_whole][0]:char_end])
+                return own if len(own) <= self.capacity else None
+        own = self._encode(text[char_start:char_end])
+        return own if len(own) <= self.capacity else None
+
+    def _encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self._tok.encode(text, add_special_tokens=False).ids)
 
 
 def chunk_id(doc_id: str, text_sha256: str, model: str, chunk_recipe: str, index: int) -> str:
