@@ -604,6 +604,17 @@ def test_the_head_of_a_long_text_of_long_words_is_tokenized_from_a_short_prefix(
         tokenizer._tok, [doc.text], tokenizer.max_tokens)[0]
 
 
+def test_a_long_text_with_nowhere_to_cut_its_head_is_tokenized_once(tokenized):
+    """20,000 characters of katakana with no space or punctuation: the whole text is tokenized,
+    once, with the offsets the unknown-token count reads (one word over 100 characters: one
+    unknown token)."""
+    counted, prepare = tokenized
+    out = prepare(_repeat("\u30ad\u30ed\u30e1\u30fc\u30c8\u30eb", 20_000))
+    assert out.value.reason == Reason.UNREADABLE_FOR_MODEL
+    assert "1 of its head's 1 tokens are unknown" in out.value.detail
+    assert counted["lengths"] == [20_000]
+
+
 def test_chunks_mode_tokenizes_the_whole_text_once(tokenized):
     """The unknown-token count reads the chunker's tokens of the text, not a second
     tokenization; the chunks' own re-tokenizations are each at most a chunk's text."""

@@ -597,6 +597,17 @@ def compose_text(event: NewsEvent, form: UnicodeForm = "NFC") -> str:
     return join_text(normalize_text(event.title, form), normalize_text(event.body, form))
 
 
+class Head(NamedTuple):
+    """``HeadTokenizer.head``'s result: the token ids of the head, whether anything was cut, the
+    length of the prefix of the text that was tokenized (its first tokens are the text's, so
+    ``UnknownTokens`` reads the head's words there), and that tokenization, with its offsets,
+    where it was made with them (else None)."""
+    ids: tuple[int, ...]
+    truncated: bool
+    end: int
+    encoding: object
+
+
 class HeadTokenizer:
     """The model's tokenizer, truncating on the right (keeping the head) to ``max_tokens``.
 
@@ -664,33 +675,35 @@ class HeadTokenizer:
         """``__call__`` for many texts."""
         return [self.head(text)[:2] for text in texts]
 
-    def head(self, text: str, deadline: Optional[Deadline] = None
-             ) -> tuple[tuple[int, ...], bool, int]:
-        """(token ids of the head, whether anything was cut, the length of the prefix of ``text``
-        that was tokenized: its first tokens are the text's, so ``UnknownTokens`` reads the head's
-        words there). A long text is first tokenized as far as a cut only (``_cuts``); the rest of
-        it, only if that did not overflow. Plain ASCII texts skip the tokenizer's normalizer (see
-        ``_without_bert_normalizer``). ``deadline`` is checked between the tries."""
+    def head(self, text: str, deadline: Optional[Deadline] = None) -> "Head":
+        """The head of ``text`` (``Head``). A long text is first tokenized as far as a cut only
+        (``_cuts``); the rest of it, only if that did not overflow. Plain ASCII texts skip the
+        tokenizer's normalizer (see ``_without_bert_normalizer``). ``deadline`` is checked between
+        the tries."""
         if (self._ascii_tok is not None and text.isascii() and not _BERT_CLEANS.search(text)
                 and not self._added.search(text)):
             return self._head(self._ascii_tok, text.lower(), deadline)
         return self._head(self._tok, text, deadline)
 
-    def _head(self, tok, text: str, deadline: Optional[Deadline]
-              ) -> tuple[tuple[int, ...], bool, int]:
+    def _head(self, tok, text: str, deadline: Optional[Deadline]) -> "Head":
         cuts = self._cuts(text)
         end = next(cuts, 0)
         while end:
             e = tok.encode_batch_fast([text[:end]])[0]
             if e.overflowing:
-                return tuple(e.ids), True, end
+                return Head(tuple(e.ids), True, end, None)
             _check(deadline, "tokenization")
             try:
                 end = cuts.send(len(e.ids) - self._specials)
             except StopIteration:
                 end = 0
+        if self._head_words and len(text) > self._head_words * _FIRST_CUT_CHARS_PER_TOKEN:
+            # a long text with nowhere to cut its head: tokenized once, with the offsets that
+            # UnknownTokens reads (a second tokenization, otherwise)
+            e = tok.encode(text)
+            return Head(tuple(e.ids), bool(e.overflowing), len(text), e)
         e = tok.encode_batch_fast([text])[0]
-        return tuple(e.ids), bool(e.overflowing), len(text)
+        return Head(tuple(e.ids), bool(e.overflowing), len(text), None)
 
     def _cuts(self, text: str) -> Generator[int, int, None]:
         """Where to cut ``text`` to tokenize its head, at the places the class docstring proves,
@@ -906,14 +919,21 @@ class UnknownTokens:
         self._specials = self._tok.num_special_tokens_to_add(False)
         self._prefix = document_prefix
 
-    def of_head(self, text: str, head_ids: tuple[int, ...],
-                end: Optional[int] = None) -> tuple[int, int]:
+    def of_head(self, text: str, head_ids: tuple[int, ...], end: Optional[int] = None,
+                encoding=None) -> tuple[int, int]:
         """(unknown words, tokens counted) of the head that ``head_ids`` (``HeadTokenizer.head``'s,
         of the prefix and ``text``) holds; ``end``: the length of the prefix of the document
         prefix and ``text`` that ``HeadTokenizer.head`` tokenized (its first tokens are the
-        whole text's, cut where no token spans the cut; None: all of it)."""
+        whole text's, cut where no token spans the cut; None: all of it); ``encoding``: that
+        tokenization, if it has offsets (its special tokens are passed over)."""
         if self.unknown_id is None or self.unknown_id not in head_ids:
             return 0, 0
+        if encoding is not None:
+            own = [(i, offsets) for i, offsets, special in zip(
+                encoding.ids, encoding.offsets, encoding.special_tokens_mask, strict=True)
+                   if not special]
+            return self._count(self._prefix + text, [i for i, _ in own], [o for _, o in own],
+                               None, len(self._prefix))
         encoding = self._tok.encode((self._prefix + text)[:end], add_special_tokens=False)
         return self._count(self._prefix + text, encoding.ids, encoding.offsets,
                            len(head_ids) - self._specials, len(self._prefix))
@@ -997,11 +1017,11 @@ class _PrepareTextFn(beam.DoFn):
             _check(deadline, "chunking")
             unknown = self._unknown.of_text(text, encoding.ids, encoding.offsets)
         else:
-            ids, truncated, end = self._tokenizer.head(self._model.document_prefix + text,
-                                                       deadline)
+            ids, truncated, end, encoding = self._tokenizer.head(
+                self._model.document_prefix + text, deadline)
             _check(deadline, "tokenization")
             chunks = ()
-            unknown = self._unknown.of_head(text, ids, end)
+            unknown = self._unknown.of_head(text, ids, end, encoding)
         _check(deadline, "the unknown-token count")
         return ids, truncated, chunks, unknown
 
