@@ -685,3 +685,25 @@ def test_special_tokens_written_in_a_text_are_read_as_text(mode, tokenizer):
     for ids in inputs:
         assert ids[0] == specials["[CLS]"] and ids[-1] == specials["[SEP]"]
         assert not set(ids[1:-1]) & set(specials.values()), ids
+
+
+LOW_DENSITY = ["\u3042" * 101, "\u0301", "\u0301\u0301", "a" * 120, "\U0001F600" * 3,
+               "\u00e9" * 101]
+HIGH_DENSITY = ["word", "\u4e2d", "x.y", "\u30ad\u30ed\u30e1\u30fc\u30c8\u30eb" * 3, "ab"]
+
+
+@settings(max_examples=50, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(LOW_DENSITY + HIGH_DENSITY),
+                          st.sampled_from([" ", "\u060c", "\u055d", "\u3002", ","])),
+                min_size=1, max_size=40).map(lambda parts: "".join(a + b for a, b in parts)),
+       st.integers(5_000, 30_000))
+def test_texts_of_words_of_few_tokens_tokenize_as_the_whole_text(tokenizer, unit, chars):
+    """Words that give few tokens (over 100 characters: one unknown token; combining marks alone:
+    none) make the head's first cut too short: the prefix is tokenized further, more than once,
+    and the head is still the whole text's."""
+    from tests import reference_prepare as reference
+
+    text = (unit * (chars // len(unit) + 1))[:chars]
+    assert tokenizer.batch([text]) == reference.head_tokens(tokenizer._tok, [text],
+                                                            tokenizer.max_tokens)
