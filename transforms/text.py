@@ -657,7 +657,7 @@ class HeadTokenizer:
         self.max_tokens = model.max_tokens
         room = model.max_tokens - self._tok.num_special_tokens_to_add(False)
         # Cuts before the room + 1-th space, and after as many single-token characters (found
-        # when first needed, once: about 0.1 s). None: every text is tokenized whole.
+        # when first needed, once: about 0.3 s). None: every text is tokenized whole.
         self._head_words = room + 1 if _cuts_at_words(self._tok) else None
         self._specials = self._tok.num_special_tokens_to_add(False)
         self._singles: Optional[tuple[re.Pattern, re.Pattern]] = None
