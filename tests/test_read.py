@@ -156,17 +156,20 @@ def test_compressed_files_read_as_beams_own_reader_reads_them(tmp_path):
 
     data = [b'{"id": "a"}\n', b"\n", b'{"id": "b", "body": "' + b"y" * 3000 + b'"}\r\n',
             b"tail without a newline"]
+    paths = {}
     for fmt in FORMATS:
         for streams in (1, 2):
-            path = str(tmp_path / f"in-{streams}.jsonl.{fmt}")
+            path = paths[fmt, streams] = str(tmp_path / f"in-{streams}.jsonl.{fmt}")
             with open(path, "wb") as f:
                 f.write(_compressed(fmt, data, streams=streams))
-            assert count_lines(path) == 3, (fmt, streams)
-            with FileSystems.open(path, compression_type=CompressionTypes.AUTO) as f:
-                want = list(iter_lines(f, 1000))
-            with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
-                got = list(iter_lines(read.open_decompressed(raw, path), 1000))
-            assert got == want and len(got) == 4, (fmt, streams, got)
+    counts = {key: count_lines(path) for key, path in paths.items()}
+    assert all(count == 3 for count in counts.values()), counts
+    for (fmt, streams), path in paths.items():
+        with FileSystems.open(path, compression_type=CompressionTypes.AUTO) as f:
+            want = list(iter_lines(f, 1000))
+        with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
+            got = list(iter_lines(read.open_decompressed(raw, path), 1000))
+        assert got == want and len(got) == 4, (fmt, streams, got)
     whole = _compressed("gz", data)
     (tmp_path / "cut.jsonl.gz").write_bytes(whole[:len(whole) // 2])
     try:
