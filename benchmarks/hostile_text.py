@@ -1,29 +1,41 @@
 """Hostile text against normal text: what one field costs PrepareText, per character.
-``python -m benchmarks.hostile_text [--chars 200000] [--repeats 5]``.
+``python -m benchmarks.hostile_text [--chars 200000] [--repeats 3] [--modes head,chunks]``.
 
 Each field is the body of one article of ``--chars`` characters (200,000: ``text.max_text_chars``'s
-default), prepared by PrepareText's DoFn as a pipeline runs it (``process``: normalization, then
-the head's tokens and the unknown-token count), with the model of configs/local.yaml:
+default, which is also the limit the DoFn is given), prepared by PrepareText's DoFn as a pipeline
+runs it (``process``: normalization, tokenization, in chunks mode the chunks, and the unknown-token
+count), with the model of configs/local.yaml, in head mode and in chunks mode (with
+``sentence_end_slack_tokens`` 16, whose sentence-end check once read back over quotes):
 - ``normal``: BBC articles (../shared/data/bbc-news) joined by spaces, cut to the length: one line
   with the BBC's real mojibake (``Â£``), the kind of text PrepareText's fast paths were built for;
-- the constructions of the security review that are quadratic in Python 3.11.7's ``html.parser``
-  (tags, attribute values and end tags that never close) and ``unicodedata.normalize`` (combining
-  marks of alternating classes), the markup declarations that repeat (``<!``, ``<![``, ``<?``,
-  comments, CDATA, doctypes), and the marks again as entities and as Latin-1 mojibake (which ftfy
-  decodes, then normalizes);
+  the same in NFKC for the fields prepared in NFKC;
+- markup: the constructions of the security review that are quadratic in Python 3.11.7's
+  ``html.parser`` (tags, attribute values and end tags that never close) and the markup
+  declarations that repeat (``<!``, ``<![``, ``<?``, comments, CDATA, doctypes);
+- combining marks: alternating classes (quadratic in ``unicodedata.normalize``), as entities, as
+  Latin-1 mojibake (which ftfy decodes, then normalizes), and in runs that soft hyphens split;
+- ftfy: mojibake that renews itself at each repair step (quadratic in ftfy), and many short lines,
+  each of which ftfy fixes on its own (the same line again and again, and distinct lines);
+- tokenization: words of up to 100 characters (WordPiece reads such a word again for each of its
+  tokens) between punctuation or spaces, with and without the tokenizer's unknown token; a text
+  with nowhere to cut its head (one word); NFKC's long expansions (U+3316, U+FDFA);
+- chunks: a text of nothing but quotes (the sentence-end check);
 - ``CJK, one line``: Chinese characters with no line break (normal text in a language without
-  spaces; its mojibake check reads every character: given for information, not a hostile field).
+  spaces: given for information, not a hostile field).
 
-Reports the median CPU time (this process, all threads) of ``--repeats`` runs, per character, for
-the whole of ``process`` and for normalization alone, and each field's ratio to ``normal``; the
-worst ratio of a hostile field is the figure to hold within 10x. Writes
+Reports the median CPU time (this thread) of ``--repeats`` runs, per character, for the whole of
+``process`` and for normalization alone, each field's ratio to the normal article of its mode (and
+Unicode form), and the outcome (a row and its length, or the dead letter's reason). The worst ratio
+of a hostile field per mode is the figure to hold within 10x. Writes
 ``bench-results/hostile_text-<time>.json``.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import statistics
+import string
 import sys
 import time
 
@@ -32,6 +44,8 @@ from pipeline.config import REPO_ROOT
 
 BBC = REPO_ROOT.parent / "shared" / "data" / "bbc-news"
 MARKS = "\u0301\u0316"  # combining acute (class 230) and grave below (220): alternating classes
+KATAKANA_WORD = "\u30ad\u30ed\u30e1\u30fc\u30c8\u30eb" * 16  # NFKC of U+3316 * 16: 96 characters
+INFORMATION = ("normal", "CJK, one line")  # not hostile fields
 
 
 def bbc_text(chars: int) -> str:
@@ -45,46 +59,74 @@ def bbc_text(chars: int) -> str:
     return text[:chars]
 
 
-def fields(n: int) -> dict[str, str]:
-    """Name -> a field of about ``n`` characters."""
+def fields(n: int) -> dict[str, tuple[str, str]]:
+    """Name -> (a field of ``n`` characters, the Unicode form it is prepared in)."""
     import random
 
     rng = random.Random(7)
     hanzi = [chr(c) for c in range(0x4E00, 0x4E00 + 3000)]
-    return {
-        "normal": bbc_text(n),
-        "unclosed tags '<a'": "<a" * (n // 2),
-        "unclosed attribute '<a b=\"'": '<a b="' * (n // 6),
-        "end tags '</'": "</" * (n // 2),
-        "declarations '<!'": "<!" * (n // 2),
-        "marked sections '<!['": "<![" * (n // 3),
-        "processing instructions '<?'": "<?" * (n // 2),
-        "comments '<!--'": "<!--" * (n // 4),
-        "CDATA '<![CDATA['": "<![CDATA[" * (n // 9),
-        "doctypes '<!DOCTYPE'": "<!DOCTYPE" * (n // 9),
-        "combining marks": "a" + MARKS * (n // 2),
-        "combining marks as entities": "a" + "&#769;&#790;" * (n // 12),
-        "combining marks as mojibake": ("a" + MARKS * (n // 4)).encode("utf-8").decode("latin-1"),
+
+    def repeat(unit: str) -> str:
+        return (unit * (n // len(unit) + 1))[:n]
+
+    distinct = itertools.product(string.ascii_letters + string.digits, repeat=3)
+    distinct_lines = "".join("\x80" + "".join(c) + "\n" for c in distinct)[:n]
+    texts = {
+        "normal": repeat(bbc_text(n)),
+        "unclosed tags '<a'": repeat("<a"),
+        "unclosed attribute '<a b=\"'": repeat('<a b="'),
+        "end tags '</'": repeat("</"),
+        "declarations '<!'": repeat("<!"),
+        "marked sections '<!['": repeat("<!["),
+        "processing instructions '<?'": repeat("<?"),
+        "comments '<!--'": repeat("<!--"),
+        "unclosed comments, then '>' '<!-- >'": repeat("<!-- >"),
+        "CDATA '<![CDATA['": repeat("<![CDATA["),
+        "doctypes '<!DOCTYPE'": repeat("<!DOCTYPE"),
+        "combining marks": ("a" + MARKS * n)[:n],
+        "combining marks as entities": ("a" + "&#769;&#790;" * n)[:n],
+        "combining marks as mojibake": ("a" + MARKS * n).encode("utf-8").decode("latin-1")[:n],
+        "marks split by soft hyphens": ("a" + repeat(MARKS * 15 + "\u00ad"))[:n],
+        "mojibake chain 'Ã' + 'ƒ'*n + '©'": "\u00c3" + "\u0192" * (n - 2) + "\u00a9",
+        "mojibake chain 'Ξ' + '\\x9e'*n": "\u039e" + "\x9e" * (n - 1),
+        "lines of C1 '\\x80\\n'": repeat("\x80\n"),
+        "lines of a curly quote '’\\n'": repeat("\u2019\n"),
+        "distinct lines of C1 '\\x80xyz\\n'": distinct_lines,
+        "long words, Arabic comma": repeat("\u3042" * 100 + "\u060c"),
+        "long words, Armenian comma (unknown)": repeat("\u3042" * 100 + "\u055d"),
+        "long katakana words, Armenian comma": repeat(KATAKANA_WORD + "\u055d"),
+        "long katakana words, spaces": repeat(KATAKANA_WORD + " "),
+        "katakana, one word": repeat(KATAKANA_WORD),
+        "quotes '\"'": repeat('"'),
         "CJK, one line": "".join(rng.choice(hanzi) for _ in range(n)),
     }
+    forms = {name: "NFC" for name in texts}
+    texts["NFKC: U+3316 * 16 + Armenian comma"] = repeat("\u3316" * 16 + "\u055d")
+    texts["NFKC: U+FDFA"] = repeat("\ufdfa")
+    texts["normal, NFKC"] = texts["normal"]
+    forms.update(dict.fromkeys(["NFKC: U+3316 * 16 + Armenian comma", "NFKC: U+FDFA",
+                                "normal, NFKC"], "NFKC"))
+    return {name: (text, forms[name]) for name, text in texts.items()}
 
 
 def cpu_seconds(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
-        start = time.process_time()
+        start = time.thread_time()
         fn()
-        times.append(time.process_time() - start)
+        times.append(time.thread_time() - start)
     return statistics.median(times)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--chars", type=int, default=200_000)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default="head,chunks")
     args = parser.parse_args(argv)
 
     from pipeline.config import load
+    from transforms.chunking import ChunkingSettings
     from transforms.schema import NewsEvent
     from transforms.text import _PrepareTextFn, normalize_text
 
@@ -92,43 +134,56 @@ def main(argv=None) -> int:
         print(f"the BBC articles are not at {BBC}", file=sys.stderr)
         return 2
     config = load(REPO_ROOT / "configs" / "local.yaml")
-    fn = _PrepareTextFn(config.model, max_text_chars=10 * args.chars,
-                        dead_letter_payload_bytes=4096)
-    fn.setup()
-    rows = []
-    print(f"{'field':34} {'chars':>8} {'prepare us/char':>16} {'normalize us/char':>18} "
-          f"{'ratio':>7}  outcome")
-    base = None
-    for name, text in fields(args.chars).items():
-        event = NewsEvent(id="bench", body=text)
-        outputs = list(fn.process([event]))  # warm, and the outcome
-        out = outputs[0]
-        outcome = getattr(getattr(out, "value", None), "reason", None) or \
-            f"row, {len(out.text):,} chars"
-        prepare = cpu_seconds(lambda e=event: list(fn.process([e])), args.repeats)
+    rows: list[dict] = []
+    worst = {}
+    for mode in args.modes.split(","):
+        chunking = ChunkingSettings(mode=mode, sentence_end_slack_tokens=16)
+        fns = {}
+        for form in ("NFC", "NFKC"):
+            fns[form] = _PrepareTextFn(config.model, max_text_chars=args.chars,
+                                       dead_letter_payload_bytes=4096, chunking=chunking,
+                                       unicode_form=form)
+            fns[form].setup()
+        print(f"\n{mode} mode\n{'field':40} {'chars':>8} {'prepare us/char':>16} "
+              f"{'normalize us/char':>18} {'ratio':>7}  outcome")
+        base: dict[str, float] = {}
+        for name, (text, form) in sorted(fields(args.chars).items(),
+                                         key=lambda item: not item[0].startswith("normal")):
+            fn = fns[form]
+            event = NewsEvent(id="bench", body=text)
+            out = list(fn.process([event]))[0]  # warm (the tokenizer's tables), and the outcome
+            reason = getattr(getattr(out, "value", None), "reason", None)
+            outcome = (str(reason.value) if reason is not None else
+                       f"row, {len(out.text):,} chars" + (f", {len(out.chunks)} chunks"
+                                                          if out.chunks else ""))
+            prepare = cpu_seconds(lambda e=event, f=fn: list(f.process([e])), args.repeats)
 
-        def normalize(t=text):
-            try:
-                normalize_text(t)
-            except Exception:  # noqa: BLE001 -- '<![' makes html.parser raise: prepare_failed
-                pass
+            def normalize(t=text, f=form):
+                try:
+                    normalize_text(t, f, max_chars=args.chars)
+                except Exception:  # noqa: BLE001 -- '<![' makes html.parser raise: prepare_failed
+                    pass
 
-        norm = cpu_seconds(normalize, args.repeats)
-        per_char = prepare / len(text) * 1e6
-        base = base or per_char
-        row = {"field": name, "chars": len(text), "prepare_s": prepare,
-               "prepare_us_per_char": per_char, "normalize_s": norm,
-               "normalize_us_per_char": norm / len(text) * 1e6, "ratio_to_normal": per_char / base,
-               "outcome": str(outcome)}
-        rows.append(row)
-        print(f"{name:34} {len(text):8,} {per_char:16.3f} {row['normalize_us_per_char']:18.3f} "
-              f"{row['ratio_to_normal']:7.2f}  {outcome}")
-    hostile = [r for r in rows if r["field"] not in ("normal", "CJK, one line")]
-    worst = max(hostile, key=lambda r: r["ratio_to_normal"])
-    print(f"worst hostile field: {worst['field']}, {worst['ratio_to_normal']:.2f}x a normal "
-          f"article's cost per character (goal: within 10x)")
+            norm = cpu_seconds(normalize, args.repeats)
+            per_char = prepare / len(text) * 1e6
+            base.setdefault(form, per_char)  # the normal article of this form comes first
+            row = {"mode": mode, "field": name, "form": form, "chars": len(text),
+                   "prepare_s": prepare, "prepare_us_per_char": per_char, "normalize_s": norm,
+                   "normalize_us_per_char": norm / len(text) * 1e6,
+                   "ratio_to_normal": per_char / base[form], "outcome": outcome}
+            rows.append(row)
+            print(f"{name:40} {len(text):8,} {per_char:16.3f} "
+                  f"{row['normalize_us_per_char']:18.3f} {row['ratio_to_normal']:7.2f}  {outcome}",
+                  flush=True)
+        hostile = [r for r in rows if r["mode"] == mode
+                   and not r["field"].startswith(INFORMATION)]
+        worst[mode] = max(hostile, key=lambda r: r["ratio_to_normal"])
+        print(f"worst hostile field in {mode} mode: {worst[mode]['field']}, "
+              f"{worst[mode]['ratio_to_normal']:.2f}x a normal article's cost per character "
+              f"(goal: within 10x)")
     path = write_results({"chars": args.chars, "repeats": args.repeats, "rows": rows,
-                          "worst": worst["field"], "worst_ratio": worst["ratio_to_normal"],
+                          "worst": {mode: (r["field"], r["ratio_to_normal"])
+                                    for mode, r in worst.items()},
                           "python": sys.version.split()[0]}, "bench-results", "hostile_text")
     print(f"results: {path}")
     return 0

@@ -54,16 +54,18 @@ class ParseSettings(_Section):
 
 
 class TextSettings(_Section):
-    max_text_chars: int = Field(200_000, gt=0, description="longer title + body is dead-lettered")
+    max_text_chars: int = Field(200_000, gt=0, description="longer title + body, as sent or once "
+                                                           "normalized, is dead-lettered")
     max_title_chars: int = Field(
         DEFAULT_MAX_TITLE_CHARS, gt=0,
         description="a longer title is dead-lettered `text_too_long` (a news title is a line; "
                     "thousands of characters there are a body in the wrong field, or an attack)")
     prepare_budget_s: float = Field(
         DEFAULT_PREPARE_BUDGET_S, gt=0,
-        description="CPU seconds one article's text normalization may take before it is "
-                    "dead-lettered `prepare_failed`: a backstop, as every step is linear in the "
-                    "text (a 200,000-character article takes well under a second)")
+        description="CPU seconds one article's text preparation (normalization, tokenization, "
+                    "chunks) may take before it is dead-lettered `prepare_failed`: a backstop, as "
+                    "every step is linear in the text (a 200,000-character article takes well "
+                    "under a second)")
     unicode_form: UnicodeForm = Field(
         "NFC", description="`NFC` or `NFKC`: the Unicode form of the prepared text and title "
                            "(NFKC also folds ①, ², ㎏, ㈱, ™...; which to choose for which model: "

@@ -101,6 +101,21 @@ CORPUS: list[Case] = [
     Case("zalgo_marks", ev(id="row-zalgo", title="Zalgo",
                            body="Z" + "\u0301\u0316" * 3000 + " text of the story"), ROW,
          note="6,000 combining marks of alternating classes on one letter: cut to 30"),
+    Case("special_tokens_in_text", ev(id="row-special-tokens", title="Markets [SEP] [CLS]",
+                                      body="Markets rose [SEP] [CLS] [MASK] [PAD] today. In "
+                                           "BERT, [UNK] stands for an unknown word."), ROW,
+         note="read as text: the model's input holds special tokens only around the text, and "
+              "a written [UNK] is not an unknown word"),
+    Case("lines_of_c1_controls", ev(id="row-c1-lines", title="C1 lines", body="\x80\n" * 2000),
+         ROW, note="4,000 lines for ftfy, each fixed on its own (to the euro sign): a line that "
+                   "comes again is fixed once"),
+    Case("unclosed_comment_then_markup", ev(id="row-unclosed-comment", title="Comment",
+                                            body="x<!-- y <b>bold</b> z"), ROW,
+         note="a comment that never closes is text as far as the next '>': 'x<!-- y <b>bold z'"),
+    Case("long_words_between_arabic_commas", ev(id="row-long-words", title="Long words",
+                                                body=("\u3042" * 100 + "\u060c") * 90), ROW,
+         note="words of 100 kana (WordPiece reads each again per token) between punctuation "
+              "outside the Latin blocks: the head is tokenized from a short prefix"),
     Case("title_over_max_title_chars", ev(id="title-over-limit",
                                           title="markets rally again " * 101, body="Short."),
          Reason.TEXT_TOO_LONG, note="2,020 characters: a title is at most text.max_title_chars"),

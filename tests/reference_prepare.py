@@ -1,6 +1,7 @@
 """The reference text preparation: newsvec's PrepareText as of 2026-12-02, frozen here, before its
 fast paths (transforms/text.py). Every field goes through the HTML step, the whole of ftfy, then the
-control/format/whitespace clean-up; every text is tokenized whole with right truncation (the version
+control/format/whitespace clean-up (since 2026-12-06, a text that had format characters is NFC
+again once they are removed); every text is tokenized whole with right truncation (the version
 of 2026-12-02 first cut texts at 32 characters per token, a bound that does not hold in scripts
 without spaces: issue 23; the reference is the definition, so it cuts nothing).
 tests/test_text_equivalence.py checks that the fast paths give exactly this output: the same
@@ -36,7 +37,10 @@ def normalize_text(text: Optional[str]) -> str:
     elif "&" in text:
         text = html.unescape(text)
     text = ftfy.fix_text(text, unescape_html=False, normalization="NFC")
-    text = _FORMAT.sub("", fast._CONTROL.sub(" ", text))
+    text = fast._CONTROL.sub(" ", text)
+    without = _FORMAT.sub("", text)
+    if without != text:  # a letter and its mark side by side again: NFC again (since 2026-12-06)
+        text = unicodedata.normalize("NFC", without)
     return _SPACE.sub(" ", text).strip()
 
 

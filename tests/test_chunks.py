@@ -356,3 +356,26 @@ def test_the_document_prefix_is_in_every_input_and_counted_in_the_limits(tokeniz
                for s in spans)
     # head mode: the prefix goes before the text in the same way
     assert tokenizer("passage: " + "Shares were flat.")[0][1:1 + len(prefix_ids)] == prefix_ids
+
+
+def test_sentence_ends_are_found_reading_each_token_a_few_times(tokenizer, monkeypatch):
+    """With sentence_end_slack_tokens, each place a chunk may end is checked for a sentence end,
+    looking back over closing quotes and brackets: in a text of nothing but quotes, each token is
+    looked at a bounded number of times in all (counted as the lookups in the closers' set), not
+    once per place checked."""
+    import transforms.chunking
+
+    lookups = {"n": 0}
+
+    class CountingSet(frozenset):
+        def __contains__(self, item):
+            lookups["n"] += 1
+            return super().__contains__(item)
+
+    monkeypatch.setattr(transforms.chunking, "_CLOSERS", CountingSet(transforms.chunking._CLOSERS))
+    chunker = Chunker(tokenizer._tok, ChunkingSettings(mode="chunks",
+                                                       sentence_end_slack_tokens=16), 256)
+    text = '"' * 20_000
+    ((_, _, spans),) = chunker.split([text])
+    assert spans[0].token_start == 0 and spans[-1].token_end == 20_000 and len(spans) > 50
+    assert 0 < lookups["n"] <= 2 * 20_000, f"{lookups['n']:,} lookups for 20,000 tokens"

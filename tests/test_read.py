@@ -117,3 +117,115 @@ def test_count_lines_holds_one_chunk_however_long_the_line(tmp_path):
         tracemalloc.stop()
     assert total == 4, "a, the huge line, b and c; blank lines are not articles"
     assert peak < 4 << 20, f"peak {peak} bytes: a line was held whole"
+
+
+def _compressed(fmt: str, chunks, *, streams: int = 1) -> bytes:
+    """``chunks`` (bytes, in pieces) compressed as ``fmt`` (a file extension), in ``streams``
+    streams one after another (gzip members, zstd frames...)."""
+    import bz2
+    import lzma
+    import zlib
+
+    import zstandard
+
+    makers = {
+        "gz": lambda: zlib.compressobj(6, zlib.DEFLATED, zlib.MAX_WBITS | 16),
+        "deflate": lambda: zlib.compressobj(6, zlib.DEFLATED, zlib.MAX_WBITS),
+        "bz2": lambda: bz2.BZ2Compressor(9),
+        "xz": lambda: lzma.LZMACompressor(preset=0),
+        "lzma": lambda: lzma.LZMACompressor(format=lzma.FORMAT_ALONE, preset=0),
+        "zst": lambda: zstandard.ZstdCompressor().compressobj(),
+    }
+    pieces = list(chunks)
+    out = []
+    for i in range(streams):
+        compressor = makers[fmt]()
+        out += [compressor.compress(p) for p in pieces[i::streams]] + [compressor.flush()]
+    return b"".join(out)
+
+
+FORMATS = ["gz", "deflate", "bz2", "xz", "lzma", "zst"]
+
+
+def test_compressed_files_read_as_beams_own_reader_reads_them(tmp_path):
+    """Every extension Beam's CompressionTypes.AUTO knows, one stream or several one after
+    another: the same lines as through Beam's reader, and count_lines counts them; a truncated
+    file is an error, not a silent end."""
+    from apache_beam.io.filesystem import CompressionTypes
+    from apache_beam.io.filesystems import FileSystems
+
+    data = [b'{"id": "a"}\n', b"\n", b'{"id": "b", "body": "' + b"y" * 3000 + b'"}\r\n',
+            b"tail without a newline"]
+    paths = {}
+    for fmt in FORMATS:
+        for streams in (1, 2):
+            path = paths[fmt, streams] = str(tmp_path / f"in-{streams}.jsonl.{fmt}")
+            with open(path, "wb") as f:
+                f.write(_compressed(fmt, data, streams=streams))
+    counts = {key: count_lines(path) for key, path in paths.items()}
+    assert all(count == 3 for count in counts.values()), counts
+    for (fmt, streams), path in paths.items():
+        with FileSystems.open(path, compression_type=CompressionTypes.AUTO) as f:
+            want = list(iter_lines(f, 1000))
+        with FileSystems.open(path, compression_type=CompressionTypes.UNCOMPRESSED) as raw:
+            got = list(iter_lines(read.open_decompressed(raw, path), 1000))
+        assert got == want and len(got) == 4, (fmt, streams, got)
+    whole = _compressed("gz", data)
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+    try:
+        count_lines(str(tmp_path / "cut.jsonl.gz"))
+    except EOFError as exc:
+        assert "cut.jsonl.gz ends inside a compressed stream" in str(exc)
+    else:
+        raise AssertionError("a truncated .gz was read as if whole")
+
+
+_BOMB_READER = """
+import json, resource, sys
+from apache_beam.io import fileio
+from apache_beam.io.filesystems import FileSystems
+from transforms.read import _ReadLinesFn, count_lines
+
+def peak_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+for path in sys.argv[1:]:
+    before = peak_mib()
+    (metadata,) = FileSystems.match([path])[0].metadata_list
+    lines = [getattr(x, "size", x) for x in _ReadLinesFn(1 << 20).process(
+        fileio.ReadableFile(metadata))]
+    lines = [x if isinstance(x, int) else x.decode() for x in lines]
+    print(json.dumps({"format": path.rsplit(".", 1)[-1], "lines": lines,
+                      "count": count_lines(path), "growth_mib": round(peak_mib() - before)}),
+          flush=True)
+"""
+
+
+def test_a_decompression_bomb_costs_the_reader_one_chunk(tmp_path):
+    """A small file of one 128 MiB line, in every format: the batch reader and the launcher's
+    count hold a chunk of it at a time (peak memory of a separate process, formats one after
+    another), not the decompressed line (Beam's own reader decompresses a 16 MiB read whole)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    block = b"a" * (1 << 20)
+    paths = []
+    for fmt in ["gz", "bz2", "xz", "zst", "deflate"]:
+        path = tmp_path / f"bomb.jsonl.{fmt}"
+        path.write_bytes(_compressed(fmt, [block] * 128 + [b'\n{"id": "b"}\n']))
+        assert path.stat().st_size < 1 << 20
+        paths.append(str(path))
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-c", _BOMB_READER, *paths], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = {r["format"]: r for r in map(json.loads, done.stdout.split("\n")[:-1])}
+    assert set(results) == {"gz", "bz2", "xz", "zst", "deflate"}, done.stdout
+    growth = {fmt: result["growth_mib"] for fmt, result in results.items()}
+    assert all(mib < 48 for mib in growth.values()), f"peak memory grew (MiB): {growth}"
+    for result in results.values():
+        assert result["lines"] == [128 << 20, '{"id": "b"}'] and result["count"] == 2, result

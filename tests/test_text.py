@@ -197,6 +197,45 @@ def test_markup_stripped_in_one_pass_reads_as_the_html_parser_reads_html(value):
     assert strip_markup_linear(value) == strip_html(value)
 
 
+# Constructs that never close, or close only as a whole, among markup that does: html.parser takes
+# such a construct as text as far as the next ">", then reads on.
+UNCLOSED_PIECES = ["<", ">", "a", "b", "/", "!", "-", "--", "?", " ", "=", "&", "&amp;", "&#65;",
+                   "p", "[", "]", "\n", "<!--", "-->", "--!>", "</", "</ ", "<![", "]]>", "CDATA",
+                   "cdata", "if", "DOCTYPE", "<!", "<?", "<p>", "</p>", "P", "br", "script",
+                   "style", "div"]
+
+
+@pytest.mark.parametrize("value", [
+    "x<!-- y <b>bold</b> z",          # a comment that never closes, a '>' after it
+    "<!-- a <p> b",
+    "<![CDATA[a>b]]>c",               # a marked section ends at ']]>', not at its first '>'
+    "<![CDATA[a>b c",                 # ... and one that never closes
+    "a <![if x]>y",
+    "</ p >x </ p junk>y",            # '</' and a space: an end tag only if whole
+    "s</\nP\n&#65;b&-->]",
+])
+def test_markup_stripped_in_one_pass_reads_what_never_closes_as_the_html_parser_does(value):
+    from transforms.text import strip_html, strip_markup_linear
+
+    assert strip_markup_linear(value) == strip_html(value)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(UNCLOSED_PIECES), min_size=1, max_size=30).map("".join))
+def test_markup_stripped_in_one_pass_reads_broken_markup_as_the_html_parser_reads_it(value):
+    """Without quotes (a '>' in a quoted value is the one difference), the same text, or the same
+    exception (a marked section with an unknown name)."""
+    from transforms.text import strip_html, strip_markup_linear
+
+    def outcome(strip):
+        try:
+            return strip(value)
+        except AssertionError:
+            return AssertionError
+
+    assert outcome(strip_markup_linear) == outcome(strip_html)
+
+
 def _longest_mark_run(text: str) -> int:
     longest = run = 0
     for ch in text:
@@ -238,6 +277,21 @@ def test_unicode_normalization_never_sees_a_long_run_of_combining_marks(name, fo
     assert len(out) <= 60
 
 
+@pytest.mark.parametrize("form", ["NFC", "NFKC"])
+def test_format_characters_removed_leave_no_long_run_of_marks_and_a_normalized_text(form):
+    """Format characters (soft hyphens, joiners) are removed after the cut and the normalization:
+    runs of 30 marks split by soft hyphens are cut again once they join, and a letter and its
+    mark that come side by side are composed."""
+    import re
+
+    split_runs = "a" + ("\u0301\u0316" * 15 + "\u00ad") * 100
+    out = normalize_text(split_runs, form)
+    longest = max(len(m.group()) for m in re.finditer("[\u0300-\u036f]+", out))
+    assert longest <= 30, f"a run of {longest} marks"
+    assert unicodedata.is_normalized(form, out) and normalize_text(out, form) == out
+    assert normalize_text("e\u200d\u0301 cafe\u00ad\u0301", form) == "\u00e9 caf\u00e9"
+
+
 def test_a_short_run_of_marks_is_kept_whole():
     """Vietnamese and the like stack two or three marks; a run is cut only past
     MAX_COMBINING_RUN (30)."""
@@ -248,6 +302,62 @@ def test_a_short_run_of_marks_is_kept_whole():
     assert collapse_combining_marks(kept) == kept
     cut = "a" + "\u0301" * (MAX_COMBINING_RUN + 5) + "b" + "\u0316" * 3
     assert collapse_combining_marks(cut) == "a" + "\u0301" * MAX_COMBINING_RUN + "b" + "\u0316" * 3
+
+
+# Mojibake that renews itself: each of ftfy's repair steps fixes one pair and leaves another, and
+# reads the whole line again (quadratic).
+MOJIBAKE_CHAINS = {
+    "UTF-8 read as Windows-1252": "\u00c3" + "\u0192" * 3000 + "\u00a9",
+    "C1 controls": "\u039e" + "\x9e" * 3000,
+}
+
+
+@pytest.fixture
+def ftfy_step_reads(monkeypatch):
+    """Characters ftfy's mojibake repair steps read, summed over a run: each step starts by asking
+    whether its text is ASCII (``chardata.possible_encoding(text, "ascii")``, called nowhere else),
+    counted on ftfy's own module."""
+    import ftfy.chardata
+
+    counted = {"chars": 0, "steps": 0}
+    real = ftfy.chardata.possible_encoding
+
+    def possible_encoding(text, encoding):
+        if encoding == "ascii":
+            counted["chars"] += len(text)
+            counted["steps"] += 1
+        return real(text, encoding)
+
+    monkeypatch.setattr(ftfy.chardata, "possible_encoding", possible_encoding)
+    return counted
+
+
+@pytest.mark.parametrize("name", MOJIBAKE_CHAINS)
+def test_ftfy_repairs_mojibake_reading_a_field_at_most_a_few_times(name, ftfy_step_reads):
+    """Past 8 times the field (and 4,096 characters), the repair stops and the field is fixed
+    without it: the other fixers and NFC still run, and the article is kept."""
+    import ftfy
+
+    text = MOJIBAKE_CHAINS[name]
+    out = normalize_text(text)
+    assert ftfy_step_reads["steps"] > 0, "ftfy's steps were counted"
+    assert ftfy_step_reads["chars"] <= 8 * len(text) + 4096, (
+        f"{name}: ftfy's repair steps read {ftfy_step_reads['chars']:,} characters of a "
+        f"{len(text):,}-character field")
+    assert out == " ".join(ftfy.fix_text(text, unescape_html=False, fix_encoding=False).split())
+
+
+def test_ftfy_still_repairs_the_mojibake_of_real_text(ftfy_step_reads):
+    """Layers of real mojibake (a curly quote encoded three times) are well within the bound."""
+    import ftfy.bad_codecs  # noqa: F401 -- registers sloppy-windows-1252
+
+    quote = "\u2019"
+    for _ in range(3):
+        quote = quote.encode("utf-8").decode("sloppy-windows-1252")
+    line = "it" + quote + "s"
+    assert normalize_text(line) == "it's"
+    assert normalize_text("\n".join(["Â£5m for the café, itâ€™s"] * 50)) == " ".join(
+        ["£5m for the café, it's"] * 50)
 
 
 def _prepare_fn(**kwargs):
@@ -279,6 +389,28 @@ def test_a_title_over_max_title_chars_is_dead_lettered_text_too_long():
         Reason.TEXT_TOO_LONG
 
 
+def test_a_text_that_normalization_makes_too_long_is_dead_lettered_text_too_long():
+    """NFKC writes some characters as many (U+FDFA as 18): the prepared text is held to
+    max_text_chars too, checked as soon as the normalization is done."""
+    from tests.conftest import make_config
+    from transforms.text import _PrepareTextFn
+
+    def fn(form):
+        prepare = _PrepareTextFn(make_config().model, 1000, 4096, unicode_form=form,
+                                 max_unknown_token_ratio=1.0)
+        prepare.setup()
+        return prepare
+
+    body = "\ufdfa" * 100
+    reason, detail = _outcome(fn("NFKC"), NewsEvent(id="t", body=body))
+    assert reason == Reason.TEXT_TOO_LONG
+    assert "makes the text 1800 characters long, over the limit of 1000" in detail
+    assert _outcome(fn("NFC"), NewsEvent(id="t", body=body)) == ("row", body)
+    assert _outcome(fn("NFKC"), NewsEvent(id="t", title="\ufdfa" * 40, body="\ufdfa" * 20))[0] \
+        == Reason.TEXT_TOO_LONG, "title and body together"
+    assert _outcome(fn("NFKC"), NewsEvent(id="t", body="\ufdfa" * 55))[0] == "row"
+
+
 class _FakeCpuClock:
     """A thread CPU clock that advances one second each time it is read."""
 
@@ -306,6 +438,42 @@ def test_a_document_over_its_cpu_budget_is_dead_lettered_prepare_failed(monkeypa
     assert clock.reads >= 10, "read inside the HTML parser, not only between the steps"
     assert _outcome(fn, NewsEvent(id="fast", title="Title", body="<p>word</p>")) == \
         ("row", "Title\nword")
+
+
+@pytest.mark.parametrize("line", ["\x80", "\u2019", "Ã©"])
+def test_ftfy_fixes_a_line_that_comes_again_once(line, monkeypatch):
+    """ftfy fixes each line on its own, at a cost of tens of microseconds however short the
+    line: 10,000 copies of a line are fixed once (counted as the calls of one of ftfy's fixers,
+    made once per line and pass), with the same text as fixing each."""
+    import ftfy
+
+    calls = {"n": 0}
+    real = ftfy.FIXERS["fix_line_breaks"]
+
+    def fix_line_breaks(text):
+        calls["n"] += 1
+        return real(text)
+
+    text = (line + "\n") * 10_000
+    want = " ".join(ftfy.fix_text(line, unescape_html=False).split() * 10_000)
+    monkeypatch.setitem(ftfy.FIXERS, "fix_line_breaks", fix_line_breaks)
+    assert normalize_text(text) == want
+    assert 0 < calls["n"] <= 10, f"{calls['n']:,} passes of ftfy's fixers over 10,000 lines"
+
+
+def test_the_cpu_budget_is_checked_inside_ftfys_mojibake_repair(monkeypatch):
+    """ftfy repairs each line on its own: a field of many short lines of mojibake keeps it busy
+    for long in one call, in which the budget is read too."""
+    import transforms.text
+
+    clock = _FakeCpuClock()
+    monkeypatch.setattr(transforms.text, "_clock", clock, raising=False)
+    fn = _prepare_fn()
+    body = "".join(f"Ã© {i}\n" for i in range(10_000))  # distinct lines: each fixed
+    reason, detail = _outcome(fn, NewsEvent(id="slow", body=body))
+    assert reason == Reason.PREPARE_FAILED
+    assert "by ftfy's mojibake repair" in detail
+    assert _outcome(fn, NewsEvent(id="fast", body="Ã©")) == ("row", "é")
 
 
 def test_the_title_limit_and_the_budget_are_settings():
@@ -348,3 +516,194 @@ def test_markup_left_as_text_is_cut_to_its_head_before_tokenizing(tokenizer):
     assert 0 < tokenizer._head_end(value) < 1000
     assert tokenizer.batch([value]) == reference.head_tokens(tokenizer._tok, [value],
                                                              tokenizer.max_tokens)
+
+
+# ---- tokenization: the head costs what the head needs; every step under the budget ----
+
+class _CountingTokenizer:
+    """A tokenizer that counts the characters it is given to encode, and the calls (by length)."""
+
+    def __init__(self, tok, counted: dict):
+        self._tok, self._counted = tok, counted
+
+    def _count(self, texts):
+        for text in texts:
+            self._counted["chars"] += len(text)
+            self._counted["lengths"].append(len(text))
+
+    def encode(self, text, *args, **kwargs):
+        self._count([text])
+        return self._tok.encode(text, *args, **kwargs)
+
+    def encode_batch(self, texts, *args, **kwargs):
+        self._count(texts)
+        return self._tok.encode_batch(texts, *args, **kwargs)
+
+    def encode_batch_fast(self, texts, *args, **kwargs):
+        self._count(texts)
+        return self._tok.encode_batch_fast(texts, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+@pytest.fixture
+def tokenized(monkeypatch):
+    """Counts what every tokenizer of PrepareText (the head's, the chunker's, the unknown-token
+    counter's) is given to encode; returns (counts, a function that prepares one body)."""
+    from tests.conftest import make_config
+    from transforms.chunking import ChunkingSettings
+    from transforms.text import text_tools
+
+    counted: dict = {"chars": 0, "lengths": []}
+    model = make_config().model
+    for chunking in (ChunkingSettings(), ChunkingSettings(mode="chunks")):
+        tools = text_tools(model, chunking)
+        for owner, name in [(tools.head, "_tok"), (tools.head, "_ascii_tok"),
+                            (tools.unknown, "_tok"), (tools.chunker, "_tok")]:
+            if owner is not None and getattr(owner, name) is not None:
+                monkeypatch.setattr(owner, name, _CountingTokenizer(getattr(owner, name), counted))
+
+    def prepare(body: str, **kwargs):
+        (out,) = list(_prepare_fn(**kwargs).process([NewsEvent(id="t", body=body)]))
+        return out
+
+    return counted, prepare
+
+
+def _repeat(unit: str, chars: int) -> str:
+    return (unit * (chars // len(unit) + 1))[:chars]
+
+
+# Words of up to 100 characters (WordPiece reads such a word again for each of its tokens), between
+# punctuation outside the blocks the head's cut looked in (Arabic comma, Armenian comma: the
+# tokenizer's unknown token), or spaces; and the same words made by NFKC (U+3316 is six katakana).
+LONG_WORDS = {
+    "kana, Arabic comma": ("あ" * 100 + "\u060c", "NFC"),
+    "kana, Armenian comma (unknown)": ("あ" * 100 + "\u055d", "NFC"),
+    "NFKC katakana, Armenian comma": ("\u3316" * 16 + "\u055d", "NFKC"),
+    "NFKC katakana, spaces": ("\u3316" * 16 + " ", "NFKC"),
+}
+
+
+@pytest.mark.parametrize("name", LONG_WORDS)
+def test_the_head_of_a_long_text_of_long_words_is_tokenized_from_a_short_prefix(name, tokenized,
+                                                                              tokenizer):
+    """20,000 characters (NFKC makes the katakana six times as many): the head's tokens (and the
+    unknown-token count, on the head's span only) come from tokenizing a prefix of a few thousand
+    characters, and are the head of the whole text's tokens."""
+    from tests import reference_prepare as reference
+
+    counted, prepare = tokenized
+    unit, form = LONG_WORDS[name]
+    doc = prepare(_repeat(unit, 20_000), unicode_form=form)
+    assert not isinstance(doc, pvalue.TaggedOutput), doc.value.detail
+    assert counted["chars"] <= 10_000, (
+        f"{name}: {counted['chars']:,} characters tokenized, in calls of {counted['lengths']}")
+    assert (doc.token_ids, doc.truncated) == reference.head_tokens(
+        tokenizer._tok, [doc.text], tokenizer.max_tokens)[0]
+
+
+def test_a_long_text_with_nowhere_to_cut_its_head_is_tokenized_once(tokenized):
+    """20,000 characters of katakana with no space or punctuation: the whole text is tokenized,
+    once, with the offsets the unknown-token count reads (one word over 100 characters: one
+    unknown token)."""
+    counted, prepare = tokenized
+    out = prepare(_repeat("\u30ad\u30ed\u30e1\u30fc\u30c8\u30eb", 20_000))
+    assert out.value.reason == Reason.UNREADABLE_FOR_MODEL
+    assert "1 of its head's 1 tokens are unknown" in out.value.detail
+    assert counted["lengths"] == [20_000]
+
+
+def test_chunks_mode_tokenizes_the_whole_text_once(tokenized):
+    """The unknown-token count reads the chunker's tokens of the text, not a second
+    tokenization; the chunks' own re-tokenizations are each at most a chunk's text."""
+    from transforms.chunking import ChunkingSettings
+
+    counted, prepare = tokenized
+    body = _repeat("あ" * 100 + "\u055d", 20_000)
+    doc = prepare(body, chunking=ChunkingSettings(mode="chunks"))
+    assert not isinstance(doc, pvalue.TaggedOutput), doc.value.detail
+    assert len(doc.chunks) > 10
+    assert counted["lengths"].count(len(doc.text)) == 1, counted["lengths"][:10]
+    assert max(length for length in counted["lengths"] if length != len(doc.text)) <= 2_000
+
+
+class _SettableClock:
+    """A thread CPU clock that stands still until a test moves it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("mode", ["head", "chunks"])
+def test_the_cpu_budget_covers_tokenization(mode, monkeypatch):
+    """A tokenization that uses the budget up (the clock moved past it while the text is
+    tokenized) dead-letters the article prepare_failed, naming the step, before its chunks or its
+    unknown tokens are looked at."""
+    import transforms.text
+    from tests.conftest import make_config
+    from transforms.chunking import ChunkingSettings
+    from transforms.text import text_tools
+
+    clock = _SettableClock()
+    monkeypatch.setattr(transforms.text, "_clock", clock, raising=False)
+    chunking = ChunkingSettings(mode=mode)
+    tools = text_tools(make_config().model, chunking)
+    owner = tools.chunker if mode == "chunks" else tools.head
+
+    class SlowTokenizer(_CountingTokenizer):
+        def _count(self, texts):
+            clock.now += 11.0
+
+    for name in ("_tok", "_ascii_tok"):
+        if getattr(owner, name, None) is not None:
+            monkeypatch.setattr(owner, name, SlowTokenizer(getattr(owner, name), {}))
+    fn = _prepare_fn(chunking=chunking)
+    reason, detail = _outcome(fn, NewsEvent(id="slow", title="Title", body="Rates held. " * 50))
+    assert reason == Reason.PREPARE_FAILED
+    assert "text.prepare_budget_s 10 s of CPU" in detail and "by tokenization" in detail
+
+
+@pytest.mark.parametrize("mode", ["head", "chunks"])
+def test_special_tokens_written_in_a_text_are_read_as_text(mode, tokenizer):
+    """The model's input holds special tokens only where newsvec puts them ([CLS] first, [SEP]
+    last, in the head and in every chunk); "[UNK]" in a text is not an unknown word."""
+    from transforms.chunking import ChunkingSettings
+
+    specials = {t.content: i for i, t in tokenizer._tok.get_added_tokens_decoder().items()}
+    assert set(specials) == {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"}
+    fn = _prepare_fn(chunking=ChunkingSettings(mode=mode, chunk_tokens=16, overlap_tokens=4))
+    body = "Markets rose [SEP] [CLS] [MASK] [PAD] today. " + "In BERT, [UNK] replaces them. " * 9
+    (doc,) = list(fn.process([NewsEvent(id="t", body=body)]))
+    assert not isinstance(doc, pvalue.TaggedOutput), doc.value.detail
+    inputs = [doc.token_ids] + [chunk.token_ids for chunk in doc.chunks]
+    assert mode == "head" or len(doc.chunks) > 1
+    for ids in inputs:
+        assert ids[0] == specials["[CLS]"] and ids[-1] == specials["[SEP]"]
+        assert not set(ids[1:-1]) & set(specials.values()), ids
+
+
+LOW_DENSITY = ["\u3042" * 101, "\u0301", "\u0301\u0301", "a" * 120, "\U0001F600" * 3,
+               "\u00e9" * 101]
+HIGH_DENSITY = ["word", "\u4e2d", "x.y", "\u30ad\u30ed\u30e1\u30fc\u30c8\u30eb" * 3, "ab"]
+
+
+@settings(max_examples=50, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(LOW_DENSITY + HIGH_DENSITY),
+                          st.sampled_from([" ", "\u060c", "\u055d", "\u3002", ","])),
+                min_size=1, max_size=40).map(lambda parts: "".join(a + b for a, b in parts)),
+       st.integers(5_000, 30_000))
+def test_texts_of_words_of_few_tokens_tokenize_as_the_whole_text(tokenizer, unit, chars):
+    """Words that give few tokens (over 100 characters: one unknown token; combining marks alone:
+    none) make the head's first cut too short: the prefix is tokenized further, more than once,
+    and the head is still the whole text's."""
+    from tests import reference_prepare as reference
+
+    text = (unit * (chars // len(unit) + 1))[:chars]
+    assert tokenizer.batch([text]) == reference.head_tokens(tokenizer._tok, [text],
+                                                            tokenizer.max_tokens)

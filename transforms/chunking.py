@@ -21,7 +21,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Iterator, Literal, Optional, Sequence
+from typing import Callable, Iterator, Literal, Optional, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -89,6 +89,17 @@ class ChunkSpan:
     char_end: int
 
 
+def copy_tokenizer(tokenizer, spec: Optional[str] = None):
+    """A copy of a ``tokenizers.Tokenizer`` (of ``spec``, its ``to_str()`` changed, if given) that
+    reads special tokens written in a text as the original does (``encode_special_tokens``, which
+    ``to_str`` leaves out)."""
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(spec or tokenizer.to_str())
+    copy.encode_special_tokens = tokenizer.encode_special_tokens
+    return copy
+
+
 def special_tokens_around(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The special token ids a tokenizer puts before and after one sequence ([CLS] / [SEP] for
     BERT, <s> / </s> for XLM-R), read from its own post-processor."""
@@ -138,9 +149,7 @@ class Chunker:
 
     def __init__(self, tokenizer, settings: ChunkingSettings, max_tokens: int,
                  document_prefix: str = ""):
-        from tokenizers import Tokenizer
-
-        self._tok = Tokenizer.from_str(tokenizer.to_str())
+        self._tok = copy_tokenizer(tokenizer)
         self._tok.no_truncation()
         self._tok.no_padding()
         self._lead, self._trail = special_tokens_around(self._tok)
@@ -164,16 +173,23 @@ class Chunker:
             tuple[tuple[int, ...], bool, tuple[ChunkSpan, ...]]]:
         """Per text: its head-mode input (its first tokens up to ``max_tokens``, with the prefix and
         the special tokens), whether that head was cut, and its chunks."""
-        out = []
-        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
-        for text, e in zip(texts, encodings, strict=True):
-            ids = e.ids
-            head = self._lead + self._prefix + tuple(ids[:self._head_room]) + self._trail
-            out.append((head, len(ids) > self._head_room,
-                        self._spans(text, ids, e.offsets, e.word_ids)))
-        return out
+        return [self.split_encoded(text, self.encode(text)) for text in texts]
 
-    def _spans(self, text: str, ids, offsets, word_ids) -> tuple[ChunkSpan, ...]:
+    def encode(self, text: str):
+        """The tokens of the whole text, with their offsets and words (no special tokens)."""
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def split_encoded(self, text: str, encoding, check: Optional[Callable[[], None]] = None
+                      ) -> tuple[tuple[int, ...], bool, tuple[ChunkSpan, ...]]:
+        """``split`` of one text, from its ``encode``; ``check`` is called every so many chunks
+        (a deadline)."""
+        ids = encoding.ids
+        head = self._lead + self._prefix + tuple(ids[:self._head_room]) + self._trail
+        return (head, len(ids) > self._head_room,
+                self._spans(text, ids, encoding.offsets, encoding.word_ids, check))
+
+    def _spans(self, text: str, ids, offsets, word_ids,
+               check: Optional[Callable[[], None]] = None) -> tuple[ChunkSpan, ...]:
         n = len(ids)
 
         def at_word_boundary(i: int) -> bool:
@@ -190,10 +206,19 @@ class Chunker:
         def piece(j: int) -> str:  # token j's text, without the space SentencePiece keeps in it
             return text[offsets[j][0]:offsets[j][1]].strip()
 
+        # For token j: the last token at or before it that is not a closing quote or bracket (or
+        # token 0), filled in as ends_sentence walks back, so that each token is walked over once
+        # in the whole text (a text of nothing but quotes was read back to its start at every
+        # place a chunk could end: quadratic).
+        before_closers: dict[int, int] = {}
+
         def ends_sentence(i: int) -> bool:  # the text's token i-1 closes a sentence
-            j = i - 1
-            while j > 0 and piece(j) in _CLOSERS:
+            j, walked = i - 1, []
+            while j > 0 and j not in before_closers and piece(j) in _CLOSERS:
+                walked.append(j)
                 j -= 1
+            j = before_closers.get(j, j)
+            before_closers.update(dict.fromkeys(walked, j))
             return piece(j).rstrip(_CLOSERS_TEXT)[-1:] in _SENTENCE_ENDS
 
         def ends(start: int) -> Iterator[int]:  # where the chunk from start may end, best first
@@ -213,8 +238,7 @@ class Chunker:
                 if end in tried:
                     continue
                 tried.add(end)
-                token_ids = self._token_ids(text, ids, offsets, start, end,
-                                            at_word_boundary(start) and at_word_boundary(end))
+                token_ids = self._token_ids(text, ids, offsets, start, end, at_word_boundary)
                 if token_ids is not None:  # else its text has more tokens than a chunk holds
                     break
             else:  # a unit of more tokens than a chunk holds, from start on: cut it inside
@@ -226,20 +250,43 @@ class Chunker:
                 char_start=offsets[start][0], char_end=offsets[end - 1][1]))
             if end >= n:
                 return tuple(spans)
+            if check is not None and not len(spans) % 16:
+                check()
             following = max(end - self._overlap, start + 1)
             while following > start + 1 and not at_break(following):
                 following -= 1
             start = following if at_break(following) else end
 
     def _token_ids(self, text: str, ids, offsets, start: int, end: int,
-                   at_words: bool) -> Optional[tuple[int, ...]]:
+                   at_word_boundary: Callable[[int], bool]) -> Optional[tuple[int, ...]]:
         """The tokens of the chunk ``[start, end)``'s text tokenized alone (see the class
-        docstring), or None if they are more than a chunk holds."""
+        docstring), or None if they are more than a chunk holds. For a BERT-style tokenizer, whose
+        words are tokenized each on its own, only a word the chunk cuts is tokenized again (the
+        part of it in the chunk): the words in between keep the text's tokens."""
         char_start, char_end = offsets[start][0], offsets[end - 1][1]
-        if (self._words_exact and at_words) or (char_start == 0 and char_end == len(text)):
-            return tuple(ids[start:end])  # the same words, or the same text
-        own = self._tok.encode(text[char_start:char_end], add_special_tokens=False).ids
-        return tuple(own) if len(own) <= self.capacity else None
+        if char_start == 0 and char_end == len(text):
+            return tuple(ids[start:end])  # the same text
+        if self._words_exact:
+            first_whole = start  # the first token of the chunk's first whole word
+            while first_whole < end and not at_word_boundary(first_whole):
+                first_whole += 1
+            last_whole = end  # where its last word the chunk cuts starts
+            while last_whole > first_whole and not at_word_boundary(last_whole):
+                last_whole -= 1
+            if first_whole == start and last_whole == end:
+                return tuple(ids[start:end])  # the same words
+            if last_whole >= first_whole and (first_whole > start or last_whole < end):
+                own = (self._encode(text[char_start:offsets[first_whole - 1][1]])
+                       if first_whole > start else ())
+                own += tuple(ids[first_whole:last_whole])
+                if last_whole < end:
+                    own += self._encode(text[offsets[last_whole][0]:char_end])
+                return own if len(own) <= self.capacity else None
+        own = self._encode(text[char_start:char_end])
+        return own if len(own) <= self.capacity else None
+
+    def _encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self._tok.encode(text, add_special_tokens=False).ids)
 
 
 def chunk_id(doc_id: str, text_sha256: str, model: str, chunk_recipe: str, index: int) -> str:

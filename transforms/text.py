@@ -17,11 +17,11 @@ and tests/test_text_equivalence.py, on the BBC articles and the adversarial corp
 - ftfy runs only on text it could change (``ftfy_may_change``): every one of its fixers is a
   no-op on the characters present, the text is NFC, and no window around a non-ASCII character
   looks like mojibake. Most news is ASCII or nearly so, and ftfy was 70% of the CPU time.
-- a long text is tokenized in two steps: first a prefix that ends where a BERT-style tokenizer
+- a long text is tokenized in steps: first a prefix that ends where a BERT-style tokenizer
   splits whatever follows (before a space, after a CJK ideograph or a punctuation mark); if that
-  already overflows ``max_tokens``, its head is the text's head. Otherwise the whole text is
-  tokenized. No bound on characters per token is assumed: none holds in every script (the proof:
-  ``HeadTokenizer``).
+  already overflows ``max_tokens``, its head is the text's head. Otherwise a longer prefix, and
+  at last the whole text. No bound on characters per token is assumed: none holds in every script
+  (the proof: ``HeadTokenizer``). The unknown-token count reads the same prefix.
 
 Hostile text costs time linear in its length, on every interpreter (Python 3.11.7's ``html.parser``
 and ``unicodedata.normalize`` are quadratic on some inputs; the worker image pins a patched 3.11,
@@ -32,9 +32,14 @@ but these guards do not rely on it):
 - a run of more than ``MAX_COMBINING_RUN`` combining marks (non-starters) is cut to its first
   ``MAX_COMBINING_RUN`` before any Unicode normalization, ftfy's included (the Stream-Safe Text
   Format's limit: no text in any language needs more);
-- titles longer than ``max_title_chars`` are dead-lettered (``text_too_long``);
-- each document has a budget of CPU time (``prepare_budget_s``), checked between the steps and in
-  the loops that can be long: past it, the document is dead-lettered ``prepare_failed``.
+- titles longer than ``max_title_chars`` are dead-lettered (``text_too_long``), and so is a text
+  that normalization makes longer than ``max_text_chars`` (NFKC writes U+FDFA as 18 characters),
+  before the steps after it;
+- ftfy's mojibake repair may read at most ``_DECODE_FACTOR`` times the text; past that, the text
+  is fixed without it;
+- each document has a budget of CPU time (``prepare_budget_s``), checked between the steps
+  (normalization, tokenization, chunking, the unknown-token count) and in the loops that can be
+  long: past it, the document is dead-lettered ``prepare_failed``.
 """
 from __future__ import annotations
 
@@ -47,7 +52,7 @@ import sys
 import threading
 import time
 import unicodedata
-from typing import Iterator, Literal, NamedTuple, Optional
+from typing import Generator, Iterator, Literal, NamedTuple, Optional
 
 import apache_beam as beam
 import ftfy
@@ -60,7 +65,7 @@ try:  # Python >= 3.11; typeshed has no stub for the private re._parser
 except ImportError:  # pragma: no cover
     import sre_parse
 
-from transforms.chunking import Chunker, ChunkingSettings, bert_style
+from transforms.chunking import Chunker, ChunkingSettings, bert_style, copy_tokenizer
 from transforms.model import ModelSettings, resolve_model_path
 from transforms.schema import DEAD_LETTER, DeadLetter, NewsEvent, PreparedDoc, Reason, Step
 
@@ -151,12 +156,14 @@ def collapse_combining_marks(text: str) -> str:
     return _LONG_NON_STARTER_RUN.sub(r"\1", text)
 
 
+# ---- ftfy, adapted: the one place that changes how ftfy runs (tests/test_text.py checks that
+# ftfy 6.3 still goes through both) ----
+
 class _UnicodedataForFtfy:
     """``unicodedata`` as ftfy sees it: its ``normalize`` first cuts long runs of combining marks.
     ftfy decodes mojibake before normalizing, and a run of marks can come out of the decoding
     (``"\u0301\u0316"`` as UTF-8 read as Latin-1 is ``"Ì\x81Ì\x96"``), after newsvec's own cut. ftfy
-    (6.3) calls ``unicodedata.normalize`` in one place, ``fix_and_explain``; tests/test_text.py
-    checks that every normalization ftfy makes goes through this."""
+    (6.3) calls ``unicodedata.normalize`` in one place, ``fix_and_explain``."""
 
     @staticmethod
     def normalize(form, text):
@@ -166,7 +173,56 @@ class _UnicodedataForFtfy:
         return getattr(unicodedata, name)
 
 
+class _MojibakeTooDeep(Exception):
+    """ftfy's encoding steps read more than their allowance (``_ftfy``)."""
+
+
+class _FtfyWork(threading.local):
+    """What ftfy's encoding steps may still read in this thread, in characters (None: no bound,
+    outside ``_ftfy``), the document's deadline, the steps taken so far, and the lines fixed so
+    far (``_fix_line_once``)."""
+    allowance: Optional[int] = None
+    deadline: Optional[Deadline] = None
+    steps = 0
+    fixed: Optional[dict] = None
+
+
+_FTFY_WORK = _FtfyWork()
+_ftfy_encoding_step = ftfy._fix_encoding_one_step_and_explain  # pylint: disable=protected-access
+_ftfy_fix_and_explain = ftfy.fix_and_explain
+
+
+def _fix_line_once(text, config=None, **kwargs):
+    """ftfy's ``fix_and_explain``, which ``fix_text`` calls by name for each line (each fixed on
+    its own): inside ``_ftfy``, a line already fixed in the same text is not fixed again (its
+    result is the same). Each call costs tens of microseconds however short the line: a text of
+    many short lines, repeated, cost 100 times a normal text's time per character."""
+    fixed = _FTFY_WORK.fixed
+    if fixed is None or kwargs or config is None:
+        return _ftfy_fix_and_explain(text, config, **kwargs)
+    key = (text, config)
+    if key not in fixed:
+        fixed[key] = _ftfy_fix_and_explain(text, config)
+    return fixed[key]
+
+
+def _bounded_encoding_step(text, config):
+    """ftfy's one step of mojibake repair (``_fix_encoding_one_step_and_explain``, which
+    ``fix_encoding`` looks up by name at every step), charged the length of the text it reads."""
+    work = _FTFY_WORK
+    if work.allowance is not None:
+        work.allowance -= len(text)
+        if work.allowance < 0:
+            raise _MojibakeTooDeep
+        work.steps += 1
+        if not work.steps % 256:
+            _check(work.deadline, "ftfy's mojibake repair")
+    return _ftfy_encoding_step(text, config)
+
+
 ftfy.unicodedata = _UnicodedataForFtfy()  # type: ignore[assignment]
+ftfy._fix_encoding_one_step_and_explain = _bounded_encoding_step  # pylint: disable=protected-access
+ftfy.fix_and_explain = _fix_line_once
 
 # ftfy (6.3) as fix_text runs it: per line, fix_encoding (only if is_bad(line)), then these
 # fixers, then NFC, until nothing changes. remove_terminal_escapes needs ESC.
@@ -229,19 +285,45 @@ _LONG_UNTOUCHED_STRETCH = re.compile(_UNTOUCHED_ASCII + "{%d,}" % (2 * _CONTEXT 
 _MARKER = "~#newsvec#~"
 
 
-def _ftfy(text: str) -> str:
-    return ftfy.fix_text(text, unescape_html=False, normalization="NFC")
+# ftfy repairs mojibake one step at a time, each step reading the whole line again; a line built so
+# that each step leaves a new pair of mojibake ("Ã" + "ƒ" * n + "©") takes n steps, quadratic. The
+# steps may read this many times the text given to ftfy, plus _DECODE_SLACK characters (the BBC
+# articles need at most 3x); past that, the text is fixed without mojibake repair.
+_DECODE_FACTOR = 8
+_DECODE_SLACK = 4096
+
+
+def _ftfy(text: str, deadline: Optional[Deadline] = None) -> str:
+    """``ftfy.fix_text(text, unescape_html=False, normalization="NFC")``, its mojibake repair
+    bounded: if its encoding steps read more than ``_DECODE_FACTOR`` times the text, the text is
+    fixed without it (``fix_encoding=False``: the other fixers and NFC still run). A line that
+    comes again is fixed once (``_fix_line_once``)."""
+    work = _FTFY_WORK
+    work.fixed = {}
+    try:
+        work.allowance, work.deadline, work.steps = (_DECODE_FACTOR * len(text) + _DECODE_SLACK,
+                                                     deadline, 0)
+        try:
+            return ftfy.fix_text(text, unescape_html=False, normalization="NFC")
+        except _MojibakeTooDeep:
+            pass
+        finally:
+            work.allowance = work.deadline = None
+        _check(deadline, "ftfy's mojibake repair")
+        return ftfy.fix_text(text, unescape_html=False, normalization="NFC", fix_encoding=False)
+    finally:
+        work.fixed = None
 
 
 def fix_text(text: str, deadline: Optional[Deadline] = None) -> str:
     """``ftfy.fix_text(text, unescape_html=False, normalization="NFC")``, faster: skipped where it
     would change nothing, and given only the neighbourhoods of the non-ASCII characters (with the
-    lines kept whole) where it would."""
+    lines kept whole) where it would; its mojibake repair bounded (``_ftfy``)."""
     if not ftfy_may_change(text, deadline):
         return text
     _check(deadline, "the mojibake check")
     if _MARKER in text or len(text) >= ftfy.TextFixerConfig().max_decode_length:
-        return _ftfy(text)
+        return _ftfy(text, deadline)
     pieces, middles, last = [], [], 0
     for stretch in _LONG_UNTOUCHED_STRETCH.finditer(text):
         start, end = stretch.start() + _CONTEXT, stretch.end() - _CONTEXT
@@ -249,11 +331,11 @@ def fix_text(text: str, deadline: Optional[Deadline] = None) -> str:
         middles.append(text[start:end])
         last = end
     if not middles:
-        return _ftfy(text)
+        return _ftfy(text, deadline)
     pieces.append(text[last:])
-    fixed = _ftfy(_MARKER.join(pieces)).split(_MARKER)
+    fixed = _ftfy(_MARKER.join(pieces), deadline).split(_MARKER)
     if len(fixed) != len(pieces):  # the marker was changed: cannot happen, but then do it whole
-        return _ftfy(text)
+        return _ftfy(text, deadline)
     pairs = zip(fixed[:-1], middles, strict=True)  # the last piece has no middle after it
     return "".join(piece + middle for piece, middle in pairs) + fixed[-1]
 
@@ -365,23 +447,38 @@ def strip_markup(text: str, deadline: Optional[Deadline] = None) -> str:
 
 # strip_markup_linear's constructs: what starts one (no further than its second character: a
 # construct that never closes is passed over, and must not have been read to its end), the end of
-# a comment, and a tag up to its ">" (its name as html.parser reads it).
+# a comment, a tag up to its ">" (its name as html.parser reads it), an end tag with space after
+# "</" (which html.parser takes as one only whole: "</ p >"), the name of a marked section ("<![")
+# and its ends.
 _OPENER = re.compile(r"<(?:(!--)|/?[A-Za-z]|/\s+[A-Za-z]|[!?/])")
 _COMMENT_CLOSE = re.compile(r"--\s*>")
 _MARKUP_TAG = re.compile(r"<(/\s*)?([A-Za-z][^\t\n\r\f />\x00]*)[^>]*>|<[^>]*>")
+_SPACED_END_TAG = re.compile(r"</\s*([a-zA-Z][-.a-zA-Z0-9:_]*)\s*>")
+_SECTION_NAME = re.compile(r"[a-zA-Z][-_.a-zA-Z0-9]*\s*")
+_SECTION_CLOSES = {"]]>": re.compile(r"]\s*]\s*>"), "]>": re.compile(r"]\s*>")}
+_SECTION_CLOSE = {**dict.fromkeys(("temp", "cdata", "ignore", "include", "rcdata"), "]]>"),
+                  **dict.fromkeys(("if", "else", "endif"), "]>")}
 _CDATA_END = {tag: re.compile(r"</\s*%s\s*>" % tag, re.I) for tag in ("script", "style")}
 
 
 def strip_markup_linear(text: str, deadline: Optional[Deadline] = None) -> str:
     """The text of an HTML fragment in one pass over it, with ``_TextExtractor``'s rules (block
     tags become spaces; scripts, styles, ``noscript`` and ``template`` are dropped; entities are
-    decoded). Like ``html.parser``, a construct that never closes is taken as text; unlike it, a
-    tag ends at its first ``>`` even inside a quoted attribute value (which ``strip_markup`` only
-    meets in markup built to stall the parser)."""
+    decoded). Like Python 3.11's ``html.parser``, a construct that never closes (a comment or a
+    marked section with no end, a tag with no ">" after it) is taken as text as far as the next
+    ">" (or "<"), and what follows is read as markup again; a marked section with an unknown name
+    raises ``AssertionError``, as the parser does. Unlike it, a tag ends at its first ``>`` even
+    inside a quoted attribute value (which ``strip_markup`` only meets in markup built to stall
+    the parser)."""
     extractor = _TextExtractor()
     last_gt = text.rfind(">")
-    closes = [m.start() for m in _COMMENT_CLOSE.finditer(text)]
-    last_comment_close = closes[-1] if closes else -1
+
+    def last_start(pattern: re.Pattern) -> int:
+        starts = [m.start() for m in pattern.finditer(text)]
+        return starts[-1] if starts else -1
+
+    last_comment_close = last_start(_COMMENT_CLOSE)
+    last_section_close = {kind: last_start(close) for kind, close in _SECTION_CLOSES.items()}
     pos = data_from = 0
     parts = extractor.parts
 
@@ -394,20 +491,35 @@ def strip_markup_linear(text: str, deadline: Optional[Deadline] = None) -> str:
         if match is None:
             break
         start = match.start()
-        closing = name = None
+        closing = name = end = None
         if match.group(1):  # a comment
-            if last_comment_close < start + 4:  # never closes: text
-                pos = start + 1
-                continue
-            end = _COMMENT_CLOSE.search(text, start + 4).end()  # type: ignore[union-attr]
-        elif start > last_gt:  # no ">" after it: it never closes, text
-            pos = start + 1
-            continue
-        else:  # a tag, or a declaration, processing instruction or bogus comment (dropped)
+            if last_comment_close >= start + 4:
+                end = _COMMENT_CLOSE.search(text, start + 4).end()  # type: ignore[union-attr]
+        elif text.startswith("<![", start):  # a marked section (CDATA...): dropped
+            section = _SECTION_NAME.match(text, start + 3)
+            if start + 3 == len(text):
+                pass  # the end of the text: it never closes
+            elif section is None:
+                raise AssertionError(f"expected name token at {text[start:start + 20]!r}")
+            elif section.end() < len(text):
+                kind = _SECTION_CLOSE.get(section.group().strip().lower())
+                if kind is None:
+                    raise AssertionError(f"unknown status keyword {section.group()!r} in marked "
+                                         f"section")
+                if last_section_close[kind] >= start + 3:
+                    end = _SECTION_CLOSES[kind].search(text, start + 3).end()  # type: ignore
+        elif start <= last_gt:  # a tag, or a declaration, processing instruction or bogus comment
             tag_match = _MARKUP_TAG.match(text, start)
             assert tag_match, "a '>' is left after it"
             end = tag_match.end()
             closing, name = tag_match.groups()
+            if closing is not None and closing != "/":  # "</ p>": an end tag only if whole
+                spaced = _SPACED_END_TAG.match(text, start)
+                name = spaced.group(1) if spaced else None  # else a bogus comment, dropped
+        if end is None:  # it never closes: text, as far as the next ">" or "<"
+            gt = text.find(">", start + 1) if start < last_gt else -1
+            pos = gt + 1 if gt >= 0 else start + 1
+            continue
         data(start)
         pos = data_from = end
         if name is not None:
@@ -433,11 +545,21 @@ katakana and Latin ligatures; NFKC also folds the other compatibility characters
 ™, ½...)."""
 
 
+class TextTooLong(Exception):
+    """Normalization made a field longer than ``normalize_text``'s ``max_chars``: NFKC writes some
+    characters as many (U+FDFA is 18 characters), ftfy a ligature as its letters."""
+
+    def __init__(self, chars: int):
+        super().__init__(chars)
+        self.chars = chars
+
+
 def normalize_text(text: Optional[str], form: UnicodeForm = "NFC",
-                   deadline: Optional[Deadline] = None) -> str:
+                   deadline: Optional[Deadline] = None, max_chars: Optional[int] = None) -> str:
     """One field's text, cleaned for the model, in Unicode ``form``. Idempotent. Its cost is
     linear in the text's length (see the module docstring); ``deadline``: the document's budget
-    (``PrepareTimeout`` past it)."""
+    (``PrepareTimeout`` past it); ``max_chars``: ``TextTooLong`` if Unicode normalization makes
+    the text longer (checked before the steps after it)."""
     if not text:
         return ""
     if _TAG.search(text):
@@ -450,10 +572,18 @@ def normalize_text(text: Optional[str], form: UnicodeForm = "NFC",
     _check(deadline, "ftfy")
     if form == "NFKC" and not text.isascii():
         text = unicodedata.normalize("NFKC", text)  # NFKC(NFC(x)) == NFKC(x)
+    if max_chars is not None and len(text) > max_chars:
+        raise TextTooLong(len(text))
     if _CONTROL.search(text):
         text = _CONTROL.sub(" ", text)
     if not text.isascii():  # format characters (Cf) are all outside ASCII
-        text = _FORMAT.sub("", text)
+        without = _FORMAT.sub("", text)
+        if len(without) != len(text):
+            # What stood between two runs of marks, or between a letter and its mark ("e\u200d"
+            # "\u0301"), is gone: the runs are cut again, and the text normalized again.
+            text = collapse_combining_marks(without)
+            if not unicodedata.is_normalized(form, text):
+                text = unicodedata.normalize(form, text)
     return " ".join(text.split())  # str.split's whitespace is re's \s (the test checks each)
 
 
@@ -465,6 +595,17 @@ def join_text(title: str, body: str) -> str:
 def compose_text(event: NewsEvent, form: UnicodeForm = "NFC") -> str:
     """The text that is embedded: normalized title, a newline, normalized body."""
     return join_text(normalize_text(event.title, form), normalize_text(event.body, form))
+
+
+class Head(NamedTuple):
+    """``HeadTokenizer.head``'s result: the token ids of the head, whether anything was cut, the
+    length of the prefix of the text that was tokenized (its first tokens are the text's, so
+    ``UnknownTokens`` reads the head's words there), and that tokenization, with its offsets,
+    where it was made with them (else None)."""
+    ids: tuple[int, ...]
+    truncated: bool
+    end: int
+    encoding: object
 
 
 class HeadTokenizer:
@@ -481,8 +622,9 @@ class HeadTokenizer:
     pre-tokenizer splits whatever lies around: before a space, or after a character it makes a
     word of one token on its own (``_single_token_chars``: punctuation marks, which it isolates,
     and CJK ideographs, which the normalizer puts spaces around; each checked on the tokenizer
-    itself, as Rust and Python do not agree on all of Unicode), as long as no added token
-    ([CLS], [MASK]...) holds a space or that character, so that no added token spans the cut.
+    itself, as Rust and Python do not agree on all of Unicode), as long as no added token that it
+    matches in a text (``_added_in_text``: the special tokens, [CLS], [MASK]..., are read as text)
+    holds a space or that character, so that no added token spans the cut.
     Then the prefix's words are the text's first words: the normalizer works character by
     character (it removes control characters, pads ideographs, lowercases, and strips accents after
     NFD, whose reordering moves combining marks only among themselves, never past a space or one
@@ -493,9 +635,12 @@ class HeadTokenizer:
 
     The cut is chosen so that (2) nearly always holds: before the ``room + 1``-th space (nearly
     every word is a token or more), or, in a text with fewer spaces (Chinese, Japanese), after
-    the ``room + 1``-th single-token character, where (2) holds by construction. Any other text,
-    and every text of any other tokenizer (SentencePiece's Metaspace, byte-level BPE: not proven
-    here), is tokenized whole."""
+    the ``room + 1``-th single-token character, where (2) holds by construction. A text whose
+    words are long (WordPiece reads a word of up to 100 characters again for each of its tokens:
+    up to about a hundred times the cost of English per character) is first cut shorter, and
+    further on while that does not overflow (``_cuts``), so that the characters tokenized stay
+    within a few times what the head needs. Any other text, and every text of any other tokenizer
+    (SentencePiece's Metaspace, byte-level BPE: not proven here), is tokenized whole."""
 
     def __init__(self, model: ModelSettings):
         model.apply_engine_env()  # e.g. HF_HUB_OFFLINE, read when transformers is imported
@@ -504,78 +649,142 @@ class HeadTokenizer:
         hf = AutoTokenizer.from_pretrained(resolve_model_path(model.path), revision=model.revision,
                                            trust_remote_code=model.trust_remote_code)
         self._tok = hf.backend_tokenizer  # the fast (Rust) tokenizer, without Python overhead
+        # A special token written in a text ("[SEP]", "[MASK]", "</s>") is text: the model's input
+        # holds special tokens only where the tokenizer's post-processor puts them.
+        self._tok.encode_special_tokens = True
         self._tok.no_padding()
         self._tok.enable_truncation(max_length=model.max_tokens, direction="right")
         self.max_tokens = model.max_tokens
         room = model.max_tokens - self._tok.num_special_tokens_to_add(False)
         # Cuts before the room + 1-th space, and after as many single-token characters (found
-        # when first needed, once: about 0.1 s). None: every text is tokenized whole.
+        # when first needed, once: about 0.3 s). None: every text is tokenized whole.
         self._head_words = room + 1 if _cuts_at_words(self._tok) else None
-        self._singles: Optional[re.Pattern] = None
+        self._specials = self._tok.num_special_tokens_to_add(False)
+        self._singles: Optional[tuple[re.Pattern, re.Pattern]] = None
         self._ascii_tok = _without_bert_normalizer(self._tok)
-        # An added token ([UNK], [MASK]...) in a text is matched before the normalizer, in the
-        # text's own case: a text that holds one does not take the lowercased path.
-        self._added = re.compile("|".join(
-            re.escape(t.content) for t in self._tok.get_added_tokens_decoder().values()) or "(?!)")
+        # An added token that is not special (a model's own additions to its vocabulary) in a text
+        # is matched before the normalizer, in the text's own case: a text that holds one does not
+        # take the lowercased path.
+        self._added = re.compile("|".join(map(re.escape, _added_in_text(self._tok))) or "(?!)")
 
     def __call__(self, text: str) -> tuple[tuple[int, ...], bool]:
         """(token ids of the head, whether anything was cut)."""
-        return self.batch([text])[0]
+        return self.head(text)[:2]
 
     def batch(self, texts: list[str]) -> list[tuple[tuple[int, ...], bool]]:
-        """``__call__`` for many texts at once. A long text is first tokenized as far as a cut
-        (``_head_end``) only; the rest of it, only if that did not overflow. Plain ASCII texts skip
-        the tokenizer's normalizer (see ``_without_bert_normalizer``)."""
-        if self._ascii_tok is None:
-            return self._batch(self._tok, texts)
-        plain = [i for i, text in enumerate(texts)
-                 if text.isascii() and not _BERT_CLEANS.search(text)
-                 and not self._added.search(text)]
-        if not plain:
-            return self._batch(self._tok, texts)
-        results: list = [None] * len(texts)
-        lowered = self._batch(self._ascii_tok, [texts[i].lower() for i in plain])
-        for i, r in zip(plain, lowered, strict=True):
-            results[i] = r
-        rest = [i for i, r in enumerate(results) if r is None]
-        for i, r in zip(rest, self._batch(self._tok, [texts[i] for i in rest]), strict=True):
-            results[i] = r
-        return results
+        """``__call__`` for many texts."""
+        return [self.head(text)[:2] for text in texts]
 
-    def _head_end(self, text: str) -> int:
-        """Where to cut ``text`` to tokenize its head (see the class docstring); 0: nowhere."""
+    def head(self, text: str, deadline: Optional[Deadline] = None) -> "Head":
+        """The head of ``text`` (``Head``). A long text is first tokenized as far as a cut only
+        (``_cuts``); the rest of it, only if that did not overflow. Plain ASCII texts skip the
+        tokenizer's normalizer (see ``_without_bert_normalizer``). ``deadline`` is checked between
+        the tries."""
+        if (self._ascii_tok is not None and text.isascii() and not _BERT_CLEANS.search(text)
+                and not self._added.search(text)):
+            return self._head(self._ascii_tok, text.lower(), deadline)
+        return self._head(self._tok, text, deadline)
+
+    def _head(self, tok, text: str, deadline: Optional[Deadline]) -> "Head":
+        cuts = self._cuts(text)
+        end = next(cuts, 0)
+        while end:
+            e = tok.encode_batch_fast([text[:end]])[0]
+            if e.overflowing:
+                return Head(tuple(e.ids), True, end, None)
+            _check(deadline, "tokenization")
+            try:
+                end = cuts.send(len(e.ids) - self._specials)
+            except StopIteration:
+                end = 0
+        if self._head_words and len(text) > self._head_words * _FIRST_CUT_CHARS_PER_TOKEN:
+            # a long text with nowhere to cut its head: tokenized once, with the offsets that
+            # UnknownTokens reads (a second tokenization, otherwise)
+            e = tok.encode(text)
+            return Head(tuple(e.ids), bool(e.overflowing), len(text), e)
+        e = tok.encode_batch_fast([text])[0]
+        return Head(tuple(e.ids), bool(e.overflowing), len(text), None)
+
+    def _cuts(self, text: str) -> Generator[int, int, None]:
+        """Where to cut ``text`` to tokenize its head, at the places the class docstring proves,
+        first to last; each is sent back the count of tokens its prefix held (not enough to
+        overflow). None: the whole text is tokenized.
+
+        The first is the cut before the ``room + 1``-th space, or after as many single-token
+        characters (``_head_end``), whose prefix nearly always overflows. A text whose words are
+        long and costly to tokenize (WordPiece reads a word of up to 100 characters again for each
+        of its tokens) or too few for that cut is first cut shorter: at the last place at most
+        ``_FIRST_CUT_CHARS_PER_TOKEN`` characters per token of the head from its start; then, while
+        that does not overflow, further on, as far again at least, or as far as the tokens counted
+        so far say the head reaches, with a quarter more (so the characters tokenized stay within
+        a few times the last prefix's)."""
+        if not self._head_words:
+            return
+        last = self._head_end(text)
+        if last is None:
+            return
+        end, first = 0, self._head_words * _FIRST_CUT_CHARS_PER_TOKEN
+        target = first
+        while True:
+            if last and target >= last:
+                if last > end:
+                    yield last
+                return
+            cut = self._cut_before(text, end, target) or self._cut_after(text, target)
+            if not cut:
+                return
+            tokens = yield cut
+            end = cut
+            target = max(2 * end, end * self._head_words * 5 // (4 * max(tokens, 1)))
+
+    def _head_end(self, text: str) -> Optional[int]:
+        """The cut before the ``room + 1``-th space, or after as many single-token characters (see
+        the class docstring); 0: the text has too few of both; None: it is short, tokenized
+        whole."""
         assert self._head_words
         words = text.split(" ", self._head_words)
         if len(words) > self._head_words:
             return len(text) - len(words[-1]) - 1  # before the _head_words-th space
         if len(text) < self._head_words or (text.isascii() and len(text) <= _WHOLE_ASCII_CHARS):
-            return 0  # English with few spaces: short, tokenized whole
+            return None  # English with few spaces: short, tokenized whole
+        match = self._single_chars()[1].match(text)
+        return match.end() if match else 0
+
+    def _single_chars(self) -> tuple[re.Pattern, re.Pattern]:
+        """One single-token character; the shortest prefix that holds ``room + 1`` of them (found
+        when first needed, once: about 0.3 s)."""
         if self._singles is None:
             with _SINGLES_LOCK:
                 if self._singles is None:
-                    chars = _single_token_chars(self._tok)
-                    # the shortest prefix that holds _head_words of them, if the text has that many
-                    self._singles = re.compile("(?:[^%s]*+[%s]){%d}" % (
-                        chars, chars, self._head_words) if chars else "(?!)")  # (?!): none
-        match = self._singles.match(text)
-        return match.end() if match else 0
+                    chars, count = _single_token_chars(self._tok), self._head_words or 0
+                    self._singles = (re.compile("[%s]" % chars if chars else "(?!)"),
+                                     re.compile("(?:[^%s]*+[%s]){%d}" % (chars, chars, count)
+                                                if chars else "(?!)"))  # (?!): none
+        return self._singles
 
-    def _batch(self, tok, texts: list[str]) -> list[tuple[tuple[int, ...], bool]]:
-        results: list = [None] * len(texts)
-        if self._head_words:
-            heads = [(i, end) for i, text in enumerate(texts) if (end := self._head_end(text))]
-            head_encodings = tok.encode_batch_fast([texts[i][:end] for i, end in heads])
-            for (i, _), e in zip(heads, head_encodings, strict=True):
-                if e.overflowing:
-                    results[i] = (tuple(e.ids), True)
-        rest = [i for i, r in enumerate(results) if r is None]
-        encodings = tok.encode_batch_fast([texts[i] for i in rest])
-        for i, e in zip(rest, encodings, strict=True):
-            results[i] = (tuple(e.ids), bool(e.overflowing))
-        return results
+    def _cut_before(self, text: str, low: int, high: int) -> int:
+        """The last place to cut in ``(low, high]`` (before a space, after a single-token
+        character), 0 if none."""
+        high = min(high, len(text) - 1)
+        space = text.rfind(" ", low + 1, high + 1)
+        single = 0
+        for single_match in self._single_chars()[0].finditer(text, low, high):
+            single = single_match.end()
+        return max(space, single, 0)
+
+    def _cut_after(self, text: str, low: int) -> int:
+        """The first place to cut after ``low``, 0 if none (or at the text's end)."""
+        space = text.find(" ", low + 1)
+        single_match = self._single_chars()[0].search(text, low)
+        cuts = [c for c in (space, single_match.end() if single_match else -1)
+                if low < c < len(text)]
+        return min(cuts, default=0)
 
 
 _SINGLES_LOCK = threading.Lock()  # HeadTokenizer._singles is built once, by one thread
+# HeadTokenizer's first cut is at most this many characters per token of the head from the start
+# (English takes about 5; the cut before the head's last space comes first there).
+_FIRST_CUT_CHARS_PER_TOKEN = 8
 # An ASCII text with too few spaces to cut at is tokenized whole up to this length; a longer one
 # (code, lists of links, markup that stayed text) is cut after single-token characters (its
 # punctuation), as a text in a script without spaces is.
@@ -596,7 +805,6 @@ def _without_bert_normalizer(tokenizer):
     other normalizer, or if an added token is matched after it."""
     import json
 
-    from tokenizers import Tokenizer
 
     spec = json.loads(tokenizer.to_str())
     normalizer = spec.get("normalizer") or {}
@@ -604,7 +812,14 @@ def _without_bert_normalizer(tokenizer):
             or any(t.get("normalized") for t in spec.get("added_tokens") or ())):
         return None
     spec["normalizer"] = None
-    return Tokenizer.from_str(json.dumps(spec))
+    return copy_tokenizer(tokenizer, json.dumps(spec))
+
+
+def _added_in_text(tokenizer) -> list[str]:
+    """The added tokens that this tokenizer matches in a text: all of them, but the special ones
+    ([CLS], [SEP], [MASK]...) where it reads those as text (``encode_special_tokens``)."""
+    return [t.content for t in tokenizer.get_added_tokens_decoder().values()
+            if not (t.special and tokenizer.encode_special_tokens)]
 
 
 def _cuts_at_words(tokenizer) -> bool:
@@ -613,40 +828,37 @@ def _cuts_at_words(tokenizer) -> bool:
     punctuation) after BERT's per-character normalizer (or none), and no added token that holds
     a space."""
     return bert_style(tokenizer) and not any(
-        any(c.isspace() for c in t.content) for t in tokenizer.get_added_tokens_decoder().values())
+        any(c.isspace() for c in t) for t in _added_in_text(tokenizer))
 
 
 # Where BERT's normalizer puts spaces around CJK ideographs (its ``handle_chinese_chars``; the
-# supplementary planes' ranges left out), and the other blocks where punctuation is looked for.
+# supplementary planes' ranges left out).
 _BERT_CJK = ((0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF))
-_PUNCTUATION_BLOCKS = ((0x21, 0x7E), (0xA1, 0xBF), (0x2010, 0x205E), (0x3000, 0x303F),
-                       (0x30FB, 0x30FB), (0xFE10, 0xFE6F), (0xFF01, 0xFF65))
 
 
 def _single_token_chars(tokenizer) -> str:
     """The characters that this BERT-style tokenizer makes a word of exactly one token on their
     own, wherever they stand, and that no added token holds, as the inside of a regex character
     class ("" if none), each checked on the tokenizer:
-    - punctuation (and the ASCII symbols, which BERT counts as punctuation): given all of them
-      between letters (``"a" + "a".join(...) + "a"``), it makes each a word of one token;
+    - punctuation, all of Unicode's (and the ASCII symbols, which BERT counts as punctuation):
+      given all of them between letters (``"a" + "a".join(...) + "a"``), it makes each a word of
+      one token (its own, or the unknown token);
     - CJK ideographs, if its normalizer puts spaces around them: it turns each into one
       character that is not a space, between two spaces."""
     import json
     import string
 
-    from tokenizers import Tokenizer
-
     spec = json.loads(tokenizer.to_str())
-    in_added = set("".join(t["content"] for t in spec.get("added_tokens") or ()))
+    in_added = set("".join(_added_in_text(tokenizer)))
 
     def usable(ch: str) -> bool:  # in no added token, and a starter (see HeadTokenizer)
         return ch not in in_added and all(unicodedata.combining(c) == 0
                                           for c in unicodedata.normalize("NFD", ch))
 
-    marks = [ch for low, high in _PUNCTUATION_BLOCKS for ch in map(chr, range(low, high + 1))
+    marks = [ch for ch in map(chr, range(sys.maxunicode + 1))
              if (ch in string.punctuation or unicodedata.category(ch).startswith("P"))
              and usable(ch)]
-    whole = Tokenizer.from_str(tokenizer.to_str())
+    whole = copy_tokenizer(tokenizer)
     whole.no_truncation()
     text = "a" + "a".join(marks) + "a"
     encoding = whole.encode(text, add_special_tokens=False)
@@ -693,41 +905,50 @@ class UnknownTokens:
     """Counts the words of a prepared text that the model's tokenizer cannot read: its unknown
     tokens that hold a letter, among its own tokens (no special tokens, no document prefix). An
     unknown token of symbols only (emoji) counts neither way. Texts with no unknown id among their
-    token ids (nearly all, for a model that fits the feed) cost one scan of their ids; the others
-    are tokenized once more, with offsets, to see what each unknown token covers."""
+    token ids (nearly all, for a model that fits the feed) cost one scan of their ids; in head mode
+    the others have the prefix that gave their head tokenized once more, with offsets, to see what
+    each unknown token covers (in chunks mode, the text's tokens have their offsets already)."""
 
     def __init__(self, tokenizer, document_prefix: str = ""):
-        from tokenizers import Tokenizer
 
         spec = tokenizer.to_str()
         self.unknown_id = unknown_token_id(tokenizer, spec)
-        self._tok = Tokenizer.from_str(spec)
+        self._tok = copy_tokenizer(tokenizer, spec)
         self._tok.no_truncation()
         self._tok.no_padding()
         self._specials = self._tok.num_special_tokens_to_add(False)
         self._prefix = document_prefix
 
-    def of_head(self, text: str, head_ids: tuple[int, ...]) -> tuple[int, int]:
-        """(unknown words, tokens counted) of the head that ``head_ids`` (``HeadTokenizer``'s,
-        of the prefix and ``text``) holds."""
+    def of_head(self, text: str, head_ids: tuple[int, ...], end: Optional[int] = None,
+                encoding=None) -> tuple[int, int]:
+        """(unknown words, tokens counted) of the head that ``head_ids`` (``HeadTokenizer.head``'s,
+        of the prefix and ``text``) holds; ``end``: the length of the prefix of the document
+        prefix and ``text`` that ``HeadTokenizer.head`` tokenized (its first tokens are the
+        whole text's, cut where no token spans the cut; None: all of it); ``encoding``: that
+        tokenization, if it has offsets (its special tokens are passed over)."""
         if self.unknown_id is None or self.unknown_id not in head_ids:
             return 0, 0
-        # The whole text, not a cut of it: a cut may change the last tokens before it (a word split
-        # in two, a run of characters that WordPiece makes one unknown token).
-        return self._count(self._prefix + text, len(head_ids) - self._specials, len(self._prefix))
+        if encoding is not None:
+            own = [(i, offsets) for i, offsets, special in zip(
+                encoding.ids, encoding.offsets, encoding.special_tokens_mask, strict=True)
+                   if not special]
+            return self._count(self._prefix + text, [i for i, _ in own], [o for _, o in own],
+                               None, len(self._prefix))
+        encoding = self._tok.encode((self._prefix + text)[:end], add_special_tokens=False)
+        return self._count(self._prefix + text, encoding.ids, encoding.offsets,
+                           len(head_ids) - self._specials, len(self._prefix))
 
-    def of_text(self, text: str, chunks) -> tuple[int, int]:
-        """(unknown words, tokens counted) of the whole text (``transforms.chunking``'s
-        ``chunks`` of it hold its every token)."""
-        if self.unknown_id is None or not any(self.unknown_id in c.token_ids for c in chunks):
+    def of_text(self, text: str, ids, offsets) -> tuple[int, int]:
+        """(unknown words, tokens counted) of the whole text, from its tokens (``ids`` and their
+        ``offsets``: ``Chunker.encode``'s, of the text alone, with no special tokens)."""
+        if self.unknown_id is None or self.unknown_id not in ids:
             return 0, 0
-        return self._count(text, None, 0)
+        return self._count(text, ids, offsets, None, 0)
 
-    def _count(self, text: str, limit: Optional[int], skip_chars: int) -> tuple[int, int]:
-        encoding = self._tok.encode(text, add_special_tokens=False)
+    def _count(self, text: str, ids, offsets, limit: Optional[int],
+               skip_chars: int) -> tuple[int, int]:
         unknown = counted = 0
-        for token_id, (start, end) in list(zip(encoding.ids, encoding.offsets,
-                                               strict=True))[:limit]:
+        for token_id, (start, end) in itertools.islice(zip(ids, offsets, strict=True), limit):
             if start < skip_chars:  # the document prefix's
                 continue
             if token_id == self.unknown_id:
@@ -784,20 +1005,34 @@ class _PrepareTextFn(beam.DoFn):
     def setup(self):
         self._tokenizer, self._chunker, self._unknown = text_tools(self._model, self._chunking)
 
-    def _tokenize_batch(self, texts: list[str]) -> list[tuple]:
-        """Per text: (head token ids, whether the head was cut, chunks)."""
+    def _tokenize(self, text: str, deadline: Deadline) -> tuple:
+        """(head token ids, whether the head was cut, chunks, (unknown words, tokens counted)),
+        the deadline checked after each step."""
+        assert self._tokenizer is not None and self._unknown is not None, "setup() makes them"
         if self._chunker is not None:
-            return self._chunker.split(texts)
-        assert self._tokenizer is not None, "setup() makes the tokenizer"
-        prefix = self._model.document_prefix
-        return [(ids, cut, ()) for ids, cut in self._tokenizer.batch([prefix + t for t in texts])]
+            encoding = self._chunker.encode(text)
+            _check(deadline, "tokenization")
+            ids, truncated, chunks = self._chunker.split_encoded(
+                text, encoding, check=lambda: _check(deadline, "chunking"))
+            _check(deadline, "chunking")
+            unknown = self._unknown.of_text(text, encoding.ids, encoding.offsets)
+        else:
+            ids, truncated, end, encoding = self._tokenizer.head(
+                self._model.document_prefix + text, deadline)
+            _check(deadline, "tokenization")
+            chunks = ()
+            unknown = self._unknown.of_head(text, ids, end, encoding)
+        _check(deadline, "the unknown-token count")
+        return ids, truncated, chunks, unknown
 
     def _dead_letter(self, event: NewsEvent, reason: Reason, detail: str):
         return pvalue.TaggedOutput(DEAD_LETTER, DeadLetter.for_event(
             event, Step.PREPARE, reason, detail, self._dl_bytes))
 
-    def _compose(self, event: NewsEvent):
-        """(the prepared title, the composed text), or a dead letter."""
+    def _compose(self, event: NewsEvent, deadline: Optional[Deadline] = None):
+        """(the prepared title, the composed text), or a dead letter; ``PrepareTimeout`` past the
+        deadline (the document's own, if none is given)."""
+        deadline = deadline or Deadline(self._budget_s)
         length = len(event.title or "") + len(event.body or "")
         if length > self._max_text_chars:
             return self._dead_letter(event, Reason.TEXT_TOO_LONG,
@@ -808,32 +1043,36 @@ class _PrepareTextFn(beam.DoFn):
                                      f"the title holds {len(event.title or '')} characters, over "
                                      f"text.max_title_chars {self._max_title_chars} (is the body "
                                      f"in the title field?)")
-        deadline = Deadline(self._budget_s)
         try:
-            title = normalize_text(event.title, self._form, deadline)
-            text = join_text(title, normalize_text(event.body, self._form, deadline))
-        except PrepareTimeout as exc:
-            return self._dead_letter(
-                event, Reason.PREPARE_FAILED,
-                f"text normalization went over its budget of text.prepare_budget_s "
-                f"{self._budget_s:g} s of CPU ({exc}): the text is built to be slow to clean, "
-                f"or the worker is starved of CPU")
+            title = normalize_text(event.title, self._form, deadline, self._max_text_chars)
+            text = join_text(title, normalize_text(event.body, self._form, deadline,
+                                                   self._max_text_chars))
+        except PrepareTimeout:
+            raise
+        except TextTooLong as exc:
+            return self._expanded(event, exc.chars)
         except Exception as exc:  # pylint: disable=broad-except  # hostile markup must not crash
             return self._dead_letter(
                 event, Reason.PREPARE_FAILED,
                 f"text normalization failed: {type(exc).__name__}: {exc}"[:500])
+        if len(text) > self._max_text_chars:
+            return self._expanded(event, len(text))
         if not text:
             return self._dead_letter(event, Reason.EMPTY_AFTER_NORMALIZATION,
                                      "no text is left once HTML, control characters and whitespace "
                                      "are removed")
         return title, text
 
-    def _unreadable(self, event: NewsEvent, text: str, ids: tuple[int, ...], chunks: tuple):
+    def _expanded(self, event: NewsEvent, chars: int):
+        return self._dead_letter(
+            event, Reason.TEXT_TOO_LONG,
+            f"normalization (text.unicode_form {self._form}) makes the text {chars} characters "
+            f"long, over the limit of {self._max_text_chars}: some characters are written as "
+            f"several in {self._form} (U+FDFA is 18)")
+
+    def _unreadable(self, event: NewsEvent, unknown: int, counted: int):
         """A dead letter if the model cannot read most of the text (``max_unknown_token_ratio``):
         its head's tokens, or in chunks mode the whole text's (every chunk is embedded)."""
-        assert self._unknown is not None, "setup() makes it"
-        unknown, counted = (self._unknown.of_text(text, chunks) if self._chunker is not None
-                            else self._unknown.of_head(text, ids))
         if not unknown or unknown <= self._max_unknown * counted:
             return None
         where = "the text's" if self._chunker is not None else "its head's"
@@ -844,38 +1083,40 @@ class _PrepareTextFn(beam.DoFn):
             f"{event.language or 'not given'}): the model cannot read this text; embed this feed "
             f"with a model whose vocabulary covers its language")
 
-    def _tokenize(self, texts: list[str]) -> list:
+    def _prepare(self, event: NewsEvent):
+        """The event's PreparedDoc, or its dead letter. Its budget of CPU time covers every step:
+        normalization, tokenization, chunking and the unknown-token count."""
+        deadline = Deadline(self._budget_s)
         try:
-            return self._tokenize_batch(texts)
-        except Exception:  # pylint: disable=broad-except  # find the text to blame, keep the rest
-            results: list[tuple | Exception] = []
-            for text in texts:
-                try:
-                    results += self._tokenize_batch([text])
-                except Exception as exc:  # pylint: disable=broad-except
-                    results.append(exc)
-            return results
+            composed = self._compose(event, deadline)
+            if not isinstance(composed, tuple):
+                return composed
+            title, text = composed
+            try:
+                ids, truncated, chunks, (unknown, counted) = self._tokenize(text, deadline)
+            except PrepareTimeout:
+                raise
+            except Exception as exc:  # pylint: disable=broad-except  # blame this text only
+                return self._dead_letter(
+                    event, Reason.PREPARE_FAILED,
+                    f"tokenization failed: {type(exc).__name__}: {exc}"[:500])
+        except PrepareTimeout as exc:
+            return self._dead_letter(
+                event, Reason.PREPARE_FAILED,
+                f"text preparation went over its budget of text.prepare_budget_s "
+                f"{self._budget_s:g} s of CPU ({exc}): the text is built to be slow to prepare, "
+                f"or the worker is starved of CPU")
+        unreadable = self._unreadable(event, unknown, counted)
+        if unreadable is not None:
+            return unreadable
+        return PreparedDoc(event=event, text=text,
+                           text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                           token_ids=ids, truncated=truncated, chunks=chunks,
+                           title=title or None)
 
     def process(self, events: list[NewsEvent]) -> Iterator:
-        composed = [(event, self._compose(event)) for event in events]
-        yield from (out for _, out in composed if not isinstance(out, tuple))
-        ready = [(event, *out) for event, out in composed if isinstance(out, tuple)]
-        tokenized = self._tokenize([text for _, _, text in ready])
-        for (event, title, text), tokens in zip(ready, tokenized, strict=True):
-            if isinstance(tokens, Exception):
-                yield self._dead_letter(
-                    event, Reason.PREPARE_FAILED,
-                    f"tokenization failed: {type(tokens).__name__}: {tokens}"[:500])
-                continue
-            ids, truncated, chunks = tokens
-            unreadable = self._unreadable(event, text, ids, chunks)
-            if unreadable is not None:
-                yield unreadable
-                continue
-            yield PreparedDoc(event=event, text=text,
-                              text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
-                              token_ids=ids, truncated=truncated, chunks=chunks,
-                              title=title or None)
+        for event in events:
+            yield self._prepare(event)
 
 
 class PrepareText(beam.PTransform):
@@ -885,9 +1126,10 @@ class PrepareText(beam.PTransform):
     Text in ``unicode_form`` (``text.unicode_form``). An article the model cannot read (more than
     ``max_unknown_token_ratio`` of its head's tokens unknown to the tokenizer: ``UnknownTokens``;
     in chunks mode, of the whole text's) is dead-lettered ``unreadable_for_model``, not embedded:
-    every such article would get about the same vector. A title over ``max_title_chars`` is
-    dead-lettered ``text_too_long``; a document that uses more than ``prepare_budget_s`` of CPU in
-    normalization, ``prepare_failed`` (``Deadline``)."""
+    every such article would get about the same vector. A title over ``max_title_chars``, or a text
+    over ``max_text_chars`` before or after normalization, is dead-lettered ``text_too_long``; a
+    document that uses more than ``prepare_budget_s`` of CPU in preparation, ``prepare_failed``
+    (``Deadline``)."""
 
     def __init__(self, model: ModelSettings, *, chunking: ChunkingSettings = ChunkingSettings(),
                  max_text_chars: int = 200_000, dead_letter_payload_bytes: int = 4096,
@@ -903,7 +1145,8 @@ class PrepareText(beam.PTransform):
 
     def expand(self, events):
         return (events
-                # Batches only so that the tokenizer works on many texts at once.
+                # Batches: each document is prepared on its own (its CPU budget covers all of its
+                # steps), but the step keeps the shape a running streaming job was built with.
                 | "Batch" >> beam.BatchElements(min_batch_size=_TOKENIZE_BATCH,
                                                 max_batch_size=_TOKENIZE_BATCH)
                 | "Prepare" >> beam.ParDo(self._fn).with_outputs(DEAD_LETTER, main="docs"))
