@@ -15,6 +15,7 @@ The runs use a FAKE engine: what is tested is storage."""
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import inspect
 import json
 import os
@@ -795,3 +796,16 @@ def test_a_copy_that_ends_after_a_takeover_is_undone_on_gcs(gcs, tmp_path, monke
             manifest.publish(output, intent, holder)
     published = [m.path for m in FileSystems.match([f"{output}/vectors/**"])[0].metadata_list]
     assert published == [], "the late copy deleted again"
+
+
+def test_run_ids_launched_in_one_second_sort_by_launch_time():
+    """The newest run wins by run id. With the second and 8 random hex digits, two launches in one
+    second (a test, a scheduler's retry) were ordered by chance: the later one was 'older' half the
+    time and published nothing."""
+    from transforms.layout import new_run_id
+
+    t = dt.datetime(2026, 12, 1, 9, 30, 0, 1000, tzinfo=dt.timezone.utc)
+    for ms in range(0, 998, 3):
+        earlier, later = t + dt.timedelta(milliseconds=ms), t + dt.timedelta(milliseconds=ms + 1)
+        assert new_run_id(earlier) < new_run_id(later), (earlier, later)
+    assert len({new_run_id(t) for _ in range(1000)}) == 1000, "still collision-free"

@@ -49,9 +49,12 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")  # what BigQuery, gsutil and shells t
 
 
 def new_run_id(now: Optional[dt.datetime] = None) -> str:
-    """A sortable, collision-free id safe in any file name: 20261201T093000Z-1a2b3c4d."""
+    """A sortable, collision-free id safe in any file name: 20261201T093000Z-1a2b3c4d. The newest
+    run wins by this order (``transforms.commit``), so the first 3 hex digits are the launch's
+    millisecond: two launches in one second sort by time, not by chance; the other 5 are
+    random."""
     now = now or dt.datetime.now(dt.timezone.utc)
-    return f"{now:%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
+    return f"{now:%Y%m%dT%H%M%SZ}-{now.microsecond // 1000:03x}{uuid.uuid4().hex[:5]}"
 
 
 def require_safe_run_id(run_id: str) -> None:
