@@ -24,7 +24,7 @@ from apache_beam.io.filesystems import FileSystems
 
 from pipeline import config as config_lib
 from transforms.layout import join_path
-from transforms.manifest import COMMITTED, Manifest, read_manifest
+from transforms.manifest import COMMITTED, read_manifest
 from transforms.store import BatchOutput, LoadRows, StoreLoad, StoreLoadFailed, store_of
 
 _LOG = logging.getLogger("newsvec")
@@ -63,23 +63,17 @@ def _holds(output: str, run_id: str):
     return manifest
 
 
-def run_rows(output: str, run_id: str) -> LoadRows:
-    """The rows of ``run_id`` in ``output`` (``read_run``)."""
-    return read_run(output, run_id)[0]
-
-
-def batch_output(output: str, manifest: Manifest) -> BatchOutput:
+def batch_output(output: str, run_id: str) -> BatchOutput:
     """What the store records of the output a run's load is of: its prefix (``{date}`` filled),
-    and when the run began publishing into it (its manifest's ``started_at``)."""
-    return BatchOutput(prefix=output.rstrip("/"), published=float(manifest.started_at))
+    and the run."""
+    return BatchOutput(prefix=output.rstrip("/"), run_id=run_id)
 
 
-def read_run(output: str, run_id: str) -> tuple[LoadRows, Manifest]:
+def run_rows(output: str, run_id: str) -> LoadRows:
     """The rows of ``run_id`` in ``output``, which must hold it committed from before the read
-    to after it, and its manifest. A newer run may publish into the output meanwhile and delete
-    these files: the manifest is read again after the files, and a read that failed or raced
-    such a publish is a ``StoreLoadFailed`` that says what to run, never a storage error of its
-    own."""
+    to after it. A newer run may publish into the output meanwhile and delete these files: the
+    manifest is read again after the files, and a read that failed or raced such a publish is a
+    ``StoreLoadFailed`` that says what to run, never a storage error of its own."""
     retry = (f"load it alone once it can be read: newsvec load --config CONFIG --run-id {run_id}")
     failure: Optional[StoreLoadFailed] = None
     try:
@@ -107,15 +101,15 @@ def read_run(output: str, run_id: str) -> tuple[LoadRows, Manifest]:
                               f"{held}): nothing was loaded; if it still holds the run, {retry}")
     if vectors is None:
         raise StoreLoadFailed(f"run {run_id} wrote no vector files")
-    return LoadRows(vectors=vectors, chunks=chunks, dt=run_day(output, run_id)), manifest
+    return LoadRows(vectors=vectors, chunks=chunks, dt=run_day(output, run_id))
 
 
 def load_run(config: config_lib.Config, run_id: str, reload: bool = False) -> StoreLoad:
     """Load a committed batch run into the store; ``StoreLoadFailed`` (its message scrubbed of the
     connection string) when it cannot. ``reload``: load it again although it was loaded."""
     store = store_of(config.store)
-    rows, manifest = read_run(config.output, run_id)
-    result = store.load(rows, load_key(run_id), output=batch_output(config.output, manifest),
+    rows = run_rows(config.output, run_id)
+    result = store.load(rows, load_key(run_id), output=batch_output(config.output, run_id),
                         reload=reload)
     _LOG.info("store: run %s %s (%d rows, %d chunk rows, %d articles current, %d rows refused, "
               "%d articles of %s withdrawn) in %.2f s", run_id,

@@ -769,7 +769,7 @@ def test_a_load_waits_for_nothing_a_vacuum_holds(store_settings, pg):
 
         store.load(LoadRows(rows(["a"], text="v3", updated_at=later, chunk_count=[1]),
                             chunks({("a", "v3"): 1}), DAY), "run:R",
-                   output=BatchOutput("gs://b/out", 1.0))
+                   output=BatchOutput("gs://b/out", "R"))
         holder.rollback()
     assert stored(pg) == [("a", "v3"), ("b", "v2")]
 

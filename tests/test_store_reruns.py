@@ -95,29 +95,29 @@ def test_a_rerun_brings_back_the_version_its_run_had_replaced(store_settings, pg
     day_2 = DAY + dt.timedelta(days=1)
     store.load(LoadRows(rows(["x", "y"], text="vA", chunk_count=[2, 1]),
                         chunks({("x", "vA"): 2, ("y", "vA"): 1}), DAY), "run:A",
-               output=BatchOutput(DAY_1, 1.0))
+               output=BatchOutput(DAY_1, "A"))
     store.load(LoadRows(rows(["x", "z"], text="vB", chunk_count=[1, 1]),
                         chunks({("x", "vB"): 1, ("z", "vB"): 1}), day_2), "run:B1",
-               output=BatchOutput(DAY_2, 2.0))
+               output=BatchOutput(DAY_2, "B1"))
     assert stored(pg, "id, text_sha256, load_key") == [
         ("x", "vB", "run:B1"), ("y", "vA", "run:A"), ("z", "vB", "run:B1")]
     b2 = store.load(LoadRows(rows(["z"], text="vB2", chunk_count=[1]), chunks({("z", "vB2"): 1}),
-                             day_2), "run:B2", output=BatchOutput(DAY_2, 3.0))
+                             day_2), "run:B2", output=BatchOutput(DAY_2, "B2"))
     assert stored(pg, "id, text_sha256, load_key") == [
         ("x", "vA", "run:A"), ("y", "vA", "run:A"), ("z", "vB2", "run:B2")]
     assert stored(pg, "id, chunk_index, text_sha256", "news_vectors_chunks") == [
         ("x", 0, "vA"), ("x", 1, "vA"), ("y", 0, "vA"), ("z", 0, "vB2")]
     assert (b2.replaces, b2.withdrawn, b2.not_restored) == ("run:B1", ("x",), ())
     store.load(LoadRows(rows(["x", "z"], text="vB3"), None, day_2), "run:B3",
-               output=BatchOutput(DAY_2, 4.0))
+               output=BatchOutput(DAY_2, "B3"))
     a2 = store.load(LoadRows(rows(["w"], text="vA2"), None, DAY), "run:A2",
-                    output=BatchOutput(DAY_1, 5.0))
+                    output=BatchOutput(DAY_1, "A2"))
     assert stored(pg, "id, text_sha256, load_key") == [
         ("w", "vA2", "run:A2"), ("x", "vB3", "run:B3"), ("z", "vB3", "run:B3")]
     assert (a2.withdrawn, a2.not_restored) == (("y",), ("y",))
     # B3 is rerun without x: the version B3 replaced was A's, gone from the files: no row.
     b4 = store.load(LoadRows(rows(["z"], text="vB4"), None, day_2), "run:B4",
-                    output=BatchOutput(DAY_2, 6.0))
+                    output=BatchOutput(DAY_2, "B4"))
     assert stored(pg, "id, text_sha256, load_key") == [
         ("w", "vA2", "run:A2"), ("z", "vB4", "run:B4")]
     assert (b4.withdrawn, b4.not_restored) == (("x",), ("x",))
@@ -130,30 +130,32 @@ def test_a_reruns_version_replaces_its_runs_even_when_earlier(store_settings, pg
     later-ordered row stayed."""
     store = Store(store_settings)
     store.load(LoadRows(rows(["x"], text="v1", updated_at=at(60), chunk_count=[2]),
-                        chunks({("x", "v1"): 2}), DAY), "run:R1", output=BatchOutput(DAY_1, 1.0))
+                        chunks({("x", "v1"): 2}), DAY), "run:R1",
+               output=BatchOutput(DAY_1, "R1"))
     again = store.load(LoadRows(rows(["x"], text="v2", updated_at=at(0), chunk_count=[1]),
                                 chunks({("x", "v2"): 1}), DAY), "run:R2",
-                       output=BatchOutput(DAY_1, 2.0))
+                       output=BatchOutput(DAY_1, "R2"))
     assert stored(pg, "id, text_sha256, load_key") == [("x", "v2", "run:R2")]
     assert stored(pg, "id, chunk_index, text_sha256", "news_vectors_chunks") == [("x", 0, "v2")]
     assert again.withdrawn == () and again.articles_current == 1
 
 
 def test_an_older_run_never_withdraws_the_newer_runs_rows(store_settings, pg):
-    """R2 began publishing into the output after R1 and is loaded; R1's load comes late (it read
-    its files before R2 published). It is refused, with or without ``reload``, and the store
-    keeps R2's rows; a retry of R2's load changes nothing."""
+    """R2 (launched after R1: run ids begin with the launch time) published into the output and
+    is loaded; R1's load comes late (it read its files before R2 published). It is refused,
+    with or without ``reload``, and the store keeps R2's rows; a retry of R2's load changes
+    nothing. Before, R1's version of a replaced R2's."""
     store = Store(store_settings)
     store.load(LoadRows(rows(["a", "b"], text="r2"), None, DAY), "run:R2",
-               output=BatchOutput(DAY_1, 2.0))
+               output=BatchOutput(DAY_1, "R2"))
     for reload in (False, True):
-        with pytest.raises(StoreLoadFailed, match="began publishing into .* before run:R2"):
+        with pytest.raises(StoreLoadFailed, match="run R1 is older than run R2"):
             store.load(LoadRows(rows(["a"], text="r1"), None, DAY), "run:R1",
-                       output=BatchOutput(DAY_1, 1.0), reload=reload)
+                       output=BatchOutput(DAY_1, "R1"), reload=reload)
     assert stored(pg, "id, text_sha256, load_key") == [("a", "r2", "run:R2"),
                                                         ("b", "r2", "run:R2")]
     assert store.load(LoadRows(rows(["a", "b"], text="r2"), None, DAY), "run:R2",
-                      output=BatchOutput(DAY_1, 2.0)).already_loaded
+                      output=BatchOutput(DAY_1, "R2")).already_loaded
 
 
 def test_newsvec_load_reload_stores_the_rows_the_table_refused_once_it_takes_them(

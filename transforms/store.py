@@ -415,7 +415,7 @@ def _main_ddl(settings: StoreSettings, dim: int, vector_dtype: VectorDtype = "fl
         "DEFAULT now(), rows integer NOT NULL, chunk_rows integer NOT NULL, "
         "articles_current integer NOT NULL, outcome text, "
         "rejected jsonb NOT NULL DEFAULT '[]', withdrawn jsonb NOT NULL DEFAULT '[]', "
-        "output text, published double precision)").format(
+        "output text, run_id text)").format(
             _ident(schema, f"{settings.table}_loads"))))
     return out
 
@@ -462,7 +462,7 @@ def _index_ddl(settings: StoreSettings) -> list[tuple[str, Any]]:
         index(f"{name}_{short}_saved_at", table, "saved_at")
     index(f"{name}_sup_load_key", f"{name}_superseded", "load_key")
     index(f"{name}_loads_loaded_at", f"{name}_loads", "loaded_at")
-    index(f"{name}_loads_output", f"{name}_loads", "output, published",
+    index(f"{name}_loads_output", f"{name}_loads", "output, run_id",
           " WHERE output IS NOT NULL")
     index(f"{name}_load_key", name, "load_key")
     return out
@@ -475,7 +475,7 @@ def _index_ddl(settings: StoreSettings) -> list[tuple[str, Any]]:
 _ADDED_COLUMNS = (("", "updated_at", "timestamptz"), ("_loads", "outcome", "text"),
                   ("_loads", "rejected", "jsonb NOT NULL DEFAULT '[]'"),
                   ("_loads", "withdrawn", "jsonb NOT NULL DEFAULT '[]'"),
-                  ("_loads", "output", "text"), ("_loads", "published", "double precision"))
+                  ("_loads", "output", "text"), ("_loads", "run_id", "text"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -804,13 +804,15 @@ class StoreLoad:
 @dataclasses.dataclass(frozen=True)
 class BatchOutput:
     """The output a batch run's load is of: ``prefix``, the output prefix (``{date}`` filled: each
-    day's prefix is an output of its own), and ``published``, when the run began publishing into
-    it (its manifest's ``started_at``, Unix seconds): of two runs of one output, the later one to
-    publish is the one the output holds. A run's load replaces the previous run's load of the same
-    output (``Store._previous_load``), as its files replaced that run's files."""
+    day's prefix is an output of its own), and the run's ``run_id``. Run ids begin with the launch
+    time, and an output only ever goes from a run to a newer one (a run that finds the output
+    held by a newer run publishes nothing: ``transforms.commit``), so of two runs of one output
+    the greater id is the one the output holds, or held last. A run's load replaces the previous
+    run's load of the same output (``Store._previous_load``), as its files replaced that run's
+    files."""
 
     prefix: str
-    published: float
+    run_id: str
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -1172,18 +1174,18 @@ class Store:
                         conn.execute(_index_statement(self.settings, table, pgvector_type))
                 conn.execute(sql.SQL(
                     "INSERT INTO {} (load_key, rows, chunk_rows, articles_current, outcome, "
-                    "rejected, withdrawn, output, published) "
+                    "rejected, withdrawn, output, run_id) "
                     "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) "
                     "ON CONFLICT (load_key) DO UPDATE SET loaded_at = now(), "
                     "rows = EXCLUDED.rows, chunk_rows = EXCLUDED.chunk_rows, "
                     "articles_current = EXCLUDED.articles_current, "
                     "outcome = EXCLUDED.outcome, rejected = EXCLUDED.rejected, "
                     "withdrawn = EXCLUDED.withdrawn, output = EXCLUDED.output, "
-                    "published = EXCLUDED.published").format(loads),
+                    "run_id = EXCLUDED.run_id").format(loads),
                     (load_key, done.rows, done.chunk_rows, done.current, outcome,
                      Jsonb(rejected), Jsonb(sorted(withdrawn)),
                      None if output is None else output.prefix,
-                     None if output is None else output.published))
+                     None if output is None else output.run_id))
                 not_restored = self._without_row(conn, sorted(withdrawn))
             return StoreLoad(load_key, done.rows, done.chunk_rows, done.current, False,
                              time.perf_counter() - started, tuple(rejected),
@@ -1212,23 +1214,23 @@ class Store:
                          (self.settings.superseded_keep_days * 86400,))
 
     def _previous_load(self, conn, output: "BatchOutput", load_key: str) -> Optional[str]:
-        """The load of the run ``output.prefix`` held before this one (the latest other batch
-        load recorded for it, through the ``output`` index), whose rows this load replaces; None
-        when there is none. A run that began publishing before that one is older: a newer run
-        replaced it in the output, so its load is refused (it would withdraw the newer run's
-        rows)."""
+        """The load of the run ``output.prefix`` held before this one (the newest other run whose
+        load of it is recorded, through the ``output`` index), whose rows this load replaces;
+        None when there is none. A newer run's load there means this run is one the output
+        replaced (its load came late: it read its files before the newer run published), so it
+        is refused: it would withdraw the newer run's rows."""
         from psycopg import sql
 
         row = conn.execute(sql.SQL(
-            "SELECT load_key, published FROM {} WHERE output = %s AND load_key <> %s "
-            "ORDER BY published DESC NULLS LAST LIMIT 1").format(self._names()["loads"]),
+            "SELECT load_key, run_id FROM {} WHERE output = %s AND load_key <> %s "
+            "ORDER BY run_id DESC NULLS LAST LIMIT 1").format(self._names()["loads"]),
             (output.prefix, load_key)).fetchone()
         if row is None:
             return None
-        if row[1] is not None and row[1] > output.published:
+        if row[1] is not None and row[1] > output.run_id:
             raise StoreLoadFailed(
-                f"{load_key} began publishing into {output.prefix} before {row[0]}, whose load "
-                "the store holds: the newer run replaced it there, and this older run is not "
+                f"run {output.run_id} is older than run {row[1]}, whose load of {output.prefix} "
+                "the store holds: the newer run replaced it there, and the older one is not "
                 "loaded (it would withdraw the newer run's rows)")
         return str(row[0])
 
