@@ -834,11 +834,13 @@ class _Part:
 @dataclasses.dataclass
 class _Staged:
     """A load's rows in temporary tables of its session, staged before the table's lock is
-    taken: ``vectors`` (the columns of the articles' table and ``rn``) and ``chunks`` (the chunks
-    of those rows), both built from ``LoadRows``. The rows are staged in the order of their ids,
-    and ``rn`` numbers the articles, not the rows (a dense rank of the id): every version of one
-    article has the same ``rn``, so no range of ``rn`` an isolation tries splits an article's
-    versions (a range with only an older one would store it, then lose it to the later one)."""
+    taken: ``vectors`` (the columns of the articles' table, ``rn`` and ``position``) and
+    ``chunks`` (the chunks of those rows), both built from ``LoadRows``. The rows are staged in
+    the order of their ids, at ``position`` 0, 1, ...; ``rn`` numbers the articles, not the rows
+    (a dense rank of the id): every version of one article has the same ``rn``, so no range of
+    ``rn`` an isolation tries splits an article's versions (a range with only an older one would
+    store it, then lose it to the later one, and a withdrawal could later bring that older one
+    back as if it were another load's)."""
 
     keep: list[int]  # indices in rows.vectors of the rows staged, by id: positions 0, 1, ...
     rank: list[int]  # rn of each position: the dense rank of its id
