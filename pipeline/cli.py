@@ -6,8 +6,8 @@ beside it, one sub-command each. ``newsvec SUBCOMMAND --help`` lists a sub-comma
   newsvec config   [--config C] [--explain]               check a config, or list every key
   newsvec search   --config C "query text" [--k 10]       the nearest articles in the output
                    [--store]                              (or in the store, its HNSW index)
-  newsvec load     --config C --run-id R                  load a committed batch run into the
-                                                          store (after a failed load)
+  newsvec load     --config C --run-id R [--reload]       load a committed batch run into the
+                                                          store (after a failed load; again)
   newsvec ledger   --output PREFIX [--from T --until T]   check a streaming output's ledger
                    [--store --config C]                   (and the store against it)
   newsvec cleanup  --output PREFIX                        what killed workers and runs left

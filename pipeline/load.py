@@ -3,7 +3,10 @@
 A batch run with ``store.enabled`` loads itself once its Parquet is committed (``pipeline.run``).
 When that load fails, the Parquet stays committed, the run exits 1 (``StoreLoadFailed``), and this
 command loads the run alone, from the files its manifest names. The load key is ``run:<run_id>``:
-a run loaded already changes nothing (transforms/store.py, docs/store.md).
+a run loaded already changes nothing, unless ``--reload`` asks for it again (the rows the store
+refused, once the table is fixed). A run's load replaces the previous run's load of the same
+output (its rows that the run does not hold are withdrawn), as the run's files replaced that
+run's files (transforms/store.py, docs/store.md).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from apache_beam.io.filesystems import FileSystems
 from pipeline import config as config_lib
 from transforms.layout import join_path
 from transforms.manifest import COMMITTED, read_manifest
-from transforms.store import LoadRows, StoreLoad, StoreLoadFailed, store_of
+from transforms.store import BatchOutput, LoadRows, StoreLoad, StoreLoadFailed, store_of
 
 _LOG = logging.getLogger("newsvec")
 _DAY_IN_PATH = re.compile(r"(?:^|/)dt=([0-9]{4}-[0-9]{2}-[0-9]{2})(?:/|$)")
@@ -60,6 +63,12 @@ def _holds(output: str, run_id: str):
     return manifest
 
 
+def batch_output(output: str, run_id: str) -> BatchOutput:
+    """What the store records of the output a run's load is of: its prefix (``{date}`` filled),
+    and the run."""
+    return BatchOutput(prefix=output.rstrip("/"), run_id=run_id)
+
+
 def run_rows(output: str, run_id: str) -> LoadRows:
     """The rows of ``run_id`` in ``output``, which must hold it committed from before the read
     to after it. A newer run may publish into the output meanwhile and delete these files: the
@@ -95,16 +104,22 @@ def run_rows(output: str, run_id: str) -> LoadRows:
     return LoadRows(vectors=vectors, chunks=chunks, dt=run_day(output, run_id))
 
 
-def load_run(config: config_lib.Config, run_id: str) -> StoreLoad:
+def load_run(config: config_lib.Config, run_id: str, reload: bool = False) -> StoreLoad:
     """Load a committed batch run into the store; ``StoreLoadFailed`` (its message scrubbed of the
-    connection string) when it cannot."""
+    connection string) when it cannot. ``reload``: load it again although it was loaded."""
     store = store_of(config.store)
     rows = run_rows(config.output, run_id)
-    result = store.load(rows, load_key(run_id))
-    _LOG.info("store: run %s %s (%d rows, %d chunk rows, %d articles current, %d rows refused) "
-              "in %.2f s", run_id, "was loaded already" if result.already_loaded else "loaded",
-              result.rows, result.chunk_rows, result.articles_current, len(result.rejected),
-              result.seconds)
+    result = store.load(rows, load_key(run_id), output=batch_output(config.output, run_id),
+                        reload=reload)
+    _LOG.info("store: run %s %s (%d rows, %d chunk rows, %d articles current, %d rows refused, "
+              "%d articles of %s withdrawn) in %.2f s", run_id,
+              "was loaded already" if result.already_loaded else "loaded", result.rows,
+              result.chunk_rows, result.articles_current, len(result.rejected),
+              len(result.withdrawn), result.replaces or "no earlier run", result.seconds)
+    if result.rejected and result.already_loaded:
+        _LOG.warning("store: run %s was loaded with %d rows refused; once the table takes them, "
+                     "store them with: newsvec load --config CONFIG --run-id %s --reload",
+                     run_id, len(result.rejected), run_id)
     return result
 
 
@@ -112,18 +127,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="newsvec load", description="Load a committed batch run's vectors (and chunks) into "
         "the store of the config (store: section; the connection string from its dsn_env or "
-        "dsn_file). Loading a run twice changes nothing.")
+        "dsn_file). Loading a run twice changes nothing (unless --reload). The load replaces the "
+        "previous run's load of the same output.")
     parser.add_argument("--config", required=True, help="the config the run ran with")
     parser.add_argument("--run-id", required=True, help="the run (its _summary.json's run_id)")
     parser.add_argument("--output", help="the output prefix, if not the config's")
     parser.add_argument("--input_date", help="fills {date} in the config's output, as the run")
+    parser.add_argument("--reload", action="store_true",
+                        help="load the run again although it was loaded: the rows the store "
+                        "refused then (once the table is fixed) and the articles withdrawn since "
+                        "are stored; the rest changes nothing")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_lib.fill_date(config_lib.fill_model(config_lib.load(
         args.config, output=args.output)), args.input_date)
     try:
-        result = load_run(config, args.run_id)
+        result = load_run(config, args.run_id, reload=args.reload)
     except StoreLoadFailed as exc:
         _LOG.error("store load failed: %s", exc)
         print(f"newsvec load: {exc}", file=sys.stderr)

@@ -78,6 +78,10 @@ def chunks(versions: dict, embedded_at=T0) -> pa.Table:
         schema=chunk_schema(DIM))
 
 
+def at(minutes: int) -> dt.datetime:
+    return T0 + dt.timedelta(minutes=minutes)
+
+
 def stored(dsn: str, what="id, text_sha256", table="news_vectors") -> list[tuple]:
     with psycopg.connect(dsn) as conn:
         return conn.execute(f"SELECT {what} FROM {table} ORDER BY 1, 2").fetchall()
@@ -719,3 +723,105 @@ def test_a_timeout_under_one_second_is_refused(field):
     with pytest.raises(ValidationError, match=field):
         StoreSettings(**{field: 0.5})
     assert getattr(StoreSettings(**{field: 1}), field) == 1
+
+
+# --- what a refusal says, and what a load waits for ----------------------------------------------
+
+def test_a_refusal_never_quotes_the_refused_row(store_settings, pg, caplog):
+    """The server's DETAIL of a CHECK violation quotes the whole row (the article's title, url,
+    vector...): neither a rejection (logged, stored in ``<table>_loads``, in the ledger) nor the
+    failure of a load refused wholesale carries it, only the SQLSTATE and the primary message.
+    Before, both ended in "DETAIL: Failing row contains (...)"."""
+    store = Store(store_settings)
+    store.load(LoadRows(rows(["first"]), None, DAY), "run:0")
+    _check_constraint(pg, "title NOT LIKE 'secret%'")
+    caplog.set_level(logging.WARNING, logger="newsvec.store")
+    table = with_column(rows(["a", "b", "c", "d"]), "title", ["t", "secret b", "t", "t"])
+    details = [r["detail"] for r in store.load(LoadRows(table, None, DAY), "run:1").rejected]
+    assert len(details) == 1
+    with pytest.raises(StoreLoadFailed) as failed:
+        store.load(LoadRows(rows([f"id-{i:02d}" for i in range(40)], text="secret"), None, DAY),
+                   "run:2")
+    for text in (*details, str(failed.value), caplog.text):
+        assert "23514" in text and "Failing row" not in text and "https://x/" not in text, text
+
+
+def test_a_load_waits_for_nothing_a_vacuum_holds(store_settings, pg):
+    """A VACUUM, an ANALYZE or a ``CREATE INDEX CONCURRENTLY`` (and an anti-wraparound
+    autovacuum, which does not give way) holds SHARE UPDATE EXCLUSIVE on its table for as long
+    as it runs. With another session holding it on every table of the store, a micro-batch's
+    load and a batch run's load still go through within their 1 s ``lock_timeout_s``: the load
+    reads the catalog and creates only what is missing. Before, each load's ``CREATE INDEX IF
+    NOT EXISTS`` took the table's SHARE lock before finding the index there, and every load
+    failed after ``lock_timeout_s`` for as long as the VACUUM ran."""
+    settings = settings_with(store_settings, lock_timeout_s=1, retry_s=0)
+    store = Store(settings)
+    store.load(LoadRows(rows(["a"]), chunks({("a", "a"): 1}), DAY), "mb:1", ids=["a"])
+    with psycopg.connect(pg) as holder:
+        for table in ("news_vectors", "news_vectors_chunks", "news_vectors_loads",
+                      "news_vectors_superseded", "news_vectors_chunks_superseded"):
+            holder.execute(f"LOCK TABLE {table} IN SHARE UPDATE EXCLUSIVE MODE")
+        later = T0 + dt.timedelta(minutes=1)
+        store.load(LoadRows(rows(["a", "b"], text="v2", embedded_at=later, chunk_count=[1, 1]),
+                            chunks({("a", "v2"): 1, ("b", "v2"): 1}, later), DAY), "mb:2",
+                   ids=["a", "b"])
+        from transforms.store import BatchOutput
+
+        store.load(LoadRows(rows(["a"], text="v3", updated_at=later, chunk_count=[1]),
+                            chunks({("a", "v3"): 1}), DAY), "run:R",
+                   output=BatchOutput("gs://b/out", "R"))
+        holder.rollback()
+    assert stored(pg) == [("a", "v3"), ("b", "v2")]
+
+
+def test_an_isolation_never_splits_the_versions_of_one_article(store_settings, pg):
+    """Micro-batch K holds x v1 (older than the stored H:v2), x v3 (later) and a row the table
+    refuses. The halving tried ranges of staged rows: v1 alone in one (it lost to v2, kept
+    under H), v3 in another (it replaced v2). H redone without x then handed K's own v1 to K,
+    and K redone without x brought back its own stale v1, though no file holds x. Now both
+    versions of x are one article of the staged rows, never split: after both redos, x has no
+    row. And when the latest version of an article is the refused one, its earlier version in
+    the same load is stored."""
+    store = Store(store_settings)
+    store.load(LoadRows(rows(["first"]), None, DAY), "mb:0", ids=["first"])
+    _check_constraint(pg, "title NOT LIKE '%!'")
+    store.load(LoadRows(rows(["x"], text="H:v2", updated_at=at(2)), None, DAY), "mb:H",
+               ids=["x"])
+    k = pa.concat_tables([rows(["x"], text="K:v1", updated_at=at(1)),
+                          rows(["x"], text="K:v3", updated_at=at(3)),
+                          with_column(rows(["p"], text="K:p"), "title", ["p!"])])
+    loaded = store.load(LoadRows(k, None, DAY), "mb:K", ids=["x", "p"])
+    assert [r["id"] for r in loaded.rejected] == ["p"]
+    assert stored(pg) == [("first", "a"), ("x", "K:v3")]
+    store.load(LoadRows(rows([]), None, DAY), "mb:H", ids=["x"])  # H redone: x a dead letter
+    assert stored(pg) == [("first", "a"), ("x", "K:v3")]
+    store.load(LoadRows(rows([]), None, DAY), "mb:K", ids=["x", "p"])  # K redone: all dead
+    assert stored(pg) == [("first", "a")], "no file holds x"
+    # y's latest version is refused: its earlier one, in the same load, is stored
+    y = pa.concat_tables([rows(["y"], text="old", updated_at=at(1)),
+                          with_column(rows(["y"], text="new", updated_at=at(2)), "title",
+                                      ["new!"])])
+    loaded = store.load(LoadRows(y, None, DAY), "mb:Y", ids=["y"])
+    assert [(r["id"], r["text_sha256"]) for r in loaded.rejected] == [("y", "new")]
+    assert stored(pg) == [("first", "a"), ("y", "old")]
+
+
+def test_a_first_large_load_leaves_its_tables_with_planner_statistics(store_settings, pg):
+    """A first load of 2,000 rows into new tables analyzes them (autovacuum's ANALYZE comes a
+    minute later, or never while it is off): without statistics, the planner of the next load's
+    joins on ``id`` takes every id for a match of the whole table, and scans it. Before,
+    ``reltuples`` stayed -1 (never analyzed)."""
+    from transforms.store import StoreSettings, _create_statements
+
+    with psycopg.connect(pg, autocommit=True) as conn:
+        for statement in _create_statements(StoreSettings(), DIM):
+            conn.execute(statement)
+        for table in ("news_vectors", "news_vectors_chunks"):
+            conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = false)")
+    ids = [f"id-{i:05d}" for i in range(2000)]
+    Store(store_settings).load(LoadRows(rows(ids, chunk_count=[1] * 2000),
+                                        chunks({(i, "a"): 1 for i in ids}), DAY), "run:fill")
+    with psycopg.connect(pg) as conn:
+        assert dict(conn.execute("SELECT relname, reltuples FROM pg_class WHERE relname IN "
+                                 "('news_vectors', 'news_vectors_chunks')").fetchall()) == {
+            "news_vectors": 2000, "news_vectors_chunks": 2000}

@@ -340,11 +340,11 @@ def test_a_redo_whose_version_a_later_load_replaced_leaves_the_later_one(store_s
         ("x", "v1", "mb:m1"), ("y", "a", "mb:m2"), ("z", "a", "mb:m3")]
 
 
-def test_the_versions_kept_for_a_redo_are_pruned_and_batch_loads_keep_none(store_settings, pg):
-    """A micro-batch's load keeps the row it replaces (and its chunks) in
-    ``<table>_superseded`` (``_chunks_superseded``); a batch run's load, never redone with
-    another outcome, keeps nothing when it replaces; what is older than
-    ``superseded_keep_days`` is deleted by the next load."""
+def test_the_versions_kept_for_a_redo_are_pruned(store_settings, pg):
+    """A load keeps the row it replaces (and its chunks) in ``<table>_superseded``
+    (``_chunks_superseded``), a micro-batch's and a batch run's alike (a rerun of the run's output
+    may withdraw it: docs/store.md); what is older than ``superseded_keep_days`` is deleted by the
+    next load."""
     from tests.test_store_faults import DAY, chunks
     from transforms.store import LoadRows, Store
 
@@ -362,7 +362,7 @@ def test_the_versions_kept_for_a_redo_are_pruned_and_batch_loads_keep_none(store
     assert kept() == (1, 2)
     store.load(LoadRows(_store_rows(["x"], text="v3", updated_at=at(2), chunk_count=[1]),
                         chunks({("x", "v3"): 1}), DAY), "run:20261201T000000Z-00000001")
-    assert kept() == (1, 2), "the batch load kept nothing of what it replaced"
+    assert kept() == (2, 3), "the batch load kept what it replaced"
     with psycopg.connect(pg) as conn:
         conn.execute("UPDATE news_vectors_superseded SET saved_at = saved_at - interval '8 days'")
         conn.execute("UPDATE news_vectors_chunks_superseded "

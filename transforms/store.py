@@ -11,9 +11,10 @@ publish time, then ``embedded_at``, each later wins), and a row under its load k
 whose key is there with the same outcome changes nothing, so a retried or repeated load is a
 no-op; one with another outcome (a streaming micro-batch redone, a row this time where it was a
 dead letter) first withdraws the rows the earlier load wrote, bringing back the versions they
-had replaced, then loads its own. To that end a micro-batch's load keeps what it replaces (and
-the versions that lose to its rows) in ``<table>_superseded`` and ``<table>_chunks_superseded``
-for ``superseded_keep_days``; a batch run's load is never redone with another outcome.
+had replaced, then loads its own. A batch run's load (``BatchOutput``) likewise first withdraws
+the rows of the previous run's load of the same output, whose files the run replaced. To that
+end every load keeps what it replaces (and the versions that lose to its rows) in
+``<table>_superseded`` and ``<table>_chunks_superseded`` for ``superseded_keep_days``.
 
 Errors are of two kinds. Transient ones (the database down, failing over or read-only for a
 moment, a lock or statement timeout, a serialization failure) are retried with backoff for
@@ -36,6 +37,7 @@ message this module logs or raises.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import datetime as dt
 import hashlib
@@ -71,6 +73,10 @@ _LOG = logging.getLogger("newsvec.store")
 # enough that the names derived from the table (``_chunks_embedding_hnsw``...) fit in 63 bytes.
 IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,39}")
 BUILD_INDEX_AFTER_ROWS = 10_000  # a first load this large into an empty table indexes after
+# A load of this many rows into a table that has no planner statistics yet (a first load; the
+# autovacuum's ANALYZE comes later) analyzes it: without them, the planner of the next loads'
+# joins on ``id`` cannot tell a few index lookups from a scan of the whole table.
+ANALYZE_AFTER_ROWS = 1000
 
 # TCP keepalives on both ends of a load's connection: a peer that vanished (its machine gone, the
 # network cut, no FIN) is found within about idle + interval x count = 25 s, instead of the
@@ -91,12 +97,6 @@ class StoreError(RuntimeError):
 class StoreLoadFailed(StoreError):
     """A load into the store failed; the Parquet it was loading from stays as committed."""
 
-
-REDOABLE = "mb:"
-"""The load keys of streaming micro-batches begin with it: a micro-batch may be redone with another
-outcome while its work item is uncommitted, so its load keeps what it replaces (``_superseded``).
-A batch run's load (``run:<run_id>``) is never redone with another outcome: a run's files do not
-change once committed, so a second load of a run finds the same outcome and changes nothing."""
 
 REFUSED_SHARE, REFUSED_AT_LEAST = 0.10, 3
 """A load the server refuses more than ``max(REFUSED_AT_LEAST, REFUSED_SHARE x its rows)`` rows of
@@ -161,11 +161,11 @@ class StoreSettings(BaseModel):
                     "large load is not bounded by it")
     superseded_keep_days: float = Field(
         7, gt=0, le=3650,
-        description="how long the store keeps an article's version that a streaming micro-batch "
-                    "replaced (or that lost to a micro-batch's row), so that a redo of that "
-                    "micro-batch with another outcome can bring it back; a micro-batch redone "
-                    "later than this leaves the article without a row, which `newsvec ledger "
-                    "--store` names")
+        description="how long the store keeps an article's version that a load replaced (or "
+                    "that lost to a load's row), so that a redo of a streaming micro-batch with "
+                    "another outcome, or a rerun of a batch output that no longer holds the "
+                    "article, can bring it back; later than this, the article is left without a "
+                    "row (docs/store.md says what reports it)")
 
     @field_validator("schema_name", "table")
     @classmethod
@@ -385,11 +385,21 @@ def _ident(*names: str):
 
 def _create_statements(settings: StoreSettings, dim: int,
                        vector_dtype: VectorDtype = "float32") -> list:
+    """Every statement that creates the store's schema and main tables, in order (tests use
+    them; a load issues only those the catalog lacks: ``_missing_ddl``)."""
+    return [statement for _, statement in _main_ddl(settings, dim, vector_dtype)]
+
+
+def _main_ddl(settings: StoreSettings, dim: int, vector_dtype: VectorDtype = "float32"
+              ) -> list[tuple[str, Any]]:
+    """(what the catalog must hold, the statement that creates it): ``extension:vector``,
+    ``schema:<name>``, then a table's name, for the schema and the three main tables."""
     from psycopg import sql
 
     schema = settings.schema_name
-    statements = [sql.SQL("CREATE EXTENSION IF NOT EXISTS vector"),
-                  sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_ident(schema))]
+    out: list[tuple[str, Any]] = [
+        ("extension:vector", sql.SQL("CREATE EXTENSION IF NOT EXISTS vector")),
+        (f"schema:{schema}", sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_ident(schema)))]
     for table in _tables(settings):
         columns = [sql.SQL("{} {}{}").format(
             _ident(name), sql.SQL(type_),  # type_ is ours (_sql_type), never input
@@ -398,43 +408,64 @@ def _create_statements(settings: StoreSettings, dim: int,
             for name, type_ in table.column_types(dim, vector_dtype)]
         columns.append(sql.SQL("PRIMARY KEY ({})").format(
             sql.SQL(", ").join(_ident(k) for k in table.key)))
-        statements.append(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
-            _ident(schema, table.name), sql.SQL(", ").join(columns)))
-    statements.append(sql.SQL(
+        out.append((table.name, sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
+            _ident(schema, table.name), sql.SQL(", ").join(columns))))
+    out.append((f"{settings.table}_loads", sql.SQL(
         "CREATE TABLE IF NOT EXISTS {} (load_key text PRIMARY KEY, loaded_at timestamptz NOT NULL "
         "DEFAULT now(), rows integer NOT NULL, chunk_rows integer NOT NULL, "
         "articles_current integer NOT NULL, outcome text, "
-        "rejected jsonb NOT NULL DEFAULT '[]', withdrawn jsonb NOT NULL DEFAULT '[]')").format(
-            _ident(schema, f"{settings.table}_loads")))
-    return statements
+        "rejected jsonb NOT NULL DEFAULT '[]', withdrawn jsonb NOT NULL DEFAULT '[]', "
+        "output text, run_id text)").format(
+            _ident(schema, f"{settings.table}_loads"))))
+    return out
 
 
-def _superseded_statements(settings: StoreSettings) -> list:
+def _kept_ddl(settings: StoreSettings) -> list[tuple[str, Any]]:
     """``<table>_superseded`` and ``<table>_chunks_superseded``: the versions of articles (and
-    their chunks) that a micro-batch's load replaced, or that lost to a micro-batch's row, keyed
-    by that micro-batch's load key (``withdrawn_with``), the article and the version's own load
-    key: what a redo of that micro-batch brings back (``Store._withdraw``). Pruned by
-    ``saved_at`` (``store.superseded_keep_days``). Created like the tables they keep rows of,
-    after those have every column (``_add_columns``)."""
+    their chunks) that a load replaced, or that lost to another load's row, keyed by the load
+    that would bring them back if it were withdrawn (``withdrawn_with``: the load that replaced
+    them, or the one whose row they lost to), the article and the version's own load key
+    (``Store._withdraw``). Pruned by ``saved_at`` (``store.superseded_keep_days``). Created like
+    the tables they keep rows of, after those have every column (``_missing_ddl``)."""
     from psycopg import sql
 
     schema = settings.schema_name
-    statements = []
-    for table, short in zip(_tables(settings), ("sup", "chunks_sup"), strict=True):
+    out: list[tuple[str, Any]] = []
+    for table in _tables(settings):
         kept = _ident(schema, f"{table.name}_superseded")
         key = ["withdrawn_with", "id", "load_key", *table.key[1:]]
-        statements += [
-            sql.SQL("CREATE TABLE IF NOT EXISTS {} (LIKE {}, withdrawn_with text NOT NULL, "
-                    "saved_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY ({}))").format(
-                kept, _ident(schema, table.name), sql.SQL(", ").join(map(_ident, key))),
-            sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (id)").format(
-                _ident(f"{settings.table}_{short}_id"), kept),
-            sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (saved_at)").format(
-                _ident(f"{settings.table}_{short}_saved_at"), kept)]
-    statements.append(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (loaded_at)").format(
-        _ident(f"{settings.table}_loads_loaded_at"),
-        _ident(schema, f"{settings.table}_loads")))
-    return statements
+        out.append((f"{table.name}_superseded", sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} (LIKE {}, withdrawn_with text NOT NULL, "
+            "saved_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY ({}))").format(
+                kept, _ident(schema, table.name), sql.SQL(", ").join(map(_ident, key)))))
+    return out
+
+
+def _index_ddl(settings: StoreSettings) -> list[tuple[str, Any]]:
+    """The B-tree indexes (the HNSW ones: ``_index_statement``): the kept versions by article,
+    by age (pruning) and by their own load (a rerun withdrawing a replaced run's versions);
+    ``<table>_loads`` by age and by batch output; the articles' table by load (a rerun finding
+    the rows of the run it replaces)."""
+    from psycopg import sql
+
+    schema, name = settings.schema_name, settings.table
+    out: list[tuple[str, Any]] = []
+
+    def index(index_name: str, table: str, columns: str, where: str = "") -> None:
+        out.append((index_name, sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} ({}){}").format(
+            _ident(index_name), _ident(schema, table), sql.SQL(columns),  # ours, never input
+            sql.SQL(where))))
+
+    for table, short in ((f"{name}_superseded", "sup"), (f"{name}_chunks_superseded",
+                                                          "chunks_sup")):
+        index(f"{name}_{short}_id", table, "id")
+        index(f"{name}_{short}_saved_at", table, "saved_at")
+    index(f"{name}_sup_load_key", f"{name}_superseded", "load_key")
+    index(f"{name}_loads_loaded_at", f"{name}_loads", "loaded_at")
+    index(f"{name}_loads_output", f"{name}_loads", "output, run_id",
+          " WHERE output IS NOT NULL")
+    index(f"{name}_load_key", name, "load_key")
+    return out
 
 
 # Columns added since the first release: a table created before gets them (ALTER TABLE, once:
@@ -443,7 +474,85 @@ def _superseded_statements(settings: StoreSettings) -> list:
 # ``_superseded``; that table was created with every column up to ``updated_at``).
 _ADDED_COLUMNS = (("", "updated_at", "timestamptz"), ("_loads", "outcome", "text"),
                   ("_loads", "rejected", "jsonb NOT NULL DEFAULT '[]'"),
-                  ("_loads", "withdrawn", "jsonb NOT NULL DEFAULT '[]'"))
+                  ("_loads", "withdrawn", "jsonb NOT NULL DEFAULT '[]'"),
+                  ("_loads", "output", "text"), ("_loads", "run_id", "text"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Catalog:
+    """What the store's catalog holds of ours, read in one query: whether pgvector and the schema
+    are there, the tables and indexes (by name, in the schema), and the columns of the tables
+    (``table.column``)."""
+
+    extension: bool
+    schema: bool
+    relations: frozenset
+    columns: frozenset
+    unanalyzed: frozenset = frozenset()  # main tables with no planner statistics (reltuples <= 0)
+
+    def has(self, what: str) -> bool:
+        if what == "extension:vector":
+            return self.extension
+        if what.startswith("schema:"):
+            return self.schema
+        return what in self.relations
+
+
+def _read_catalog(conn, settings: StoreSettings) -> _Catalog:
+    """The catalog's view of the store's objects (``pg_extension``, ``pg_namespace``,
+    ``pg_class``, ``pg_attribute``): no lock of any table is taken, so a load that finds
+    everything in place issues no DDL, and waits for nothing a VACUUM, an ANALYZE or a
+    ``CREATE INDEX CONCURRENTLY`` holds (a ``CREATE INDEX IF NOT EXISTS`` takes the table's SHARE
+    lock before it finds the index there)."""
+    name = settings.table
+    tables = [table.name for table in _tables(settings)] + [
+        f"{name}_loads", f"{name}_superseded", f"{name}_chunks_superseded"]
+    relations = tables + [n for n, _ in _index_ddl(settings)] + [
+        f"{table.name}_embedding_hnsw" for table in _tables(settings)]
+    row = conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'vector'), "
+        "EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = %(schema)s), "
+        "ARRAY(SELECT c.relname::text FROM pg_class c JOIN pg_namespace n "
+        "ON n.oid = c.relnamespace WHERE n.nspname = %(schema)s "
+        "AND c.relname = ANY(%(relations)s)), "
+        "ARRAY(SELECT c.relname || '.' || a.attname FROM pg_attribute a JOIN pg_class c "
+        "ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %(schema)s AND c.relname = ANY(%(tables)s) AND a.attnum > 0 "
+        "AND NOT a.attisdropped), "
+        "ARRAY(SELECT c.relname::text FROM pg_class c JOIN pg_namespace n "
+        "ON n.oid = c.relnamespace WHERE n.nspname = %(schema)s "
+        "AND c.relname = ANY(%(main)s) AND c.reltuples <= 0)",
+        {"schema": settings.schema_name, "relations": relations, "tables": tables,
+         "main": tables[:2]}).fetchone()
+    return _Catalog(bool(row[0]), bool(row[1]), frozenset(row[2]),
+                    frozenset(tuple(c.split(".", 1)) for c in row[3]), frozenset(row[4]))
+
+
+def _missing_ddl(settings: StoreSettings, catalog: _Catalog, dim: int,
+                 vector_dtype: VectorDtype = "float32") -> list:
+    """The statements that create what ``catalog`` lacks, in order: pgvector, the schema, the
+    main tables, the columns a newer release added to tables that are there, the kept versions'
+    tables (like the main ones, with every column by then), the B-tree indexes. Empty when
+    everything is there: nothing to lock."""
+    from psycopg import sql
+
+    schema, name = settings.schema_name, settings.table
+    out = [s for what, s in _main_ddl(settings, dim, vector_dtype) if not catalog.has(what)]
+
+    def columns(suffixes: Sequence[str]) -> None:
+        for suffix, column, type_ in _ADDED_COLUMNS:
+            table = f"{name}{suffix}"
+            if suffix in suffixes and catalog.has(table) and (table, column) not in \
+                    catalog.columns:
+                out.append(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
+                    _ident(schema, table), _ident(column),
+                    sql.SQL(type_)))  # ours (_ADDED_COLUMNS), never input
+
+    columns(("", "_loads"))
+    out += [s for what, s in _kept_ddl(settings) if not catalog.has(what)]
+    columns(("_superseded",))
+    out += [s for what, s in _index_ddl(settings) if not catalog.has(what)]
+    return out
 
 
 def _index_statement(settings: StoreSettings, table: _Table, pgvector_type: str = "vector"):
@@ -668,9 +777,11 @@ class StoreLoad:
     outcome (nothing changed); ``rows``: the articles' rows it stored (the rows given, less
     ``rejected``); ``articles_current``: the articles whose stored row it wrote (the others
     already had a later version); ``rejected``: the rows the store cannot take, each a dict of
-    ``REJECTED_FIELDS``; ``withdrawn``: the articles an earlier try of the same load (a
-    micro-batch redone with another outcome) stored and this one does not hold, whose rows were
-    withdrawn (and the version each had replaced brought back)."""
+    ``REJECTED_FIELDS``; ``withdrawn``: the articles whose rows an earlier try of the same load
+    (a micro-batch redone with another outcome) or the load this one replaces (``replaces``: the
+    previous run of the same batch output) stored and this one does not hold, whose rows were
+    withdrawn (and the version each had replaced brought back where one was kept);
+    ``not_restored``: those of ``withdrawn`` with no row now (no earlier version was kept)."""
 
     load_key: str
     rows: int
@@ -680,12 +791,28 @@ class StoreLoad:
     seconds: float
     rejected: tuple = ()
     withdrawn: tuple = ()
+    not_restored: tuple = ()
+    replaces: Optional[str] = None
 
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
-        out["rejected"] = list(self.rejected)
-        out["withdrawn"] = list(self.withdrawn)
+        for name in ("rejected", "withdrawn", "not_restored"):
+            out[name] = list(getattr(self, name))
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchOutput:
+    """The output a batch run's load is of: ``prefix``, the output prefix (``{date}`` filled: each
+    day's prefix is an output of its own), and the run's ``run_id``. Run ids begin with the launch
+    time, and an output only ever goes from a run to a newer one (a run that finds the output
+    held by a newer run publishes nothing: ``transforms.commit``), so of two runs of one output
+    the greater id is the one the output holds, or held last. A run's load replaces the previous
+    run's load of the same output (``Store._previous_load``), as its files replaced that run's
+    files."""
+
+    prefix: str
+    run_id: str
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -707,32 +834,59 @@ class _Part:
 @dataclasses.dataclass
 class _Staged:
     """A load's rows in temporary tables of its session, staged before the table's lock is
-    taken: ``vectors`` (the columns of the articles' table and ``rn``, the row's position in
-    ``keep``) and ``chunks`` (the chunks of those rows), both built from ``LoadRows``."""
+    taken: ``vectors`` (the columns of the articles' table, ``rn`` and ``position``) and
+    ``chunks`` (the chunks of those rows), both built from ``LoadRows``. The rows are staged in
+    the order of their ids, at ``position`` 0, 1, ...; ``rn`` numbers the articles, not the rows
+    (a dense rank of the id): every version of one article has the same ``rn``, so no range of
+    ``rn`` an isolation tries splits an article's versions (a range with only an older one would
+    store it, then lose it to the later one, and a withdrawal could later bring that older one
+    back as if it were another load's)."""
 
-    keep: list[int]  # positions in rows.vectors of the rows staged at rn = 0, 1, ...
+    keep: list[int]  # indices in rows.vectors of the rows staged, by id: positions 0, 1, ...
+    rank: list[int]  # rn of each position: the dense rank of its id
     names: list[str]  # the articles' table's columns
     chunk_names: list[str]
     vectors: str = "newsvec_stage_vectors"
     chunks: Optional[str] = None  # None: no chunks
-    indexed: bool = False  # indexes for the parts of an isolation (created at its first need)
-    missing: set[int] = dataclasses.field(default_factory=set)  # rn the staging set aside
+    missing: set[int] = dataclasses.field(default_factory=set)  # positions the staging set aside
+
+    @classmethod
+    def of(cls, ids: list, keep: list[int], names: list[str], chunk_names: list[str]
+           ) -> "_Staged":
+        ordered = sorted(keep, key=lambda i: (ids[i], i))
+        rank: list[int] = []
+        for position, i in enumerate(ordered):
+            same = position and ids[ordered[position - 1]] == ids[i]
+            rank.append(rank[-1] if same else (rank[-1] + 1 if rank else 0))
+        return cls(keep=ordered, rank=rank, names=names, chunk_names=chunk_names)
+
+    @property
+    def articles(self) -> int:
+        """How many ``rn`` there are: ``rn`` goes from 0 to this (excluded)."""
+        return self.rank[-1] + 1 if self.rank else 0
+
+    def positions(self, lo: int, hi: int) -> list[int]:
+        """The positions staged (not set aside) with ``lo <= rn < hi``."""
+        first = bisect.bisect_left(self.rank, lo)
+        last = bisect.bisect_left(self.rank, hi)
+        return [p for p in range(first, last) if p not in self.missing]
 
     def rows_between(self, lo: int, hi: int) -> int:
-        return hi - lo - sum(1 for rn in self.missing if lo <= rn < hi)
+        return len(self.positions(lo, hi))
 
-    def index(self, conn) -> None:
-        """Index ``rn`` (and the chunks' ``id``): the parts of an isolation read ranges of
-        them. Once per load, when the server first refuses a part."""
+    def set_aside(self, conn, rn: int) -> int:
+        """Set aside the version of article ``rn`` that the upsert tries (the latest, as its
+        ``DISTINCT ON`` orders them), which the server refused: out of the staged rows, so that
+        the next try of ``rn`` tries its earlier version, if any. Returns its position."""
         from psycopg import sql
 
-        if self.indexed:
-            return
-        conn.execute(sql.SQL("CREATE INDEX ON {} (rn)").format(_ident(self.vectors)))
-        if self.chunks is not None:
-            conn.execute(sql.SQL("CREATE INDEX ON {} (id, text_sha256)").format(
-                _ident(self.chunks)))
-        self.indexed = True
+        row = conn.execute(sql.SQL(
+            "DELETE FROM {stage} WHERE position = (SELECT position FROM {stage} WHERE rn = %s "
+            "ORDER BY {latest}, position LIMIT 1) RETURNING position").format(
+                stage=_ident(self.vectors), latest=_latest_first()), (rn,)).fetchone()
+        position = int(row[0])
+        self.missing.add(position)
+        return position
 
 
 class _Isolation:
@@ -759,10 +913,12 @@ class _Isolation:
                 f"so far{self._first()}): nothing of this load was stored; a table or database "
                 "that refuses this many rows needs fixing")
 
-    def refuse(self, item: Optional[dict]) -> None:
-        if item is None:  # counted already (another chunk of the same article)
+    def refuse(self, items: Sequence[dict]) -> None:
+        """Rejections for what the server refused: none (counted already: another chunk of the
+        same article), one row, or every version of one article."""
+        if not items:
             return
-        self.refused.append(item)
+        self.refused.extend(items)
         if len(self.refused) > self.cap:
             raise StoreLoadFailed(
                 f"the store refused more than {self.cap} of the load's {self.rows} rows "
@@ -852,13 +1008,17 @@ class Store:
             failure = _failure(exc, self._dsn, "cannot connect to the store")
         raise failure
 
-    def load(self, rows: LoadRows, load_key: str, ids: Optional[Sequence[str]] = None
-             ) -> StoreLoad:
+    def load(self, rows: LoadRows, load_key: str, ids: Optional[Sequence[str]] = None, *,
+             output: Optional["BatchOutput"] = None, reload: bool = False) -> StoreLoad:
         """Load ``rows`` under ``load_key`` (see the module docstring); retried with backoff on
         transient errors for up to ``retry_s``. Rows the store cannot take are left out and named
         in ``StoreLoad.rejected``; the rest is stored. ``ids``: every article id this load's key
         may have written before (a streaming micro-batch's rows and dead letters; default: the
-        rows' ids): a load under the same key with another outcome withdraws its rows among them.
+        rows' ids): a load under the same key with another outcome withdraws its rows among them
+        (and those the store finds under the key). ``output``: a batch run's output and when the
+        run began publishing into it: the load replaces the previous run's load of that output
+        (``BatchOutput``). ``reload``: load again although the key is loaded with the same
+        outcome (the rows the store refused then, once the table is fixed; rows withdrawn since).
         Raises ``StoreLoadFailed`` (scrubbed, with no chained exception) when it gives up or on
         any error that is neither transient nor a data error, or when the server refuses too
         many rows (``REFUSED_SHARE``); nothing of the load is then stored."""
@@ -881,7 +1041,7 @@ class Store:
             before_sleep=log_retry, reraise=True)
         failure: Optional[StoreLoadFailed] = None
         try:
-            loaded = retrying(self._load_once, rows, load_key, outcome, withdraw)
+            loaded = retrying(self._load_once, rows, load_key, outcome, withdraw, output, reload)
         except StoreLoadFailed as exc:
             failure = StoreLoadFailed(self.scrub(str(exc)))
         except Exception as exc:  # pylint: disable=broad-except  # scrubbed, never chained
@@ -893,15 +1053,21 @@ class Store:
                 _LOG.warning("store load %s: row %s (text %s) not stored: %s (%s)", load_key,
                              item["id"], item["text_sha256"], item["reason"],
                              self.scrub(item["detail"]))
+            if loaded.not_restored:
+                _LOG.warning("store load %s: %d articles withdrawn with no earlier version to "
+                             "bring back have no row now (first: %s); each is in the store "
+                             "again only when a load of an output that holds it stores it",
+                             load_key, len(loaded.not_restored),
+                             _printable(loaded.not_restored[0]))
         return loaded
 
-    def _load_once(self, rows: LoadRows, load_key: str, outcome: str,
-                   withdraw: list[str]) -> StoreLoad:
-        """One try of a load, on its own autocommit connection, in three transactions: the
-        tables (created or upgraded under the table's lock); the rows staged in temporary tables
-        (no lock of the store's tables: a loader that stalls here holds nothing another load
-        waits for); then, under the table's lock, everything that changes the tables, each
-        statement run by the server from the staged rows."""
+    def _load_once(self, rows: LoadRows, load_key: str, outcome: str, withdraw: list[str],
+                   output: Optional["BatchOutput"] = None, reload: bool = False) -> StoreLoad:
+        """One try of a load, on its own autocommit connection, in up to three transactions: the
+        tables (created or upgraded under the table's lock, only when the catalog lacks one);
+        the rows staged in temporary tables (no lock of the store's tables: a loader that stalls
+        here holds nothing another load waits for); then, under the table's lock, everything
+        that changes the tables, each statement run by the server from the staged rows."""
         from psycopg import sql
         from psycopg.types import TypeInfo
         from psycopg.types.json import Jsonb
@@ -909,21 +1075,23 @@ class Store:
         started = time.perf_counter()
         vectors_table, chunks_table = _tables(self.settings)
         schema = self.settings.schema_name
-        loads = _ident(schema, f"{self.settings.table}_loads")
+        names = self._names()
+        loads = names["loads"]
         conn = self._open(load=True)
         with conn:
             # One load at a time per table: concurrent upserts of the same articles would
             # deadlock, and concurrent CREATE ... IF NOT EXISTS can collide.
             lock = sql.SQL("SELECT pg_advisory_xact_lock(hashtext({}))").format(
                 sql.Literal(f"newsvec-store:{schema}.{self.settings.table}"))
-            with conn.transaction():
-                conn.execute(lock)
-                for statement in _create_statements(self.settings, rows.dim, rows.vector_dtype):
-                    conn.execute(statement)
-                self._add_columns(conn, ("", "_loads"))
-                for statement in _superseded_statements(self.settings):
-                    conn.execute(statement)
-                self._add_columns(conn, ("_superseded",))
+            catalog = _read_catalog(conn, self.settings)
+            if _missing_ddl(self.settings, catalog, rows.dim, rows.vector_dtype):
+                with conn.transaction():
+                    conn.execute(lock)
+                    catalog = _read_catalog(conn, self.settings)  # another load may have
+                    for statement in _missing_ddl(self.settings, catalog, rows.dim,
+                                                  rows.vector_dtype):
+                        conn.execute(statement)
+                catalog = _read_catalog(conn, self.settings)
 
             def loaded_before():
                 return conn.execute(sql.SQL(
@@ -931,11 +1099,12 @@ class Store:
                     "WHERE load_key = %s").format(loads), (load_key,)).fetchone()
 
             def no_op(prior) -> StoreLoad:
+                withdrawn = tuple(prior[4] or ())
                 return StoreLoad(load_key, prior[0], prior[1], 0, True,
                                  time.perf_counter() - started, tuple(prior[3] or ()),
-                                 tuple(prior[4] or ()))
+                                 withdrawn, tuple(self._without_row(conn, list(withdrawn))))
 
-            quick = loaded_before()  # without the lock: a retried load stages nothing
+            quick = None if reload else loaded_before()  # no lock: a retried load stages nothing
             if quick is not None and quick[2] == outcome:
                 with conn.transaction():
                     conn.execute(lock)
@@ -952,76 +1121,79 @@ class Store:
             keep, rejected = self._check(rows, pgvector_type == "halfvec")
             isolation = _Isolation(rows.vectors.num_rows, self.settings.statement_timeout_s)
             staged = self._stage(conn, rows, keep, pgvector_type, load_key, isolation)
-            redoable = load_key.startswith(REDOABLE)
+            ids_given = set(rows.vectors.column("id").to_pylist())
             with conn.transaction():
                 conn.execute(lock)
                 prior = loaded_before()
-                if prior is not None and prior[2] == outcome:
+                if prior is not None and prior[2] == outcome and not reload:
                     return no_op(prior)
                 self._prune(conn)
                 withdrawn = set(prior[4] or ()) if prior is not None else set()
-                if prior is not None:  # the same load with another outcome: a redo
-                    withdrawn.update(self._withdraw(conn, load_key, withdraw))
-                withdrawn -= set(rows.vectors.column("id").to_pylist())
-                empty = conn.execute(sql.SQL("SELECT NOT EXISTS (SELECT 1 FROM {})").format(
-                    _ident(schema, vectors_table.name))).fetchone()
-                index_after = bool(empty and empty[0]) and (
-                    rows.vectors.num_rows >= BUILD_INDEX_AFTER_ROWS)
-                if not index_after:
-                    for table in (vectors_table, chunks_table):
-                        conn.execute(_index_statement(self.settings, table, pgvector_type))
-                keeps = "replaced" if redoable else (
-                    "lost" if self._recent_micro_batch(conn) else None)
+                if prior is not None and prior[2] != outcome:  # the same load, another outcome
+                    withdrawn.update(self._withdraw(
+                        conn, load_key, sorted(set(withdraw) | self._ids_of(conn, load_key))))
+                replaces = None
+                if output is not None:
+                    replaces = self._previous_load(conn, output, load_key)
+                    if replaces is not None:
+                        withdrawn.update(self._withdraw(
+                            conn, replaces, sorted(self._ids_of(conn, replaces))))
+                withdrawn -= ids_given
+                hnsw = [table for table in (vectors_table, chunks_table)
+                        if f"{table.name}_embedding_hnsw" not in catalog.relations]
+                if hnsw:  # read again under the lock: another load may have built them
+                    there = _read_catalog(conn, self.settings).relations
+                    hnsw = [t for t in hnsw if f"{t.name}_embedding_hnsw" not in there]
+                index_after = False
+                if hnsw:
+                    empty = conn.execute(sql.SQL("SELECT NOT EXISTS (SELECT 1 FROM {})").format(
+                        names["vectors"])).fetchone()
+                    index_after = bool(empty and empty[0]) and (
+                        rows.vectors.num_rows >= BUILD_INDEX_AFTER_ROWS)
+                    if not index_after:
+                        for table in hnsw:
+                            conn.execute(_index_statement(self.settings, table, pgvector_type))
                 done = _Part()
                 for part in self._isolate(
-                        conn, len(staged.keep),
-                        lambda lo, hi: self._load_part(conn, staged, lo, hi, load_key, keeps),
-                        lambda i, exc: self._refusal(rows, staged.keep[i], exc), isolation):
+                        conn, staged.articles,
+                        lambda lo, hi: self._load_part(conn, staged, lo, hi, load_key),
+                        lambda rn, exc: [self._refusal(
+                            rows, staged.keep[staged.set_aside(conn, rn)], exc)], isolation,
+                        again=lambda rn: bool(staged.positions(rn, rn + 1))):
                     done.add(part)
                 rejected += isolation.refused
+                if catalog.unanalyzed and done.rows >= ANALYZE_AFTER_ROWS:
+                    for table in (vectors_table, chunks_table):
+                        if table.name in catalog.unanalyzed:
+                            conn.execute(sql.SQL("ANALYZE {}").format(
+                                _ident(schema, table.name)))
                 if index_after:
                     conn.execute("SET LOCAL statement_timeout = 0")  # the keepalives bound it
                     if self.settings.index_build_memory_mb is not None:
                         conn.execute(sql.SQL("SET LOCAL maintenance_work_mem = {}").format(
                             sql.Literal(f"{self.settings.index_build_memory_mb}MB")))
-                    for table in (vectors_table, chunks_table):
+                    for table in hnsw:
                         conn.execute(_index_statement(self.settings, table, pgvector_type))
                 conn.execute(sql.SQL(
                     "INSERT INTO {} (load_key, rows, chunk_rows, articles_current, outcome, "
-                    "rejected, withdrawn) VALUES (%s, %s, %s, %s, %s, %s, %s) "
+                    "rejected, withdrawn, output, run_id) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) "
                     "ON CONFLICT (load_key) DO UPDATE SET loaded_at = now(), "
                     "rows = EXCLUDED.rows, chunk_rows = EXCLUDED.chunk_rows, "
                     "articles_current = EXCLUDED.articles_current, "
                     "outcome = EXCLUDED.outcome, rejected = EXCLUDED.rejected, "
-                    "withdrawn = EXCLUDED.withdrawn").format(loads),
+                    "withdrawn = EXCLUDED.withdrawn, output = EXCLUDED.output, "
+                    "run_id = EXCLUDED.run_id").format(loads),
                     (load_key, done.rows, done.chunk_rows, done.current, outcome,
-                     Jsonb(rejected), Jsonb(sorted(withdrawn))))
+                     Jsonb(rejected), Jsonb(sorted(withdrawn)),
+                     None if output is None else output.prefix,
+                     None if output is None else output.run_id))
+                not_restored = self._without_row(conn, sorted(withdrawn))
             return StoreLoad(load_key, done.rows, done.chunk_rows, done.current, False,
                              time.perf_counter() - started, tuple(rejected),
-                             tuple(sorted(withdrawn)))
+                             tuple(sorted(withdrawn)), tuple(not_restored), replaces)
 
-    def _add_columns(self, conn, suffixes: Sequence[str]) -> None:
-        """The columns of ``_ADDED_COLUMNS`` of the tables ``suffixes`` that the catalog lacks
-        (one read of the catalog, an ALTER TABLE only for a column missing)."""
-        from psycopg import sql
-
-        schema = self.settings.schema_name
-        wanted = [(f"{self.settings.table}{suffix}", column, type_)
-                  for suffix, column, type_ in _ADDED_COLUMNS if suffix in suffixes]
-        if not wanted:
-            return
-        there = set(conn.execute(
-            "SELECT c.relname, a.attname FROM pg_attribute a JOIN pg_class c "
-            "ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = %s AND c.relname = ANY(%s) AND a.attnum > 0 "
-            "AND NOT a.attisdropped", (schema, sorted({t for t, _, _ in wanted}))).fetchall())
-        for table, column, type_ in wanted:
-            if (table, column) not in there:
-                conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
-                    _ident(schema, table), _ident(column),
-                    sql.SQL(type_)))  # ours (_ADDED_COLUMNS), never input
-
-    def _names(self, kept: bool = False) -> dict[str, "Any"]:
+    def _names(self) -> dict[str, "Any"]:
         """Identifiers of the tables: ``vectors``, ``chunks``, ``loads`` and the two kept
         versions' tables ``sup``, ``chunks_sup``."""
         vectors_table, chunks_table = _tables(self.settings)
@@ -1043,27 +1215,64 @@ class Store:
                                  "secs => %s)").format(names[table]),
                          (self.settings.superseded_keep_days * 86400,))
 
-    def _recent_micro_batch(self, conn) -> bool:
-        """Whether a micro-batch was loaded within ``superseded_keep_days`` (a redo of it may
-        still come): only then does a batch load keep the versions that lose to its rows."""
+    def _previous_load(self, conn, output: "BatchOutput", load_key: str) -> Optional[str]:
+        """The load of the run ``output.prefix`` held before this one (the newest other run whose
+        load of it is recorded, through the ``output`` index), whose rows this load replaces;
+        None when there is none. A newer run's load there means this run is one the output
+        replaced (its load came late: it read its files before the newer run published), so it
+        is refused: it would withdraw the newer run's rows."""
         from psycopg import sql
 
         row = conn.execute(sql.SQL(
-            "SELECT EXISTS (SELECT 1 FROM {} WHERE loaded_at > now() - make_interval(secs => %s) "
-            "AND starts_with(load_key, %s))").format(self._names()["loads"]),
-            (self.settings.superseded_keep_days * 86400, REDOABLE)).fetchone()
-        return bool(row and row[0])
+            "SELECT load_key, run_id FROM {} WHERE output = %s AND load_key <> %s "
+            "ORDER BY run_id DESC NULLS LAST LIMIT 1").format(self._names()["loads"]),
+            (output.prefix, load_key)).fetchone()
+        if row is None:
+            return None
+        if row[1] is not None and row[1] > output.run_id:
+            raise StoreLoadFailed(
+                f"run {output.run_id} is older than run {row[1]}, whose load of {output.prefix} "
+                "the store holds: the newer run replaced it there, and the older one is not "
+                "loaded (it would withdraw the newer run's rows)")
+        return str(row[0])
+
+    def _ids_of(self, conn, load_key: str) -> set[str]:
+        """Every article ``load_key`` left a trace of: its rows, the versions kept under it
+        (it replaced them, or they lost to it), and its own versions kept under other loads,
+        through the indexes on ``load_key`` and the kept versions' primary key."""
+        from psycopg import sql
+
+        names = self._names()
+        return {r[0] for r in conn.execute(sql.SQL(
+            "SELECT id FROM {vectors} WHERE load_key = %(k)s UNION "
+            "SELECT id FROM {sup} WHERE withdrawn_with = %(k)s UNION "
+            "SELECT id FROM {sup} WHERE load_key = %(k)s UNION "
+            "SELECT id FROM {chunks_sup} WHERE withdrawn_with = %(k)s").format(**names),
+            {"k": load_key}).fetchall()}
+
+    def _without_row(self, conn, ids: list[str]) -> list[str]:
+        """Those of ``ids`` the articles' table has no row of."""
+        from psycopg import sql
+
+        if not ids:
+            return []
+        return sorted(r[0] for r in conn.execute(sql.SQL(
+            "SELECT w.id FROM unnest(%s::text[]) AS w(id) WHERE NOT EXISTS "
+            "(SELECT 1 FROM {} v WHERE v.id = w.id)").format(self._names()["vectors"]),
+            (ids,)).fetchall())
 
     def _withdraw(self, conn, load_key: str, ids: list[str]) -> list[str]:
-        """Undo what an earlier try of the load ``load_key`` did to the articles ``ids`` (found
-        through the primary keys, never a scan), before this try loads its own rows:
+        """Undo what the load ``load_key`` did to the articles ``ids`` (found through the primary
+        keys, never a scan): an earlier try of a load redone with another outcome, or the load
+        of the run a batch run replaced in its output:
         - an article whose row is that load's: the row and its chunks are deleted, and the
           latest of the versions kept under ``load_key`` (the one it replaced, or one that lost
           to it since) comes back, with its chunks; the other versions kept under it are now
-          kept under the version brought back (if a micro-batch's);
+          kept under the version brought back;
         - an article whose row is another's (a later load replaced this load's version): this
           load's version, if kept under that load, is forgotten, and the versions kept under
-          ``load_key`` are kept under that load instead (they lost to it, through this one);
+          ``load_key`` are kept under that load instead (they lost to it, through this one),
+          except that load's own versions (a load never brings back its own earlier attempt);
         Returns the ids of the first kind."""
         from psycopg import sql
 
@@ -1083,15 +1292,17 @@ class Store:
                 cols=cols(columns), s_cols=cols(columns, "s."), **extra), params)
 
         mine = sorted(r[0] for r in conn.execute(sql.SQL(
-            "DELETE FROM {} WHERE id = ANY(%s) AND load_key = %s RETURNING id").format(
-                names["vectors"]), (ids, load_key)).fetchall())
+            "DELETE FROM {} v USING unnest(%s::text[]) AS w(id) WHERE v.id = w.id "
+            "AND v.load_key = %s RETURNING v.id").format(names["vectors"]),
+            (ids, load_key)).fetchall())
         if mine:
-            conn.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(names["chunks"]),
-                         (mine,))
+            conn.execute(sql.SQL("DELETE FROM {} c USING unnest(%s::text[]) AS w(id) "
+                                 "WHERE c.id = w.id").format(names["chunks"]), (mine,))
             best = conn.execute(sql.SQL(
-                "SELECT DISTINCT ON (id) id, load_key FROM {} WHERE withdrawn_with = %s "
-                "AND id = ANY(%s) ORDER BY id, {}").format(names["sup"], _latest_first()),
-                (load_key, mine)).fetchall()
+                "SELECT DISTINCT ON (s.id) s.id, s.load_key FROM {} s "
+                "JOIN unnest(%s::text[]) AS w(id) ON s.id = w.id WHERE s.withdrawn_with = %s "
+                "ORDER BY s.id, {}").format(names["sup"], _latest_first()),
+                (mine, load_key)).fetchall()
             if best:
                 back = ([b[0] for b in best], [b[1] for b in best])
                 for kind in ("", "chunks"):
@@ -1102,24 +1313,27 @@ class Store:
                     each("INSERT INTO {kept} ({cols}, withdrawn_with) SELECT {s_cols}, b.load_key "
                          "FROM {kept} s JOIN unnest(%s::text[], %s::text[]) AS b(id, load_key) "
                          "ON s.id = b.id AND s.load_key <> b.load_key "
-                         "WHERE s.withdrawn_with = %s AND starts_with(b.load_key, %s) "
-                         "ON CONFLICT DO NOTHING", kind, (*back, load_key, REDOABLE))
+                         "WHERE s.withdrawn_with = %s ON CONFLICT DO NOTHING", kind,
+                         (*back, load_key))
         others = sorted(set(ids) - set(mine))
         if others:
             held = conn.execute(sql.SQL(
-                "SELECT DISTINCT ON (id) id, withdrawn_with FROM {} WHERE load_key = %s "
-                "AND id = ANY(%s) ORDER BY id, saved_at DESC").format(names["sup"]),
-                (load_key, others)).fetchall()
+                "SELECT DISTINCT ON (s.id) s.id, s.withdrawn_with FROM {} s "
+                "JOIN unnest(%s::text[]) AS w(id) ON s.id = w.id WHERE s.load_key = %s "
+                "ORDER BY s.id, s.saved_at DESC").format(names["sup"]),
+                (others, load_key)).fetchall()
             if held:
                 under = ([h[0] for h in held], [h[1] for h in held])
                 for kind in ("", "chunks"):
                     each("INSERT INTO {kept} ({cols}, withdrawn_with) SELECT {s_cols}, h.holder "
                          "FROM {kept} s JOIN unnest(%s::text[], %s::text[]) AS h(id, holder) "
-                         "ON s.id = h.id WHERE s.withdrawn_with = %s ON CONFLICT DO NOTHING",
+                         "ON s.id = h.id AND s.load_key <> h.holder "
+                         "WHERE s.withdrawn_with = %s ON CONFLICT DO NOTHING",
                          kind, (*under, load_key))
         for kind in ("", "chunks"):
-            each("DELETE FROM {kept} WHERE id = ANY(%s) AND (withdrawn_with = %s "
-                 "OR load_key = %s)", kind, (ids, load_key, load_key))
+            each("DELETE FROM {kept} k USING unnest(%s::text[]) AS w(id) WHERE k.id = w.id "
+                 "AND (k.withdrawn_with = %s OR k.load_key = %s)", kind,
+                 (ids, load_key, load_key))
         return mine
 
     def _check(self, rows: LoadRows, halfvec: bool) -> tuple[list[int], list[dict]]:
@@ -1148,21 +1362,26 @@ class Store:
 
     def _refusal(self, rows: LoadRows, i: int, failure: BaseException) -> dict:
         """The rejection of row ``i`` of ``rows.vectors``, which the store refused with
-        ``failure``."""
-        sqlstate = getattr(getattr(failure, "diag", None), "sqlstate", None)
+        ``failure``: its SQLSTATE and the server's primary message, never its DETAIL (which
+        quotes the row: the article's text in every log and in ``<table>_loads``)."""
+        diag = getattr(failure, "diag", None)
+        sqlstate = getattr(diag, "sqlstate", None)
+        message = getattr(diag, "message_primary", None) or str(failure).split("\n", 1)[0]
         return rejection(rows.vectors.column("id")[i].as_py(),
                          rows.vectors.column("text_sha256")[i].as_py(), Refusal.REFUSED,
                          self.scrub(f"{sqlstate or ''} {type(failure).__name__}: "
-                                    f"{failure}".strip()))
+                                    f"{message}".strip()))
 
     def _isolate(self, conn, n: int, attempt: Callable[[int, int], Any],
-                 refusal: Callable[[int, BaseException], Optional[dict]],
-                 isolation: _Isolation) -> list:
+                 refusal: Callable[[int, BaseException], list[dict]],
+                 isolation: _Isolation, again: Optional[Callable[[int], bool]] = None) -> list:
         """``attempt(0, n)`` in a savepoint; when the server refuses it for its data
         (``is_data_error``), it is rolled back and halved, each half in a savepoint of its own,
         down to the single positions it refuses (``refusal``: their rejections, into
-        ``isolation``, which bounds how many there may be and for how long they are sought).
-        Returns what the attempts that passed returned."""
+        ``isolation``, which bounds how many there may be and for how long they are sought); a
+        position refused is tried again while ``again`` says something of it is left (an
+        article's earlier version, once its latest is set aside). Returns what the attempts that
+        passed returned."""
         done = []
         pending = [(0, n)] if n else []
         while pending:
@@ -1180,6 +1399,8 @@ class Store:
             isolation.started()
             if hi - lo == 1:
                 isolation.refuse(refusal(lo, failure))
+                if again is not None and again(lo):
+                    pending.append((lo, hi))
                 continue
             middle = (lo + hi) // 2
             pending += [(middle, hi), (lo, middle)]  # the first half first
@@ -1198,14 +1419,15 @@ class Store:
         dtype: VectorDtype = "float16" if pgvector_type == "halfvec" else "float32"
         vector_types = vectors_table.column_types(rows.dim, dtype)
         chunk_types = chunks_table.column_types(rows.dim, dtype)
-        staged = _Staged(keep=keep, names=[n for n, _ in vector_types],
-                         chunk_names=[n for n, _ in chunk_types])
-        kept = rows.vectors if len(keep) == rows.vectors.num_rows else rows.vectors.take(
-            pa.array(keep, pa.int64()))
         ids = rows.vectors.column("id").to_pylist()
         shas = rows.vectors.column("text_sha256").to_pylist()
-        data = [(*row, rn) for rn, row in enumerate(_rows(kept, staged.names, rows.dt,
-                                                          load_key))]
+        staged = _Staged.of(ids, keep, [n for n, _ in vector_types],
+                            [n for n, _ in chunk_types])
+        order = staged.keep
+        kept = rows.vectors if order == list(range(rows.vectors.num_rows)) else \
+            rows.vectors.take(pa.array(order, pa.int64()))
+        data = [(*row, rn, position) for position, (rn, row) in enumerate(zip(
+            staged.rank, _rows(kept, staged.names, rows.dt, load_key), strict=True))]
         chunks = None
         if rows.chunks is not None and rows.chunks.num_rows:
             groups = _chunk_groups(rows)
@@ -1232,14 +1454,16 @@ class Store:
         def sql_types(types: list[tuple[str, str]]) -> list[str]:
             return [pgvector_type if n == "embedding" else t for n, t in types]
 
-        def refused_row(rn: int, exc: BaseException) -> dict:
-            staged.missing.add(rn)
-            return self._refusal(rows, keep[rn], exc)
+        def refused_row(position: int, exc: BaseException) -> list[dict]:
+            staged.missing.add(position)
+            return [self._refusal(rows, order[position], exc)]
 
         with conn.transaction():
-            conn.execute(create(staged.vectors, vector_types, ", rn integer NOT NULL"))
+            conn.execute(create(staged.vectors, vector_types,
+                                ", rn integer NOT NULL, position integer NOT NULL"))
             self._isolate(conn, len(data), lambda lo, hi: copy(
-                staged.vectors, [*staged.names, "rn"], [*sql_types(vector_types), "integer"],
+                staged.vectors, [*staged.names, "rn", "position"],
+                [*sql_types(vector_types), "integer", "integer"],
                 data[lo:hi]), refused_row, isolation)
             chunk_stage = staged.chunks
             if chunks is not None and chunk_stage is not None:
@@ -1247,18 +1471,21 @@ class Store:
                 chunk_data = list(_rows(chunks, staged.chunk_names, rows.dt, load_key))
                 chunk_keys = list(zip(chunks.column("id").to_pylist(),
                                       chunks.column("text_sha256").to_pylist(), strict=True))
-                position = {(ids[keep[rn]], shas[keep[rn]]): rn for rn in range(len(keep))}
+                positions: dict[tuple, list[int]] = {}
+                for p, i in enumerate(order):
+                    positions.setdefault((ids[i], shas[i]), []).append(p)
                 gone: list[tuple] = []
 
-                def refused_chunk(i: int, exc: BaseException) -> Optional[dict]:
-                    rn = position[chunk_keys[i]]
-                    if rn in staged.missing:
-                        return None  # its article is set aside already
-                    staged.missing.add(rn)
+                def refused_chunk(i: int, exc: BaseException) -> list[dict]:
+                    version = [p for p in positions[chunk_keys[i]] if p not in staged.missing]
+                    if not version:
+                        return []  # its article is set aside already
+                    staged.missing.update(version)
                     gone.append(chunk_keys[i])
-                    item = self._refusal(rows, keep[rn], exc)
-                    item["detail"] = f"a chunk: {item['detail']}"[:300]
-                    return item
+                    items = [self._refusal(rows, order[p], exc) for p in version]
+                    for item in items:
+                        item["detail"] = f"a chunk: {item['detail']}"[:300]
+                    return items
 
                 self._isolate(conn, len(chunk_data), lambda lo, hi: copy(
                     chunk_stage, staged.chunk_names, sql_types(chunk_types),
@@ -1270,34 +1497,31 @@ class Store:
                             _ident(staged.vectors)), ([g[0] for g in gone], [g[1] for g in gone]))
         return staged
 
-    def _load_part(self, conn, staged: _Staged, lo: int, hi: int, load_key: str,
-                   keeps: Optional[str]) -> _Part:
+    def _load_part(self, conn, staged: _Staged, lo: int, hi: int, load_key: str) -> _Part:
         """Upsert the staged rows ``lo <= rn < hi``; the articles whose row it wrote (the
         upsert's ``RETURNING``: no scan of the table) get these rows' chunks of the same version,
-        and only them. ``keeps``: "replaced" (a micro-batch's load) keeps each row it replaces
-        (and its chunks) under ``load_key``, and each of its rows that loses to a recent
-        micro-batch's row under that load's key; "lost" (a batch load while micro-batches are
-        loaded) keeps only the latter; None keeps nothing."""
+        and only them. Each row it replaces (and its chunks) is kept under ``load_key``, and each
+        of its rows that loses to another load's row is kept under that load's key: what a
+        withdrawal of either load brings back (``_withdraw``)."""
         from psycopg import sql
 
         names = self._names()
-        won, lost = self._upsert(conn, staged, lo, hi, load_key, keeps)
+        won, lost = self._upsert(conn, staged, lo, hi, load_key)
         part = _Part(rows=staged.rows_between(lo, hi), current=len(won))
         chunk_names = sql.SQL(", ").join(map(_ident, staged.chunk_names))
         s_chunk_names = sql.SQL(", ").join(sql.SQL("s.{}").format(_ident(n))
                                            for n in staged.chunk_names)
         if won:
             won_ids = sorted({doc_id for doc_id, _ in won})
-            if keeps == "replaced":
-                conn.execute(sql.SQL(
-                    "WITH gone AS (DELETE FROM {chunks} WHERE id = ANY(%s) RETURNING {cols}) "
-                    "INSERT INTO {kept} ({cols}, withdrawn_with) SELECT {cols}, %s FROM gone "
-                    "WHERE load_key <> %s ON CONFLICT DO NOTHING").format(
-                        chunks=names["chunks"], kept=names["chunks_sup"], cols=chunk_names),
-                    (won_ids, load_key, load_key))
-            else:
-                conn.execute(sql.SQL("DELETE FROM {} WHERE id = ANY(%s)").format(
-                    names["chunks"]), (won_ids,))
+            conn.execute(sql.SQL(
+                "WITH gone AS (DELETE FROM {chunks} c USING unnest(%s::text[]) AS w(id) "
+                "WHERE c.id = w.id RETURNING {c_cols}) "
+                "INSERT INTO {kept} ({cols}, withdrawn_with) SELECT {cols}, %s FROM gone "
+                "WHERE load_key <> %s ON CONFLICT DO NOTHING").format(
+                    chunks=names["chunks"], kept=names["chunks_sup"], cols=chunk_names,
+                    c_cols=sql.SQL(", ").join(sql.SQL("c.{}").format(_ident(n))
+                                              for n in staged.chunk_names)),
+                (won_ids, load_key, load_key))
         if staged.chunks is None:
             return part
         if won:
@@ -1319,59 +1543,43 @@ class Store:
                 ([v[0] for v in lost], [v[1] for v in lost], [v[2] for v in lost]))
         return part
 
-    def _upsert(self, conn, staged: _Staged, lo: int, hi: int, load_key: str,
-                keeps: Optional[str]) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
+    def _upsert(self, conn, staged: _Staged, lo: int, hi: int, load_key: str
+                ) -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
         """Upsert the staged rows ``lo <= rn < hi``: a row replaces the stored one only if it is
-        a later version (``version_order``); of two versions of one article in the rows, the
-        later one. One statement, whose parts all see the table as it was before it: the rows
-        replaced and the rows that lost are kept as ``keeps`` says (``_load_part``). Returns
-        (id, text_sha256) of the rows written, and (id, text_sha256, holder's load key) of the
-        rows kept because they lost."""
+        a later version (``version_order``); of two versions of one article in the rows (one
+        ``rn``: never split by a range), the later one. One statement, whose parts all see the
+        table as it was before it: each row replaced is kept under ``load_key``, each row that
+        lost under its winner's load key (``_load_part``). Returns (id, text_sha256) of the rows
+        written, and (id, text_sha256, holder's load key) of the rows kept because they lost."""
         from psycopg import sql
 
         names = self._names()
         cols = staged.names
         t = {alias: sql.SQL(", ").join(sql.SQL(alias + "{}").format(_ident(n)) for n in cols)
-             for alias in ("", "o.", "s.")}
-        parts: list[Any] = [sql.SQL(
+             for alias in ("", "o.", "s.", "v.")}
+        statement = sql.SQL(
             "WITH src AS (SELECT DISTINCT ON (id) {cols} FROM {stage} "
-            "WHERE rn >= %(lo)s AND rn < %(hi)s ORDER BY id, {latest})").format(
-                cols=t[""], stage=_ident(staged.vectors), latest=_latest_first())]
-        if keeps is not None:
-            parts.append(sql.SQL(
-                ", old AS (SELECT {cols} FROM {target} WHERE id IN (SELECT id FROM src))").format(
-                    cols=t[""], target=names["vectors"]))
-        parts.append(sql.SQL(
-            ", up AS (INSERT INTO {target} AS t ({cols}) SELECT {cols} FROM src "
+            "WHERE rn >= %(lo)s AND rn < %(hi)s ORDER BY id, {latest}, position), "
+            "old AS (SELECT {v_cols} FROM {target} v JOIN src ON src.id = v.id), "
+            "up AS (INSERT INTO {target} AS t ({cols}) SELECT {cols} FROM src "
             "ON CONFLICT (id) DO UPDATE SET {updates} WHERE {excluded} > {stored} "
-            "RETURNING t.id, t.text_sha256)").format(
-                target=names["vectors"], cols=t[""],
+            "RETURNING t.id, t.text_sha256), "
+            "replaced AS (INSERT INTO {kept} ({cols}, withdrawn_with) "
+            "SELECT {o_cols}, %(key)s FROM old o JOIN up ON up.id = o.id "
+            "WHERE o.load_key <> %(key)s ON CONFLICT DO NOTHING), "
+            "lost AS (INSERT INTO {kept} ({cols}, withdrawn_with) "
+            "SELECT {s_cols}, o.load_key FROM src s JOIN old o ON o.id = s.id "
+            "WHERE NOT EXISTS (SELECT 1 FROM up WHERE up.id = s.id) AND o.load_key <> %(key)s "
+            "ON CONFLICT DO NOTHING RETURNING id, text_sha256, withdrawn_with) "
+            "SELECT true, id, text_sha256, NULL FROM up UNION ALL "
+            "SELECT false, id, text_sha256, withdrawn_with FROM lost").format(
+                cols=t[""], v_cols=t["v."], o_cols=t["o."], s_cols=t["s."],
+                stage=_ident(staged.vectors), latest=_latest_first(), target=names["vectors"],
+                kept=names["sup"],
                 updates=sql.SQL(", ").join(sql.SQL("{} = EXCLUDED.{}").format(_ident(n), _ident(n))
                                            for n in cols if n != "id"),
-                excluded=version_order("excluded"), stored=version_order("t")))
-        if keeps == "replaced":
-            parts.append(sql.SQL(
-                ", replaced AS (INSERT INTO {kept} ({cols}, withdrawn_with) "
-                "SELECT {o_cols}, %(key)s FROM old o JOIN up ON up.id = o.id "
-                "WHERE o.load_key <> %(key)s ON CONFLICT DO NOTHING)").format(
-                    kept=names["sup"], cols=t[""], o_cols=t["o."]))
-        if keeps is not None:
-            parts.append(sql.SQL(
-                ", lost AS (INSERT INTO {kept} ({cols}, withdrawn_with) "
-                "SELECT {s_cols}, o.load_key FROM src s JOIN old o ON o.id = s.id "
-                "WHERE NOT EXISTS (SELECT 1 FROM up WHERE up.id = s.id) "
-                "AND starts_with(o.load_key, %(redoable)s) AND o.load_key <> %(key)s "
-                "AND EXISTS (SELECT 1 FROM {loads} l WHERE l.load_key = o.load_key "
-                "AND l.loaded_at > now() - make_interval(secs => %(keep_s)s)) "
-                "ON CONFLICT DO NOTHING RETURNING id, text_sha256, withdrawn_with)").format(
-                    kept=names["sup"], cols=t[""], s_cols=t["s."], loads=names["loads"]))
-            parts.append(sql.SQL(" SELECT true, id, text_sha256, NULL FROM up UNION ALL "
-                                 "SELECT false, id, text_sha256, withdrawn_with FROM lost"))
-        else:
-            parts.append(sql.SQL(" SELECT true, id, text_sha256, NULL FROM up"))
-        result = conn.execute(sql.Composed(parts), {
-            "lo": lo, "hi": hi, "key": load_key, "redoable": REDOABLE,
-            "keep_s": self.settings.superseded_keep_days * 86400}).fetchall()
+                excluded=version_order("excluded"), stored=version_order("t"))
+        result = conn.execute(statement, {"lo": lo, "hi": hi, "key": load_key}).fetchall()
         return ([(r[1], r[2]) for r in result if r[0]],
                 [(r[1], r[2], r[3]) for r in result if not r[0]])
 
