@@ -136,14 +136,14 @@ def _slow_copies_of(monkeypatch, seconds: float, started: threading.Event) -> li
     original = manifest._copy_whole
     slowed: list = []
 
-    def slow(output, source, target, lease):
+    def slow(output, source, target, lease, *rest):
         staged_run = source.split("/_staging/", 1)[1].split("/", 1)[0]
         if not slowed:
             slowed.append(staged_run)
         if staged_run == slowed[0]:
             started.set()
             time.sleep(seconds)
-        return original(output, source, target, lease)
+        return original(output, source, target, lease, *rest)
 
     monkeypatch.setattr(manifest, "_copy_whole", slow)
     return slowed
@@ -785,12 +785,24 @@ def test_a_copy_that_ends_after_a_takeover_is_undone_on_gcs(gcs, tmp_path, monke
             generation, body = store.read()
             store.replace({**body, "holder": "the-newer-run"}, generation)
 
+    real_gcs_copy = getattr(manifest, "gcs_copy", None)
+
+    def gcs_copy_then_taken_over(source, target, *args):
+        generation = real_gcs_copy(source, target, *args)
+        if "/vectors/" in target:
+            store = GcsLockStore(f"{output}/_publish.lock")
+            current, body = store.read()
+            store.replace({**body, "holder": "the-newer-run"}, current)
+        return generation
+
     with PublishLease(output, OLD_RUN, lease_s=30) as holder:
         if "lease" in inspect.signature(manifest.write_manifest).parameters:
             manifest.write_manifest(output, intent, holder)
         else:
             manifest.write_manifest(output, intent)
         monkeypatch.setattr(FileSystems, "copy", staticmethod(copy_then_taken_over))
+        if real_gcs_copy is not None:  # the copy through google-cloud-storage (its generation)
+            monkeypatch.setattr(manifest, "gcs_copy", gcs_copy_then_taken_over)
         with pytest.raises(LeaseLost, match="the-newer-run"):
             manifest.publish(output, intent, holder)
     published = [m.path for m in FileSystems.match([f"{output}/vectors/**"])[0].metadata_list]
