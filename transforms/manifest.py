@@ -165,7 +165,9 @@ def delete_files(paths: list[str]) -> None:
     local = [p for p in paths if not p.startswith("gs://")]
     for start in range(0, len(remote), _DELETES_PER_CHANGE):
         chunk = remote[start:start + _DELETES_PER_CHANGE]
-        gcs = FileSystems.get_filesystem(chunk[0])._gcsIO()  # pylint: disable=protected-access
+        # Beam's own client, set up as its FileSystems are (pipeline options, retries).
+        filesystem: Any = FileSystems.get_filesystem(chunk[0])
+        gcs = filesystem._gcsIO()  # pylint: disable=protected-access
         failed = {path: status for path, status in gcs.delete_batch(chunk) if status}
         if failed:
             raise IOError(f"GCS refused to delete {failed}")
