@@ -536,7 +536,7 @@ class PublishLease:
         # GCS generations of the small objects (the manifest) this holder read or wrote: its
         # writes of them are conditional on these (``put``, ``remove``).
         self.generations: dict[str, int] = {}
-        # GCS generations of the files this holder copied (``transforms.manifest.copy_whole``).
+        # GCS generations of the files this holder copied (``transforms.manifest.copy_fenced``).
         self.copied: dict[str, int] = {}
 
     @property
@@ -666,7 +666,7 @@ class PublishLease:
         change (a copy), what makes it harmless if the lease turns out lost by its end; then the
         lock is read again after it (where the storage cannot exclude a takeover during it). The
         undo runs after a takeover, so it must change nothing the taker needs: it deletes only
-        what the change created (by generation), and nothing the output still names."""
+        what the change created (on GCS by the generation it created)."""
         with self.fenced():
             result = action(*args)
         if undo is not None and not self._store.exclusive:

@@ -256,8 +256,6 @@ def delete_fenced(paths: list[str], lease: PublishLease) -> None:
         lease.change(delete_files, paths[start:start + _DELETES_PER_CHANGE])
 
 
-_delete_fenced = delete_fenced
-
 
 def _published(relative_staged: str) -> str:
     """``_staging/<run>/vectors/part-x.parquet`` -> ``vectors/part-x.parquet``."""
@@ -322,7 +320,7 @@ def publish(output: str, manifest: Manifest, lease: PublishLease) -> Manifest:
     # First every old file, in every folder, then the new ones: a reader never sees two runs.
     for subdir in PUBLISHED_DIRS:
         ours = {_published(p) for p in getattr(manifest, subdir)}
-        _delete_fenced([path for path in list_files(join_path(output, subdir, "**"))
+        delete_fenced([path for path in list_files(join_path(output, subdir, "**"))
                         if relative_to(output, path) not in ours], lease)
     sizes = list_files(join_path(staging_prefix(output, manifest.run_id), "**"))
     for subdir in PUBLISHED_DIRS:
@@ -376,7 +374,7 @@ def remove_strays(output: str, lease: PublishLease) -> list[str]:
         ours = set(getattr(current, subdir))
         strays += [path for path in list_files(join_path(output, subdir, "**"))
                    if relative_to(output, path) not in ours]
-    _delete_fenced(strays, lease)
+    delete_fenced(strays, lease)
     return strays
 
 
@@ -477,7 +475,7 @@ def clean_stale(output: str, older_than_s: float, lease: PublishLease,
     for match in FileSystems.match([join_path(output, TEMP_DIR, "**")])[0].metadata_list:
         if now - match.last_updated_in_seconds > older_than_s:
             doomed.append(match.path)
-    _delete_fenced(doomed, lease)
+    delete_fenced(doomed, lease)
     return doomed
 
 
