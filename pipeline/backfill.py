@@ -25,13 +25,11 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline import config as config_lib
 from transforms.incremental import embedding_signature
-from transforms.layout import SUMMARY_FILE, join_path
-from transforms.manifest import COMMITTED, read_manifest
+from transforms.manifest import SummaryUnavailable, published_summary
 from transforms.model import model_label, resolve_model_path
 from transforms.read import count_lines
 from transforms.schema import Counts
@@ -47,12 +45,12 @@ def days(start: dt.date, end: dt.date) -> list[dt.date]:
 
 def already_done(config: config_lib.Config) -> Optional[dict]:
     """The summary of the committed run in this day's output, if it was made with this model and
-    these embedding settings."""
-    manifest = read_manifest(config.output)
-    if manifest is None or manifest.state != COMMITTED:
+    these embedding settings. A summary that is not the committed run's (``published_summary``
+    then gives only the manifest's counts) says neither: the day is run again."""
+    try:
+        summary = published_summary(config.output)
+    except SummaryUnavailable:  # nothing committed there (yet)
         return None
-    with FileSystems.open(join_path(config.output, SUMMARY_FILE)) as f:
-        summary = json.loads(f.read().decode("utf-8"))
     label = model_label(config.model, resolve_model_path(config.model.path))
     same = (summary.get("model", {}).get("label") == label
             and summary.get("incremental", {}).get("embedding_signature")

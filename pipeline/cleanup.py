@@ -11,8 +11,11 @@ PREFIX [--older-than-s 86400]``.
 3. Files under ``_temp/`` (a streaming file a killed worker was writing) last written more than
    ``--older-than-s`` ago, and the staging folders ``_staging/<run_id>/`` (a batch run killed
    before it committed) whose newest file is that old, are deleted; ``--older-than-s`` is at least
-   an hour (``transforms.manifest.MIN_STALE_AGE_S``): younger files may be a live run's. Published
-   data is never touched.
+   an hour (``transforms.manifest.MIN_STALE_AGE_S``): younger files may be a live run's. Ages on
+   GCS are counted on GCS's clock. Published data is never touched.
+4. Every file the committed manifest names (and the summary) must be there: any that is not is
+   named (``missing``), logged as an error, and the command exits with status 1; rerun that
+   output's run.
 On GCS, a lifecycle rule does step 3 for temporary files without a command:
 ``configs/gcs-lifecycle.json`` (docs/dataflow.md).
 Every delete is fenced by the output's publish lease, held throughout. Prints what it did as JSON.
@@ -26,7 +29,13 @@ import sys
 
 from transforms.incremental import SnapshotChanged
 from transforms.lease import PublishLease, require_lease_s
-from transforms.manifest import clean_stale, remove_strays, repair, require_stale_age
+from transforms.manifest import (
+    clean_stale,
+    missing_files,
+    remove_strays,
+    repair,
+    require_stale_age,
+)
 
 _LOG = logging.getLogger(__name__)
 
@@ -65,10 +74,16 @@ def main(argv=None) -> int:
             _LOG.error("%s", exc)
         strays = remove_strays(args.output, lease)
         deleted = clean_stale(args.output, args.older_than_s, lease)
+        missing = missing_files(args.output)
+    if missing:
+        _LOG.error("%s: the committed manifest names %d files that are not there (%s): readers "
+                   "that follow it fail, readers that glob miss their rows; rerun the run that "
+                   "writes this output", args.output, len(missing), ", ".join(missing[:10]))
     print(json.dumps({"repaired_run": repaired.run_id if repaired else None,
                       "withdrawn": withdrawn, "strays_deleted": strays,
-                      "deleted": len(deleted), "deleted_files": deleted}, indent=2))
-    return 1 if withdrawn else 0
+                      "deleted": len(deleted), "deleted_files": deleted,
+                      "missing": missing}, indent=2))
+    return 1 if withdrawn or missing else 0
 
 
 if __name__ == "__main__":

@@ -3,12 +3,14 @@
 
 Rewrites each hour's micro-batch files (vectors, chunks, keys, dead letters, ledger records) into
 one file per kind, row groups of ``sink.row_group_rows`` (``transforms/compaction.py``), under the
-output's publish lease, one hour at a time. Readers that follow the ledger or the compaction
-manifest (``newsvec ledger``, the nightly incremental job's key listing) see either the hour before
-or the hour after, whenever it is killed; a rerun finishes it; an hour with nothing new is left as
-it is. Hours that are not closed yet (their end plus ``streaming.allowed_lateness_s`` plus the
-grouping's grace plus 5 minutes is after now) are skipped unless ``--closed-after-s 0``: compacting
-one is safe (a micro-batch written later stays and is merged by the next run) but wastes a rewrite.
+output's publish lease, one hour at a time, every change fenced by it (a run whose lease is taken
+over stops, its line says ``LeaseLost``, and the taker or the next run finishes its hour). Readers
+that follow the ledger or the compaction manifest (``newsvec ledger``, the nightly incremental
+job's key listing) see either the hour before or the hour after, whenever it is killed; a rerun
+finishes it; an hour with nothing new is left as it is. Hours that are not closed yet (their end
+plus ``streaming.allowed_lateness_s`` plus the grouping's grace plus 5 minutes is after now) are
+skipped unless ``--closed-after-s 0``: compacting one is safe (a micro-batch written later stays
+and is merged by the next run) but wastes a rewrite.
 
 Plain Python (pyarrow over Beam's FileSystems, local or gs://), no Beam pipeline: an hour of output
 is read once and written once, streaming row groups, so it needs one CPU and memory for about two
@@ -31,7 +33,7 @@ from pipeline import config as config_lib
 from pipeline.cleanup import checked_argument
 from transforms.compaction import CompactionResult, Hook, compact_partition
 from transforms.layout import new_run_id, partitions_between
-from transforms.lease import PublishLease, require_lease_s
+from transforms.lease import LeaseLost, PublishLease, require_lease_s
 from transforms.windowing import GROUPING_GRACE_S
 
 CLOSED_MARGIN_S = 300
@@ -75,6 +77,12 @@ def compact_range(output: str, start: dt.datetime, end: dt.datetime, row_group_r
             try:
                 result: CompactionResult = compact_partition(output, partition, lease,
                                                              row_group_rows, hook)
+            except LeaseLost as exc:
+                # Taken over (this run stalled): not one more change, in this hour or the next.
+                # What it left is finished by the taker or the next run.
+                _LOG.error("%s: not compacted, and no hour after it: %s", partition, exc)
+                out.append({"partition": partition, "error": f"LeaseLost: {exc}"})
+                break
             except (OSError, ValueError, KeyError, pa.ArrowException) as exc:
                 # One hour that cannot be compacted (a record naming a missing file, two schemas
                 # in one hour) holds up no other; the run reports it and exits non-zero.

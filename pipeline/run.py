@@ -9,7 +9,6 @@ import time
 from typing import Optional, Sequence
 
 import apache_beam as beam
-from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import (
     DirectOptions,
     GoogleCloudOptions,
@@ -25,6 +24,7 @@ from pipeline.progress import ProgressReporter
 from pipeline.summary import job_statistics
 from transforms.engine import EngineFactory
 from transforms.layout import SUMMARY_FILE, join_path, new_run_id
+from transforms.manifest import published_summary
 from transforms.read import count_lines
 from transforms.store import StoreLoad, StoreLoadFailed
 
@@ -109,13 +109,13 @@ def run_batch(config: config_lib.Config, options: PipelineOptions,
             return {"run_id": run_id, "state": str(result.state), "launched": True}
         result.wait_until_finish()
     finished = time.perf_counter()
-    path = join_path(config.output, SUMMARY_FILE)
-    with FileSystems.open(path) as f:
-        summary = json.loads(f.read().decode("utf-8"))
+    # The committed run's summary, never another run's (``manifest.published_summary``).
+    summary = published_summary(config.output)
     if summary["run_id"] != run_id:
         _LOG.warning("run %s succeeded, but run %s has published into %s since", run_id,
                      summary["run_id"], config.output)
-    _LOG.info("run %s committed: %s", run_id, path)
+    else:
+        _LOG.info("run %s committed: %s", run_id, join_path(config.output, SUMMARY_FILE))
     store: dict = {}
     if config.store.enabled and summary["run_id"] == run_id and summary.get("published", True):
         store = {"store": _load_into_store(config, run_id).to_json()}

@@ -143,3 +143,82 @@ def test_cleanup_never_deletes_the_staging_of_a_run_still_writing(tmp_path):
     assert cleanup.main(["--output", str(tmp_path), "--older-than-s", "3600"]) == 0
     assert files(tmp_path) == [f"_staging/{live}/vectors/part-0.parquet",
                                f"_staging/{live}/vectors/part-1.parquet"]
+
+
+def test_cleanup_names_the_files_the_committed_manifest_names_that_are_gone(tmp_path, capsys):
+    """An output whose committed manifest names a file that is not there (lost to a storage
+    fault, an operator, or a publisher's undo of an earlier release) fails every reader that
+    follows the manifest, and readers that glob miss its rows. Before, cleanup said nothing and
+    exited 0."""
+    from tests.test_concurrent_commits import hand_staged_run
+    from transforms.commit import _CommitFn
+
+    output = str(tmp_path / "out")
+    run_id = "20261201T000000Z-0000000c"
+    staged, tallies = hand_staged_run(output, run_id, ["a", "b"])
+    list(_CommitFn(output, run_id, {}, lease_s=30).process(None, staged, tallies))
+    assert cleanup.main(["--output", output]) == 0
+    capsys.readouterr()
+    lost = f"vectors/part-{run_id}-00000-of-00001.parquet"
+    os.remove(f"{output}/{lost}")
+    assert cleanup.main(["--output", output]) == 1
+    assert json.loads(capsys.readouterr().out)["missing"] == [lost]
+
+
+def test_on_gcs_cleanup_counts_ages_on_the_storages_clock(gcs, tmp_path, monkeypatch):
+    """Staged files' ages on GCS are their ``updated`` times, GCS's clock. Before, they were
+    compared with this machine's clock: one two hours fast took a live run's staging, written
+    just now, for a dead run's, and deleted it. Now ages are counted on the clock of the storage
+    (the lock object this clean-up just wrote)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    from tests.conftest import GCS_BUCKET
+
+    output = f"gs://{GCS_BUCKET}/{tmp_path.name}"
+    live = f"{output}/_staging/20261201T000000Z-11111111/vectors/part-0.parquet"
+    with FileSystems.create(live) as f:
+        f.write(b"x")
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 7200)  # this machine, 2 h fast
+    assert cleanup.main(["--output", output, "--older-than-s", "3600"]) == 0
+    monkeypatch.setattr(time, "time", real_time)
+    assert FileSystems.exists(live), "a file written just now is not an hour old"
+
+
+def test_on_gcs_each_fenced_delete_is_one_batch_request(gcs, tmp_path, monkeypatch):
+    """The lease's floor assumes one storage request per fenced change. Before, a fenced change of
+    100 deletes was Beam's ``FileSystems.delete``: a listing and a batch request per file, 200
+    requests; now one batch request of up to 100, the lease checked before each."""
+    from apache_beam.io.filesystems import FileSystems
+    from apache_beam.io.gcp.gcsio import GcsIO
+
+    from tests.conftest import GCS_BUCKET
+    from tests.test_concurrent_commits import committed_manifest
+
+    output = f"gs://{GCS_BUCKET}/{tmp_path.name}"
+    committed_manifest(output, "20261201T000000Z-0000000d")
+    strays = [f"{output}/vectors/part-stray-{i:03d}.parquet" for i in range(120)]
+    for path in strays:
+        with FileSystems.create(path) as f:
+            f.write(b"x")
+    batches: list = []
+    real_batch = GcsIO.delete_batch
+
+    def delete_batch(self, paths):
+        batches.append(len(paths))
+        return real_batch(self, paths)
+
+    monkeypatch.setattr(GcsIO, "delete_batch", delete_batch)
+    with PublishLease(output, "cleanup", lease_s=30) as lease:
+        checks: list = []
+        real_check = lease.fenced
+
+        def counted():
+            checks.append(len(batches))
+            return real_check()
+
+        monkeypatch.setattr(lease, "fenced", counted)
+        assert sorted(manifest.remove_strays(output, lease)) == strays
+    assert batches == [100, 20], batches
+    assert checks == [0, 1], "the lease checked before each batch"
+    assert not FileSystems.match([f"{output}/vectors/**"])[0].metadata_list

@@ -65,11 +65,12 @@ def data_files(output: Path) -> dict:
             if p.is_file() and p.parts[len(output.parts)] in KINDS + ("_compaction",)}
 
 
-def current_rows(output: Path, kind: str, column: str) -> list:
+def current_rows(output, kind: str, column: str) -> list:
     """What a reader that follows the manifest reads: every value of a column, each file once."""
     values = []
     for path in compaction.current_files(str(output), kind):
-        values += pq.read_table(path, columns=[column]).column(0).to_pylist()
+        with FileSystems.open(path) as f:  # local or gs:// (pyarrow's own GCS client would not
+            values += pq.read_table(f, columns=[column]).column(0).to_pylist()  # find it)
     return sorted(values)
 
 
@@ -306,3 +307,121 @@ def test_an_hour_that_cannot_be_compacted_holds_up_no_other(output, capsys):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["partition"] for line in lines] == [H09, "dt=2026-12-01/hour=10"]
     assert "error" in lines[0] and "error" not in lines[1] and lines[1]["batches"] > 0
+
+
+# A compaction frozen inside its manifest write (after the lease was checked: a SIGSTOP, a paused
+# VM, a long GC) while a second compaction takes the lease over. Played in threads: the frozen
+# one's renewals stop with it, and its write waits until the test lets it go.
+
+def _freeze_in_manifest_write(monkeypatch, frozen_thread: list, frozen: threading.Event,
+                              go: threading.Event) -> None:
+    """The first compaction-manifest write of the thread in ``frozen_thread`` stops its lease's
+    renewals (``frozen_thread[1]``), says so, and waits for ``go``: locally inside
+    ``write_whole`` (under the fence), on GCS inside the conditional upload (``gcs_write``)."""
+    from transforms import lease as lease_lib
+
+    def freezing(real):
+        def call(*args, **kwargs):
+            target = args[1] if real is real_write_whole else args[0]
+            if (threading.current_thread() is frozen_thread[0] and not frozen.is_set()
+                    and target.endswith(compaction.MANIFEST_NAME)):
+                frozen_thread[1]._stop.set()  # frozen: no renewal either  # pylint: disable=protected-access
+                frozen.set()
+                go.wait(60)
+            return real(*args, **kwargs)
+        return call
+
+    real_write_whole = compaction.write_whole
+    monkeypatch.setattr(compaction, "write_whole", freezing(real_write_whole))
+    if hasattr(lease_lib, "gcs_write"):
+        monkeypatch.setattr(lease_lib, "gcs_write", freezing(lease_lib.gcs_write))
+
+
+def _race_two_compactions(output: str, monkeypatch) -> dict:
+    """Compaction A of H09 frozen in its manifest write; compaction B of the same hours started
+    meanwhile, given three of A's leases to take over (it may, on GCS: A's lease stands
+    unrenewed), then A let go. Returns what each ended with."""
+    a_lease = PublishLease(output, "compact-a", lease_s=1.0, poll_s=0.05)
+    frozen_thread: list = [None, a_lease]
+    frozen, go = threading.Event(), threading.Event()
+    _freeze_in_manifest_write(monkeypatch, frozen_thread, frozen, go)
+    ended: dict = {}
+
+    def compaction_a():
+        try:
+            with a_lease:
+                ended["a"] = compaction.compact_partition(output, H09, a_lease, ROW_GROUP)
+        except Exception as exc:  # pylint: disable=broad-except
+            ended["a"] = exc
+
+    def compaction_b():
+        try:
+            ended["b"] = compact.compact_range(output, *HOURS, ROW_GROUP, lease_s=1.0,
+                                               closed_after_s=0, now=LATER)
+        except Exception as exc:  # pylint: disable=broad-except
+            ended["b"] = exc
+
+    a = threading.Thread(target=compaction_a, name="compaction-a")
+    frozen_thread[0] = a
+    a.start()
+    assert frozen.wait(60), ended.get("a")
+    b = threading.Thread(target=compaction_b, name="compaction-b")
+    b.start()
+    b.join(3.0)  # three of A's leases
+    go.set()
+    a.join(60)
+    b.join(60)
+    assert not a.is_alive() and not b.is_alive()
+    return ended
+
+
+def _every_manifest_names_files_that_are_there(output: str) -> None:
+    for partition in compaction.compacted_partitions(output):
+        manifest = compaction.read_compaction(output, partition)
+        for kind, entry in manifest.files.items():
+            assert FileSystems.exists(f"{output}/{entry['path']}"), \
+                f"{partition}'s manifest names {entry['path']} ({kind}), which is gone"
+
+
+def test_a_compaction_frozen_in_its_manifest_write_never_lands_it_over_the_takers(output,
+                                                                                 monkeypatch):
+    """Local disk. Before, the lease was checked, then the manifest written, not under one flock:
+    B took the lease over and compacted the hour, deleting A's compacted files (named by no
+    manifest yet); then A's write landed, naming them: the hour was lost to every reader, the
+    ledger failed, and the next compaction deleted the last copy. Now A's check and write are
+    under the flock a takeover needs: B waits for A's write (saying who it waits for), then
+    finds the hour compacted."""
+    before = ledger.check(str(output))
+    ids = current_rows(output, "vectors", "id")
+    ended = _race_two_compactions(str(output), monkeypatch)
+    assert not isinstance(ended["b"], Exception), ended["b"]
+    _every_manifest_names_files_that_are_there(str(output))
+    after = ledger.check(str(output))
+    assert after.ok and after.totals == before.totals, after.problems
+    assert current_rows(output, "vectors", "id") == ids
+    run(output)  # and the next compaction keeps every row
+    assert current_rows(output, "vectors", "id") == ids
+
+
+def test_on_gcs_a_compaction_frozen_in_its_manifest_write_is_refused(gcs, tmp_path,
+                                                                     monkeypatch):
+    """The same on GCS (gcp-storage-emulator, GCS's preconditions played by
+    tests/gcs_preconditions.py). Before, the manifest was written unconditionally: A's late
+    write landed over B's. Now it is conditional on the generation A read, and B wrote the
+    manifest before deleting A's unadopted files: A's write is refused (LeaseLost), B's stands."""
+    from tests.conftest import GCS_BUCKET
+    from tests.gcs_preconditions import enforced
+    from transforms.lease import LeaseLost
+
+    output = f"gs://{GCS_BUCKET}/{tmp_path.name}"
+    so.write(output, BATCHES[:6], row_group_rows=ROW_GROUP)
+    before = ledger.check(output)
+    ids = current_rows(output, "vectors", "id")
+    with enforced():
+        ended = _race_two_compactions(output, monkeypatch)
+    assert not isinstance(ended["b"], Exception), ended["b"]
+    assert isinstance(ended["a"], LeaseLost), ended["a"]
+    _every_manifest_names_files_that_are_there(output)
+    after = ledger.check(output)
+    assert after.ok and after.totals == before.totals, after.problems
+    assert current_rows(output, "vectors", "id") == ids

@@ -137,14 +137,14 @@ def _slow_copies_of(monkeypatch, seconds: float, started: threading.Event) -> li
     original = manifest._copy_whole
     slowed: list = []
 
-    def slow(output, source, target, lease):
+    def slow(output, source, target, lease, *rest):
         staged_run = source.split("/_staging/", 1)[1].split("/", 1)[0]
         if not slowed:
             slowed.append(staged_run)
         if staged_run == slowed[0]:
             started.set()
             time.sleep(seconds)
-        return original(output, source, target, lease)
+        return original(output, source, target, lease, *rest)
 
     monkeypatch.setattr(manifest, "_copy_whole", slow)
     return slowed
@@ -786,12 +786,24 @@ def test_a_copy_that_ends_after_a_takeover_is_undone_on_gcs(gcs, tmp_path, monke
             generation, body = store.read()
             store.replace({**body, "holder": "the-newer-run"}, generation)
 
+    real_gcs_copy = getattr(manifest, "gcs_copy", None)
+
+    def gcs_copy_then_taken_over(source, target, *args):
+        generation = real_gcs_copy(source, target, *args)
+        if "/vectors/" in target:
+            store = GcsLockStore(f"{output}/_publish.lock")
+            current, body = store.read()
+            store.replace({**body, "holder": "the-newer-run"}, current)
+        return generation
+
     with PublishLease(output, OLD_RUN, lease_s=30) as holder:
         if "lease" in inspect.signature(manifest.write_manifest).parameters:
             manifest.write_manifest(output, intent, holder)
         else:
             manifest.write_manifest(output, intent)
         monkeypatch.setattr(FileSystems, "copy", staticmethod(copy_then_taken_over))
+        if real_gcs_copy is not None:  # the copy through google-cloud-storage (its generation)
+            monkeypatch.setattr(manifest, "gcs_copy", gcs_copy_then_taken_over)
         with pytest.raises(LeaseLost, match="the-newer-run"):
             manifest.publish(output, intent, holder)
     published = [m.path for m in FileSystems.match([f"{output}/vectors/**"])[0].metadata_list]
@@ -809,3 +821,241 @@ def test_run_ids_launched_in_one_second_sort_by_launch_time():
         earlier, later = t + dt.timedelta(milliseconds=ms), t + dt.timedelta(milliseconds=ms + 1)
         assert new_run_id(earlier) < new_run_id(later), (earlier, later)
     assert len({new_run_id(t) for _ in range(1000)}) == 1000, "still collision-free"
+
+
+# A late copy on GCS, and its undo, never take what the output's manifest names. Played in threads
+# on gcp-storage-emulator (Beam's GCS filesystem), GCS's preconditions played by
+# tests/gcs_preconditions.py: the frozen holder's renewals stop with it, and its request waits
+# until the test lets it go.
+
+class _Freezer:
+    """Holds the thread ``frozen`` at the first call of a patched storage operation whose target
+    matches, after its fence check: its leases' renewals stop (a frozen process renews nothing),
+    and the request leaves when ``go`` is set."""
+
+    def __init__(self, monkeypatch, matches):
+        self.thread: threading.Thread = None
+        self.frozen, self.go = threading.Event(), threading.Event()
+        self._matches, self._leases = matches, []
+        real_lease = commit.PublishLease
+
+        def recorded(*args, **kwargs):
+            held = real_lease(*args, **kwargs)
+            self._leases.append((threading.current_thread(), held))
+            return held
+
+        monkeypatch.setattr(commit, "PublishLease", recorded)
+
+    def wrap(self, real, target_of):
+        def call(*args, **kwargs):
+            if (threading.current_thread() is self.thread and not self.frozen.is_set()
+                    and self._matches(target_of(args))):
+                for thread, held in self._leases:
+                    if thread is self.thread:
+                        held._stop.set()  # pylint: disable=protected-access
+                self.frozen.set()
+                assert self.go.wait(60)
+            return real(*args, **kwargs)
+        return call
+
+
+def _gcs_output(tmp_path) -> str:
+    from tests.conftest import GCS_BUCKET
+
+    return f"gs://{GCS_BUCKET}/{tmp_path.name}"
+
+
+def _published_exists(output: str) -> dict:
+    from apache_beam.io.filesystems import FileSystems
+
+    final = manifest.read_manifest(output)
+    return {name: FileSystems.exists(f"{output}/{name}")
+            for name in final.vectors + final.keys + [final.summary]}
+
+
+def test_a_late_copy_undone_never_deletes_the_file_its_other_attempt_published(gcs, tmp_path,
+                                                                              monkeypatch):
+    """Attempt 1 of run R freezes with its copy of a vectors file in flight; attempt 2 of R takes
+    the lease over and publishes R; attempt 1 wakes before attempt 2 deletes R's staging. Before,
+    its copy landed, its re-check raised LeaseLost, and its undo deleted the file by name: the
+    committed manifest named a missing file (and keys/ still listed its articles). Now the copy is
+    conditional on what attempt 1 listed (absent): GCS refuses it, and nothing is undone."""
+    from apache_beam.io.filesystems import FileSystems
+
+    from tests.gcs_preconditions import enforced
+    from transforms import lease as lease_lib
+
+    output = _gcs_output(tmp_path)
+    staged, tallies = hand_staged_run(output, NEW_RUN, ["a1", "a2"])
+    freezer = _Freezer(monkeypatch, lambda target: "/vectors/" in target)
+    monkeypatch.setattr(FileSystems, "copy", staticmethod(
+        freezer.wrap(FileSystems.copy, lambda args: args[1][0])))
+    if hasattr(manifest, "gcs_copy"):
+        monkeypatch.setattr(manifest, "gcs_copy", freezer.wrap(manifest.gcs_copy,
+                                                               lambda args: args[1]))
+    first: dict = {}
+
+    def attempt_1():
+        try:
+            first["value"] = list(commit._CommitFn(output, NEW_RUN, {}, lease_s=1.0).process(
+                None, staged, tallies))
+        except Exception as exc:  # pylint: disable=broad-except
+            first["error"] = exc
+
+    def wake_attempt_1_first(real):
+        def call(*args, **kwargs):  # attempt 2, about to delete R's staging
+            freezer.go.set()
+            freezer.thread.join(60)
+            return real(*args, **kwargs)
+        return call
+
+    for name in ("delete_tree_fenced", "delete_tree"):
+        if hasattr(manifest, name):
+            monkeypatch.setattr(manifest, name, wake_attempt_1_first(getattr(manifest, name)))
+    with enforced():
+        freezer.thread = threading.Thread(target=attempt_1, name="attempt-1")
+        freezer.thread.start()
+        assert freezer.frozen.wait(60), first
+        second = list(commit._CommitFn(output, NEW_RUN, {}, lease_s=1.0).process(
+            None, staged, tallies))[0]
+    assert not freezer.thread.is_alive()
+    assert isinstance(first.get("error"), lease_lib.LeaseLost), first
+    assert second["run_id"] == NEW_RUN
+    final = manifest.read_manifest(output)
+    assert (final.run_id, final.state) == (NEW_RUN, "committed")
+    assert all(_published_exists(output).values()), _published_exists(output)
+    assert cleanup.main(["--output", output]) == 0
+
+
+@pytest.mark.parametrize("then", ["undone", "killed before its undo"])
+def test_a_stalled_older_runs_summary_never_replaces_or_removes_the_newer_runs(gcs, tmp_path,
+                                                                              monkeypatch, then):
+    """The older run O freezes with its write of ``_summary.json`` in flight (a copy, before);
+    the newer run N takes the lease over and commits. Before, O's copy landed over N's summary
+    and its undo deleted ``_summary.json`` (run.py then failed with FileNotFoundError after a
+    successful job), or, O killed before its undo, N's output kept O's summary (backfill judged
+    the day by O's settings). Now the summary is written conditionally, as the manifest is: O's
+    late write is refused."""
+    from apache_beam.io.filesystems import FileSystems
+
+    from tests.gcs_preconditions import enforced
+    from transforms import lease as lease_lib
+
+    class Killed(BaseException):
+        """The process dies here: nothing after it runs (no undo)."""
+
+    output = _gcs_output(tmp_path)
+    old_staged, old_tallies = hand_staged_run(output, OLD_RUN, ["o1"])
+    new_staged, new_tallies = hand_staged_run(output, NEW_RUN, ["n1"])
+    freezer = _Freezer(monkeypatch, lambda target: target.endswith("/_summary.json"))
+
+    def then_killed(real, target_of):
+        def call(*args, **kwargs):
+            result = real(*args, **kwargs)
+            if (then != "undone" and threading.current_thread() is freezer.thread
+                    and target_of(args).endswith("/_summary.json")):
+                raise Killed()
+            return result
+        return call
+
+    monkeypatch.setattr(FileSystems, "copy", staticmethod(freezer.wrap(
+        then_killed(FileSystems.copy, lambda args: args[1][0]), lambda args: args[1][0])))
+    monkeypatch.setattr(lease_lib, "gcs_write", freezer.wrap(
+        then_killed(lease_lib.gcs_write, lambda args: args[0]), lambda args: args[0]))
+    older: dict = {}
+
+    def older_run():
+        try:
+            older["value"] = list(commit._CommitFn(output, OLD_RUN, {}, lease_s=1.0).process(
+                None, old_staged, old_tallies))
+        except BaseException as exc:  # pylint: disable=broad-except  # Killed included
+            older["error"] = exc
+
+    with enforced():
+        freezer.thread = threading.Thread(target=older_run, name="older-run")
+        freezer.thread.start()
+        assert freezer.frozen.wait(60), older
+        newer = list(commit._CommitFn(output, NEW_RUN, {}, lease_s=1.0).process(
+            None, new_staged, new_tallies))[0]
+        freezer.go.set()
+        freezer.thread.join(60)
+    assert not freezer.thread.is_alive()
+    assert newer["run_id"] == NEW_RUN and "error" in older
+    final = manifest.read_manifest(output)
+    assert (final.run_id, final.state) == (NEW_RUN, "committed")
+    assert FileSystems.exists(f"{output}/_summary.json"), "the newer run's summary is there"
+    with FileSystems.open(f"{output}/_summary.json") as f:
+        assert json.loads(f.read())["run_id"] == NEW_RUN, "and it is the newer run's"
+    assert all(_published_exists(output).values())
+
+
+UNTRUSTED_MOUNTINFO = """\
+27 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw
+60 27 0:70 / /data rw,nosuid,nodev - fuse my-bucket rw,user_id=0,group_id=0,allow_other
+61 27 0:71 / /mnt/host rw,relatime - virtiofs mount0 rw
+62 27 0:72 / /mnt/c rw,noatime - 9p drvfs rw,aname=drvfs;path=C:\\;uid=1000
+63 27 0:73 / /var/lib/docker rw,relatime - overlay overlay rw
+64 27 0:74 / /scratch rw,relatime - xfs /dev/sdb1 rw
+"""
+
+
+def test_the_local_lock_takes_only_local_filesystems_unless_told(tmp_path, monkeypatch):
+    """Before, the refusal was a list of shared filesystems: GKE's Cloud Storage FUSE CSI mounts
+    (type ``fuse``), virtiofs and 9p passed, and so did an output whose type could not be read
+    (no /proc: macOS). Now only local filesystems are taken; any other only when the user names
+    its type in NEWSVEC_LOCAL_LOCK_FILESYSTEMS."""
+    from transforms import lease as lease_lib
+
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(UNTRUSTED_MOUNTINFO)
+    kind = lambda path: lease_lib.filesystem_type(path, str(mountinfo))  # noqa: E731
+    assert [kind(p) for p in ("/data/out", "/mnt/host/out", "/mnt/c/out", "/var/lib/docker/o",
+                              "/scratch/out", "/home/me")] == [
+        "fuse", "virtiofs", "9p", "overlay", "xfs", "ext4"]
+    assert lease_lib.filesystem_type("/anything", str(tmp_path / "no-proc")) is None, \
+        "no mountinfo on Linux: unknown"
+    monkeypatch.delenv("NEWSVEC_LOCAL_LOCK_FILESYSTEMS", raising=False)
+    lock = str(tmp_path / "_publish.lock")
+    for untrusted in ("fuse", "virtiofs", "9p", "fuse.gcsfuse", "nfs4", "unknown"):
+        with pytest.raises(ValueError, match="NEWSVEC_LOCAL_LOCK_FILESYSTEMS") as refused:
+            LocalLockStore(lock, filesystem=untrusted)
+        assert untrusted in str(refused.value)
+    monkeypatch.setattr(lease_lib, "filesystem_type", lambda path: None)  # no /proc, no mount
+    with pytest.raises(ValueError, match="unknown"):
+        LocalLockStore(lock)
+    for local in ("ext4", "xfs", "btrfs", "tmpfs", "overlay", "apfs"):
+        LocalLockStore(lock, filesystem=local)
+    monkeypatch.setenv("NEWSVEC_LOCAL_LOCK_FILESYSTEMS", "virtiofs, unknown")
+    LocalLockStore(lock, filesystem="virtiofs")  # the user says only this machine writes there
+    LocalLockStore(lock)
+    with pytest.raises(ValueError):
+        LocalLockStore(lock, filesystem="fuse")
+
+
+def test_who_waits_for_a_holder_frozen_inside_a_local_change_says_so(tmp_path, caplog):
+    """A holder frozen inside a local change keeps the flock (by design: a change never lands
+    after a takeover). Before, every other publisher and clean-up blocked on it without a word;
+    now it logs whom it waits for."""
+    import logging
+
+    inside, leave = threading.Event(), threading.Event()
+    holder = PublishLease(str(tmp_path), "20261201T000000Z-aaaaaaaa", lease_s=1.0, poll_s=0.05)
+
+    def frozen_change():
+        with holder:
+            holder.change(lambda: (inside.set(), leave.wait(30)))
+
+    thread, _ = _in_thread(frozen_change)
+    assert inside.wait(30)
+    waiter = PublishLease(str(tmp_path), "20261201T000001Z-bbbbbbbb", lease_s=1.0, poll_s=0.05)
+    caplog.set_level(logging.WARNING, logger="transforms.lease")
+    acquiring, _ = _in_thread(waiter.acquire)
+    deadline = time.monotonic() + 30
+    while "waiting" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert acquiring.is_alive(), "no takeover while the holder is inside its change"
+    leave.set()
+    thread.join(30)
+    acquiring.join(30)
+    waiter.release()
+    assert "20261201T000000Z-aaaaaaaa" in caplog.text and "inside a change" in caplog.text

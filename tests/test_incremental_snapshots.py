@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import apache_beam as beam
+import pyarrow.parquet as pq
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -264,3 +265,70 @@ def test_previous_output_globs_never_take_a_staged_run_for_a_streaming_output(tm
         (root / name).write_bytes(b"x")
     assert output_prefixes(f"{root}/**", str(root / "own")) == [
         str(root / "day1"), str(root / "keys" / "stream")]
+
+
+def test_a_micro_batch_not_finished_yet_is_never_skipped_against(tmp_path):
+    """A streaming micro-batch's files are written before its store load and its ledger record;
+    a load that fails fails the bundle, which is retried and may end otherwise. Before, the
+    nightly batch pinned the unfinished micro-batch's key file as it was, skipped x against it,
+    and its commit check passed (nothing had changed yet); the micro-batch's retry then
+    dead-lettered x and rewrote the key file without it: x was in no output. Now only a
+    micro-batch with its ledger record is skipped against: the nightly embeds x itself."""
+    import glob
+    import os
+
+    from pipeline.graph import signature_of
+    from tests import streaming_output
+    from tests.fakes import FakeEngine
+    from tests.test_sinks_streaming import letter, micro_batch
+    from transforms import compaction
+    from transforms.model import model_label, resolve_model_path
+    from transforms.schema import NewsEvent
+    from transforms.text import compose_text
+
+    stream, out = f"{tmp_path}/stream", f"{tmp_path}/out"
+    x, y, z = events(["x", "y", "z"])
+    config = make_config(input=write_input(str(tmp_path), "in", [x, y]), output=out,
+                         incremental=IncrementalSettings(previous_outputs=[stream]))
+    label = model_label(config.model, resolve_model_path(config.model.path))
+
+    def row(article):
+        return embedded(article["id"], text=compose_text(NewsEvent(**article)), model=label)
+
+    first_attempt = micro_batch(0, rows=[row(x), row(z)])
+    streaming_output.write(stream, [first_attempt], signature=signature_of(config))
+    for record in glob.glob(f"{stream}/ledger/**/*.json", recursive=True):
+        os.remove(record)  # its store load failed: files written, no record (yet)
+    nightly = run_batch(config, PipelineOptions(["--runner=FnApiRunner"]),
+                        engine_factory=FakeEngine)
+    retry = dataclasses.replace(first_attempt, rows=(row(z),),
+                                dead_letters=(letter("x", "embedding_failed"),))
+    streaming_output.write(stream, [retry], signature=signature_of(config))
+    streamed = [i for f in compaction.current_files(stream, "vectors")
+                for i in pq.read_table(f, columns=["id"]).column(0).to_pylist()]
+    assert "x" not in streamed
+    assert "x" in ids_in(out), "x is held by a committed output: the nightly's"
+    assert nightly["counts"]["unchanged"] == 0
+
+
+def test_a_streaming_snapshot_takes_only_micro_batches_settled_for_the_margin(tmp_path):
+    """A micro-batch whose record is younger than the settling margin may still be redone by a
+    retry of its bundle: it is left out of the snapshot (its articles embedded again), and taken
+    once its record has stood that long."""
+    import os
+    import time
+
+    from tests import streaming_output
+    from transforms.incremental import STREAMING_SETTLE_S, streaming_snapshot
+
+    stream = str(tmp_path / "stream")
+    streaming_output.write(stream, streaming_output.micro_batches(8, windows=2, shards=1))
+    _, fresh = streaming_snapshot(stream, settle=STREAMING_SETTLE_S)
+    assert fresh == (), "written just now: nothing skipped against yet"
+    _, none_needed = streaming_snapshot(stream, settle=0)
+    assert len(none_needed) == 2
+    old = time.time() - STREAMING_SETTLE_S - 60
+    for record in (tmp_path / "stream" / "ledger").rglob("*.json"):
+        os.utime(record, (old, old))
+    snapshot, settled = streaming_snapshot(stream, settle=STREAMING_SETTLE_S)
+    assert settled == none_needed and len(snapshot.pins) == 2

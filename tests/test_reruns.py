@@ -21,6 +21,7 @@ import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -185,3 +186,61 @@ def test_duckdb_reads_the_committed_run_through_the_manifest(tmp_path):
     n, runs = con.execute("""SELECT count(*), count(DISTINCT model)
                              FROM read_parquet(getvariable('files'))""").fetchone()
     assert n == summary["counts"]["written"] == 20 and runs == 1
+
+
+# The summary newsvec reads back is the committed run's, never another run's (a stalled older
+# publisher of an earlier release could copy its own over it, or its undo delete it).
+
+
+@pytest.mark.parametrize("summary_json", ["another run's", "gone"])
+def test_a_run_reads_back_its_committed_runs_summary_never_another_runs(tmp_path, monkeypatch,
+                                                                        summary_json):
+    """Before, ``run_batch`` read ``_summary.json`` as it found it: another run's made it report
+    that run (and skip the store load of its own, committed run); a missing one raised
+    FileNotFoundError after a successful job. Now the summary is taken only if its run is the
+    manifest's, else the manifest's counts are reported, with why."""
+    from transforms import commit
+
+    root, output = str(tmp_path), f"{tmp_path}/out"
+    real_process = commit._CommitFn.process
+
+    def then_clobbered(self, *args):
+        yield from real_process(self, *args)
+        path = f"{output}/_summary.json"
+        if summary_json == "gone":
+            os.remove(path)
+        else:  # what a stalled older run's late copy, killed before its undo, left
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"run_id": "20261101T000000Z-00000000", "counts": {"in": 1}}, f)
+
+    monkeypatch.setattr(commit._CommitFn, "process", then_clobbered)
+    summary = run(write_input(root, "in", DAY_1), output)
+    committed = manifest_lib.read_manifest(output)
+    assert summary["run_id"] == committed.run_id, "the committed run, this one"
+    assert summary["counts"] == committed.counts
+    why = summary["summary_unavailable"]
+    assert ("20261101T000000Z-00000000's" if summary_json == "another run's"
+            else "could not be read") in why, why
+
+
+def test_backfill_judges_a_day_by_its_committed_runs_summary(tmp_path):
+    """Before, a day whose ``_summary.json`` was another run's was judged by that run's model and
+    settings: skipped as done though its committed run may have been made otherwise."""
+    from pipeline import backfill
+    from transforms.incremental import embedding_signature
+    from transforms.model import model_label, resolve_model_path
+
+    config = make_config(output=str(tmp_path))
+    label = model_label(config.model, resolve_model_path(config.model.path))
+    signature = embedding_signature(config.model, config.chunking, config.text.unicode_form)
+    run_id = "20261201T000000Z-aaaaaaaa"
+    manifest_lib.write_manifest(str(tmp_path), manifest_lib.Manifest(
+        run_id=run_id, state="committed", started_at=1.0, vectors=[], dead_letter=[],
+        summary="_summary.json", counts={"in": 3}, committed_at="2026-12-01T00:00:00+00:00"))
+    same_settings = {"model": {"label": label}, "counts": {"in": 3},
+                     "incremental": {"embedding_signature": signature}}
+    (tmp_path / "_summary.json").write_text(json.dumps(
+        {**same_settings, "run_id": "20261101T000000Z-bbbbbbbb"}))
+    assert backfill.already_done(config) is None, "another run's summary proves nothing"
+    (tmp_path / "_summary.json").write_text(json.dumps({**same_settings, "run_id": run_id}))
+    assert backfill.already_done(config)["run_id"] == run_id

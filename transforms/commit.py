@@ -28,7 +28,6 @@ import time
 from typing import Optional
 
 import apache_beam as beam
-from apache_beam.io.filesystems import FileSystems
 
 from transforms.incremental import Snapshot, SnapshotChanged
 from transforms.layout import (
@@ -51,8 +50,9 @@ from transforms.manifest import (
     Manifest,
     clean_stale,
     count_stored,
-    delete_tree,
+    delete_tree_fenced,
     publish,
+    published_summary,
     read_manifest,
     write_manifest,
 )
@@ -114,7 +114,7 @@ class _CommitFn(beam.DoFn):
         if current is not None and current.run_id > self._run_id:
             # A run launched after this one holds the output: the newest run wins, whichever
             # commits last. This run publishes nothing.
-            lease.change(delete_tree, staging_prefix(self._output, self._run_id))
+            delete_tree_fenced(staging_prefix(self._output, self._run_id), lease)
             return {**self._summary, "run_id": self._run_id, "published": False,
                     "superseded_by": current.run_id}
         files: dict[str, list[str]] = {subdir: [] for subdir in PUBLISHED_DIRS}
@@ -163,8 +163,9 @@ class _CommitFn(beam.DoFn):
         return summary
 
     def _published_summary(self) -> dict:
-        with FileSystems.open(join_path(self._output, SUMMARY_FILE)) as f:
-            return json.loads(f.read().decode("utf-8"))
+        """This run's summary, as published (``manifest.published_summary``: never another
+        run's)."""
+        return published_summary(self._output)
 
 
 def tally(pcoll, name: Tally, value=lambda _: 1):

@@ -16,21 +16,32 @@ its files, so they are whole) and nothing else: a micro-batch that lands while i
 file without a record yet, stays as it is, and the next run merges it with the compacted files.
 
 The order of operations makes every step safe to kill. Under the output's publish lease (one
-compaction or clean-up at a time), and checking it before each change:
+compaction, publish or clean-up at a time), every change fenced by it (``PublishLease.change``:
+on local disk the lease checked and the change made under the one ``flock`` a takeover needs; on
+GCS the lease read again just before each request, the manifest written only if it is still at
+the generation this run read, a copy read again after and undone if the lease was lost):
 
-1. delete what a killed run left: compacted files the manifest does not name (written, never
-   adopted), and micro-batch files the manifest says it replaced (adopted, never deleted);
-2. write the new compacted files (the rows of the current compacted files, then of the new
-   micro-batches), each to ``_temp/`` and renamed into place;
-3. write the manifest (temp and rename): from this moment readers that follow it read the new
-   files, and the replaced micro-batch files are ignored wherever they are still found;
-4. delete the replaced micro-batch files and the superseded compacted files.
+1. write the new compacted files (the rows of the current compacted files, then of the new
+   micro-batches), each to ``_temp/`` first and then moved into place (a rename on local disk, a
+   copy on GCS);
+2. write the manifest: from this moment readers that follow it read the new files, and the
+   replaced micro-batch files are ignored wherever they are still found. On GCS it is written
+   only if no one wrote it since this run read it: a compaction frozen before its write lands,
+   whose lease was taken over meanwhile, is refused by GCS, never lands over the taker's;
+3. delete the replaced micro-batch files and the superseded compacted files, and what a killed
+   run left: compacted files no manifest names (written, never adopted), micro-batch files the
+   manifest says it replaced (adopted, never deleted).
 
-Before step 3, readers that follow the manifest or the ledger (``resolve``, ``ledger_records``,
+The leftovers are deleted only after this run's own manifest write (or, with nothing new to
+compact, after a rewrite of the manifest as it was read, on GCS): on GCS an unadopted compacted
+file may be a stalled run's whose manifest write is still on its way; once this run has written
+the manifest, that late write is refused, and the file is no one's.
+
+Before step 2, readers that follow the manifest or the ledger (``resolve``, ``ledger_records``,
 ``current_files``) see the old state: the new compacted files are named by no manifest, so they
-are skipped. From step 3 on they see the new one: the replaced files are skipped. So a row is never
+are skipped. From step 2 on they see the new one: the replaced files are skipped. So a row is never
 counted twice or not at all. A reader that only globs ``vectors/**/*.parquet`` (DuckDB) sees the
-new compacted file beside the files it replaces from step 2 until step 4 ends (seconds): rows twice.
+new compacted file beside the files it replaces from step 1 until step 3 ends (seconds): rows twice.
 ``newsvec ledger`` names that state (an unfinished compaction) until a run finishes it.
 
 No Beam pipeline: one process reads and writes a partition at a time, through Beam's
@@ -43,6 +54,7 @@ import concurrent.futures
 import dataclasses
 import datetime as dt
 import json
+import logging
 from typing import Callable, Iterable, Optional
 
 import pyarrow as pa
@@ -59,14 +71,18 @@ from transforms.layout import (
     VECTORS_DIR,
     join_path,
     list_files,
+    mkdirs,
     new_run_id,
     relative_to,
+    temp_path,
     write_whole,
 )
 from transforms.lease import PublishLease
+from transforms.manifest import copy_fenced, delete_fenced
 from transforms.schema import LedgerRecord, common_schema, conform
 
 MANIFEST_NAME = "manifest.json"
+_LOG = logging.getLogger(__name__)
 # Each kind: its folder, the compacted file's suffix, and the ledger record's field naming its file.
 PARQUET_KINDS = {VECTORS_DIR: "vectors_file", CHUNKS_DIR: "chunks_file", KEYS_DIR: "keys_file"}
 KINDS = (VECTORS_DIR, CHUNKS_DIR, KEYS_DIR, DEAD_LETTER_DIR, LEDGER_DIR)
@@ -115,12 +131,26 @@ def manifest_path(output: str, partition: str) -> str:
     return join_path(output, COMPACTION_DIR, partition, MANIFEST_NAME)
 
 
-def read_compaction(output: str, partition: str) -> Optional[CompactionManifest]:
+def read_compaction(output: str, partition: str, lease: Optional[PublishLease] = None
+                    ) -> Optional[CompactionManifest]:
+    """A partition's compaction manifest, or None. With ``lease`` (its holder's read, before it
+    compacts), on GCS the generation read is kept for the holder's conditional write."""
     path = manifest_path(output, partition)
+    if lease is not None and path.startswith("gs://"):
+        data = lease.read_object(path)
+        return None if data is None else CompactionManifest(**json.loads(data.decode("utf-8")))
     if not FileSystems.exists(path):
         return None
     with FileSystems.open(path) as f:
         return CompactionManifest(**json.loads(f.read().decode("utf-8")))
+
+
+def _write_manifest(output: str, manifest: CompactionManifest, lease: PublishLease) -> None:
+    """The partition's manifest, whole, fenced (``PublishLease.put``: on GCS only if it is still
+    at the generation this holder read, so a stalled holder's late write is refused)."""
+    path = manifest_path(output, manifest.partition)
+    data = manifest.to_json().encode("utf-8")
+    lease.put(path, data, lambda: write_whole(output, path, lambda f: f.write(data)))
 
 
 def partition_of(relative: str) -> str:
@@ -250,8 +280,31 @@ def _relative_files(output: str, kind: str, partition: str) -> list[str]:
                   if p.endswith(_READ_SUFFIXES[kind]))
 
 
-def _write_parquet(output: str, target: str, sources: list[str], row_group_rows: int) -> int:
-    """Concatenate Parquet files into ``target`` (temp and rename) in row groups of
+def _write_compacted(output: str, target: str, write: Callable, lease: PublishLease) -> None:
+    """Write a compacted file whole, fenced: first to ``_temp/`` (not a change: nobody reads
+    there, and it may take long), then moved into place as one fenced change (on local disk a
+    rename under the lock; on GCS a copy, read again after it and deleted again if the lease was
+    lost: its name is this compaction's own, needed by no one else)."""
+    temp = temp_path(output)
+    try:
+        with FileSystems.create(temp) as handle:
+            write(handle)
+        if target.startswith("gs://"):
+            copy_fenced(output, temp, target, lease)
+        else:
+            mkdirs(target.rsplit("/", 1)[0])
+            lease.change(FileSystems.rename, [temp], [target])
+    finally:
+        if temp.startswith("gs://") or FileSystems.exists(temp):
+            try:
+                FileSystems.delete([temp])
+            except IOError:
+                pass  # gone already
+
+
+def _write_parquet(output: str, target: str, sources: list[str], row_group_rows: int,
+                   lease: PublishLease) -> int:
+    """Concatenate Parquet files into ``target`` (``_write_compacted``) in row groups of
     ``row_group_rows``, reading one batch at a time, so at most about two row groups are held.
     Returns the rows written. Files with the ``embedding`` column written before its elements
     were declared not null, or at another ``sink.vector_dtype``, are compacted with the others
@@ -287,7 +340,7 @@ def _write_parquet(output: str, target: str, sources: list[str], row_group_rows:
             if writer is not None:
                 writer.close()
 
-    write_whole(output, target, write)
+    _write_compacted(output, target, write, lease)
     return rows
 
 
@@ -302,7 +355,7 @@ def _write_row_groups(writer: pq.ParquetWriter, batches: list[pa.RecordBatch],
     return table.to_batches()
 
 
-def _write_lines(output: str, target: str, sources: list[str]) -> int:
+def _write_lines(output: str, target: str, sources: list[str], lease: PublishLease) -> int:
     """Concatenate JSON Lines (and one-record JSON) files into ``target``, one record a line."""
     lines = 0
 
@@ -315,25 +368,22 @@ def _write_lines(output: str, target: str, sources: list[str]) -> int:
                         handle.write(line.rstrip(b"\r") + b"\n")
                         lines += 1
 
-    write_whole(output, target, write)
+    _write_compacted(output, target, write, lease)
     return lines
 
 
 def compact_partition(output: str, partition: str, lease: PublishLease, row_group_rows: int,
                       hook: Optional[Hook] = None) -> CompactionResult:
-    """Compact one partition (steps 1-4 of the module docstring), by the holder of ``lease``.
-    Idempotent: a partition with nothing new is left as it is."""
+    """Compact one partition (steps 1-3 of the module docstring), by the holder of ``lease``.
+    Idempotent: a partition with nothing new is left as it is (but for a killed run's
+    leftovers)."""
     hook = hook or (lambda step: None)
-
-    def change(step: str, action, *args):
-        hook(step)
-        lease.check()  # fenced: not one more change once the lease is lost
-        return action(*args)
+    on_gcs = output.startswith("gs://")
 
     def absolute(paths: Iterable[str]) -> list[str]:
         return [join_path(output, p) for p in paths]
 
-    old = read_compaction(output, partition)
+    old = read_compaction(output, partition, lease)  # on GCS its generation, for the write
     replaced = old.replaced() if old else {}
     current = old.current() if old else set()
     # The ledger first: a record is written after its files, so every file a listed record names
@@ -343,11 +393,10 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
     present = {p for paths in listed.values() for p in paths}
     files_before = len(present)
 
-    # 1. What a killed run left: unadopted compacted files, replaced files not yet deleted.
+    # What a killed run left: unadopted compacted files, replaced files not yet deleted. Deleted
+    # last (see the module docstring).
     leftovers = [p for kind in KINDS for p in listed[kind]
                  if (p not in current if is_compacted(p) else p in replaced)]
-    if leftovers:
-        change("clean", FileSystems.delete, absolute(leftovers))
 
     # The micro-batches to take: those whose ledger record is here now (their files are whole).
     batches: list[dict] = []
@@ -364,13 +413,25 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
                                     f"(newsvec ledger says more); {partition} is not compacted")
         batches.append({"record": record_path, "files": named})
     if not batches:
+        if leftovers and on_gcs:
+            if old is None:  # no manifest to write first: a late one of a stalled run may come
+                _LOG.warning("%s: %d compacted files no manifest names are left for a run "
+                             "with something to compact", partition, len(leftovers))
+                leftovers = []
+            else:  # the manifest as read, written again: a stalled run's late write is refused
+                hook("claim")
+                _write_manifest(output, old, lease)
+        if leftovers:
+            hook("clean")
+            delete_fenced(absolute(leftovers), lease)
         return CompactionResult(partition, 0, files_before, files_before - len(leftovers),
                                 {k: f["rows"] for k, f in (old.files if old else {}).items()},
                                 len(leftovers))
 
-    # 2. The new compacted files: the current ones' rows first, then the new micro-batches'.
+    # 1. The new compacted files: the current ones' rows first, then the new micro-batches'.
     compaction_id = new_run_id()
     files: dict[str, dict] = {}
+    written = 0
     for kind in KINDS:
         current_file = old.files.get(kind) if old else None
         new = ([b["record"] for b in batches] if kind == LEDGER_DIR
@@ -381,30 +442,30 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
             continue
         sources = ([current_file["path"]] if current_file else []) + new
         target = f"{kind}/{partition}/{COMPACTED_PREFIX}{compaction_id}{_SUFFIX[kind]}"
+        hook(f"write {kind}")
         if kind in PARQUET_KINDS:
-            rows = change(f"write {kind}", _write_parquet, output, join_path(output, target),
-                          absolute(sources), row_group_rows)
+            rows = _write_parquet(output, join_path(output, target), absolute(sources),
+                                  row_group_rows, lease)
         else:
-            rows = change(f"write {kind}", _write_lines, output, join_path(output, target),
-                          absolute(sources))
+            rows = _write_lines(output, join_path(output, target), absolute(sources), lease)
         files[kind] = {"path": target, "rows": rows}
+        written += 1
 
-    # 3. Adopt them: one manifest, written whole.
+    # 2. Adopt them: one manifest, written whole, fenced (on GCS conditional on the one read).
     manifest = CompactionManifest(
         partition=partition, compaction_id=compaction_id,
         compacted_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         files=files, batches=(old.batches if old else []) + batches)
-    data = manifest.to_json().encode("utf-8")
-    change("manifest", write_whole, output, manifest_path(output, partition),
-           lambda f: f.write(data))
+    hook("manifest")
+    _write_manifest(output, manifest, lease)
 
-    # 4. Delete what they replace.
+    # 3. Delete what they replace, and what a killed run left.
     done = ([p for b in batches for p in (b["record"], *b["files"].values())]
             + sorted(current - manifest.current()))
-    existing = [p for p in done if p in present]
-    if existing:
-        change("delete", FileSystems.delete, absolute(existing))
-    files_after = files_before - len(leftovers) - len(existing) + len(files)
+    doomed = sorted({p for p in done + leftovers if p in present})
+    if doomed:
+        hook("delete")
+        delete_fenced(absolute(doomed), lease)
+    files_after = files_before - len(doomed) + written
     return CompactionResult(partition, len(batches), files_before, files_after,
                             {k: f["rows"] for k, f in files.items()}, len(leftovers))
-

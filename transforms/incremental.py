@@ -37,13 +37,14 @@ from transforms.key_index import KeyIndex, MissingKeyFile, ProcessCache
 from transforms.layout import (
     COMPACTION_DIR,
     KEYS_DIR,
+    LEDGER_DIR,
     MANIFEST_FILE,
     STAGING_DIR,
     TEMP_DIR,
     join_path,
     relative_to,
 )
-from transforms.lease import gcs_bucket_and_name
+from transforms.lease import gcs_bucket_and_name, unsafe_test_timings
 from transforms.manifest import COMMITTED, read_manifest
 from transforms.metrics import KEY_INDEX_LOAD_MS, KEY_INDEX_WAIT_MS, SKIP_LOOKUPS, SKIP_NS
 from transforms.model import ModelSettings
@@ -52,6 +53,15 @@ from transforms.schema import EmbeddedDoc, PreparedDoc
 UNCHANGED = "unchanged"
 SKIPPED_FROM = "skipped_from"
 _LOG = logging.getLogger(__name__)
+# A streaming micro-batch is skipped against only once its ledger record (written last, after its
+# files and its store load) has stood this long. A bundle that fails after some of its
+# micro-batches were written (a store load that keeps failing, a worker lost) is retried, and the
+# retry may end them otherwise (an article embedded in one attempt, dead-lettered in the next):
+# each attempt rewrites their files and records, at most ``store.retry_s`` (300 s by default) plus
+# the runner's retry delay apart. An hour is well past that, and costs a nightly job only the
+# articles the stream wrote in the hour before it reads (embedded again). 0 under the test
+# suite's override (``transforms.lease.UNSAFE_TEST_TIMINGS_ENV``).
+STREAMING_SETTLE_S = 3600.0
 
 
 
@@ -241,23 +251,58 @@ def streaming_key_files(prefix: str) -> list[str]:
     return current_key_files(prefix)
 
 
-def streaming_snapshot(prefix: str) -> Optional[tuple[Snapshot, tuple[str, ...]]]:
-    """A streaming output's snapshot and its key files: the compacted files and the micro-batch
-    files not compacted yet, each micro-batch file pinned by its checksum, taken after the listing
-    and before any worker reads it (a file rewritten in between is read as it is then, or later:
-    never older than its pin). None if a listed file went before it was pinned (compacted,
-    redone): read again."""
+def settle_s() -> float:
+    """How long a streaming micro-batch's ledger record must have stood before a run skips
+    articles against it (``STREAMING_SETTLE_S``; 0 under the test override)."""
+    return 0.0 if unsafe_test_timings() else STREAMING_SETTLE_S
+
+
+def settled_micro_batch_key_files(prefix: str, settle: float,
+                                  now: Optional[float] = None) -> set[str]:
+    """The micro-batch key files (relative to the output) whose micro-batch has finished: its
+    ledger record (``ledger/<partition>/<name>.json``, beside ``keys/<partition>/<name>.parquet``)
+    is there, last written ``settle`` seconds ago or more. One listing of ``ledger/``."""
+    now = time.time() if now is None else now
+    out = set()
+    for match in FileSystems.match([join_path(prefix, LEDGER_DIR, "**")])[0].metadata_list:
+        relative = relative_to(prefix, match.path)
+        if (not relative.endswith(".json") or is_compacted(relative)
+                or now - match.last_updated_in_seconds < settle):
+            continue
+        out.add(KEYS_DIR + relative[len(LEDGER_DIR):-len(".json")] + ".parquet")
+    return out
+
+
+def streaming_snapshot(prefix: str, settle: Optional[float] = None
+                       ) -> Optional[tuple[Snapshot, tuple[str, ...]]]:
+    """A streaming output's snapshot and its key files: the compacted files, and the micro-batch
+    files not compacted yet whose micro-batch has finished (``settled_micro_batch_key_files``: a
+    key file whose micro-batch has no ledger record yet, or one younger than ``settle``
+    (``settle_s()``), may still be redone otherwise, so nothing is skipped against it). Each
+    micro-batch file is pinned by its checksum, taken after the listings and before any worker
+    reads it (a file rewritten in between is read as it is then, or later: never older than its
+    pin). None if a listed file went before it was pinned (compacted, redone): read again."""
     files = streaming_key_files(prefix)
+    finished = settled_micro_batch_key_files(prefix, settle_s() if settle is None else settle)
     checksums = key_file_checksums(prefix)
-    pins = []
+    pins, taken = [], []
     for path in files:
         relative = relative_to(prefix, path)
         if is_compacted(relative):
+            taken.append(path)
             continue
+        if relative not in finished:
+            continue  # not finished, or not for long: its articles are embedded again
         if relative not in checksums:
             return None
         pins.append((relative, checksums[relative]))
-    return Snapshot(prefix, None, tuple(sorted(pins))), tuple(files)
+        taken.append(path)
+    if len(taken) < len(files):
+        _LOG.info("%s: %d of its %d micro-batch key files are left out: their micro-batches have "
+                  "no ledger record yet, or one younger than %.0f s", prefix,
+                  len(files) - len(taken), len(files) - (len(taken) - len(pins)),
+                  settle_s() if settle is None else settle)
+    return Snapshot(prefix, None, tuple(sorted(pins))), tuple(taken)
 
 
 class _ReadSnapshotFn(beam.DoFn):

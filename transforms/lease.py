@@ -12,8 +12,10 @@ every change to it is conditional on the generation the changer last saw:
   whose response was lost; the retry then gets 412 although the first request was applied: a
   refused change is therefore followed by a read, and a lock whose body is this holder's is its own;
 - on local disk, the same operations under an OS lock (``fcntl.flock``) on the output folder, with
-  the generation kept in the file; a released lock is deleted. A local output shared by several
-  machines (NFS, gcsfuse) is refused: ``flock`` does not span machines there.
+  the generation kept in the file; a released lock is deleted. ``flock`` does not span machines
+  (NFS, SMB, FUSE mounts such as gcsfuse, virtiofs, 9p): only the local filesystems of
+  ``LOCAL_FILESYSTEMS`` are accepted, any other (or one whose type cannot be read) refused unless
+  the user names it in ``NEWSVEC_LOCAL_LOCK_FILESYSTEMS`` (an output only this machine writes).
 
 The holder renews the lease every ``lease_s / 4`` (a new generation each time). Another run waits
 while the generation changes; when it has seen one generation stand for ``lease_s`` by its own
@@ -28,15 +30,19 @@ holder must have renewed within ``lease_s / 2``; else ``LeaseLost``, and nothing
 - on local disk the read and the change run under the same ``flock`` that a taker needs to take
   the lease over: a change never lands after a takeover;
 - on GCS a request can be delayed after that read (a frozen process, a request retried through a
-  brown-out). The manifest is therefore written with a precondition on the generation this holder
-  last read or wrote: a late write is refused by GCS. A copy is followed by another read of the
-  lock, and undone (the copied file deleted) if the lease was lost meanwhile; a late delete only
-  removes a file the holder listed before the takeover (an older run's file, never the taker's,
-  whose names hold its run id).
+  brown-out). The small objects that name files (the manifest, the summary, a compaction
+  manifest) are therefore written with a precondition on the generation this holder last read or
+  wrote: a late write is refused by GCS. A copy is made only over the generation the holder
+  listed (0: absent), so a late copy never replaces a file written since; it is followed by
+  another read of the lock, and undone if the lease was lost meanwhile, by deleting only the
+  generation it created. A late delete only removes a file the holder listed before the takeover
+  (an older run's file, never the taker's, whose names hold its run id).
 
 The margin of that fencing is ``lease_s / 2`` minus the longest a single storage request can take,
 so ``lease_s`` has a floor (``MIN_LEASE_S``): twice the longest one request can take through Beam's
-GCS client (a 120 s retry deadline, then up to 60 s for the last attempt).
+GCS client (a 120 s retry deadline, then up to 60 s for the last attempt). Each fenced change is
+therefore one request (a batch of up to 100 deletes is one GCS batch request), or is read again
+after it.
 """
 from __future__ import annotations
 
@@ -48,7 +54,10 @@ import json
 import logging
 import os
 import random
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -207,6 +216,32 @@ def gcs_delete(path: str, if_generation: int) -> bool:
     return True
 
 
+def gcs_copy(source: str, target: str, if_generation: int = 0) -> int:
+    """Copy one GCS object to another name, in one request (retried), only if the target is at
+    ``if_generation`` (0: absent; else ``PreconditionFailed``): the generation it created."""
+    from google.cloud.storage.retry import DEFAULT_RETRY
+
+    source_bucket, source_name = gcs_bucket_and_name(source)
+    target_bucket, target_name = gcs_bucket_and_name(target)
+    copied = source_bucket.copy_blob(source_bucket.blob(source_name), target_bucket, target_name,
+                                     if_generation_match=if_generation, retry=DEFAULT_RETRY)
+    return int(copied.generation)
+
+
+def gcs_read_generation(path: str) -> int:
+    """The generation of a GCS object now; 0 if absent."""
+    bucket, name = gcs_bucket_and_name(path)
+    blob = bucket.get_blob(name)
+    return 0 if blob is None else int(blob.generation)
+
+
+def gcs_updated(path: str) -> Optional[float]:
+    """When GCS last wrote an object (its ``updated``, the storage's clock, Unix seconds)."""
+    bucket, name = gcs_bucket_and_name(path)
+    blob = bucket.get_blob(name)
+    return None if blob is None or blob.updated is None else blob.updated.timestamp()
+
+
 class GcsLockStore:
     """The lock as a GCS object, every change under an ``if_generation_match`` precondition."""
 
@@ -214,6 +249,10 @@ class GcsLockStore:
 
     def __init__(self, path: str):
         self._path = path
+
+    @property
+    def path(self) -> str:
+        return self._path
 
     def read(self) -> Optional[tuple[int, dict]]:
         found = gcs_read(self._path)
@@ -241,12 +280,22 @@ class GcsLockStore:
 
 # Local disk.
 
-# Filesystems that several machines mount: flock does not span them (gcsfuse has none at all).
-SHARED_FILESYSTEMS = frozenset({
-    "nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "gpfs", "afs",
-    "beegfs", "ocfs2", "gfs2", "fuse.gcsfuse", "gcsfuse", "fuse.sshfs", "fuse.s3fs",
-    "fuse.rclone", "fuse.juicefs", "fuse.glusterfs", "fuse.ceph-fuse", "fuse.goofys",
-    "fuse.mountpoint-s3", "fuse.blobfuse", "fuse.blobfuse2"})
+# The filesystems whose flock every publisher of an output shares: disks of this machine (and
+# tmpfs, overlay). Any other type (NFS, SMB, CephFS, Lustre, gcsfuse and Cloud Storage FUSE's
+# "fuse", virtiofs, 9p...) may be mounted by several machines, where flock does not span them.
+LOCAL_FILESYSTEMS = frozenset({
+    "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "jfs", "reiserfs",
+    "nilfs2", "tmpfs", "ramfs", "overlay", "apfs", "hfs", "hfsplus", "ufs", "ffs"})
+# Filesystem types a user accepts besides, comma-separated (``unknown``: where the type cannot be
+# read): for an output that only this machine ever writes.
+LOCAL_LOCK_FILESYSTEMS_ENV = "NEWSVEC_LOCAL_LOCK_FILESYSTEMS"
+UNKNOWN_FILESYSTEM = "unknown"
+
+
+def accepted_filesystems() -> frozenset:
+    """``LOCAL_FILESYSTEMS`` and the types named in ``NEWSVEC_LOCAL_LOCK_FILESYSTEMS``."""
+    extra = os.environ.get(LOCAL_LOCK_FILESYSTEMS_ENV, "")
+    return LOCAL_FILESYSTEMS | {kind.strip() for kind in extra.split(",") if kind.strip()}
 
 
 def _unescape_mount_path(path: str) -> str:
@@ -262,25 +311,47 @@ def _unescape_mount_path(path: str) -> str:
     return "".join(out)
 
 
-def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> Optional[str]:
-    """The type of the filesystem that holds ``path`` (``ext4``, ``nfs4``, ``fuse.gcsfuse``...)
-    from the longest mount point above it in ``mountinfo``; None where it cannot be read."""
+def _mount_points(mountinfo: str) -> Optional[list[tuple[str, str]]]:
+    """(mount point, filesystem type) of every mount: from ``mountinfo`` (Linux), else from what
+    ``mount`` prints (macOS, BSD: ``/dev/disk3s1 on / (apfs, local, journaled)``); None where
+    neither can be read."""
     try:
         with open(mountinfo, encoding="utf-8") as f:
             lines = f.read().splitlines()
     except OSError:
+        lines = None
+    if lines is not None:
+        out = []
+        for line in lines:
+            fields, _, rest = line.partition(" - ")
+            parts, kinds = fields.split(), rest.split()
+            if len(parts) >= 5 and kinds:
+                out.append((_unescape_mount_path(parts[4]), kinds[0]))
+        return out
+    if sys.platform == "linux":
+        return None  # no /proc: nothing else to ask
+    try:
+        printed = subprocess.run(["mount"], capture_output=True, text=True, timeout=10,
+                                 check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = [re.fullmatch(r".+? on (.+) \(([^,)]+)[,)].*", line) for line in printed.splitlines()]
+    return [(m.group(1), m.group(2).strip()) for m in found if m]
+
+
+def filesystem_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> Optional[str]:
+    """The type of the filesystem that holds ``path`` (``ext4``, ``nfs4``, ``fuse.gcsfuse``,
+    ``apfs``...) from the longest mount point above it (``/proc/self/mountinfo``, or ``mount``
+    where there is no /proc); None where it cannot be read."""
+    mounts = _mount_points(mountinfo)
+    if mounts is None:
         return None
     real = os.path.realpath(path)
     best, best_type = "", None
-    for line in lines:
-        fields, _, rest = line.partition(" - ")
-        parts, kinds = fields.split(), rest.split()
-        if len(parts) < 5 or not kinds:
-            continue
-        mount = _unescape_mount_path(parts[4])
+    for mount, kind in mounts:
         inside = real == mount or real.startswith(mount.rstrip("/") + "/")
         if inside and len(mount) >= len(best):
-            best, best_type = mount, kinds[0]
+            best, best_type = mount, kind
     return best_type
 
 
@@ -303,6 +374,10 @@ def process_identity() -> dict:
             "boot_id": _read_text("/proc/sys/kernel/random/boot_id")}
 
 
+# How the local lock's flock is waited for: polled, and logged after a second, then every 30 s.
+_FLOCK_POLL_S, _FLOCK_QUIET_S, _FLOCK_LOG_EVERY_S = 0.02, 1.0, 30.0
+
+
 class LocalLockStore:
     """The lock as a local file; each read-compare-write holds ``flock`` on its folder (every
     process on this machine sees it; a killed process's flock is released by the OS)."""
@@ -313,18 +388,48 @@ class LocalLockStore:
         self._path = path
         self._folder = os.path.dirname(path) or "."
         os.makedirs(self._folder, exist_ok=True)
-        kind = filesystem if filesystem is not None else filesystem_type(self._folder)
-        if kind in SHARED_FILESYSTEMS:
+        kind = (filesystem if filesystem is not None else filesystem_type(self._folder)
+                or UNKNOWN_FILESYSTEM)
+        if kind not in accepted_filesystems():
             raise ValueError(
-                f"{self._folder} is on a {kind} filesystem, which several machines may mount: the "
-                f"publish lock (flock) does not span machines there. Write to gs:// or to a "
-                f"local disk")
+                f"{self._folder} is on a filesystem of type {kind}, not a local disk the publish "
+                f"lock trusts ({', '.join(sorted(LOCAL_FILESYSTEMS))}): the lock is an flock, "
+                f"which does not span machines where several mount the same files (NFS, SMB, "
+                f"Cloud Storage FUSE, virtiofs, 9p). Write to gs:// or to a local disk; if only "
+                f"this machine ever writes this output, accept the type with "
+                f"{LOCAL_LOCK_FILESYSTEMS_ENV}={kind}")
+
+    def _holder(self) -> str:
+        """Who the lock file names (read without the flock: it is replaced whole), for a log."""
+        try:
+            with open(self._path, encoding="utf-8") as f:
+                body = json.load(f)["body"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return "a process of this machine"
+        return (f"{body.get('holder')} (pid {body.get('pid')} on {body.get('host')}"
+                + (", released)" if body.get("released") else ")"))
 
     @contextlib.contextmanager
     def _guarded(self) -> Iterator[None]:
+        """The flock on the output folder. Taken without blocking, again and again: a holder
+        frozen inside a change keeps it (a change must never land after a takeover, so nobody
+        may take the lease over meanwhile), and whoever waits for it says so in the log."""
         guard = os.open(self._folder, os.O_RDONLY)
         try:
-            fcntl.flock(guard, fcntl.LOCK_EX)
+            started = now()
+            next_log = started + _FLOCK_QUIET_S
+            while True:
+                try:
+                    fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if now() >= next_log:
+                        _LOG.warning("waiting %.0f s for the publish lock of %s: %s is inside a "
+                                     "change of the output (a holder frozen there is waited "
+                                     "for, never taken over)", now() - started, self._folder,
+                                     self._holder())
+                        next_log = now() + _FLOCK_LOG_EVERY_S
+                    time.sleep(_FLOCK_POLL_S)
             yield
         finally:
             os.close(guard)  # and with it the flock
@@ -431,6 +536,8 @@ class PublishLease:
         # GCS generations of the small objects (the manifest) this holder read or wrote: its
         # writes of them are conditional on these (``put``, ``remove``).
         self.generations: dict[str, int] = {}
+        # GCS generations of the files this holder copied (``transforms.manifest.copy_fenced``).
+        self.copied: dict[str, int] = {}
 
     @property
     def holder(self) -> str:
@@ -557,7 +664,9 @@ class PublishLease:
                ) -> Any:
         """``action(*args)``, one change of the output, fenced (``fenced``). ``undo``: for a long
         change (a copy), what makes it harmless if the lease turns out lost by its end; then the
-        lock is read again after it (where the storage cannot exclude a takeover during it)."""
+        lock is read again after it (where the storage cannot exclude a takeover during it). The
+        undo runs after a takeover, so it must change nothing the taker needs: it deletes only
+        what the change created (on GCS by the generation it created)."""
         with self.fenced():
             result = action(*args)
         if undo is not None and not self._store.exclusive:
@@ -605,6 +714,17 @@ class PublishLease:
             self.generations[path] = 0
 
         self.change(conditional)
+
+    def storage_time(self) -> float:
+        """Now, by the storage's clock where it has one: on GCS the time the lock object was last
+        written (this holder renews it every quarter lease, so it is at most that much behind),
+        on local disk this machine's clock. Ages of files on GCS (their ``updated``) are measured
+        against it, so a skewed local clock makes no file look older than it is."""
+        if isinstance(self._store, GcsLockStore):
+            updated = gcs_updated(self._store.path)
+            if updated is not None:
+                return updated
+        return time.time()
 
     def read_object(self, path: str) -> Optional[bytes]:
         """A small GCS object of the output, its generation kept for ``put`` and ``remove``."""

@@ -16,24 +16,27 @@ A batch run writes into ``<output>/_staging/<run_id>/`` (``vectors/``, ``dead_le
    ``keys/``) that is not this run's, then copies this run's files in (a copy, so that the staged
    files the manifest names stay whole meanwhile): a reader that globs ``vectors/**/*.parquet``
    sees part of the old run, then part of the new one, never rows of two runs at once;
-3. copies the summary, writes the manifest again (state ``committed``, naming the published files)
-   and deletes the staging folder.
+3. writes ``_summary.json`` (the staged summary's bytes, fenced as the manifest is), writes the
+   manifest again (state ``committed``, naming the published files) and deletes the staging
+   folder.
 
 Every step can run again (a retried bundle, ``repair``). Only the holder of the output's publish
 lease (``transforms.lease``) publishes, and every change it makes is fenced by it
-(``PublishLease.change``: the lock read again just before; on GCS the manifest written only if
-unchanged since this holder last saw it, a copy undone if the lease was lost during it): a
+(``PublishLease.change``: the lock read again just before; on GCS the manifest and the summary
+written only if unchanged since this holder last saw them, a copy made only over the generation
+this holder listed and undone, by the generation it created, if the lease was lost during it): a
 publisher whose lease was taken over stops before it changes one more file. ``repair``,
-``remove_strays`` and ``clean_stale`` serve ``newsvec cleanup`` (``pipeline/cleanup.py``) after a
-kill.
+``remove_strays``, ``missing_files`` and ``clean_stale`` serve ``newsvec cleanup``
+(``pipeline/cleanup.py``) after a kill. ``published_summary`` is how newsvec reads an output's
+summary: only the committed run's.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
 import json
+import logging
 import shutil
-import time
 from typing import Any, Iterable, Optional
 
 from apache_beam.io.filesystems import FileSystems
@@ -53,8 +56,18 @@ from transforms.layout import (
     temp_path,
     write_whole,
 )
-from transforms.lease import PublishLease, unsafe_test_timings
+from transforms.lease import (
+    LeaseLost,
+    PublishLease,
+    gcs_bucket_and_name,
+    gcs_copy,
+    gcs_delete,
+    gcs_read_generation,
+    unsafe_test_timings,
+)
 from transforms.schema import Counts
+
+_LOG = logging.getLogger(__name__)
 
 PUBLISHING, COMMITTED = "publishing", "committed"
 STALE_AFTER_S = 2 * 86400  # older staged or temporary files than this are a dead run's
@@ -64,7 +77,10 @@ STALE_AFTER_S = 2 * 86400  # older staged or temporary files than this are a dea
 # ``newsvec cleanup`` is a day, of the commit's own clean-up two). Under the test override only
 # (``transforms.lease.UNSAFE_TEST_TIMINGS_ENV``) it may be less.
 MIN_STALE_AGE_S = 3600.0
-_DELETES_PER_CHANGE = 100  # files in one fenced delete (one GCS batch request)
+# Files in one fenced delete: on GCS one batch request (``delete_files``), as each fenced change
+# must be one request for the lease's floor to hold (``transforms.lease.MIN_LEASE_S``).
+_DELETES_PER_CHANGE = 100
+_COPY_ATTEMPTS = 3  # a GCS copy whose target another holder wrote since it was listed, tried again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,13 +157,38 @@ def _remove_manifest(output: str, lease: PublishLease) -> None:
     lease.remove(path, lambda: FileSystems.delete([path]) if FileSystems.exists(path) else None)
 
 
+def delete_files(paths: list[str]) -> None:
+    """Delete files: on GCS up to ``_DELETES_PER_CHANGE`` in one batch request (Beam's
+    ``FileSystems.delete`` makes a listing and a batch request of its own for every path), a file
+    already gone not an error; on local disk each file, as Beam's local filesystem does."""
+    remote = [p for p in paths if p.startswith("gs://")]
+    local = [p for p in paths if not p.startswith("gs://")]
+    for start in range(0, len(remote), _DELETES_PER_CHANGE):
+        chunk = remote[start:start + _DELETES_PER_CHANGE]
+        # Beam's own client, set up as its FileSystems are (pipeline options, retries).
+        filesystem: Any = FileSystems.get_filesystem(chunk[0])
+        gcs = filesystem._gcsIO()  # pylint: disable=protected-access
+        failed = {path: status for path, status in gcs.delete_batch(chunk) if status}
+        if failed:
+            raise IOError(f"GCS refused to delete {failed}")
+    if local:
+        FileSystems.delete(local)
+
+
 def delete_tree(path: str) -> None:
     """Every file under ``path``, and on local disk the folders left empty."""
     files = list(list_files(join_path(path, "**")))
     if files:
-        FileSystems.delete(files)
+        delete_files(files)
     if FileSystems.get_scheme(path) is None:  # a local path
         shutil.rmtree(path, ignore_errors=True)  # Beam's local delete does not take empty folders
+
+
+def delete_tree_fenced(path: str, lease: PublishLease) -> None:
+    """``delete_tree`` by the holder of ``lease``, checked before each batch of deletes."""
+    delete_fenced(sorted(list_files(join_path(path, "**"))), lease)
+    if FileSystems.get_scheme(path) is None:
+        lease.change(shutil.rmtree, path, True)
 
 
 def _delete_quietly(paths: list[str]) -> None:
@@ -157,14 +198,41 @@ def _delete_quietly(paths: list[str]) -> None:
         pass  # already gone
 
 
-def _copy_whole(output: str, source: str, target: str, lease: PublishLease) -> None:
-    """Copy so that the target never exists half-written, fenced by ``lease``: a GCS copy creates
-    the object whole (and is undone if the lease was lost while it ran); on local disk the copy
-    goes to ``_temp/`` first (not a change: nobody reads there) and the rename is the change."""
+def copy_fenced(output: str, source: str, target: str, lease: PublishLease,
+                if_generation: int = 0) -> None:
+    """Copy so that the target never exists half-written, fenced by ``lease``.
+
+    On GCS a copy creates the object whole, in one request, and only if the target is still at
+    ``if_generation`` (0: absent; the generation the caller listed): a stalled holder's late copy
+    never replaces what was written since. If the target changed (such a late copy, or its undo,
+    landed in between), the lease is checked and the copy made again over what is there now. If
+    the lease was lost while the copy ran, it is undone: the generation it created is deleted,
+    and nothing if another holder has written the name since. The generation is kept in
+    ``lease.copied``.
+
+    On local disk the copy goes to ``_temp/`` first (not a change: nobody reads there) and the
+    rename is the change, under the lock a takeover needs."""
     if FileSystems.get_scheme(target) is not None:
-        lease.change(FileSystems.copy, [source], [target],
-                     undo=lambda: _delete_quietly([target]))
-        return
+        from google.api_core import exceptions  # pylint: disable=import-outside-toplevel
+
+        created: list[int] = []
+
+        def copy() -> None:
+            created.append(gcs_copy(source, target, if_generation))
+
+        for _ in range(_COPY_ATTEMPTS):
+            try:
+                lease.change(copy, undo=lambda: gcs_delete(target, created[-1]))
+                lease.copied[target] = created[-1]
+                return
+            except exceptions.PreconditionFailed:
+                found = gcs_read_generation(target)
+                _LOG.warning("%s was written by another holder since it was listed (at %s, now "
+                             "%s): copied again", target, if_generation or "absent",
+                             found or "absent")
+                if_generation = found
+        raise LeaseLost(f"{target} kept changing under {lease.holder}: another holder of the "
+                        f"publish lease on {output} is writing it")
     temp = temp_path(output)
     FileSystems.copy([source], [temp])
     try:
@@ -174,10 +242,19 @@ def _copy_whole(output: str, source: str, target: str, lease: PublishLease) -> N
         raise
 
 
-def _delete_fenced(paths: list[str], lease: PublishLease) -> None:
-    """Delete files, the lease checked before each request (of up to ``_DELETES_PER_CHANGE``)."""
+def _copy_whole(output: str, source: str, target: str, lease: PublishLease,
+                if_generation: int = 0) -> None:
+    """A staged file of a run copied to its published name (``copy_fenced``)."""
+    copy_fenced(output, source, target, lease, if_generation)
+
+
+def delete_fenced(paths: list[str], lease: PublishLease) -> None:
+    """Delete files, the lease checked before each request (of up to ``_DELETES_PER_CHANGE``).
+    A delete that lands late (after a takeover) removes only a file listed before it, whose name
+    the taker never reuses (file names hold their run id or compaction id)."""
     for start in range(0, len(paths), _DELETES_PER_CHANGE):
-        lease.change(FileSystems.delete, paths[start:start + _DELETES_PER_CHANGE])
+        lease.change(delete_files, paths[start:start + _DELETES_PER_CHANGE])
+
 
 
 def _published(relative_staged: str) -> str:
@@ -215,6 +292,27 @@ def check_snapshots(output: str, manifest: Manifest, lease: PublishLease) -> Man
     return checked
 
 
+def _listed(folder: str) -> dict[str, tuple[int, Optional[int]]]:
+    """{path: (size, generation)} of the files under a folder: on GCS one listing through
+    google-cloud-storage (Beam's has no generations), on local disk generation None."""
+    if not folder.startswith("gs://"):
+        return {path: (size, None) for path, size in list_files(join_path(folder, "**")).items()}
+    bucket, name = gcs_bucket_and_name(folder.rstrip("/") + "/")
+    return {f"gs://{bucket.name}/{blob.name}": (int(blob.size), int(blob.generation))
+            for blob in bucket.list_blobs(prefix=name)}
+
+
+def _write_summary(output: str, staged_summary: str, lease: PublishLease) -> None:
+    """``_summary.json`` from the staged summary, fenced as the manifest is (``PublishLease.put``:
+    on GCS only if unchanged since this holder last saw it, so a stalled publisher's late write
+    of its own summary is refused). Never a copy: a copy undone by a publisher that lost its
+    lease would delete the name every run shares."""
+    with FileSystems.open(join_path(output, staged_summary)) as f:
+        data = f.read()
+    path = join_path(output, SUMMARY_FILE)
+    lease.put(path, data, lambda: write_whole(output, path, lambda f: f.write(data)))
+
+
 def publish(output: str, manifest: Manifest, lease: PublishLease) -> Manifest:
     """Steps 1-3 of the module docstring, for a manifest in state ``publishing``, by the holder of
     ``lease``: its snapshot check first (``check_snapshots``). Returns the committed manifest."""
@@ -222,19 +320,24 @@ def publish(output: str, manifest: Manifest, lease: PublishLease) -> Manifest:
     # First every old file, in every folder, then the new ones: a reader never sees two runs.
     for subdir in PUBLISHED_DIRS:
         ours = {_published(p) for p in getattr(manifest, subdir)}
-        _delete_fenced([path for path in list_files(join_path(output, subdir, "**"))
+        delete_fenced([path for path in list_files(join_path(output, subdir, "**"))
                         if relative_to(output, path) not in ours], lease)
     sizes = list_files(join_path(staging_prefix(output, manifest.run_id), "**"))
     for subdir in PUBLISHED_DIRS:
-        present = list_files(join_path(output, subdir, "**"))
+        present = _listed(join_path(output, subdir))
         mkdirs(join_path(output, subdir))
         for staged in getattr(manifest, subdir):
             source, target = join_path(output, staged), join_path(output, _published(staged))
-            if present.get(target) != sizes.get(source):  # not there yet, or a torn local copy
-                _copy_whole(output, source, target, lease)
+            size, generation = present.get(target, (None, 0))
+            # On local disk a whole file of the right size is this run's. On GCS only one this
+            # holder copied itself: another holder's late copy may still be undone (by its
+            # generation), so it is replaced by this holder's own (conditional on it).
+            there = size == sizes.get(source) and (
+                generation is None or lease.copied.get(target) == generation)
+            if not there:
+                _copy_whole(output, source, target, lease, generation or 0)
     if manifest.summary != SUMMARY_FILE:
-        _copy_whole(output, join_path(output, manifest.summary),
-                    join_path(output, SUMMARY_FILE), lease)
+        _write_summary(output, manifest.summary, lease)
     committed = dataclasses.replace(
         manifest, state=COMMITTED, summary=SUMMARY_FILE,
         vectors=[_published(p) for p in manifest.vectors],
@@ -243,7 +346,7 @@ def publish(output: str, manifest: Manifest, lease: PublishLease) -> Manifest:
         keys=[_published(p) for p in manifest.keys],
         committed_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
     write_manifest(output, committed, lease)
-    lease.change(delete_tree, staging_prefix(output, manifest.run_id))
+    delete_tree_fenced(staging_prefix(output, manifest.run_id), lease)
     return committed
 
 
@@ -271,8 +374,55 @@ def remove_strays(output: str, lease: PublishLease) -> list[str]:
         ours = set(getattr(current, subdir))
         strays += [path for path in list_files(join_path(output, subdir, "**"))
                    if relative_to(output, path) not in ours]
-    _delete_fenced(strays, lease)
+    delete_fenced(strays, lease)
     return strays
+
+
+def missing_files(output: str) -> list[str]:
+    """The files the committed manifest names that are not there (relative to the output), the
+    summary included: an output whose readers would fail or miss rows. None missing, or no
+    committed manifest (a streaming output, a publish in progress): []."""
+    current = read_manifest(output)
+    if current is None or current.state != COMMITTED:
+        return []
+    named = [p for subdir in PUBLISHED_DIRS for p in getattr(current, subdir)] + [current.summary]
+    present = {relative_to(output, p) for subdir in PUBLISHED_DIRS
+               for p in list_files(join_path(output, subdir, "**"))}
+    present |= {relative_to(output, p) for p in list_files(join_path(output, SUMMARY_FILE))}
+    return sorted(p for p in named if p not in present)
+
+
+class SummaryUnavailable(FileNotFoundError):
+    """An output has no committed run, so no summary of one."""
+
+
+def published_summary(output: str) -> dict:
+    """The summary of the output's committed run: ``_summary.json`` if it is that run's (its
+    ``run_id`` the manifest's); else, with a warning, what the manifest says of the run
+    (``run_id``, ``counts``, and ``summary_unavailable`` saying why), which holds no model or
+    settings. An output whose ``_summary.json`` is another run's (a stalled publisher of an
+    earlier release overwrote it) is never taken for the committed run's.
+    ``SummaryUnavailable`` if no run is committed."""
+    current = read_manifest(output)
+    if current is None or current.state != COMMITTED:
+        raise SummaryUnavailable(f"{output}: no committed run, so no {SUMMARY_FILE} of one (its "
+                                 f"manifest is {'absent' if current is None else current.state})")
+    path = join_path(output, current.summary)
+    reason = None
+    try:
+        with FileSystems.open(path) as f:
+            summary = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as exc:  # gone (FileNotFoundError, BeamIOError) or torn
+        summary, reason = None, f"{path} could not be read ({type(exc).__name__})"
+    if summary is not None and summary.get("run_id") != current.run_id:
+        reason = (f"{path} is run {summary.get('run_id')}'s, not the committed run "
+                  f"{current.run_id}'s")
+        summary = None
+    if summary is not None:
+        return summary
+    _LOG.warning("%s: %s; the committed run's counts are taken from its manifest (newsvec "
+                 "cleanup names what is missing)", output, reason)
+    return {"run_id": current.run_id, "counts": current.counts, "summary_unavailable": reason}
 
 
 def min_stale_age_s() -> float:
@@ -302,13 +452,15 @@ def _runs_being_published(manifest: Optional[Manifest]) -> set[str]:
 def clean_stale(output: str, older_than_s: float, lease: PublishLease,
                 now: Optional[float] = None) -> list[str]:
     """Delete what killed workers and runs leave behind, by the holder of ``lease`` (checked
-    before each delete): the files under ``_temp/`` last written more than ``older_than_s`` ago,
+    before each batch of deletes): the files under ``_temp/`` last written more than
+    ``older_than_s`` ago (by the storage's clock: ``PublishLease.storage_time``),
     and the staging folders ``_staging/<run_id>/`` whose newest file is that old (a run that still
     writes keeps all of its files). ``older_than_s`` is at least ``MIN_STALE_AGE_S``. Never the
     files of a run that the manifest says is publishing (``repair`` finishes that one), never
     published data."""
     require_stale_age(older_than_s)
-    now = time.time() if now is None else now
+    # The ages are the storage's (GCS's ``updated``): counted on its clock, not this machine's.
+    now = lease.storage_time() if now is None else now
     keep = _runs_being_published(read_manifest(output, lease))
     doomed: list[str] = []
     staging_root = join_path(output, STAGING_DIR, "")
@@ -323,7 +475,7 @@ def clean_stale(output: str, older_than_s: float, lease: PublishLease,
     for match in FileSystems.match([join_path(output, TEMP_DIR, "**")])[0].metadata_list:
         if now - match.last_updated_in_seconds > older_than_s:
             doomed.append(match.path)
-    _delete_fenced(doomed, lease)
+    delete_fenced(doomed, lease)
     return doomed
 
 
