@@ -190,6 +190,12 @@ class ModelSettings(BaseModel):
         if self.dimensions is not None and self.dimensions > self.dim:
             raise ValueError(f"dimensions ({self.dimensions}) must be at most the model's dim "
                              f"({self.dim})")
+        if (self.share_across_processes
+                and self.engine_env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0"):
+            raise ValueError("engine_env sets VLLM_ENABLE_V1_MULTIPROCESSING to "
+                             f"{self.engine_env['VLLM_ENABLE_V1_MULTIPROCESSING']!r}, but the "
+                             "shared engine (share_across_processes) runs vLLM's engine in its own "
+                             "process, which must hold all of it: leave it unset, or 0")
         if isinstance(self.gpus_per_worker, int) and not 1 <= self.gpus_per_worker <= 64:
             raise ValueError(f"gpus_per_worker ({self.gpus_per_worker}) must be `auto` or a "
                              "number of GPUs from 1 to 64")
