@@ -697,15 +697,15 @@ def _tag_lock(tag: str) -> threading.Lock:
 
 
 class _EngineGone(Exception):
-    """The shared engine's process is gone, or is to be ended (it hung in a call, stopped
-    answering, or is stopped). ``call``: the id of the call it was in (or ended in), None if it
-    was idle or that is unknown; ``ending``: it said it was shutting down; ``blame``: the call
-    this client ends it for (it hung in it), if any."""
+    """The shared engine's process is gone (or cannot be reached), or is to be ended (``end``:
+    it hung in a call, stopped answering, or is stopped). ``call``: the id of the call it was in
+    (or ended in), None if it was idle or that is unknown; ``ending``: it said it was shutting
+    down; ``blame``: the call it is ended for (it hung in it), if any."""
 
     def __init__(self, why: str, call: Optional[str] = None, ending: bool = False,
-                 blame: Optional[str] = None):
+                 blame: Optional[str] = None, end: bool = False):
         super().__init__(why)
-        self.call, self.ending, self.blame = call, ending, blame
+        self.call, self.ending, self.blame, self.end = call, ending, blame, end
 
 
 class _NoAnswer(Exception):
@@ -1041,9 +1041,12 @@ class SharedEngineClient:
                             self._generation)
             self.connect()
 
-    def _drop(self, connection: int, why: str, blame: Optional[str] = None) -> None:
+    def _drop(self, connection: int, why: str, blame: Optional[str] = None,
+               recorded: bool = True) -> None:
         """End the engine of ``connection`` and forget it (once, whichever thread asks first). The
-        next call reaches the engine another process has started since, or starts one."""
+        next call reaches the engine another process has started since, or starts one. The end is
+        ``recorded`` (``_Ended``) where this client decided it; not where the engine's process
+        was found gone or unreachable (it may be in the middle of exiting on its own)."""
         with self._lock:
             if connection != self._connection or self._proxy is None:
                 return  # already replaced
@@ -1051,7 +1054,7 @@ class SharedEngineClient:
             number = self._generation
         _LOG.error("ending the shared embedding engine (process %d): %s; the next call spawns "
                    "or reaches a new one", process[0], why)
-        self._end(process, number, why, blame)
+        self._end(process, number if recorded else None, why, blame)
         _forget_connections(proxy)
 
     # ---- calls ----
@@ -1105,17 +1108,17 @@ class SharedEngineClient:
                     raise _EngineGone(
                         f"one call has run for {now - state.since:.0f} s, over "
                         f"model.call_timeout_s ({self._timeout_s:g} s)", state.call,
-                        blame=state.call)
+                        blame=state.call, end=True)
             in_call = state.call if state is not None else None
             if status == "stopped" and now - heard > _STOPPED_FOR_S:
                 abandon()
                 raise _EngineGone(f"its process is stopped (SIGSTOP or a tracer), silent for "
-                                  f"{now - heard:.0f} s", in_call)
+                                  f"{now - heard:.0f} s", in_call, end=True)
             if now - heard > self._timeout_s:
                 abandon()
                 raise _EngineGone(f"it has been silent (no heartbeat) for {now - heard:.0f} s, "
                                   f"over model.call_timeout_s ({self._timeout_s:g} s)", in_call,
-                                  blame=in_call)
+                                  blame=in_call, end=True)
             if ceiling is not None and now > ceiling and (call_id is None or in_call != call_id):
                 abandon()
                 raise _NoAnswer(
@@ -1177,7 +1180,7 @@ class SharedEngineClient:
                 raise EngineFailedError(f"the shared embedding engine {self._settings.name}: "
                                         f"{exc}"[:2000]) from exc
             except _EngineGone as gone:
-                self._drop(connection, str(gone), gone.blame)
+                self._drop(connection, str(gone), gone.blame, gone.end)
                 if gone.call == call_id:
                     spared = self._spared(gone, process, spawner, number, call_id, oom_before,
                                           oom_file)
@@ -1207,7 +1210,7 @@ class SharedEngineClient:
         try:
             return list(self._timed(proxy.take_load_ms, (), process))
         except _EngineGone as exc:
-            self._drop(connection, str(exc), exc.blame)
+            self._drop(connection, str(exc), exc.blame, exc.end)
             return []
         except _NoAnswer:
             return []
