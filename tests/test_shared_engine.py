@@ -620,7 +620,7 @@ def test_a_config_that_turns_vllms_engine_process_on_for_the_shared_engine_is_re
 
 @pytest.mark.parametrize("counted", [True, False], ids=["oom-kill-counted", "sigkill"])
 def test_an_engine_killed_from_outside_in_a_call_retries_it_instead_of_blaming_it(
-        tmp_path, monkeypatch, counted):
+        tmp_path, monkeypatch, caplog, counted):
     # The engine is killed (SIGKILL) during a call of one good article, twice: by the
     # out-of-memory killer, which the engine's memory cgroup counts (simulated: an injected
     # cgroup root), or by a signal nobody in newsvec sent (the exit status its spawner saw). The
@@ -641,6 +641,9 @@ def test_an_engine_killed_from_outside_in_a_call_retries_it_instead_of_blaming_i
     assert not isinstance(result.inference, EmbedFailure), result.inference
     lines = (tmp_path / "engine.log").read_text().split()
     assert lines.count("killed") == 2
+    told = ("killed for lack of memory" if counted
+            else "ended by SIGKILL, which newsvec did not send")
+    assert caplog.text.count(told) == 2, caplog.text
 
 
 def test_an_engine_killed_from_outside_in_every_try_fails_the_bundle_and_blames_nothing(
