@@ -525,15 +525,6 @@ def _stand_in() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 
 
-def _write_state(client: SharedEngineClient, process, heartbeat: float, call=None) -> None:
-    """Write the engine's busy file as the engine ``process`` would (its heartbeat at
-    ``heartbeat``, in ``call`` since then)."""
-    state = {"process": list(process), "generation": 1, "heartbeat": heartbeat, "queued": 0,
-             "call": call, "since": heartbeat, "ending": False}
-    with open(client._busy.path, "w") as f:
-        json.dump(state, f)
-
-
 def test_an_engine_whose_heartbeat_stopped_is_taken_for_hung(monkeypatch):
     # An engine that is alive, not stopped, not in a call, but silent (its heartbeat, written every
     # second, is older than model.call_timeout_s: frozen, or stuck outside any call) does not
@@ -546,7 +537,8 @@ def test_an_engine_whose_heartbeat_stopped_is_taken_for_hung(monkeypatch):
     stand_in = _stand_in()
     try:
         process = module._process_identity(stand_in.pid)
-        _write_state(client, process, heartbeat=time.monotonic() - 100)
+        # As the engine ``process`` writes it: idle, its last heartbeat 100 s ago.
+        client._busy.write(module._EngineState(process, 1, heartbeat=time.monotonic() - 100))
         never = threading.Event()
         outcome, error = _in_thread(client._timed, lambda: never.wait(), (), process)
         assert outcome == "raised" and isinstance(error, module._EngineGone), (outcome, error)
