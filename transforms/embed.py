@@ -24,7 +24,9 @@ retried (bisection) until the failing inputs stand alone; only those are dead-le
 cannot be loaded) blames no input: it fails the bundle, which the runner retries on a fresh
 engine. Every vector is checked: one holding a NaN or an infinity is its document's dead letter,
 never a row. A model that fails for every input while its canary passes stops the job
-(``ModelBrokenError``, counted per process: ``FailureRun``).
+(``ModelBrokenError``, counted per process: ``FailureRun``); a shared engine that ends in more calls
+of one bisection in a row than one input can make it, and no longer embeds an input it embedded
+before, fails the bundle (``_EngineEnds``).
 """
 from __future__ import annotations
 
@@ -246,7 +248,7 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, ModelHand
         return process_engine(self._settings, self._engine_factory)
 
     def _embed(self, model: ModelHandle, prompts: Sequence[Sequence[int]], retried=False,
-               ends: Optional["_EngineEnds"] = None) -> list:
+               ends: Optional[_EngineEnds] = None) -> list:
         """A vector or an EmbedFailure per prompt: a failing call is retried in halves
         (bisection), and a single failing prompt once more before it is blamed. A vector with a
         NaN or an infinity is its prompt's EmbedFailure (not retried: the engine's canary passed,
