@@ -3,10 +3,11 @@ failure handling). They are ``transforms.engine.EmbeddingEngine``s: ``label``, `
 ``healthy``, ``close``. The real engine (vLLM) is tested in test_batch_pipeline.py and elsewhere.
 
 Also the stand-ins for an SDK process of a machine that the shared-engine tests spawn
-(``sdk_process``, ``reach_engine``): they import no more than the engine's client, so they start
+(``SdkProcess``, ``reach_engine``): they import no more than the engine's client, so they start
 quickly."""
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -110,6 +111,57 @@ class HangsOnLoad(LoggingEngine):
         raise RuntimeError("HangsOnLoad gave up after 45 s")
 
 
+class EndsInRealCalls(LoggingEngine):
+    """FAKE, served as the shared engine: every call ends its process, whatever its inputs, but
+    its canary passes (an engine broken for real inputs only)."""
+
+    def embed(self, prompts):
+        self._log("exit", len(prompts))
+        os._exit(1)
+
+
+class KilledInCalls(LoggingEngine):
+    """FAKE, served as the shared engine: its first $NEWSVEC_TEST_KILLS calls, counted over every
+    engine of the test in $NEWSVEC_TEST_ENGINE_LOG.kills, are ended by SIGKILL from outside, as
+    the out-of-memory killer ends a process; where $NEWSVEC_TEST_OOM_EVENTS names a file (a
+    cgroup's memory.events), the kill is counted there first, as the kernel counts it. Logged as
+    "killed"."""
+
+    def embed(self, prompts):
+        import signal
+
+        counter = os.environ["NEWSVEC_TEST_ENGINE_LOG"] + ".kills"
+        with open(counter, "a+") as f:
+            f.seek(0)
+            kills = len(f.read())
+            if kills < int(os.environ["NEWSVEC_TEST_KILLS"]):
+                f.write("k")
+                f.flush()
+                events = os.environ.get("NEWSVEC_TEST_OOM_EVENTS")
+                if events:
+                    with open(events, "w") as out:
+                        out.write(f"low 0\nhigh 0\nmax 3\noom 1\noom_kill {kills + 1}\n")
+                self._log("killed", len(prompts))
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().embed(prompts)
+
+
+class StartsAChild(LoggingEngine):
+    """FAKE that starts a process of its own as it loads (as vLLM starts its engine core with
+    VLLM_ENABLE_V1_MULTIPROCESSING on), logged as "child <its pid> 0", and logs the variable as
+    "multiprocessing=<value> <pid> 0"."""
+
+    def __init__(self, settings=None):
+        import subprocess
+        import sys
+
+        super().__init__(settings)
+        self._log(f"multiprocessing={os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING')}")
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(os.environ["NEWSVEC_TEST_ENGINE_LOG"], "a") as f:
+            f.write(f"child {child.pid} 0\n")
+
+
 def reach_engine(settings, factory, tag: str, out: str) -> None:
     """An SDK process that asks for the shared engine ``tag``; writes "ok" or its error to
     ``out``."""
@@ -124,23 +176,67 @@ def reach_engine(settings, factory, tag: str, out: str) -> None:
         f.write(result)
 
 
-def sdk_process(settings, factory, tag: str, conn) -> None:
-    """An SDK process of the machine holding a client of the shared engine ``tag``: it answers
-    each command received on ``conn`` with the client's engine process after running it:
-    "embed" (a call), "kill" (SIGKILL the engine, then a call, which replaces it), "exit"
-    (returns: the process exits normally, and its exit hooks run)."""
-    import signal
+class SdkProcess:
+    """An SDK process of the machine, holding a client of the shared engine ``tag``: a Python
+    process of its own (``python -m tests.fakes``), not a multiprocessing child, so that it exits
+    as an SDK process does, its exit hooks (Beam's among them) run by the interpreter as it ends.
+    (A multiprocessing child joins its children before its exit hooks run: one that spawned the
+    engine would wait for it for ever.)
 
+    ``ask`` sends it a command and returns the client's engine process after running it:
+    "embed" (a call), "kill" (SIGKILL the engine, then a call, which replaces it); ``exit`` lets
+    it return from its main and waits for it to exit, returning its exit status."""
+
+    def __init__(self, settings, factory: type, tag: str):
+        import subprocess
+        import sys
+
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.fakes", settings.model_dump_json(),
+             f"{factory.__module__}:{factory.__qualname__}", tag],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.engine = self._answer()
+
+    def _answer(self):
+        line = self.process.stdout.readline()
+        assert line, f"the SDK process ended (status {self.process.poll()})"
+        return tuple(json.loads(line))
+
+    def ask(self, command: str):
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def exit(self, timeout: float = 60) -> int:
+        self.process.stdin.close()
+        return self.process.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def _sdk_process_main(settings_json: str, factory_name: str, tag: str) -> None:
+    import importlib
+    import signal
+    import sys
+
+    from transforms.model import ModelSettings
     from transforms.shared_engine import SharedEngineClient
 
-    client = SharedEngineClient(settings, factory, tag)
-    conn.send(client._process)
-    while True:
-        command = conn.recv()
-        if command == "exit":
-            conn.send(None)
-            return
-        if command == "kill":
+    module, name = factory_name.split(":")
+    factory = getattr(importlib.import_module(module), name)
+    client = SharedEngineClient(ModelSettings.model_validate_json(settings_json), factory, tag)
+    print(json.dumps(client._process), flush=True)
+    for command in sys.stdin:
+        if command.strip() == "kill":
             os.kill(client._process[0], signal.SIGKILL)
         client.embed([(101, 1000, 102)])
-        conn.send(client._process)
+        print(json.dumps(client._process), flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _sdk_process_main(*sys.argv[1:4])

@@ -11,6 +11,9 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 import uuid
 
@@ -25,11 +28,14 @@ from tests.fakes import (
     EXIT,
     HANG,
     BrokenEngine,
+    EndsInRealCalls,
     HangsOnLoad,
+    KilledInCalls,
     LoggingEngine,
     PoisonEngine,
+    SdkProcess,
+    StartsAChild,
     reach_engine,
-    sdk_process,
 )
 from tests.test_embed_failures import Breaks, doc
 from transforms.embed import EmbedFailure, VLLMEmbeddingHandler
@@ -364,51 +370,33 @@ def test_a_temp_dir_that_cannot_be_written_is_an_engine_failure_not_the_inputs(m
 
 def test_an_old_spawners_exit_leaves_the_new_engine_alone(tmp_path, monkeypatch):
     # Three SDK processes share a tag: P1 spawns engine E1, P2 reaches it, finds it gone (killed:
-    # an OOM kill, or a hang that P2 ended) and starts E2; P1 exits normally (Beam's exit hooks
-    # run). P3 then reaches E2: one engine runs for the tag, never two on its GPU.
+    # an OOM kill, or a hang that P2 ended) and starts E2; P1 exits as an SDK process does (its
+    # interpreter runs Beam's exit hooks) and is gone. P3 then reaches E2: one engine runs for the
+    # tag, never two on its GPU.
     log = tmp_path / "engine.log"
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
     settings = make_config().model.model_copy(update={"share_across_processes": True})
     tag = f"newsvec-test-{uuid.uuid4().hex}"
-    ctx = multiprocessing.get_context("spawn")
-    processes, pipes = [], []
+    processes: list[SdkProcess] = []
 
-    def start():
-        ours, theirs = ctx.Pipe()
-        process = ctx.Process(target=sdk_process, args=(settings, LoggingEngine, tag, theirs))
-        process.start()
-        processes.append(process)
-        pipes.append(ours)
-        assert ours.poll(60), "the SDK process did not reach the engine"
-        return ours, ours.recv()
-
-    def ask(pipe, command):
-        pipe.send(command)
-        assert pipe.poll(60), f"no answer to {command}"
-        return pipe.recv()
+    def start() -> SdkProcess:
+        processes.append(SdkProcess(settings, LoggingEngine, tag))
+        return processes[-1]
 
     try:
-        p1, e1 = start()
-        p2, reached = start()
-        assert reached == e1
-        e2 = ask(p2, "kill")
+        p1 = start()
+        p2 = start()
+        assert p2.engine == p1.engine
+        e1, e2 = p1.engine, p2.ask("kill")
         assert e2 != e1 and _process_state(e1) != "alive"
-        ask(p1, "exit")
-        processes[0].join(timeout=30)
-        p3, e3 = start()
+        assert p1.exit() == 0, "P1 exited normally"
+        p3 = start()
         alive = [pid for pid in _engine_pids(log) if _process_state((pid, 0)) == "alive"]
         assert alive == [e2[0]], f"engines running: {alive} (E2: {e2[0]})"
-        assert e3 == e2 and ask(p3, "embed") == e2 and ask(p2, "embed") == e2
+        assert p3.engine == e2 and p3.ask("embed") == e2 and p2.ask("embed") == e2
     finally:
-        for pipe, process in zip(pipes, processes, strict=True):
-            if process.is_alive():
-                try:
-                    pipe.send("exit")
-                except OSError:
-                    pass
-                process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
+        for process in processes:
+            process.kill()
 
 
 def test_an_engine_left_loading_by_a_killed_spawner_is_ended_before_the_next_starts(
@@ -465,3 +453,301 @@ def test_streaming_an_input_that_ends_the_shared_engine_is_dead_lettered_alone(
     p.run().wait_until_finish()
     assert sorted(out.read_text().split()) == sorted(
         ["row:d0", "row:d1", "row:d2", "row:d10", "row:d12", "dead:d11"])
+
+
+# ---- every call has a deadline ----
+
+def _in_thread(function, *args, timeout: float = 30):
+    """``function(*args)`` in a thread of its own: ("ok", its result) or ("raised", its error),
+    or ("waiting", None) if it has not returned within ``timeout`` (the thread is left behind)."""
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(function, *args)
+    pool.shutdown(wait=False)
+    try:
+        return "ok", future.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        return "waiting", None
+    except Exception as exc:  # pylint: disable=broad-except  # the test reads it
+        return "raised", exc
+
+
+def test_an_engine_stopped_while_idle_is_ended_and_the_call_served_by_the_next(
+        tmp_path, monkeypatch):
+    # The engine's process is stopped (SIGSTOP; a frozen cgroup likewise stops its heartbeat)
+    # between calls: it would never mark the next call as begun. The call ends it and is served by
+    # the next engine, instead of waiting for ever.
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    settings = make_config().model.model_copy(update={"call_timeout_s": 2.0})
+    client = SharedEngineClient(settings, LoggingEngine, f"newsvec-test-{uuid.uuid4().hex}")
+    client.embed([(101, 1000, 102)])
+    stopped = client._process
+    os.kill(stopped[0], signal.SIGSTOP)
+    try:
+        outcome, vectors = _in_thread(client.embed, [(101, 1001, 102)])
+        assert outcome == "ok" and len(vectors) == 1, (outcome, vectors)
+        assert _process_state(stopped) in ("gone", "zombie"), "the stopped engine was ended"
+        assert client._process != stopped
+    finally:
+        if _process_state(stopped) not in ("gone", "zombie"):
+            os.kill(stopped[0], signal.SIGKILL)
+
+
+def test_a_busy_file_that_cannot_be_written_fails_the_call_instead_of_leaving_it_untimed(
+        tmp_path, monkeypatch):
+    # The engine's busy file becomes unwritable (here its path is taken by a folder; a full temp
+    # dir likewise): a call that would hang is not run untimed. The bundle fails with an
+    # EngineFailedError, and no input is blamed.
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    settings = make_config().model.model_copy(update={"call_timeout_s": 1.0})
+    client = SharedEngineClient(settings, PoisonEngine, f"newsvec-test-{uuid.uuid4().hex}")
+    client.embed([(101, 1000, 102)])
+    busy = client._busy.path
+    for _ in range(100):  # the engine's heartbeat may write it back in between
+        try:
+            os.unlink(busy)
+            os.mkdir(busy)
+            break
+        except (FileNotFoundError, FileExistsError):
+            continue
+    handler = VLLMEmbeddingHandler(settings)
+    outcome, error = _in_thread(handler.run_inference,
+                                [doc(0), doc(1, ids=(101, HANG, 102))], client)
+    for pid in _hung_pids(tmp_path):
+        os.kill(pid, signal.SIGKILL)
+    assert outcome == "raised" and isinstance(error, EngineFailedError), (outcome, error)
+    assert "busy file" in str(error), error
+
+
+def _stand_in() -> subprocess.Popen:
+    """A process that stands in for an engine's (it only sleeps)."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+
+def test_an_engine_whose_heartbeat_stopped_is_taken_for_hung(monkeypatch):
+    # An engine that is alive, not stopped, not in a call, but silent (its heartbeat, written every
+    # second, is older than model.call_timeout_s: frozen, or stuck outside any call) does not
+    # answer: the call that waits for it gives up on it (the client then ends it).
+    from transforms import shared_engine as module
+
+    settings = make_config().model.model_copy(update={"call_timeout_s": 1.0})
+    client = SharedEngineClient(settings, LoggingEngine, f"newsvec-test-{uuid.uuid4().hex}",
+                                connect=False)
+    stand_in = _stand_in()
+    try:
+        process = module._process_identity(stand_in.pid)
+        # As the engine ``process`` writes it: idle, its last heartbeat 100 s ago.
+        client._busy.write(module._EngineState(process, 1, heartbeat=time.monotonic() - 100))
+        never = threading.Event()
+        outcome, error = _in_thread(client._timed, lambda: never.wait(), (), process)
+        assert outcome == "raised" and isinstance(error, module._EngineGone), (outcome, error)
+        assert "silent" in str(error) and error.call is None and error.blame is None
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+
+
+def test_a_call_that_gets_no_answer_fails_at_its_ceiling(tmp_path, monkeypatch):
+    # The engine is alive and answers (its heartbeat goes on), and is idle, but this call gets no
+    # answer (lost on the way, or its answer lost): past its ceiling (its turn, then
+    # model.call_timeout_s, then a margin) it is an EngineFailedError, and the engine, which serves
+    # other processes, is left running.
+    from transforms import shared_engine as module
+
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    monkeypatch.setattr(module, "_CEILING_SLACK_S", 1.0, raising=False)
+    settings = make_config().model.model_copy(update={"call_timeout_s": 1.0})
+    client = SharedEngineClient(settings, LoggingEngine, f"newsvec-test-{uuid.uuid4().hex}")
+    never = threading.Event()
+    outcome, error = _in_thread(client._timed, lambda: never.wait(), (), client._process)
+    assert outcome == "raised" and "no answer" in str(error), (outcome, error)
+    assert _process_state(client._process) == "alive", "the engine is left to the others"
+
+
+# ---- what the engine starts ends with it ----
+
+def _children(log) -> list[int]:
+    return [int(pid) for what, pid, _ in (line.split() for line in log.read_text().splitlines())
+            if what == "child"]
+
+
+def test_the_engine_runs_vllm_in_its_process_and_what_it_starts_ends_with_it(
+        tmp_path, monkeypatch):
+    # The worker's environment turns vLLM's engine-core process on (an image's ENV: engine_env
+    # only fills unset variables): the shared engine's process turns it off. And whatever the
+    # engine starts (here a child of the FAKE) is ended with it when it is replaced, so the next
+    # engine never loads beside a process of the last one.
+    log = tmp_path / "engine.log"
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    client = SharedEngineClient(make_config().model, StartsAChild,
+                                f"newsvec-test-{uuid.uuid4().hex}")
+    try:
+        assert [line.split()[0] for line in log.read_text().splitlines()
+                if line.startswith("multiprocessing=")] == ["multiprocessing=0"]
+        (child,) = _children(log)
+        first = client._process
+        os.kill(first[0], signal.SIGKILL)  # it crashed, or was killed for memory
+        client.embed([(101, 1000, 102)])
+        assert client._process != first
+        assert _process_state((child, 0)) in ("gone", "zombie"), \
+            "the first engine's child outlived it"
+    finally:
+        for pid in _children(log):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_a_config_that_turns_vllms_engine_process_on_for_the_shared_engine_is_refused():
+    model = make_config().model
+    with pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING"):
+        ModelSettings(**{**model.model_dump(), "share_across_processes": True,
+                         "engine_env": {**model.engine_env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}})
+
+
+# ---- a kill from outside is not the inputs' doing ----
+
+@pytest.mark.parametrize("counted", [True, False], ids=["oom-kill-counted", "sigkill"])
+def test_an_engine_killed_from_outside_in_a_call_retries_it_instead_of_blaming_it(
+        tmp_path, monkeypatch, caplog, counted):
+    # The engine is killed (SIGKILL) during a call of one good article, twice: by the
+    # out-of-memory killer, which the engine's memory cgroup counts (simulated: an injected
+    # cgroup root), or by a signal nobody in newsvec sent (the exit status its spawner saw). The
+    # article is embedded on the third engine, not dead-lettered as poison.
+    from transforms import shared_engine as module
+
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    monkeypatch.setenv("NEWSVEC_TEST_KILLS", "2")
+    if counted:
+        cgroup = tmp_path / "cgroup"
+        cgroup.mkdir()
+        (cgroup / "memory.events").write_text("oom 0\noom_kill 0\n")
+        monkeypatch.setattr(module, "_CGROUP_ROOT", str(cgroup))
+        monkeypatch.setenv("NEWSVEC_TEST_OOM_EVENTS", str(cgroup / "memory.events"))
+    settings = make_config().model
+    client = SharedEngineClient(settings, KilledInCalls, f"newsvec-test-{uuid.uuid4().hex}")
+    (result,) = VLLMEmbeddingHandler(settings).run_inference([doc(0)], client)
+    assert not isinstance(result.inference, EmbedFailure), result.inference
+    lines = (tmp_path / "engine.log").read_text().split()
+    assert lines.count("killed") == 2
+    told = ("killed for lack of memory" if counted
+            else "ended by SIGKILL, which newsvec did not send")
+    assert caplog.text.count(told) == 2, caplog.text
+
+
+def test_an_engine_killed_from_outside_in_every_try_fails_the_bundle_and_blames_nothing(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    monkeypatch.setenv("NEWSVEC_TEST_KILLS", "100")
+    settings = make_config().model
+    client = SharedEngineClient(settings, KilledInCalls, f"newsvec-test-{uuid.uuid4().hex}")
+    with pytest.raises(EngineFailedError, match="not of the call's doing"):
+        VLLMEmbeddingHandler(settings).run_inference([doc(0)], client)
+
+
+# ---- reaching the engine: one attempt per process ----
+
+def test_the_threads_of_a_process_share_one_attempt_to_reach_the_engine(tmp_path, monkeypatch):
+    # Four DoFn threads of one SDK process set up the step while the engine's load hangs: they
+    # share one attempt (one engine spawned, one model.load_timeout_s), all fail with its
+    # EngineFailedError, and a fifth thread that asks just after fails at once with it too.
+    log = tmp_path / "engine.log"
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
+    settings = make_config().model.model_copy(update={"share_across_processes": True,
+                                                      "load_timeout_s": 2.0})
+    handler = VLLMEmbeddingHandler(settings, engine_factory=HangsOnLoad)
+    outcomes: list = [None] * 4
+    threads = [threading.Thread(target=lambda k=k: outcomes.__setitem__(
+        k, _in_thread(handler.load_model, timeout=60))) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(o[0] == "raised" and isinstance(o[1], EngineFailedError) for o in outcomes), \
+        outcomes
+    assert len(_engine_pids(log)) == 1, "one attempt, one engine spawned for the four threads"
+    fifth = _in_thread(handler.load_model, timeout=60)
+    assert fifth[0] == "raised" and "load_timeout_s" in str(fifth[1]), fifth
+    assert len(_engine_pids(log)) == 1, "the failure was remembered: no second attempt"
+
+
+# ---- an engine that ends on every real input stops the bisection ----
+
+def test_an_engine_that_ends_in_every_real_call_fails_the_bundle_after_a_few(
+        tmp_path, monkeypatch):
+    # Its canary passes, yet every real call ends its process: after more ends in a row than one
+    # input that ends it can cause, the bundle fails (EngineFailedError) instead of starting an
+    # engine per input and dead-lettering every article.
+    from transforms.shared_engine import deaths_allowed
+
+    log = tmp_path / "engine.log"
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
+    settings = make_config().model
+    client = SharedEngineClient(settings, EndsInRealCalls, f"newsvec-test-{uuid.uuid4().hex}")
+    with pytest.raises(EngineFailedError, match="calls in a row"):
+        VLLMEmbeddingHandler(settings).run_inference([doc(i) for i in range(4)], client)
+    assert len(_engine_pids(log)) <= deaths_allowed(4) + 2, "engines started"
+
+
+def test_inputs_that_end_the_engine_side_by_side_are_still_dead_lettered_alone(
+        tmp_path, monkeypatch):
+    # A guard for the stop above: two articles that end the engine next to each other cause more
+    # ends in a row than one can; the engine still embeds an article it embedded before, so the
+    # bisection goes on, and each is dead-lettered alone.
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    settings = make_config().model
+    client = SharedEngineClient(settings, PoisonEngine, f"newsvec-test-{uuid.uuid4().hex}")
+    handler = VLLMEmbeddingHandler(settings)
+    assert not isinstance(handler.run_inference([doc(0)], client)[0].inference, EmbedFailure)
+    results = handler.run_inference(
+        [doc(1, ids=(101, EXIT, 102)), doc(2, ids=(101, EXIT, 103)), doc(3)], client)
+    assert [isinstance(r.inference, EmbedFailure) for r in results] == [True, True, False]
+
+
+# ---- what a spawner keeps of its engines ----
+
+def test_replacing_the_engine_leaves_no_file_descriptors_behind(tmp_path, monkeypatch):
+    import gc
+
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    client = SharedEngineClient(make_config().model, LoggingEngine,
+                                f"newsvec-test-{uuid.uuid4().hex}")
+    client.embed([(101, 1000, 102)])
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    replacements = 5
+    for i in range(replacements):
+        os.kill(client._process[0], signal.SIGKILL)
+        client.embed([(101, 1000 + i, 102)])
+    deadline = time.monotonic() + 10
+    while True:  # the spawner's watcher releases a dead engine's pipes as it sees it exit
+        gc.collect()
+        grown = len(os.listdir("/proc/self/fd")) - before
+        if grown < replacements or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert grown < replacements, f"{grown} more descriptors after {replacements} replacements"
+
+
+# ---- a record that is gone ----
+
+def test_an_engine_whose_record_is_gone_never_runs_beside_a_new_one(tmp_path, monkeypatch):
+    # {tag}.engine is deleted while its engine runs (a cleaner of old temp files): the next SDK
+    # process does not start generation 1 beside it. One engine runs, numbered above the last.
+    log = tmp_path / "engine.log"
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
+    settings = make_config().model
+    tag = f"newsvec-test-{uuid.uuid4().hex}"
+    first = SharedEngineClient(settings, LoggingEngine, tag)
+    os.kill(first._process[0], signal.SIGKILL)
+    first.embed([(101, 1000, 102)])  # the second generation
+    os.unlink(first._record.path)
+    outcome, _ = _in_thread(reach_engine, settings, LoggingEngine, tag,
+                            str(tmp_path / "other"), timeout=60)
+    assert outcome == "ok" and (tmp_path / "other").read_text() == "ok"
+    alive = [pid for pid in _engine_pids(log) if _process_state((pid, 0)) == "alive"]
+    assert len(alive) == 1, f"engines running: {alive}"
+    assert first._record.read().number > 2

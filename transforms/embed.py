@@ -24,7 +24,9 @@ retried (bisection) until the failing inputs stand alone; only those are dead-le
 cannot be loaded) blames no input: it fails the bundle, which the runner retries on a fresh
 engine. Every vector is checked: one holding a NaN or an infinity is its document's dead letter,
 never a row. A model that fails for every input while its canary passes stops the job
-(``ModelBrokenError``, counted per process: ``FailureRun``).
+(``ModelBrokenError``, counted per process: ``FailureRun``); a shared engine that ends in more calls
+of one bisection in a row than one input can make it, and no longer embeds an input it embedded
+before, fails the bundle (``_EngineEnds``).
 """
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ from transforms.schema import (
     Reason,
     Step,
 )
-from transforms.shared_engine import shared_engine
+from transforms.shared_engine import EngineEndedInCall, deaths_allowed, shared_engine
 from transforms.state_coders import MicroBatchCoder, PendingIdCoder
 
 _LOG = logging.getLogger(__name__)
@@ -79,6 +81,36 @@ _LOG = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class EmbedFailure:
     error: str
+
+
+@dataclasses.dataclass
+class _EngineEnds:
+    """The shared engine's ends in calls of one bisection (``EngineEndedInCall``), in a row with
+    no call succeeding between them. One input that ends the engine makes at most ``allowed`` of
+    them (``transforms.shared_engine.deaths_allowed``: one per halving, and its retry); past
+    that, the engine is asked to embed an input it embedded before: if it cannot (or there is
+    none yet), the engine is what fails, and the bundle fails (``EngineFailedError``) instead of
+    starting an engine per input and dead-lettering every article of the call; if it can, the
+    inputs are bisected on (several that end it lie side by side)."""
+
+    allowed: int
+    in_a_row: int = 0
+
+    def ended(self, model: ModelHandle, inputs: int) -> None:
+        self.in_a_row += 1
+        if self.in_a_row <= self.allowed:
+            return
+        check = getattr(model, "embeds_known_good", None)
+        verdict = check() if check is not None else None
+        if verdict:
+            self.in_a_row = 0
+            return
+        raise EngineFailedError(
+            f"the shared embedding engine ended in {self.in_a_row} calls in a row (the last of "
+            f"{inputs} inputs), more than one input that ends it can cause ({self.allowed}), "
+            "and it " + ("has embedded nothing in this process yet" if verdict is None
+                         else "cannot embed an input it embedded before")
+            + ": the engine is failing, not the inputs")
 
 
 class ModelBrokenError(RuntimeError):
@@ -215,26 +247,36 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, ModelHand
             return shared_engine(self._settings, self._engine_factory, self._shared_tag)
         return process_engine(self._settings, self._engine_factory)
 
-    def _embed(self, model: ModelHandle, prompts: Sequence[Sequence[int]], retried=False) -> list:
+    def _embed(self, model: ModelHandle, prompts: Sequence[Sequence[int]], retried=False,
+               ends: Optional[_EngineEnds] = None) -> list:
         """A vector or an EmbedFailure per prompt: a failing call is retried in halves
         (bisection), and a single failing prompt once more before it is blamed. A vector with a
         NaN or an infinity is its prompt's EmbedFailure (not retried: the engine's canary passed,
-        ``transforms.engine``), never a row."""
+        ``transforms.engine``), never a row. A bisection in which the shared engine ends more
+        often in a row than one input that ends it can make it (``_EngineEnds``) stops with an
+        ``EngineFailedError`` unless the engine still embeds an input it embedded before."""
         if not prompts:
             return []
+        if ends is None:
+            ends = _EngineEnds(deaths_allowed(len(prompts)))
         try:
-            return _finite_or_failures(model.embed(prompts))
+            vectors = model.embed(prompts)
         except EngineFailedError:
             raise  # no input is to blame: the bundle fails and is retried on a fresh engine
         except Exception as exc:  # pylint: disable=broad-except
+            if isinstance(exc, EngineEndedInCall):
+                ends.ended(model, len(prompts))
             if len(prompts) == 1:
                 if not retried:
-                    return self._embed(model, prompts, retried=True)
+                    return self._embed(model, prompts, retried=True, ends=ends)
                 return [EmbedFailure(f"{type(exc).__name__}: {exc}"[:2000])]
             half = len(prompts) // 2
             _LOG.warning("Embedding a batch of %d failed (%s); retrying in halves", len(prompts),
                          exc)
-            return self._embed(model, prompts[:half]) + self._embed(model, prompts[half:])
+            return (self._embed(model, prompts[:half], ends=ends)
+                    + self._embed(model, prompts[half:], ends=ends))
+        ends.in_a_row = 0
+        return _finite_or_failures(vectors)
 
     def embed_docs(self, model: ModelHandle, docs: Sequence[PreparedDoc],
                    stats: Optional["EngineStats"] = None) -> list:

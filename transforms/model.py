@@ -156,10 +156,13 @@ class ModelSettings(BaseModel):
                     "call (embed, its canary) before its process is ended and replaced; the call "
                     "is then an input failure (bisected) if the new engine passes its canary, an "
                     "engine failure if not, and the other calls waiting for it are retried on "
-                    "the new engine; the wait for the engine behind other processes' calls is "
-                    "not counted. null: 60 + `token_budget` / 250 (the engine embedding at least "
-                    "250 tokens/s, half the slowest rate measured: bfloat16 emulated on a CPU "
-                    "without AVX512_BF16). An engine in the SDK process itself is not timed")
+                    "the new engine; so is an engine silent (no heartbeat) for as long. The wait "
+                    "behind other processes' calls is not counted, but a call with no answer "
+                    "past its turn (this long for each call queued before it, and its own) and "
+                    "10 s is an engine failure. null: 60 + `token_budget` / 250 (the engine "
+                    "embedding at least 250 tokens/s, half the slowest rate measured: bfloat16 "
+                    "emulated on a CPU without AVX512_BF16). An engine in the SDK process itself "
+                    "is not timed")
     load_timeout_s: float = Field(
         900, gt=0, le=86_400,
         description="with `share_across_processes`: seconds an SDK process waits for the shared "
@@ -175,7 +178,9 @@ class ModelSettings(BaseModel):
         default_factory=dict,
         description="environment for the engine, set if unset (on the CPU: "
                     "`VLLM_CPU_KVCACHE_SPACE=1`, `VLLM_ENABLE_V1_MULTIPROCESSING=0`, "
-                    "`ONEDNN_PRIMITIVE_CACHE_CAPACITY=8`, ...)")
+                    "`ONEDNN_PRIMITIVE_CACHE_CAPACITY=8`, ...); with `share_across_processes` the "
+                    "engine's process sets `VLLM_ENABLE_V1_MULTIPROCESSING=0` whatever the "
+                    "environment says, and another value here is refused")
 
     @model_validator(mode="after")
     def _budget_holds_a_document(self):
@@ -190,6 +195,12 @@ class ModelSettings(BaseModel):
         if self.dimensions is not None and self.dimensions > self.dim:
             raise ValueError(f"dimensions ({self.dimensions}) must be at most the model's dim "
                              f"({self.dim})")
+        if (self.share_across_processes
+                and self.engine_env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0"):
+            raise ValueError("engine_env sets VLLM_ENABLE_V1_MULTIPROCESSING to "
+                             f"{self.engine_env['VLLM_ENABLE_V1_MULTIPROCESSING']!r}, but the "
+                             "shared engine (share_across_processes) runs vLLM's engine in its own "
+                             "process, which must hold all of it: leave it unset, or 0")
         if isinstance(self.gpus_per_worker, int) and not 1 <= self.gpus_per_worker <= 64:
             raise ValueError(f"gpus_per_worker ({self.gpus_per_worker}) must be `auto` or a "
                              "number of GPUs from 1 to 64")

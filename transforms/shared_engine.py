@@ -5,29 +5,48 @@ Beam's ``multi_process_shared`` spawns the engine's process (``_SharedEngine`` m
 there, ``_ServedEngine`` serves it) and hands every SDK process a proxy. ``shared_engine`` gives
 each SDK process one ``SharedEngineClient`` per step, which:
 - reaches or spawns the engine within ``model.load_timeout_s`` (a load that hangs is ended, and
-  is an ``EngineFailedError``, as is a wait that long for another process to start it);
-- replaces the engine when its process is gone (an out-of-memory kill, a crash) or stuck in a call
-  for over ``model.call_timeout_s``. A call whose engine ended while in another process's call (or
-  with the SDK process that spawned it) is retried on the next engine; one whose engine ended in
-  the call itself is checked with the new engine's canary: a canary that fails is an
-  ``EngineFailedError``, one that passes makes the call an input failure (``EngineEndedInCall``),
-  which the handler bisects like any other, so an input that kills the engine takes only itself;
+  is an ``EngineFailedError``, as is a wait that long for another process to start it); the
+  threads of a process share one attempt, and a failed one is remembered for a few seconds;
+- bounds every call: the engine writes which call it is in and a heartbeat every second
+  (``_EngineState``); an engine in one call for over ``model.call_timeout_s``, or silent (no
+  heartbeat) for as long, or stopped (SIGSTOP, a debugger), is ended and replaced; and a call
+  that gets no answer from an engine that is alive and serving others fails after its turn
+  could have come (``EngineFailedError``), so no call waits without bound;
+- replaces the engine when its process is gone. A call whose engine ended while in another
+  process's call (or with the SDK process that spawned it, or killed by something newsvec did not
+  send: the out-of-memory killer, an operator) is retried on the next engine; one whose engine
+  ended in the call itself (a crash, a hang) is checked with the new engine's canary: a canary
+  that fails is an ``EngineFailedError``, one that passes makes the call an input failure
+  (``EngineEndedInCall``), which the handler bisects like any other, so an input that kills the
+  engine takes only itself;
 - never lets two engines run for one tag (one GPU): each engine is a generation of the tag, with
   its own Beam tag and address file (``_EngineRecord``), so an exit hook of Beam's that deletes an
-  address file (it does not check whose it is) can only delete its own generation's.
+  address file (it does not check whose it is) can only delete its own generation's. The engine
+  runs in a process group of its own, and ending it ends the group: what it started (vLLM's
+  engine core, with ``VLLM_ENABLE_V1_MULTIPROCESSING`` on) goes with it, and a new generation
+  starts only once nothing of the last one runs.
 
 A worker with several GPUs runs one such engine per GPU (``model.gpus_per_worker``), each pinned
 to its device, and each SDK process is given one of them (``transforms.devices``).
+
+Every file the engine and its clients meet at is in one folder (``tempfile.gettempdir()``, shared
+by every SDK process of the machine): Beam's ``{tag}-g<n>.address`` and ``.lock``, and newsvec's
+``{tag}.engine``, ``{tag}.lock``, ``{tag}.busy``, ``{tag}.loading``, ``{tag}-g<n>.ended`` and
+``{tag}-g<n>.exit``.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import itertools
 import json
 import logging
+import math
 import multiprocessing
+import multiprocessing.connection
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -38,25 +57,192 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from transforms.devices import DeviceSlots, engine_devices
-from transforms.engine import EngineFactory, EngineFailedError, EngineHandle, process_engine
+from transforms.engine import (
+    EngineFactory,
+    EngineFailedError,
+    EngineHandle,
+    all_finite,
+    process_engine,
+)
 from transforms.model import ModelSettings
 
 _LOG = logging.getLogger(__name__)
 
+# The engine rewrites its state this often (its heartbeat), whether in a call or idle.
+_HEARTBEAT_S = 1.0
+# The record, lock and address files are touched this often, so that a cleaner of old temp
+# files does not take them from a long-running engine.
+_TOUCH_S = 60.0
+# A stopped (or traced) engine whose heartbeat is this old is not answering: a debugger that
+# only looks (py-spy dump) stops it for less.
+_STOPPED_FOR_S = 3.0
+# A call's ceiling is its turn (the calls queued before it, each at most call_timeout_s) and its
+# own call_timeout_s, plus this.
+_CEILING_SLACK_S = 10.0
+# How long a client waits for the spawner's record of how an engine ended.
+_EXIT_RECORD_WAIT_S = 2.0
+# A failed attempt to reach the engine is remembered this long: the process's other threads, and
+# its calls meanwhile, fail with it at once instead of each making an attempt of its own.
+_REMEMBER_FAILURE_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _EngineState:
+    """What the shared engine's process says of itself in its busy file (``_BusyFile``), written
+    whole at the start and end of every call and every ``_HEARTBEAT_S`` between: which process
+    it is, its generation, its heartbeat, the calls queued in it (waiting for their turn, and the
+    one in progress), the call it is in and since when, and whether it is shutting down. Times
+    are Linux's monotonic clock, the machine's, the same in every process. After the engine's
+    process has ended, the file still says what it was doing."""
+
+    process: tuple[int, int]
+    generation: int
+    heartbeat: float
+    queued: int = 0
+    call: Optional[str] = None
+    since: float = 0.0
+    ending: bool = False
+
+
+class _BusyFile:
+    """``{tag}.busy``: the shared engine's ``_EngineState``, as JSON, written by a rename."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def write(self, state: _EngineState) -> None:
+        """Raises ``EngineFailedError``: an engine whose calls cannot be timed must not take any
+        (a call that hung in it would hang its caller for ever). One writer at a time."""
+        try:
+            _write_json(self.path, dataclasses.asdict(state))
+        except OSError as exc:
+            raise EngineFailedError(
+                f"the shared engine cannot write its busy file {self.path} "
+                f"({type(exc).__name__}: {exc}), so its calls could not be timed") from exc
+
+    def read(self, process: Optional[tuple[int, int]] = None) -> Optional[_EngineState]:
+        """The state, if the file is there, readable, and (given ``process``) that engine's."""
+        try:
+            with open(self.path) as f:
+                raw = json.load(f)
+            state = _EngineState(**{**raw, "process": _pair(raw["process"])})
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if process is not None and state.process != tuple(process):
+            return None
+        return state
+
+
+class _Turns:
+    """The engine's calls, one at a time, in the order they came (a lock alone lets a late call
+    overtake, so a caller could not bound its wait by the calls queued before it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: collections.deque[threading.Event] = collections.deque()
+        self._taken = False
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if not self._taken:
+                self._taken = True
+                return
+            turn = threading.Event()
+            self._waiting.append(turn)
+        turn.wait()
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._lock:
+            if self._waiting:
+                self._waiting.popleft().set()  # handed on: still taken
+            else:
+                self._taken = False
+
+    def queued(self) -> int:
+        with self._lock:
+            return len(self._waiting) + int(self._taken)
+
 
 class _ServedEngine:
     """The shared engine as its own process serves it: a handle whose calls are taken one at a
-    time, each marked in the engine's busy file (``_BusyFile``) with the caller's call id while it
-    runs, so that an SDK process can tell an engine stuck in a call from one busy with other
-    processes' calls, and an engine that ended in its call from one that ended in another's."""
+    time, in order, each named in the engine's busy file (``_BusyFile``) with the caller's call
+    id while it runs, and a heartbeat thread that rewrites that file every ``_HEARTBEAT_S``, so
+    that an SDK process can tell an engine stuck in a call from one busy with other processes'
+    calls, an engine that stopped answering from one that is slow, and an engine that ended in
+    its call from one that ended in another's. A call whose start cannot be written is not run:
+    ``EngineFailedError``."""
 
-    def __init__(self, handle: EngineHandle, busy: "_BusyFile"):
-        self._handle, self._busy = handle, busy
+    def __init__(self, handle: EngineHandle, busy: _BusyFile, generation: int = 0,
+                 keep_fresh: Sequence[str] = ()):
+        self._handle, self._busy, self._generation = handle, busy, generation
+        self._identity = _process_identity(os.getpid())
+        self._turns = _Turns()
         self._lock = threading.Lock()
+        self._writing = threading.Lock()
+        self._call: Optional[tuple[float, str]] = None
+        self._ending = False
+        self._publish()  # an engine that cannot say what it does is not served at all
+        global _SERVED  # pylint: disable=global-statement  # what this process's SIGTERM ends
+        _SERVED = self
+        threading.Thread(target=self._beat, args=(tuple(keep_fresh),), daemon=True,
+                         name="newsvec-engine-heartbeat").start()
+
+    def _state(self) -> _EngineState:
+        with self._lock:
+            since, call = self._call if self._call is not None else (0.0, None)
+            ending = self._ending
+        return _EngineState(self._identity, self._generation, time.monotonic(),
+                            self._turns.queued(), call, since, ending)
+
+    def _publish(self) -> None:
+        with self._writing:
+            self._busy.write(self._state())
+
+    def _beat(self, keep_fresh: tuple[str, ...]) -> None:
+        touched = time.monotonic()
+        failing = False
+        while True:
+            time.sleep(_HEARTBEAT_S)
+            try:
+                self._publish()
+                failing = False
+            except EngineFailedError:  # its callers see the heartbeat stop, and end it
+                if not failing:
+                    _LOG.exception("the shared engine's heartbeat cannot be written")
+                failing = True
+            if time.monotonic() - touched > _TOUCH_S:
+                touched = time.monotonic()
+                for path in keep_fresh:
+                    try:
+                        os.utime(path)
+                    except OSError:
+                        pass
+
+    def ending(self) -> None:
+        """Say that the engine is shutting down (a SIGTERM), so that the call in it is retried
+        rather than blamed."""
+        with self._lock:
+            self._ending = True
+        try:
+            self._publish()
+        except EngineFailedError:
+            pass
+
+    def _run(self, what: Callable[[], Any], call: str) -> Any:
+        with self._turns:
+            with self._lock:
+                self._call = (time.monotonic(), call)
+            try:
+                self._publish()
+                return what()
+            finally:
+                with self._lock:
+                    self._call = None
+                self._publish()  # raises if it cannot be written: the bundle fails
 
     def process(self) -> tuple[int, int]:
         """This process: (pid, start time), what an SDK process needs to end it."""
-        return _process_identity(os.getpid())
+        return self._identity
 
     def label(self) -> str:
         return self._handle.label()
@@ -65,21 +251,50 @@ class _ServedEngine:
         return self._handle.take_load_ms()
 
     def embed(self, prompts: Sequence[Sequence[int]], call: str = "-") -> list[np.ndarray]:
-        with self._lock:
-            self._busy.mark(time.monotonic(), call)
-            try:
-                return self._handle.embed(prompts)
-            finally:
-                self._busy.mark(None)
+        return self._run(lambda: self._handle.embed(prompts), call)
 
     def healthy(self, call: str = "-") -> bool:
         """The engine's canary (``EngineHandle.healthy``), timed like a call."""
-        with self._lock:
-            self._busy.mark(time.monotonic(), call)
-            try:
-                return self._handle.healthy()
-            finally:
-                self._busy.mark(None)
+        return self._run(self._handle.healthy, call)
+
+
+_SERVED: Optional[_ServedEngine] = None  # in the engine's process: the engine it serves
+
+
+def _own_process_group() -> None:
+    """In the engine's process, before anything is loaded: a process group of its own, so that
+    what the engine starts (vLLM's engine core, compile workers) can be ended with it
+    (``_end_process``), and a SIGTERM (Beam's exit hook in the SDK process that spawned it) that
+    says it is ending, then ends the whole group."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        _LOG.warning("the shared engine could not make a process group of its own; what it "
+                     "starts may outlive it", exc_info=True)
+        return
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if _SERVED is not None:
+            _SERVED.ending()
+        os.killpg(os.getpgrp(), signal.SIGKILL)  # its own group: this process is its leader
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread: Beam's default SIGTERM handling stays
+        pass
+
+
+def _one_process_engine() -> None:
+    """In the engine's process, before vLLM is imported: vLLM's engine runs in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as every config of newsvec sets it), whatever the
+    worker's environment says (``model.engine_env`` only fills unset variables, and an image may
+    set it): an engine core in a process of its own would hold the device after this process is
+    ended, or has ended with its spawner, and the next engine would load beside it."""
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    if os.environ.get(key, "0") != "0":
+        _LOG.warning("%s=%s in the environment: set to 0 for the shared engine, whose process "
+                     "must hold the whole engine", key, os.environ[key])
+    os.environ[key] = "0"
 
 
 _SUPERSEDED = "not started: its generation of the shared engine is not the current one"
@@ -99,19 +314,24 @@ class _SharedEngine:
     engine on the same device). Such a spawn raises at once, before anything is loaded."""
 
     def __init__(self, settings: ModelSettings, factory: Optional[EngineFactory],
-                 busy: "_BusyFile", device: Optional[str] = None,
+                 busy: _BusyFile, device: Optional[str] = None,
                  record: Optional["_EngineRecord"] = None, generation: int = 0):
         self._settings, self._factory, self._busy = settings, factory, busy
         self._device = device
         self._record, self._generation = record, generation
 
     def __call__(self) -> _ServedEngine:
+        keep_fresh: list[str] = []
         if self._record is not None:
             current = self._record.read()
             if (current is None or current.number != self._generation
                     or current.engine is not None or current.spawner[0] != os.getppid()):
                 raise EngineFailedError(f"generation {self._generation}: {_SUPERSEDED}")
+            _own_process_group()
             self._record.mark_loading(self._generation)
+            keep_fresh = [self._record.path, self._record.lock_path,
+                          self._record.address_file(current)]
+        _one_process_engine()
         if self._device is not None:
             torch = sys.modules.get("torch")
             if torch is not None and torch.cuda.is_initialized():
@@ -121,51 +341,8 @@ class _SharedEngine:
             os.environ["CUDA_VISIBLE_DEVICES"] = self._device
             _LOG.info("shared embedding engine on GPU %s (process %d)", self._device,
                       os.getpid())
-        return _ServedEngine(process_engine(self._settings, self._factory), self._busy)
-
-
-class _BusyFile:
-    """Where the shared engine's process says which call it is in: "<pid> <start time> <monotonic
-    time the call began> <call id>", or "<pid> <start time> idle -". Linux's monotonic clock is
-    the machine's, the same in every process. Written whole (a rename) at the start and end of
-    every call; after the engine's process has ended, it still names the call it ended in."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def mark(self, since: Optional[float], call: str = "-") -> None:
-        pid, started = _process_identity(os.getpid())
-        tmp = f"{self.path}.{pid}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                f.write(f"{pid} {started} {'idle' if since is None else repr(since)} "
-                        f"{call if since is not None else '-'}")
-            os.replace(tmp, self.path)
-        except OSError:  # the call goes on untimed; never an error of the inputs
-            _LOG.exception("could not write the shared engine's busy file %s", self.path)
-
-    def _read(self, process: tuple[int, int]) -> Optional[tuple[float, str]]:
-        """(when the call began, its id) if the engine ``process`` is in a call (or ended in one);
-        None when it is idle, or when the file is another engine's."""
-        try:
-            with open(self.path) as f:
-                pid, started, since, call = f.read().split()
-        except (OSError, ValueError):
-            return None
-        if (int(pid), int(started)) != tuple(process) or since == "idle":
-            return None
-        return float(since), call
-
-    def busy_for(self, process: tuple[int, int]) -> float:
-        """Seconds the engine ``process`` has been in its current call; 0 when it is idle, or
-        when the file is another engine's."""
-        current = self._read(process)
-        return 0.0 if current is None else max(0.0, time.monotonic() - current[0])
-
-    def call(self, process: tuple[int, int]) -> Optional[str]:
-        """The id of the call the engine ``process`` is in, or ended in; None if none."""
-        current = self._read(process)
-        return None if current is None else current[1]
+        return _ServedEngine(process_engine(self._settings, self._factory), self._busy,
+                             self._generation, keep_fresh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +358,16 @@ class _Generation:
         return f"{tag}-g{self.number}"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Ended:
+    """``{tag}-g<n>.ended``: an engine a client of newsvec ended, why, and the call it blamed
+    (the one it hung in), if any; written before the kill is sent."""
+
+    engine: tuple[int, int]
+    why: str
+    blame: Optional[str] = None
+
+
 class _EngineRecord:
     """``{folder}/{tag}.engine``: the tag's current generation (``_Generation``), as JSON, read
     and changed under ``{tag}.lock`` (written whole, by a rename). Each generation is its own tag
@@ -189,15 +376,23 @@ class _EngineRecord:
     its tag whoever's it is) only ever delete the address of an engine of their own generation,
     which is gone by then or ending with them. A new generation is started only when the current
     one's engine is gone (its process ended, or its address file gone: an engine still running
-    then is ended first), so one engine runs per tag."""
+    then is ended first), so one engine runs per tag.
+
+    Beside it, per generation: ``.ended`` (a kill a client sent, and why: ``_Ended``) and
+    ``.exit`` (how its process ended, as the SDK process that spawned it saw it)."""
 
     def __init__(self, folder: str, tag: str):
         self.folder, self.tag = folder, tag
         self.path = os.path.join(folder, f"{tag}.engine")
         self.lock_path = os.path.join(folder, f"{tag}.lock")
+        self._loading_path = os.path.join(folder, f"{tag}.loading")
+        self._files = re.compile(re.escape(tag) + r"-g(\d+)\.(address|lock|ended|exit)")
 
     def address_file(self, generation: _Generation) -> str:
         return os.path.join(self.folder, generation.beam_tag(self.tag)) + ".address"
+
+    def _generation_file(self, number: int, kind: str) -> str:
+        return os.path.join(self.folder, f"{self.tag}-g{number}.{kind}")
 
     def read(self) -> Optional[_Generation]:
         try:
@@ -209,32 +404,99 @@ class _EngineRecord:
             return None
 
     def write(self, generation: _Generation) -> None:
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(dataclasses.asdict(generation), f)
-        os.replace(tmp, self.path)
+        _write_json(self.path, dataclasses.asdict(generation))
 
     def mark_loading(self, number: int) -> None:
         """In an engine's process, as its load begins: ``{tag}.loading`` names it, so that if its
         spawner ends before recording it, the process that starts the next generation can end
         it (else two engines could load on one device)."""
         pid, started = _process_identity(os.getpid())
-        tmp = f"{self.path}.loading.{pid}.tmp"
+        tmp = f"{self._loading_path}.{pid}.tmp"
         try:
             with open(tmp, "w") as f:
                 f.write(f"{number} {pid} {started}")
-            os.replace(tmp, os.path.join(self.folder, f"{self.tag}.loading"))
+            os.replace(tmp, self._loading_path)
         except OSError:
             _LOG.exception("could not record the loading shared engine")
 
-    def loading(self, number: int) -> Optional[tuple[int, int]]:
-        """The process that began to load generation ``number``'s engine, if recorded."""
+    def loading(self, number: Optional[int] = None) -> Optional[tuple[int, tuple[int, int]]]:
+        """(generation, process) of the engine that began to load last, if recorded (and of
+        generation ``number``, if given)."""
         try:
-            with open(os.path.join(self.folder, f"{self.tag}.loading")) as f:
+            with open(self._loading_path) as f:
                 recorded, pid, started = (int(x) for x in f.read().split())
         except (OSError, ValueError):
             return None
-        return (pid, started) if recorded == number else None
+        if number is not None and recorded != number:
+            return None
+        return recorded, (pid, started)
+
+    def numbers_on_disk(self) -> list[int]:
+        """The generations some file of this folder names (an address, an end, an exit)."""
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
+            return []
+        return [int(m.group(1)) for m in map(self._files.fullmatch, names) if m is not None]
+
+    def forget_before(self, number: int) -> None:
+        """Delete the ``.ended`` and ``.exit`` files of generations before ``number``."""
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
+            return
+        for match in map(self._files.fullmatch, names):
+            if (match is not None and match.group(2) in ("ended", "exit")
+                    and int(match.group(1)) < number):
+                try:
+                    os.unlink(os.path.join(self.folder, match.group(0)))
+                except OSError:
+                    pass
+
+    def mark_ended(self, number: int, ended: _Ended) -> None:
+        try:
+            _write_json(self._generation_file(number, "ended"), dataclasses.asdict(ended))
+        except OSError:
+            _LOG.exception("could not record why the shared engine was ended")
+
+    def ended(self, number: int, engine: tuple[int, int]) -> Optional[_Ended]:
+        try:
+            with open(self._generation_file(number, "ended")) as f:
+                raw = json.load(f)
+            ended = _Ended(_pair(raw["engine"]), str(raw["why"]), raw.get("blame"))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return ended if ended.engine == tuple(engine) else None
+
+    def mark_exit(self, number: int, engine: tuple[int, int], status: int) -> None:
+        try:
+            _write_json(self._generation_file(number, "exit"),
+                        {"engine": list(engine), "status": status})
+        except OSError:
+            _LOG.exception("could not record how the shared engine ended")
+
+    def exit_status(self, number: int, engine: tuple[int, int], wait_s: float) -> Optional[int]:
+        """How the engine ended (``Process.exitcode``: minus the signal that ended it), as the
+        SDK process that spawned it recorded it, waiting up to ``wait_s`` for the record."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                with open(self._generation_file(number, "exit")) as f:
+                    raw = json.load(f)
+                if _pair(raw["engine"]) == tuple(engine):
+                    return int(raw["status"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+
+def _write_json(path: str, value: Any) -> None:
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
 
 
 def _pair(value: Any) -> tuple[int, int]:
@@ -242,24 +504,32 @@ def _pair(value: Any) -> tuple[int, int]:
     return int(first), int(second)
 
 
-def _process_identity(pid: int) -> tuple[int, int]:
-    """(pid, start time in clock ticks since boot): a pid alone may name another process once
-    this one is gone. The start time is 0 where /proc is missing."""
+def _stat(pid: int) -> Optional[list[str]]:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, pgrp, ...), or None."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
-        return pid, int(stat[stat.rindex(")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
+        return stat[stat.rindex(")") + 2:].split()
+    except (OSError, ValueError):
+        return None
+
+
+def _process_identity(pid: int) -> tuple[int, int]:
+    """(pid, start time in clock ticks since boot): a pid alone may name another process once
+    this one is gone. The start time is 0 where /proc is missing."""
+    fields = _stat(pid)
+    try:
+        return pid, int(fields[19]) if fields is not None else 0
+    except (ValueError, IndexError):
         return pid, 0
 
 
 def _process_state(process: tuple[int, int]) -> str:
-    """"gone" (exited, or its pid reused), "zombie" (exited, not reaped yet) or "alive"."""
+    """"gone" (exited, or its pid reused), "zombie" (exited, not reaped yet), "stopped" (SIGSTOP,
+    a frozen job control, a tracer) or "alive"."""
     pid, started = process
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
+    fields = _stat(pid)
+    if fields is None:
         if not os.path.isdir("/proc/self"):  # no /proc: ask the kernel
             try:
                 os.kill(pid, 0)
@@ -267,31 +537,155 @@ def _process_state(process: tuple[int, int]) -> str:
             except OSError:
                 return "gone"
         return "gone"
-    fields = stat[stat.rindex(")") + 2:].split()
     if started and int(fields[19]) != started:
         return "gone"
-    return "zombie" if fields[0] in ("Z", "X") else "alive"
+    if fields[0] in ("Z", "X"):
+        return "zombie"
+    return "stopped" if fields[0] in ("T", "t") else "alive"
 
 
-def _end_process(process: tuple[int, int], wait_s: float = 10.0) -> None:
-    """SIGKILL the process, if it is still the one named, and wait up to ``wait_s`` for it to exit
-    (the GPU memory it held is freed as it exits)."""
-    if _process_state(process) != "alive":
-        return
+def _exists(process: tuple[int, int]) -> bool:
+    """Whether the process has not exited (it may be stopped)."""
+    return _process_state(process) in ("alive", "stopped")
+
+
+def _group_members(leader: tuple[int, int]) -> list[tuple[int, int]]:
+    """The processes, other than ``leader``, of the process group ``leader`` made (the shared
+    engine makes its own as it starts: ``_own_process_group``), started no earlier than it: what
+    it started, which may outlive it (vLLM's engine core). [] where /proc is missing."""
+    pid, started = leader
+    if _process_state(leader) == "gone" and _stat(pid) is not None:
+        return []  # its pid is another process's: its group cannot have members left
     try:
-        os.kill(process[0], signal.SIGKILL)
+        entries = os.listdir("/proc")
     except OSError:
-        return
+        return []
+    members = []
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == pid:
+            continue
+        fields = _stat(int(entry))
+        try:
+            if (fields is not None and fields[0] not in ("Z", "X") and int(fields[2]) == pid
+                    and int(fields[19]) >= started):
+                members.append((int(entry), int(fields[19])))
+        except (ValueError, IndexError):
+            continue
+    return members
+
+
+def _end_process(process: tuple[int, int], wait_s: float = 10.0) -> bool:
+    """SIGKILL the process, if it is still the one named, and every process left of its group
+    (``_group_members``), whether it is still there or not; wait up to ``wait_s`` for all of
+    them to exit (the GPU memory they held is freed as they do). Whether none is left."""
+    pid = process[0]
+    members = _group_members(process)
+    if _exists(process):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if members:
+        try:
+            os.killpg(pid, signal.SIGKILL)  # the group is theirs: its id cannot be reused meanwhile
+        except OSError:
+            pass
     deadline = time.monotonic() + wait_s
-    while _process_state(process) == "alive" and time.monotonic() < deadline:
+    while _exists(process) or _group_members(process):
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
+    return True
 
 
-_CONNECT_ATTEMPTS = 3
+_CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def _oom_kill_file(pid: int) -> Optional[str]:
+    """The file that counts the out-of-memory kills of the process's memory cgroup: cgroup v2's
+    ``memory.events``, else v1's ``memory.oom_control`` (each with an ``oom_kill`` line), under
+    the cgroup's path or, where the container sees its own cgroup as the root, at the root. None
+    where neither is there (no cgroup memory controller, another OS)."""
+    paths = {"v2": "/", "v1": "/"}
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    paths["v2"] = path
+                elif "memory" in controllers.split(","):
+                    paths["v1"] = path
+    except (OSError, ValueError):
+        pass
+    candidates = (
+        os.path.join(_CGROUP_ROOT, paths["v2"].lstrip("/"), "memory.events"),
+        os.path.join(_CGROUP_ROOT, "memory.events"),
+        os.path.join(_CGROUP_ROOT, "memory", paths["v1"].lstrip("/"), "memory.oom_control"),
+        os.path.join(_CGROUP_ROOT, "memory", "memory.oom_control"))
+    return next((c for c in candidates if os.path.isfile(c)), None)
+
+
+def _oom_kills(path: Optional[str]) -> Optional[int]:
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _describe_exit(status: int) -> str:
+    if status < 0:
+        try:
+            return f"ended by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"ended by signal {-status}"
+    return f"exited with status {status}"
+
+
+def _release_spawned(child: Any, shared: Any) -> None:
+    """What Beam keeps of an engine this process spawned, once its process has exited: the life
+    line (both ends) and the process's pipes, which Beam's exit hook (registered for each engine
+    spawned, for the life of the SDK process) would otherwise hold open for ever."""
+    life_line = getattr(shared, "_life_line", None)
+    for connection in (life_line, *getattr(child, "_args", ())):
+        if isinstance(connection, multiprocessing.connection.Connection):
+            connection.close()
+    popen = getattr(child, "_popen", None)
+    if popen is not None and hasattr(popen, "close"):
+        popen.close()  # its exit code is kept: Beam's hook can still ask whether it is alive
+
+
+def _forget_connections(proxy: Any) -> None:
+    """Drop the connections this process's threads kept to an engine that is gone (the
+    multiprocessing proxies keep one per thread and address, for the life of the process)."""
+    from multiprocessing.managers import BaseProxy
+
+    try:
+        address = proxy.get_auto_proxy_object()._token.address
+    except AttributeError:
+        return
+    cached = BaseProxy._address_to_local.pop(address, None)
+    if cached is not None:
+        connection = getattr(cached[0], "connection", None)  # this thread's
+        if connection is not None:
+            connection.close()
+
+
 # A call whose engine ended in other processes' calls (or with its spawner) is retried on the
 # next engine this many times in a row, then fails as an EngineFailedError. Other processes'
 # poison inputs end it a few times each while they bisect them (about log2 of their call's inputs).
 _RETRIES_FOR_OTHERS = 16
+# A call whose engine was killed in it by something newsvec did not send (the out-of-memory
+# killer) is retried this many times, then fails as an EngineFailedError: its inputs are not
+# blamed (an engine short of memory is the machine's problem, not an article's).
+_RETRIES_AFTER_KILLS = 3
+_CONNECT_ATTEMPTS = 3
 _CALL_IDS = itertools.count(1)
 _TAG_LOCKS: dict[str, threading.Lock] = {}  # the file lock is the process's (lockf): one thread
 _TAG_LOCKS_LOCK = threading.Lock()
@@ -303,12 +697,20 @@ def _tag_lock(tag: str) -> threading.Lock:
 
 
 class _EngineGone(Exception):
-    """The shared engine's process is gone, or was ended because a call in it hung. ``call``: the
-    id of the call it was in (or ended in), None if it was idle or that is unknown."""
+    """The shared engine's process is gone (or cannot be reached), or is to be ended (``end``:
+    it hung in a call, stopped answering, or is stopped). ``call``: the id of the call it was in
+    (or ended in), None if it was idle or that is unknown; ``ending``: it said it was shutting
+    down; ``blame``: the call it is ended for (it hung in it), if any."""
 
-    def __init__(self, why: str, call: Optional[str] = None):
+    def __init__(self, why: str, call: Optional[str] = None, ending: bool = False,
+                 blame: Optional[str] = None, end: bool = False):
         super().__init__(why)
-        self.call = call
+        self.call, self.ending, self.blame, self.end = call, ending, blame, end
+
+
+class _NoAnswer(Exception):
+    """A call got no answer by its ceiling although the engine is alive, answers (its heartbeat
+    goes on) and is not in this call: the call or its answer was lost, or never got its turn."""
 
 
 class _Unreachable(Exception):
@@ -322,30 +724,49 @@ class EngineEndedInCall(RuntimeError):
     passes, and the handler bisects them (``transforms.embed``)."""
 
 
+@dataclasses.dataclass
+class _Attempt:
+    """An attempt to reach the engine, which every thread of the process that needs it joins."""
+
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: Optional[EngineFailedError] = None
+    ended: float = 0.0
+
+
 class SharedEngineClient:
     """What an SDK process holds as its model with ``model.share_across_processes``: the proxy to
     the machine's one engine, replaced when that engine's process is gone or hung.
 
     - Reaching the engine (waiting for another process that is starting it, spawning and loading
       it, connecting to it) takes at most ``model.load_timeout_s`` each time: an engine that is
-      not ready by then is ended (SIGKILL), and the attempt is an ``EngineFailedError``.
+      not ready by then is ended (SIGKILL), and the attempt is an ``EngineFailedError``. The
+      process's threads share one attempt; one that failed is remembered for
+      ``_REMEMBER_FAILURE_S``, and a thread that asks meanwhile fails with it at once.
     - A call is timed from when the engine starts it (calls wait their turn there, behind other
-      processes' calls; that wait is not timed): once the engine has been in one call for more
-      than ``model.call_timeout_s``, its process is ended (SIGKILL) and replaced.
+      processes' calls, in order): once the engine has been in one call for more than
+      ``model.call_timeout_s``, its process is ended (SIGKILL) and replaced. So is an engine
+      whose heartbeat has stopped for as long (frozen, or stuck outside a call), or that is
+      stopped (SIGSTOP, a tracer) for ``_STOPPED_FOR_S``. A call that gets no answer from an
+      engine that is alive, answering and not in it, by its ceiling (its turn: the calls queued
+      before it each ``call_timeout_s``; then its own ``call_timeout_s``; then
+      ``_CEILING_SLACK_S``) is an ``EngineFailedError``, and the engine is left to the others.
     - A call whose engine's process is gone (or was ended) while the engine was in another call,
-      or idle, or because the SDK process that spawned it ended, is retried on the next engine.
-      One whose engine ended in the call itself is followed by the next engine's canary: a canary
-      that fails (or cannot run) is an ``EngineFailedError``; one that passes raises
-      ``EngineEndedInCall``, an input failure, which the handler bisects (an input that crashes
-      or hangs the engine is dead-lettered alone).
-    - ``EngineFailedError`` from the engine (its canary failed, or it could not be loaded) ends
-      its process too: the next call spawns a fresh one, with a fresh CUDA context, instead of
-      reloading inside a process that a sticky CUDA error may have spoiled.
+      or idle, or because the SDK process that spawned it ended, or that was ended by a kill
+      newsvec did not send (the out-of-memory killer: the count of its memory cgroup, or the
+      exit status its spawner saw), or as it shut down, is retried on the next engine. One whose
+      engine ended in the call itself (a crash; a hang, which a client ended) is followed by the
+      next engine's canary: a canary that fails (or cannot run) is an ``EngineFailedError``; one
+      that passes raises ``EngineEndedInCall``, an input failure, which the handler bisects (an
+      input that crashes or hangs the engine is dead-lettered alone).
+    - ``EngineFailedError`` from the engine (its canary failed, it could not be loaded, it could
+      not write its busy file) ends its process too: the next call spawns a fresh one, with a
+      fresh CUDA context, instead of reloading inside a process that a sticky CUDA error may
+      have spoiled.
     Every other error of a call is the engine's answer about its inputs, raised as is.
     """
 
     def __init__(self, settings: ModelSettings, factory: Optional[EngineFactory], tag: str,
-                 device: Optional[str] = None):
+                 device: Optional[str] = None, connect: bool = True):
         self._settings, self._factory, self._tag = settings, factory, tag
         self.device = device  # CUDA_VISIBLE_DEVICES of the engine's process; None: as inherited
         # Beam's address and lock files, the busy file and the engine record: the same folder in
@@ -358,19 +779,56 @@ class SharedEngineClient:
         self._poll_s = min(1.0, max(0.05, self._timeout_s / 10))
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._attempt: Optional[_Attempt] = None
         self._proxy: Any = None
         self._process = (0, 0)
         self._spawner = (0, 0)
         self._generation = 0  # of the engine reached (_Generation.number)
         self._connection = 0  # counts the engines this client has reached
+        self._oom_file: Optional[str] = None  # counts the OOM kills of the engine's cgroup
         self._label = ""
-        with self._lock:
-            self._connect()
+        self._known_good: Optional[tuple[int, ...]] = None  # an input the engine embedded
+        if connect:
+            self.connect()
 
     # ---- reaching the engine ----
 
+    def connect(self) -> None:
+        """Reach the engine if this client has none: join the attempt another thread of this
+        process is making, or make one; ``EngineFailedError`` if it fails (or failed less than
+        ``_REMEMBER_FAILURE_S`` ago)."""
+        while True:
+            with self._lock:
+                if self._proxy is not None:
+                    return
+                attempt = self._attempt
+                if attempt is not None and attempt.done.is_set():
+                    if (attempt.error is not None
+                            and time.monotonic() - attempt.ended < _REMEMBER_FAILURE_S):
+                        raise EngineFailedError(str(attempt.error)) from attempt.error
+                    attempt = None
+                mine = attempt is None
+                if mine:
+                    attempt = self._attempt = _Attempt()
+            assert attempt is not None
+            if mine:
+                try:
+                    self._connect()
+                except EngineFailedError as exc:
+                    attempt.error = exc
+                    raise
+                finally:
+                    attempt.ended = time.monotonic()
+                    attempt.done.set()
+            else:
+                # The attempt has deadlines of its own (twice load_timeout_s at most).
+                if not attempt.done.wait(timeout=2 * self._load_timeout_s + 60):
+                    raise self._failed_to_connect(None, "another thread's attempt did not end")
+                if attempt.error is not None:
+                    raise EngineFailedError(str(attempt.error)) from attempt.error
+
     def _connect(self) -> None:
-        """Reach the machine's engine, spawning it if there is none (under self._lock), within
+        """Reach the machine's engine, spawning it if there is none, within
         ``model.load_timeout_s`` for the wait for another process's start and as much again for
         this one's: an ``EngineFailedError`` otherwise."""
         import fasteners
@@ -418,45 +876,87 @@ class SharedEngineClient:
             if generation.engine != process:
                 generation = dataclasses.replace(generation, engine=process)
                 self._record.write(generation)
-            self._proxy, self._process, self._label = proxy, process, label
-            self._spawner, self._generation = generation.spawner, generation.number
-            self._connection += 1
+            oom_file = _oom_kill_file(process[0])
+            if oom_file is None:
+                _LOG.info("the out-of-memory kills of the shared engine's cgroup cannot be read "
+                          "here: a kill of the engine is told from a crash by its exit status "
+                          "alone")
+            with self._lock:
+                self._proxy, self._process, self._label = proxy, process, label
+                self._spawner, self._generation = generation.spawner, generation.number
+                self._oom_file = oom_file
+                self._connection += 1
             _LOG.info("using the shared embedding engine in process %d (generation %d)",
                       process[0], generation.number)
             return
 
+    def _end(self, process: tuple[int, int], number: Optional[int], why: str,
+             blame: Optional[str] = None) -> bool:
+        """End an engine (and its process group: ``_end_process``), first recording that a
+        client of newsvec ended it, why, and the call it blames, if it is still there; whether
+        nothing of it is left."""
+        if number is not None and _exists(process):
+            self._record.mark_ended(number, _Ended(process, why[:500], blame))
+        return _end_process(process)
+
     def _generation_to_use(self) -> _Generation:
         """The current generation if its engine may still be reached (its address file is there,
         its process alive or not known yet); else a new one, which this process spawns. An engine
-        that runs with its address file gone cannot be reached: it is ended before another is
-        started on its device."""
+        that runs with its address file gone cannot be reached: it is ended, with whatever it
+        started, before another is started on its device."""
         current = self._record.read()
-        if current is not None and os.path.exists(self._record.address_file(current)) and (
-                current.engine is None or _process_state(current.engine) == "alive"):
+        if current is None:
+            return self._new_generation(self._number_without_record(), None)
+        if os.path.exists(self._record.address_file(current)) and (
+                current.engine is None or _exists(current.engine)):
             return current
-        if current is not None:
-            named = (current.engine, self._record.loading(current.number))
-            for left in dict.fromkeys(p for p in named if p is not None):
-                if _process_state(left) != "alive":
-                    continue
+        loading = self._record.loading(current.number)
+        named = [current.engine, loading[1] if loading is not None else None]
+        for left in dict.fromkeys(p for p in named if p is not None):
+            if _exists(left):
                 _LOG.error("the shared embedding engine of generation %d (process %d) runs, but "
                            "cannot be reached (its address file is gone, or its spawner ended "
                            "during its load); ending it before starting another", current.number,
                            left[0])
-                _end_process(left)
-                if _process_state(left) == "alive":
-                    raise self._failed_to_connect(None, (
-                        f"the previous engine (process {left[0]}) has not exited; a second one "
-                        "is not started on its device"))
+            if not self._end(left, current.number, "it runs but cannot be reached"):
+                raise self._failed_to_connect(None, (
+                    f"the previous engine (process {left[0]}), or a process it started, has not "
+                    "exited; a second one is not started on its device"))
+        return self._new_generation(current.number + 1, current)
+
+    def _number_without_record(self) -> int:
+        """The record is gone (a cleaner of old temp files took it) or unreadable: end any
+        engine of the tag that still runs (named by the busy file, which a running engine
+        rewrites every second, or by the loading file) and number the next generation above any
+        that left a file."""
+        numbers = self._record.numbers_on_disk()
+        state = self._busy.read()
+        loading = self._record.loading()
+        named = [(state.generation, state.process)] if state is not None else []
+        named += [loading] if loading is not None else []
+        for number, left in named:
+            numbers.append(number)
+            if _exists(left):
+                _LOG.error("the shared embedding engine's record %s is gone, but its engine "
+                           "(process %d, generation %d) runs; ending it before starting another",
+                           self._record.path, left[0], number)
+            if not self._end(left, number, "its record is gone"):
+                raise self._failed_to_connect(None, (
+                    f"an engine of this tag (process {left[0]}), or a process it started, has "
+                    "not exited; a second one is not started on its device"))
+        return max(numbers, default=0) + 1
+
+    def _new_generation(self, number: int, current: Optional[_Generation]) -> _Generation:
+        if current is not None:
             for stale in (self._record.address_file(current),
                           self._record.address_file(current) + ".error"):
                 try:
                     os.unlink(stale)
                 except OSError:
                     pass
-        generation = _Generation((current.number if current is not None else 0) + 1,
-                                 _process_identity(os.getpid()))
+        generation = _Generation(number, _process_identity(os.getpid()))
         self._record.write(generation)
+        self._record.forget_before(number - 1)
         return generation
 
     def _reach(self, generation: _Generation) -> tuple[Any, tuple[int, int], str]:
@@ -471,11 +971,12 @@ class SharedEngineClient:
 
         def reach() -> None:
             try:
-                proxy = multi_process_shared.MultiProcessShared(
+                shared = done["shared"] = multi_process_shared.MultiProcessShared(
                     _SharedEngine(self._settings, self._factory, self._busy, self.device,
                                   self._record, generation.number),
                     tag=generation.beam_tag(self._tag),
-                    path=self._folder, always_proxy=True, spawn_process=True).acquire()
+                    path=self._folder, always_proxy=True, spawn_process=True)
+                proxy = shared.acquire()
                 done["result"] = (proxy, _pair(proxy.process()), proxy.label())
             except BaseException as exc:  # pylint: disable=broad-except  # raised in the caller
                 done["error"] = exc
@@ -483,6 +984,11 @@ class SharedEngineClient:
         thread = threading.Thread(target=reach, name="newsvec-engine-reach", daemon=True)
         thread.start()
         thread.join(timeout=self._load_timeout_s)
+        spawned = [c for c in multiprocessing.active_children()
+                   if c.pid not in children_before
+                   and address_file in tuple(getattr(c, "_args", ()) or (address_file,))]
+        for child in spawned:
+            self._watch(child, done.get("shared"), generation.number)
         if not thread.is_alive():
             if "error" in done:
                 exc = done["error"]
@@ -492,19 +998,31 @@ class SharedEngineClient:
             return done["result"]
         # Not ready in time: end the engine this process is spawning (Beam's wait for it then
         # ends: its process is gone), or the one that does not answer.
-        spawned = [c for c in multiprocessing.active_children()
-                   if c.pid not in children_before
-                   and address_file in tuple(getattr(c, "_args", ()) or (address_file,))]
-        for child in spawned:
-            child.kill()
-            child.join(timeout=10)
+        for child in spawned:  # the watcher reaps it
+            _end_process(_process_identity(child.pid or 0))
         if not spawned and generation.engine is not None:
-            _end_process(generation.engine)
+            self._end(generation.engine, generation.number, "it did not answer when reached")
         thread.join(timeout=10)
         what = "load" if spawned else "answer"
         raise self._failed_to_connect(None, (
             f"it did not {what} within model.load_timeout_s ({self._load_timeout_s:g} s); its "
             "process was ended"))
+
+    def _watch(self, child: Any, shared: Any, number: int) -> None:
+        """In the SDK process that spawned an engine: when its process exits, record how (the
+        clients of other processes cannot see its exit status) and release what Beam keeps of
+        it."""
+        engine = _process_identity(child.pid or 0)
+
+        def watch() -> None:
+            while child.exitcode is None:
+                # Its sentinel may stay open while a process it started holds it: poll as well.
+                if multiprocessing.connection.wait([child.sentinel], timeout=0.5):
+                    time.sleep(0.01)
+            self._record.mark_exit(number, engine, child.exitcode)
+            _release_spawned(child, shared)
+
+        threading.Thread(target=watch, name="newsvec-engine-watch", daemon=True).start()
 
     def _failed_to_connect(self, exc: Optional[BaseException], why: str) -> EngineFailedError:
         _LOG.error("the shared embedding engine %s could not be started or reached: %s",
@@ -514,34 +1032,53 @@ class SharedEngineClient:
         return EngineFailedError(f"the shared embedding engine {self._settings.name} could not be "
                                  f"started or reached: {why}"[:2000])
 
-    def _current(self) -> tuple[Any, tuple[int, int], tuple[int, int], int]:
-        with self._lock:
-            if self._proxy is None:
-                self._connect()
-            return self._proxy, self._process, self._spawner, self._connection
+    def _current(self) -> tuple[Any, tuple[int, int], tuple[int, int], int, int]:
+        """(proxy, engine process, its spawner, connection, generation), reaching it if needed."""
+        while True:
+            with self._lock:
+                if self._proxy is not None:
+                    return (self._proxy, self._process, self._spawner, self._connection,
+                            self._generation)
+            self.connect()
 
-    def _drop(self, connection: int, why: str) -> None:
+    def _drop(self, connection: int, why: str, blame: Optional[str] = None,
+               recorded: bool = True) -> None:
         """End the engine of ``connection`` and forget it (once, whichever thread asks first). The
-        next call reaches the engine another process has started since, or starts one."""
+        next call reaches the engine another process has started since, or starts one. The end is
+        ``recorded`` (``_Ended``) where this client decided it; not where the engine's process
+        was found gone or unreachable (it may be in the middle of exiting on its own)."""
         with self._lock:
             if connection != self._connection or self._proxy is None:
                 return  # already replaced
-            process, self._proxy = self._process, None
-            _LOG.error("ending the shared embedding engine (process %d): %s; the next call spawns "
-                       "or reaches a new one", process[0], why)
-            _end_process(process)
+            process, proxy, self._proxy = self._process, self._proxy, None
+            number = self._generation
+        _LOG.error("ending the shared embedding engine (process %d): %s; the next call spawns "
+                   "or reaches a new one", process[0], why)
+        self._end(process, number if recorded else None, why, blame)
+        _forget_connections(proxy)
 
     # ---- calls ----
 
-    def _timed(self, method: Callable, args: tuple, process: tuple[int, int]):
+    def _timed(self, method: Callable, args: tuple, process: tuple[int, int],
+               call_id: Optional[str] = None):
         """``method(*args)`` on the proxy, from a thread of this caller's own; raises
         ``_EngineGone`` when the engine's process is gone, or when it has been in one call for
-        more than call_timeout_s (its process is then ended)."""
+        more than call_timeout_s, has been silent (no heartbeat) for as long, or is stopped (it
+        is then to be ended), and ``_NoAnswer`` when this call is past its ceiling."""
         pool = getattr(self._local, "pool", None)
         if pool is None:
             pool = self._local.pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="newsvec-engine-call")
+        sent = time.monotonic()
         future = pool.submit(method, *args)
+        heard = sent  # the engine's last heartbeat, or when the call was sent
+        ceiling: Optional[float] = None
+        ahead = 0  # the calls queued in the engine when it was first heard of, this one included
+
+        def abandon() -> None:  # the thread stays blocked until the engine's process ends
+            self._local.pool = None
+            pool.shutdown(wait=False)
+
         while True:
             try:
                 return future.result(timeout=self._poll_s)
@@ -551,46 +1088,114 @@ class SharedEngineClient:
                 raise self._gone(process, f"its process is unreachable ({type(exc).__name__}: "
                                           f"{exc})") from exc
             except OSError as exc:
-                if _process_state(process) == "alive":
+                if _exists(process):
                     raise  # an error of the engine itself: its answer about the inputs
                 raise self._gone(process, f"its process is gone ({type(exc).__name__}: {exc})") \
                     from exc
-            busy_s = self._busy.busy_for(process)
-            if busy_s > self._timeout_s:
-                # The thread stays blocked until the engine's process is ended; drop its pool.
-                self._local.pool = None
-                pool.shutdown(wait=False)
-                raise self._gone(process, f"one call has run for {busy_s:.0f} s, over "
-                                          f"model.call_timeout_s ({self._timeout_s:g} s)")
-            if _process_state(process) != "alive":
-                self._local.pool = None
-                pool.shutdown(wait=False)
+            status = _process_state(process)
+            if status not in ("alive", "stopped"):
+                abandon()
                 raise self._gone(process, "its process is gone")
+            now = time.monotonic()
+            state = self._busy.read(process)
+            if state is not None:
+                heard = max(heard, state.heartbeat)
+                if ceiling is None:  # the calls queued before this one, then this one
+                    ahead = state.queued
+                    ceiling = sent + (ahead + 1) * self._timeout_s + _CEILING_SLACK_S
+                if state.call is not None and now - state.since > self._timeout_s:
+                    abandon()
+                    raise _EngineGone(
+                        f"one call has run for {now - state.since:.0f} s, over "
+                        f"model.call_timeout_s ({self._timeout_s:g} s)", state.call,
+                        blame=state.call, end=True)
+            in_call = state.call if state is not None else None
+            if status == "stopped" and now - heard > _STOPPED_FOR_S:
+                abandon()
+                raise _EngineGone(f"its process is stopped (SIGSTOP or a tracer), silent for "
+                                  f"{now - heard:.0f} s", in_call, end=True)
+            if now - heard > self._timeout_s:
+                abandon()
+                raise _EngineGone(f"it has been silent (no heartbeat) for {now - heard:.0f} s, "
+                                  f"over model.call_timeout_s ({self._timeout_s:g} s)", in_call,
+                                  blame=in_call, end=True)
+            if ceiling is not None and now > ceiling and (call_id is None or in_call != call_id):
+                abandon()
+                raise _NoAnswer(
+                    f"no answer after {now - sent:.0f} s, though the engine is alive, answers "
+                    f"and is not in this call: past the ceiling of a call that found {ahead} "
+                    f"queued, each given model.call_timeout_s ({self._timeout_s:g} s), and "
+                    f"{_CEILING_SLACK_S:g} s more")
 
     def _gone(self, process: tuple[int, int], why: str) -> _EngineGone:
-        return _EngineGone(why, self._busy.call(process))
+        state = self._busy.read(process)
+        return _EngineGone(why, state.call if state is not None else None,
+                           ending=state is not None and state.ending)
+
+    def _spared(self, gone: _EngineGone, process: tuple[int, int], spawner: tuple[int, int],
+                number: int, call_id: str, oom_before: Optional[int],
+                oom_file: Optional[str]) -> Optional[str]:
+        """Why the engine's end, in call ``call_id``, is not that call's doing (it is retried),
+        or None when it is (a crash; a hang, which a client ended), and the call is an input
+        failure if the next engine passes its canary."""
+        if not _exists(spawner):
+            return "with the SDK process that spawned it"
+        ended = self._record.ended(number, process)
+        if ended is not None:
+            return None if ended.blame == call_id else f"ended by newsvec: {ended.why}"
+        if gone.ending:
+            return "as it shut down"
+        oom_after = _oom_kills(oom_file)
+        if oom_before is not None and oom_after is not None and oom_after > oom_before:
+            return (f"killed for lack of memory (the out-of-memory kills of its cgroup went from "
+                    f"{oom_before} to {oom_after})")
+        status = self._record.exit_status(number, process, _EXIT_RECORD_WAIT_S)
+        if status in (0, -signal.SIGKILL, -signal.SIGTERM):
+            return f"{_describe_exit(status)}, which newsvec did not send"
+        return None
 
     def _call(self, method: str, args: tuple) -> tuple[Any, Optional[_EngineGone], int]:
         """``method(*args, call_id)`` on the engine: (its answer, None, the engine's connection),
         or (None, the failure, its connection) when the engine's process ended (or hung) in this
-        call. An engine that ended while in another call, or between calls, or with the SDK
-        process that spawned it, is replaced and the call retried (``_RETRIES_FOR_OTHERS`` times
-        in a row at most). ``EngineFailedError`` ends the engine and is raised."""
+        call, of this call's doing. An engine that ended while in another call, or between calls,
+        or with the SDK process that spawned it, or killed from outside in this call, is replaced
+        and the call retried (``_RETRIES_FOR_OTHERS`` times in a row at most, and
+        ``_RETRIES_AFTER_KILLS`` times after kills from outside). ``EngineFailedError`` ends the
+        engine and is raised; a call past its ceiling is an ``EngineFailedError`` too."""
+        kills = 0
         for _ in range(_RETRIES_FOR_OTHERS + 1):
-            proxy, process, spawner, connection = self._current()
+            proxy, process, spawner, connection, number = self._current()
             call_id = f"{os.getpid()}.{next(_CALL_IDS)}"
+            oom_file = self._oom_file
+            oom_before = _oom_kills(oom_file)
             try:
-                return self._timed(getattr(proxy, method), (*args, call_id), process), None, \
-                    connection
+                return self._timed(getattr(proxy, method), (*args, call_id), process,
+                                   call_id), None, connection
             except EngineFailedError as exc:
                 self._drop(connection, f"it failed: {exc}")
                 raise
+            except _NoAnswer as exc:
+                _LOG.error("a call to the shared embedding engine (process %d) got no answer: %s",
+                           process[0], exc)
+                raise EngineFailedError(f"the shared embedding engine {self._settings.name}: "
+                                        f"{exc}"[:2000]) from exc
             except _EngineGone as gone:
-                self._drop(connection, str(gone))
-                if gone.call == call_id and _process_state(spawner) == "alive":
-                    return None, gone, connection
-                why = ("with the SDK process that spawned it" if gone.call == call_id
-                       else "in another call" if gone.call is not None else "between calls")
+                self._drop(connection, str(gone), gone.blame, gone.end)
+                if gone.call == call_id:
+                    spared = self._spared(gone, process, spawner, number, call_id, oom_before,
+                                          oom_file)
+                    if spared is None:
+                        return None, gone, connection
+                    kills += 1
+                    if kills > _RETRIES_AFTER_KILLS:
+                        raise EngineFailedError(
+                            f"the shared embedding engine {self._settings.name} ended {kills} "
+                            f"times during one call, each time not of the call's doing (last: "
+                            f"{spared}): the engine or the machine is failing, not the inputs"
+                            [:2000]) from gone
+                    why = spared
+                else:
+                    why = "in another call" if gone.call is not None else "between calls"
                 _LOG.warning("the shared embedding engine ended %s (%s); retrying a %s call on "
                              "the next engine", why, gone, method)
         raise EngineFailedError(
@@ -601,11 +1206,13 @@ class SharedEngineClient:
         return self._label
 
     def take_load_ms(self) -> list[int]:
-        proxy, process, _, connection = self._current()
+        proxy, process, _, connection, _ = self._current()
         try:
             return list(self._timed(proxy.take_load_ms, (), process))
         except _EngineGone as exc:
-            self._drop(connection, str(exc))
+            self._drop(connection, str(exc), exc.blame, exc.end)
+            return []
+        except _NoAnswer:
             return []
 
     def embed(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -613,6 +1220,9 @@ class SharedEngineClient:
         this call and a new one passes its canary; ``EngineFailedError`` when it does not."""
         vectors, ended, _ = self._call("embed", (prompts,))
         if ended is None:
+            if prompts and all_finite(vectors):
+                longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+                self._known_good = tuple(prompts[longest])
             return vectors
         healthy, canary_ended, connection = self._call("healthy", ())
         if canary_ended is None and not healthy:
@@ -629,6 +1239,31 @@ class SharedEngineClient:
             f"the shared embedding engine's process ended during this call ({ended}); a new "
             "engine passes its canary, so the call's inputs are suspected"[:2000])
 
+    def embeds_known_good(self) -> Optional[bool]:
+        """Whether the engine embeds an input it embedded before (the longest of the last call
+        that came back whole); None if there is none yet. An engine that ends on it is broken,
+        whatever the inputs that ended it before were."""
+        known = self._known_good
+        if known is None:
+            return None
+        try:
+            vectors, ended, _ = self._call("embed", ([known],))
+        except EngineFailedError:
+            raise
+        except Exception:  # pylint: disable=broad-except  # any failure of it is the answer
+            return False
+        return ended is None and all_finite(vectors)
+
+
+def deaths_allowed(inputs: int) -> int:
+    """In-call ends of the shared engine (``EngineEndedInCall``) in a row, with no call
+    succeeding between them, that one input which ends the engine can cause in the bisection of
+    a call of ``inputs`` inputs: one per halving (the calls holding it: ``inputs``, half as many,
+    ..., 1) and the single input's retry. More in a row mean several such inputs side by side,
+    or an engine that ends on any real input (``transforms.embed`` then asks
+    ``SharedEngineClient.embeds_known_good``)."""
+    return math.ceil(math.log2(max(inputs, 1))) + 2
+
 
 _CLIENTS: dict[str, SharedEngineClient] = {}
 _CLIENTS_LOCK = threading.Lock()
@@ -641,7 +1276,8 @@ def shared_engine(settings: ModelSettings, factory: Optional[EngineFactory],
     them prepares text in the engine's process, where it would hold the GIL the engine needs.
     (RunInference's own share_model_across_processes puts the model in one of the SDK processes.)
     Every process that asks with the same ``tag`` gets the same engine, and each process keeps
-    one ``SharedEngineClient`` per tag, which replaces a dead or hung engine for all its DoFns.
+    one ``SharedEngineClient`` per tag, which replaces a dead or hung engine for all its DoFns;
+    its threads that ask at once share one attempt to reach it (``SharedEngineClient.connect``).
 
     With several GPUs (``model.gpus_per_worker``) there is one engine per GPU, tagged
     ``{tag}-gpu{index}``, and this process is given the one with the fewest processes
@@ -649,7 +1285,9 @@ def shared_engine(settings: ModelSettings, factory: Optional[EngineFactory],
     with _CLIENTS_LOCK:
         if tag not in _CLIENTS:
             _CLIENTS[tag] = _new_client(settings, factory, tag)
-        return _CLIENTS[tag]
+        client = _CLIENTS[tag]
+    client.connect()
+    return client
 
 
 def _new_client(settings: ModelSettings, factory: Optional[EngineFactory],
@@ -660,11 +1298,11 @@ def _new_client(settings: ModelSettings, factory: Optional[EngineFactory],
         _LOG.error("%s", exc)
         raise EngineFailedError(str(exc)) from exc
     if len(devices) == 1:
-        return SharedEngineClient(settings, factory, tag, devices[0])
-    slots = DeviceSlots(tempfile.gettempdir(), tag,
-                        alive=lambda process: _process_state(process) == "alive")
+        return SharedEngineClient(settings, factory, tag, devices[0], connect=False)
+    slots = DeviceSlots(tempfile.gettempdir(), tag, alive=_exists)
     index = slots.assign(_process_identity(os.getpid()), len(devices))
     _LOG.info("this SDK process uses the shared embedding engine on GPU %s (%d of %d; "
               "processes per engine: %s)", devices[index], index + 1, len(devices),
               slots.counts(len(devices)))
-    return SharedEngineClient(settings, factory, f"{tag}-gpu{index}", devices[index])
+    return SharedEngineClient(settings, factory, f"{tag}-gpu{index}", devices[index],
+                              connect=False)
