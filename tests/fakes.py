@@ -100,6 +100,24 @@ class BrokenEngine(LoggingEngine):
         os._exit(1)
 
 
+class SlowEngine(LoggingEngine):
+    """FAKE, served as the shared engine: each call takes $NEWSVEC_TEST_CALL_S seconds (a healthy
+    engine under load, each call within call_timeout_s)."""
+
+    def embed(self, prompts):
+        time.sleep(float(os.environ["NEWSVEC_TEST_CALL_S"]))
+        return super().embed(prompts)
+
+
+class FailsOnLoad(LoggingEngine):
+    """FAKE whose load fails (the GPU's memory held elsewhere, a bad weight file): logged as
+    "load", then it raises."""
+
+    def __init__(self, settings=None):
+        super().__init__(settings)
+        raise RuntimeError("FailsOnLoad: the load failed")
+
+
 class HangsOnLoad(LoggingEngine):
     """FAKE whose load never finishes (a CUDA or driver initialization, a download that stalls):
     logged as "load", then it waits; it gives up after 45 s (so that a test of code that waits

@@ -29,11 +29,13 @@ from tests.fakes import (
     HANG,
     BrokenEngine,
     EndsInRealCalls,
+    FailsOnLoad,
     HangsOnLoad,
     KilledInCalls,
     LoggingEngine,
     PoisonEngine,
     SdkProcess,
+    SlowEngine,
     StartsAChild,
     reach_engine,
 )
@@ -565,6 +567,37 @@ def test_a_call_that_gets_no_answer_fails_at_its_ceiling(tmp_path, monkeypatch):
     assert _process_state(client._process) == "alive", "the engine is left to the others"
 
 
+def test_a_burst_of_calls_on_a_healthy_engine_all_get_their_answer(tmp_path, monkeypatch):
+    # Many threads call at once (as every waiting thread retries after an engine is replaced, or
+    # a Dataflow process's threads at the start of a burst): the engine, healthy, serves them in
+    # turn, each call within call_timeout_s. A call that first reads the engine's state as it was
+    # written before the burst arrived must not take the calls queued then for its turn.
+    from transforms import shared_engine as module
+
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    monkeypatch.setenv("NEWSVEC_TEST_CALL_S", "1.5")
+    monkeypatch.setattr(module, "_CEILING_SLACK_S", 1.0, raising=False)
+    settings = make_config().model.model_copy(update={"call_timeout_s": 2.0})
+    client = SharedEngineClient(settings, SlowEngine, f"newsvec-test-{uuid.uuid4().hex}")
+    client.embed([(101, 1000, 102)])
+    time.sleep(1.2)  # the engine's last state: idle, nothing queued
+    outcomes: list = [None] * 8
+
+    def call(k: int) -> None:
+        try:
+            client.embed([(101, 2000 + k, 102)])
+            outcomes[k] = "answered"
+        except EngineFailedError as exc:
+            outcomes[k] = str(exc)[:300]
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(len(outcomes))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert outcomes == ["answered"] * len(outcomes), outcomes
+
+
 # ---- what the engine starts ends with it ----
 
 def _children(log) -> list[int]:
@@ -730,6 +763,41 @@ def test_replacing_the_engine_leaves_no_file_descriptors_behind(tmp_path, monkey
             break
         time.sleep(0.1)
     assert grown < replacements, f"{grown} more descriptors after {replacements} replacements"
+
+
+def test_a_load_that_fails_leaves_no_file_descriptors_behind(tmp_path, monkeypatch):
+    # The engine's load fails again and again (the GPU's memory held elsewhere): each attempt
+    # spawns a process that exits at once, and what Beam keeps of it (its pipes, the life line)
+    # is released all the same.
+    import gc
+
+    from transforms import shared_engine as module
+
+    monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
+    monkeypatch.setattr(module, "_REMEMBER_FAILURE_S", 0.0, raising=False)
+    client = SharedEngineClient(make_config().model, FailsOnLoad,
+                                f"newsvec-test-{uuid.uuid4().hex}", connect=False)
+
+    def fail() -> None:
+        with pytest.raises(EngineFailedError):
+            client.connect()
+
+    fail()
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    attempts = 4
+    for _ in range(attempts):
+        fail()
+    deadline = time.monotonic() + 10
+    while True:  # the spawner's watcher releases a dead engine's pipes as it sees it exit
+        gc.collect()
+        grown = len(os.listdir("/proc/self/fd")) - before
+        if grown < attempts or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert grown < attempts, f"{grown} more descriptors after {attempts} failed loads"
+    loads = (tmp_path / "engine.log").read_text().split("\n")
+    assert sum(line.startswith("load") for line in loads) == attempts + 1
 
 
 # ---- a record that is gone ----

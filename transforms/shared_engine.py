@@ -661,6 +661,37 @@ def _release_spawned(child: Any, shared: Any) -> None:
         popen.close()  # its exit code is kept: Beam's hook can still ask whether it is alive
 
 
+_CALL_THREAD = threading.local()  # in each call thread: the engine proxy it last called
+
+
+def _call_in_thread(method: Callable, args: tuple) -> Any:
+    """``method(*args)``, run in a caller's call thread. The proxies keep a connection per thread
+    and engine for the life of the thread: this thread's connection to an engine it called before
+    (one that has since been replaced) is closed first, so that a call thread holds one at most."""
+    proxy = getattr(method, "__self__", None)
+    previous = getattr(_CALL_THREAD, "proxy", None)
+    if previous is not None and previous is not proxy:
+        connection = getattr(previous._tls, "connection", None)
+        if connection is not None:
+            connection.close()
+            del previous._tls.connection
+    _CALL_THREAD.proxy = proxy
+    return method(*args)
+
+
+def _processes_in(error: Optional[BaseException]) -> list[Any]:
+    """The processes Beam's spawn had in hand where ``error`` was raised: an engine whose load
+    failed has exited (and been reaped) before the caller can list this process's children, and
+    Beam keeps no other handle on it but its exit hook."""
+    found = []
+    traceback = error.__traceback__ if error is not None else None
+    while traceback is not None:
+        found += [v for v in traceback.tb_frame.f_locals.values()
+                  if isinstance(v, multiprocessing.process.BaseProcess)]
+        traceback = traceback.tb_next
+    return found
+
+
 def _forget_connections(proxy: Any) -> None:
     """Drop the connections this process's threads kept to an engine that is gone (the
     multiprocessing proxies keep one per thread and address, for the life of the process)."""
@@ -747,9 +778,10 @@ class SharedEngineClient:
       ``model.call_timeout_s``, its process is ended (SIGKILL) and replaced. So is an engine
       whose heartbeat has stopped for as long (frozen, or stuck outside a call), or that is
       stopped (SIGSTOP, a tracer) for ``_STOPPED_FOR_S``. A call that gets no answer from an
-      engine that is alive, answering and not in it, by its ceiling (its turn: the calls queued
-      before it each ``call_timeout_s``; then its own ``call_timeout_s``; then
-      ``_CEILING_SLACK_S``) is an ``EngineFailedError``, and the engine is left to the others.
+      engine that is alive, answering and not in it, by its ceiling (its turn: the most calls
+      the engine has been seen with queued, each ``call_timeout_s``; then its own
+      ``call_timeout_s``; then ``_CEILING_SLACK_S``) is an ``EngineFailedError``, and the engine
+      is left to the others.
     - A call whose engine's process is gone (or was ended) while the engine was in another call,
       or idle, or because the SDK process that spawned it ended, or that was ended by a kill
       newsvec did not send (the out-of-memory killer: the count of its memory cgroup, or the
@@ -984,9 +1016,11 @@ class SharedEngineClient:
         thread = threading.Thread(target=reach, name="newsvec-engine-reach", daemon=True)
         thread.start()
         thread.join(timeout=self._load_timeout_s)
-        spawned = [c for c in multiprocessing.active_children()
+        spawned = [c for c in (*multiprocessing.active_children(),
+                               *_processes_in(done.get("error")))
                    if c.pid not in children_before
                    and address_file in tuple(getattr(c, "_args", ()) or (address_file,))]
+        spawned = list({c.pid: c for c in spawned}.values())
         for child in spawned:
             self._watch(child, done.get("shared"), generation.number)
         if not thread.is_alive():
@@ -1070,10 +1104,10 @@ class SharedEngineClient:
             pool = self._local.pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="newsvec-engine-call")
         sent = time.monotonic()
-        future = pool.submit(method, *args)
+        future = pool.submit(_call_in_thread, method, args)
         heard = sent  # the engine's last heartbeat, or when the call was sent
         ceiling: Optional[float] = None
-        ahead = 0  # the calls queued in the engine when it was first heard of, this one included
+        ahead = 0  # the most calls queued in the engine it has been heard of with
 
         def abandon() -> None:  # the thread stays blocked until the engine's process ends
             self._local.pool = None
@@ -1100,8 +1134,11 @@ class SharedEngineClient:
             state = self._busy.read(process)
             if state is not None:
                 heard = max(heard, state.heartbeat)
-                if ceiling is None:  # the calls queued before this one, then this one
-                    ahead = state.queued
+                # The calls queued (this one among them, and those behind it) as the engine last
+                # wrote them: a state written before this call arrived counts fewer, so the
+                # ceiling grows to the most seen (each later state is at most a heartbeat old).
+                if state.queued > ahead or ceiling is None:
+                    ahead = max(ahead, state.queued)
                     ceiling = sent + (ahead + 1) * self._timeout_s + _CEILING_SLACK_S
                 if state.call is not None and now - state.since > self._timeout_s:
                     abandon()
@@ -1123,7 +1160,7 @@ class SharedEngineClient:
                 abandon()
                 raise _NoAnswer(
                     f"no answer after {now - sent:.0f} s, though the engine is alive, answers "
-                    f"and is not in this call: past the ceiling of a call that found {ahead} "
+                    f"and is not in this call: past the ceiling of a call that found up to {ahead} "
                     f"queued, each given model.call_timeout_s ({self._timeout_s:g} s), and "
                     f"{_CEILING_SLACK_S:g} s more")
 
