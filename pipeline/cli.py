@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import yaml
 
 from pipeline import config as config_lib
+from transforms.store import StoreError
 
 _DELEGATED = {  # sub-command -> (module, what it does): each parses its own options
     "run": ("pipeline.run", "run the pipeline: batch, or streaming when a subscription is set"),
@@ -145,6 +146,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except config_lib.ConfigError as exc:
         print(f"newsvec: bad config: {exc}", file=sys.stderr)
         return 2
+    except StoreError as exc:  # its message scrubbed of the connection string, nothing chained
+        print(f"newsvec {command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
