@@ -116,3 +116,75 @@ def test_a_url_written_right_is_taken(dsn):
     from transforms.store import Store
 
     Store(StoreSettings(enabled=True), dsn=dsn)
+
+
+class _Response:
+    def __init__(self, status_code, body, reason="Forbidden"):
+        self.status_code, self._body, self.reason = status_code, body, reason
+
+    def json(self):
+        import json
+
+        return json.loads(self._body)
+
+
+def _secret_manager(monkeypatch, response) -> list:
+    """Secret Manager's REST API faked: what was asked of it."""
+    import google.auth
+    import google.auth.transport.requests
+
+    asked: list = []
+
+    class Session:
+        def __init__(self, credentials):
+            pass
+
+        def get(self, url, timeout):
+            asked.append((url, timeout))
+            return response
+
+    monkeypatch.setattr(google.auth, "default", lambda scopes: ("credentials", "p"))
+    monkeypatch.setattr(google.auth.transport.requests, "AuthorizedSession", Session)
+    return asked
+
+
+SECRET = "projects/news-prod/secrets/newsvec-dsn/versions/latest"
+
+
+def test_the_dsn_is_read_from_secret_manager_at_run_time(monkeypatch, tmp_path):
+    """On Dataflow the DSN is neither in the image nor in the job's options: the worker reads it
+    from Secret Manager with its service account. It wins over dsn_file and dsn_env. Before: a
+    config had no such key (``store.dsn_secret`` was refused)."""
+    import base64
+
+    from transforms.store import resolve_dsn
+
+    dsn = "host=10.1.2.3 user=newsvec password=Fr0m-SecretMgr dbname=news"
+    payload = base64.b64encode(dsn.encode() + b"\n").decode()
+    asked = _secret_manager(monkeypatch, _Response(200, f'{{"payload": {{"data": "{payload}"}}}}'))
+    monkeypatch.setenv(STORE_DSN_ENV, "host=elsewhere")
+    (tmp_path / "dsn").write_text("host=elsewhere-too")
+    settings = StoreSettings(enabled=True, dsn_env=STORE_DSN_ENV, dsn_file=str(tmp_path / "dsn"),
+                             dsn_secret=SECRET)
+    assert resolve_dsn(settings) == dsn
+    assert asked == [(f"https://secretmanager.googleapis.com/v1/{SECRET}:access", 30)]
+    with pytest.raises(Exception, match="dsn_secret"):
+        StoreSettings(dsn_secret="newsvec-dsn")  # a secret version's full name only
+
+
+@pytest.mark.parametrize("response,expected", [
+    (_Response(403, '{"error": {"message": "Permission denied on secretmanager.versions.access"}}'),
+     "HTTP 403: Permission denied"),
+    (_Response(200, '{"payload": {"data": "!!not base64 Pw-in-body!!"}}'), "not a UTF-8"),
+    (_Response(502, "<html>Pw-in-body</html>", reason="Bad Gateway"), "HTTP 502: Bad Gateway"),
+])
+def test_a_secret_that_cannot_be_read_says_why_and_never_quotes_the_body(monkeypatch, response,
+                                                                          expected):
+    from transforms.store import StoreError, resolve_dsn
+
+    _secret_manager(monkeypatch, response)
+    with pytest.raises(StoreError) as failed:
+        resolve_dsn(StoreSettings(enabled=True, dsn_secret=SECRET))
+    assert expected in str(failed.value) and SECRET in str(failed.value)
+    assert "Pw-in-body" not in "".join(traceback.format_exception(failed.value))
+    assert failed.value.__context__ is None and failed.value.__cause__ is None

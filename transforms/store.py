@@ -31,9 +31,10 @@ session idle inside its transaction (the server ends it), and TCP keepalives and
 before the table's lock is taken; under it, each statement runs on the server from the staged
 rows, so a client that freezes there holds the table for at most ``lock_timeout_s``.
 
-The connection string (DSN) never comes from the config file: it is read from the environment
-variable ``store.dsn_env`` or the secret file ``store.dsn_file``, and it is scrubbed from every
-message this module logs or raises.
+The connection string (DSN) never comes from the config file: it is read at run time from the
+Secret Manager secret ``store.dsn_secret``, the secret file ``store.dsn_file`` or the environment
+variable ``store.dsn_env``, and it is scrubbed from every message this module logs or raises (and
+from psycopg's own log records).
 """
 from __future__ import annotations
 
@@ -128,6 +129,13 @@ class StoreSettings(BaseModel):
     dsn_file: Optional[str] = Field(
         None, description="a file that holds the connection string instead (a mounted secret); "
                           "wins over `dsn_env`")
+    dsn_secret: Optional[str] = Field(
+        None, pattern=r"^projects/[^/\s]+/secrets/[A-Za-z0-9_-]{1,255}/versions/(latest|[0-9]+)$",
+        description="a Secret Manager secret version that holds the connection string instead "
+                    "(`projects/P/secrets/S/versions/latest`), read at run time with the "
+                    "machine's credentials (on Dataflow: the worker service account, which needs "
+                    "`roles/secretmanager.secretAccessor` on it); wins over `dsn_file` and "
+                    "`dsn_env`")
     schema_name: str = Field("public", description="the schema of the tables (an SQL identifier: "
                                                    "`[a-z_][a-z0-9_]*`)")
     table: str = Field("news_vectors", description="the articles' table; `<table>_chunks` and "
@@ -189,8 +197,53 @@ UNPARSABLE_DSN = ("the connection string could not be parsed (check its quoting;
                   "%40)")
 
 
+SECRET_MANAGER_URL = "https://secretmanager.googleapis.com/v1/{name}:access"
+SECRET_ACCESS_TIMEOUT_S = 30
+
+
+def _access_secret(name: str) -> str:
+    """The payload of the Secret Manager secret version ``name`` (its REST API, with the
+    application default credentials); ``StoreError`` when it cannot be read. Nothing of the
+    payload is in a message, and no exception is chained."""
+    import base64
+
+    failure: Optional[str] = None
+    try:
+        import google.auth
+        from google.auth.transport.requests import AuthorizedSession
+
+        credentials, _ = google.auth.default(
+            scopes=["https://www.googleapis.com/auth/cloud-platform"])
+        response = AuthorizedSession(credentials).get(SECRET_MANAGER_URL.format(name=name),
+                                                      timeout=SECRET_ACCESS_TIMEOUT_S)
+    except Exception as exc:  # pylint: disable=broad-except  # no credentials, no route
+        failure = f"{type(exc).__name__}: {exc}"
+    if failure is not None:
+        raise StoreError(f"store.dsn_secret: cannot read {name} ({failure})")
+    if response.status_code != 200:
+        try:  # Google's error body: its message names the missing permission, never the payload
+            reason = str(response.json()["error"]["message"])[:300]
+        except Exception:  # pylint: disable=broad-except  # not JSON
+            reason = response.reason or ""
+        raise StoreError(f"store.dsn_secret: cannot read {name} (HTTP {response.status_code}: "
+                         f"{reason})")
+    dsn = None
+    try:
+        dsn = base64.b64decode(response.json()["payload"]["data"]).decode("utf-8").strip()
+    except Exception:  # pylint: disable=broad-except  # the body is the secret: never quoted
+        pass
+    if dsn is None:
+        raise StoreError(f"store.dsn_secret: {name} is not a UTF-8 secret payload")
+    if not dsn:
+        raise StoreError(f"store.dsn_secret: {name} is empty")
+    return dsn
+
+
 def resolve_dsn(settings: StoreSettings) -> str:
-    """The connection string, from ``dsn_file`` or the environment variable ``dsn_env``."""
+    """The connection string, from the Secret Manager secret ``dsn_secret``, the file
+    ``dsn_file`` or the environment variable ``dsn_env`` (the first one set)."""
+    if settings.dsn_secret:
+        return _access_secret(settings.dsn_secret)
     if settings.dsn_file:
         try:
             with open(settings.dsn_file, encoding="utf-8") as f:
