@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import yaml
 
 from pipeline import config as config_lib
+from transforms.store import StoreError
 
 _DELEGATED = {  # sub-command -> (module, what it does): each parses its own options
     "run": ("pipeline.run", "run the pipeline: batch, or streaming when a subscription is set"),
@@ -85,12 +86,38 @@ def _search_command(argv: Sequence[str]) -> int:
     hits = (search_store(config, query, args.k) if args.store
             else search(config, query, args.k, args.output))
     for hit in hits:
-        if args.json:
-            _print_line(json.dumps(hit, ensure_ascii=False))  # a Japanese title as it reads
+        if args.json:  # a Japanese title as it reads; a control character as a \u escape
+            _print_line(_json_escaped(json.dumps(hit, ensure_ascii=False)))
         else:
             where = f"  (chunk {hit['chunk_index']})" if hit["chunk_index"] is not None else ""
-            _print_line(f"{hit['score']:.4f}  {hit['id']}  {hit['title'] or ''}{where}")
+            _print_line(f"{hit['score']:.4f}  {_escaped(str(hit['id']))}  "
+                        f"{_escaped(hit['title'] or '')}{where}")
     return 0
+
+
+def _escaped(text: str) -> str:
+    """``text`` (an article's id or title: a publisher's) with every character that is not
+    printable (C0 and C1 controls, which start terminal escape sequences; format characters such
+    as a right-to-left override; line and paragraph separators) written as ``\\xNN``,
+    ``\\uNNNN`` or ``\\UNNNNNNNN``: it is shown, never obeyed by the terminal."""
+    return "".join(ch if ch.isprintable() else
+                   f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else
+                   f"\\u{ord(ch):04x}" if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}"
+                   for ch in text)
+
+
+def _json_escaped(line: str) -> str:
+    """A JSON line with every character that is not printable as a ``\\uNNNN`` escape (a pair
+    beyond the BMP): the same JSON values, nothing a terminal obeys. Such characters can only be
+    inside its strings, where the escape is valid."""
+    def escape(ch: str) -> str:
+        code = ord(ch)
+        if code < 0x10000:
+            return f"\\u{code:04x}"
+        code -= 0x10000
+        return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+    return "".join(ch if ch.isprintable() else escape(ch) for ch in line)
 
 
 def _query_text(arg: str) -> str:
@@ -145,6 +172,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except config_lib.ConfigError as exc:
         print(f"newsvec: bad config: {exc}", file=sys.stderr)
         return 2
+    except StoreError as exc:  # its message scrubbed of the connection string, nothing chained
+        print(f"newsvec {command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -233,15 +233,61 @@ def _read_text(path: str) -> str:
         raise ConfigError(f"{path}: cannot read the config: {exc.strerror}") from None
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""A config file is a few KB: a larger one is refused before it is parsed."""
+MAX_CONFIG_DEPTH = 32
+"""How deep a config's mappings and lists may nest (the schema's deepest key is 3 levels down):
+PyYAML composes a node by recursion, so a deeper file would end in a ``RecursionError``."""
+
+
+class _ConfigLoader(yaml.SafeLoader):  # pylint: disable=too-many-ancestors
+    """``yaml.SafeLoader`` with no aliases (``*name``: shared when parsed, but walked expanded
+    afterwards, so 2 KB of them can stand for billions of values) and nodes nested at most
+    ``MAX_CONFIG_DEPTH`` deep."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(
+                None, None, "a config cannot use YAML aliases (*name): write the value out "
+                "where it is used", mark)
+        if self._depth >= MAX_CONFIG_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested deeper than {MAX_CONFIG_DEPTH} levels",
+                self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _parse(text: str) -> Any:
+    """The YAML of a config, bounded (``MAX_CONFIG_BYTES``, ``_ConfigLoader``)."""
+    if len(text.encode("utf-8", errors="surrogatepass")) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"larger than {MAX_CONFIG_BYTES} bytes: not a config")
+    loader = _ConfigLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def load(path: str | Path, subscription: Optional[str] = None,
          **overrides: Optional[str]) -> Config:
     """Read and validate a config file (local or gs://); ``overrides`` (input=..., output=...) and
     ``subscription`` win when not None."""
     path = str(path)
     try:
-        raw = yaml.safe_load(_read_text(path))
+        raw = _parse(_read_text(path))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     if isinstance(raw, dict):
         raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
         if subscription is not None:

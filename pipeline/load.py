@@ -126,9 +126,9 @@ def load_run(config: config_lib.Config, run_id: str, reload: bool = False) -> St
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="newsvec load", description="Load a committed batch run's vectors (and chunks) into "
-        "the store of the config (store: section; the connection string from its dsn_env or "
-        "dsn_file). Loading a run twice changes nothing (unless --reload). The load replaces the "
-        "previous run's load of the same output.")
+        "the store of the config (store: section; the connection string from its dsn_secret, "
+        "dsn_file or dsn_env). Loading a run twice changes nothing (unless --reload). The load "
+        "replaces the previous run's load of the same output.")
     parser.add_argument("--config", required=True, help="the config the run ran with")
     parser.add_argument("--run-id", required=True, help="the run (its _summary.json's run_id)")
     parser.add_argument("--output", help="the output prefix, if not the config's")

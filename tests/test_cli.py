@@ -158,3 +158,30 @@ def test_the_streaming_demo_says_how_to_install_a_missing_emulator(tmp_path, mon
     monkeypatch.setattr(emulators.shutil, "which", lambda name: None)
     assert streaming_demo.main(["--output", str(tmp_path / "out")]) == 2
     assert "gcloud components install pubsub-emulator" in capsys.readouterr().err
+
+
+HOSTILE_HITS = [
+    {"score": 0.9, "id": "\x1b]0;owned\x07\x1b[2Jfake-id", "title": "a \x9b31mred\u202etxt.exe",
+     "chunk_index": None},
+    {"score": 0.8, "id": "ok-id", "title": "日本語の見出し\x00\x7f", "chunk_index": 2},
+]
+
+
+@pytest.mark.parametrize("json_lines", [False, True])
+def test_search_prints_no_terminal_control_character_of_the_data(monkeypatch, capsys, json_lines):
+    """Ids and titles are the publishers' text: an escape sequence in them (a terminal title, a
+    cleared screen, C1's CSI, a right-to-left override) is written out as an escape, never sent
+    to the terminal; printable text (Japanese) stays as it is, and --json still parses to the same
+    values. Before: printed raw (and --json, with ensure_ascii off, kept C1 and U+202E raw)."""
+    import pipeline.search
+
+    monkeypatch.setattr(pipeline.search, "search", lambda config, query, k, output: HOSTILE_HITS)
+    argv = ["search", "--config", str(REPO / "configs" / "local.yaml"), "q"]
+    assert cli.main(argv + (["--json"] if json_lines else [])) == 0
+    out = capsys.readouterr().out
+    assert all(ch.isprintable() for line in out.splitlines() for ch in line), repr(out)
+    assert "日本語の見出し" in out
+    if json_lines:
+        assert [json.loads(line) for line in out.splitlines()] == HOSTILE_HITS
+    else:
+        assert "\\x1b]0;owned\\x07\\x1b[2Jfake-id" in out and "\\u202e" in out

@@ -123,3 +123,47 @@ def test_native_dtype_is_bfloat16_only_where_the_hardware_computes_it(monkeypatc
         monkeypatch.setattr(model, "_computes_bfloat16", lambda h=hardware: h)
         assert settings.resolved_dtype() == expected
     assert settings.model_copy(update={"dtype": "float16"}).resolved_dtype() == "float16"
+
+
+# --- a config file that could cost the loader its stack or seconds of CPU ----------------------
+
+def _alias_bomb(levels: int) -> str:
+    """configs/local.yaml with ~2 KB more: a ``beam.experiments`` whose aliases expand to
+    9**levels strings."""
+    lines = ['    - &a0 ["x","x","x","x","x","x","x","x","x"]']
+    for i in range(1, levels + 1):
+        lines.append(f"    - &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]")
+    local = (CONFIGS / "local.yaml").read_text()
+    return local.replace("\nbeam:\n", "\nbeam:\n  experiments:\n" + "\n".join(lines) + "\n", 1)
+
+
+def test_a_config_with_yaml_aliases_is_refused_at_once(tmp_path):
+    """Aliases are shared while parsed but walked expanded (the placeholder check, the Beam
+    flags): 2 KB of them cost seconds, nine more levels hours. A config has no use for them.
+    Before: 9**6 strings were loaded, in seconds, without an error."""
+    import time
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb(6))
+    start = time.monotonic()
+    with pytest.raises(config_lib.ConfigError, match="alias"):
+        config_lib.load(path)
+    assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.parametrize("text", ["x: " + "[" * 5000 + "]" * 5000,
+                                  "x:\n" + "".join(" " * i + "- \n" for i in range(1, 1200))])
+def test_a_config_nested_too_deep_is_a_config_error_not_a_recursion_error(tmp_path, text):
+    """Before: RecursionError, uncaught (in PyYAML's composer)."""
+    path = tmp_path / "deep.yaml"
+    path.write_text(text)
+    with pytest.raises(config_lib.ConfigError, match="nested deeper"):
+        config_lib.load(path)
+
+
+def test_a_config_larger_than_any_config_is_refused_before_it_is_parsed(tmp_path):
+    """Before: 64 MiB of YAML was parsed (a minute of CPU and gigabytes) before validation."""
+    path = tmp_path / "big.yaml"
+    path.write_text("# " + "x" * (2 << 20) + "\ninput: x\n")  # 2 MiB
+    with pytest.raises(config_lib.ConfigError, match="larger than"):
+        config_lib.load(path)

@@ -31,21 +31,24 @@ session idle inside its transaction (the server ends it), and TCP keepalives and
 before the table's lock is taken; under it, each statement runs on the server from the staged
 rows, so a client that freezes there holds the table for at most ``lock_timeout_s``.
 
-The connection string (DSN) never comes from the config file: it is read from the environment
-variable ``store.dsn_env`` or the secret file ``store.dsn_file``, and it is scrubbed from every
-message this module logs or raises.
+The connection string (DSN) never comes from the config file: it is read at run time from the
+Secret Manager secret ``store.dsn_secret``, the secret file ``store.dsn_file`` or the environment
+variable ``store.dsn_env``, and it is scrubbed from every message this module logs or raises (and
+from psycopg's own log records).
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
 import datetime as dt
+import functools
 import hashlib
 import logging
 import math
 import os
 import re
 import struct
+import threading
 import time
 import urllib.parse
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -126,6 +129,13 @@ class StoreSettings(BaseModel):
     dsn_file: Optional[str] = Field(
         None, description="a file that holds the connection string instead (a mounted secret); "
                           "wins over `dsn_env`")
+    dsn_secret: Optional[str] = Field(
+        None, pattern=r"^projects/[^/\s]+/secrets/[A-Za-z0-9_-]{1,255}/versions/(latest|[0-9]+)$",
+        description="a Secret Manager secret version that holds the connection string instead "
+                    "(`projects/P/secrets/S/versions/latest`), read at run time with the "
+                    "machine's credentials (on Dataflow: the worker service account, which needs "
+                    "`roles/secretmanager.secretAccessor` on it); wins over `dsn_file` and "
+                    "`dsn_env`")
     schema_name: str = Field("public", description="the schema of the tables (an SQL identifier: "
                                                    "`[a-z_][a-z0-9_]*`)")
     table: str = Field("news_vectors", description="the articles' table; `<table>_chunks` and "
@@ -183,11 +193,57 @@ class StoreSettings(BaseModel):
 # --- the connection string, and keeping it out of messages ---------------------------------------
 
 UNPARSABLE_DSN = ("the connection string could not be parsed (check its quoting; in a "
-                  "postgresql:// URL, write a % in the password as %25)")
+                  "postgresql:// URL, write a % in the password as %25, a / as %2F and an @ as "
+                  "%40)")
+
+
+SECRET_MANAGER_URL = "https://secretmanager.googleapis.com/v1/{name}:access"
+SECRET_ACCESS_TIMEOUT_S = 30
+
+
+def _access_secret(name: str) -> str:
+    """The payload of the Secret Manager secret version ``name`` (its REST API, with the
+    application default credentials); ``StoreError`` when it cannot be read. Nothing of the
+    payload is in a message, and no exception is chained."""
+    import base64
+
+    failure: Optional[str] = None
+    try:
+        import google.auth
+        from google.auth.transport.requests import AuthorizedSession
+
+        credentials, _ = google.auth.default(
+            scopes=["https://www.googleapis.com/auth/cloud-platform"])
+        response = AuthorizedSession(credentials).get(SECRET_MANAGER_URL.format(name=name),
+                                                      timeout=SECRET_ACCESS_TIMEOUT_S)
+    except Exception as exc:  # pylint: disable=broad-except  # no credentials, no route
+        failure = f"{type(exc).__name__}: {exc}"
+    if failure is not None:
+        raise StoreError(f"store.dsn_secret: cannot read {name} ({failure})")
+    if response.status_code != 200:
+        try:  # Google's error body: its message names the missing permission, never the payload
+            reason = str(response.json()["error"]["message"])[:300]
+        except Exception:  # pylint: disable=broad-except  # not JSON
+            reason = response.reason or ""
+        raise StoreError(f"store.dsn_secret: cannot read {name} (HTTP {response.status_code}: "
+                         f"{reason})")
+    dsn = None
+    try:
+        dsn = base64.b64decode(response.json()["payload"]["data"]).decode("utf-8").strip()
+    except Exception:  # pylint: disable=broad-except  # the body is the secret: never quoted
+        pass
+    if dsn is None:
+        raise StoreError(f"store.dsn_secret: {name} is not a UTF-8 secret payload")
+    if not dsn:
+        raise StoreError(f"store.dsn_secret: {name} is empty")
+    return dsn
 
 
 def resolve_dsn(settings: StoreSettings) -> str:
-    """The connection string, from ``dsn_file`` or the environment variable ``dsn_env``."""
+    """The connection string, from the Secret Manager secret ``dsn_secret``, the file
+    ``dsn_file`` or the environment variable ``dsn_env`` (the first one set)."""
+    if settings.dsn_secret:
+        return _access_secret(settings.dsn_secret)
     if settings.dsn_file:
         try:
             with open(settings.dsn_file, encoding="utf-8") as f:
@@ -212,10 +268,29 @@ def resolve_dsn(settings: StoreSettings) -> str:
     return dsn
 
 
+_URL = re.compile(r"postgres(?:ql)?://", re.IGNORECASE)
+
+
+def _misread_url(dsn: str) -> bool:
+    """A ``postgresql://`` URL whose user and password libpq would not read as written: an ``@``
+    after a ``/``, or two ``@``, before the query (a ``/`` or ``@`` of the password not
+    percent-encoded). libpq then takes the user for the host, the password's parts for the port
+    and the database name, or part of it for a host: the password would show where a port or a
+    database name is named, and nothing would scrub it."""
+    if not _URL.match(dsn):
+        return False
+    before_query = dsn.split("://", 1)[1].split("?", 1)[0]
+    authority, _, path = before_query.partition("/")
+    return "@" in path or authority.count("@") > 1
+
+
 def _parsed(dsn: str) -> Optional[dict]:
-    """libpq's reading of the DSN, or None when it cannot be parsed."""
+    """libpq's reading of the DSN, or None when it cannot be parsed, or when it is a URL libpq
+    would misread (``_misread_url``)."""
     from psycopg.conninfo import conninfo_to_dict
 
+    if _misread_url(dsn):
+        return None
     try:
         return conninfo_to_dict(dsn)
     except Exception:  # pylint: disable=broad-except  # its message may quote the DSN
@@ -251,7 +326,8 @@ def _url_secrets(dsn: str) -> set[str]:
     return found | decoded
 
 
-def _secrets(dsn: str) -> list[str]:
+@functools.lru_cache(maxsize=64)
+def _secrets(dsn: str) -> tuple[str, ...]:
     """Every piece of ``dsn`` a message must not show, longest first: the whole string; the
     password and ``sslpassword`` however short; the user and each host and host address (of two
     characters or more: a one-letter name would blank out every message)."""
@@ -264,7 +340,7 @@ def _secrets(dsn: str) -> list[str]:
         elif key in ("user", "host", "hostaddr"):
             secrets.update(v for v in str(value).split(",") if len(v) >= 2)
     secrets.discard("")
-    return sorted(secrets, key=len, reverse=True)
+    return tuple(sorted(secrets, key=len, reverse=True))
 
 
 def scrub(text: str, dsn: str) -> str:
@@ -273,6 +349,46 @@ def scrub(text: str, dsn: str) -> str:
     for secret in _secrets(dsn):
         text = text.replace(secret, "***")
     return text
+
+
+class _ScrubbedDriverLog(logging.Filter):
+    """On the ``psycopg`` logger: its records scrubbed (``scrub``) of every connection string a
+    ``Store`` of this process holds. At DEBUG psycopg names each host (and port) it tries and each
+    it cannot resolve, a second host of a multi-host DSN included, and quotes libpq's messages;
+    its warnings name a connection (its host, user and database)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._dsns: tuple[str, ...] = ()  # replaced whole: a thread reads a consistent tuple
+        self._lock = threading.Lock()
+
+    def add(self, dsn: str) -> None:
+        with self._lock:
+            if dsn not in self._dsns:
+                self._dsns = (*self._dsns, dsn)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        dsns = self._dsns
+        if not dsns:
+            return True
+        try:
+            text = record.getMessage()
+            if record.exc_info and not record.exc_text:
+                record.exc_text = logging.Formatter().formatException(record.exc_info)
+        except Exception:  # pylint: disable=broad-except  # never raise into psycopg's call
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "(a psycopg log record that could not be formatted)", (), None, None)
+            return True
+        exc_text = record.exc_text
+        for dsn in dsns:
+            text = scrub(text, dsn)
+            exc_text = scrub(exc_text, dsn) if exc_text else exc_text
+        record.msg, record.args, record.exc_text = text, (), exc_text
+        return True
+
+
+_DRIVER_LOG = _ScrubbedDriverLog()
+logging.getLogger("psycopg").addFilter(_DRIVER_LOG)
 
 
 def _failure(exc: BaseException, dsn: str, what: str) -> StoreLoadFailed:
@@ -942,6 +1058,7 @@ class Store:
         self._dsn = dsn if dsn is not None else resolve_dsn(settings)
         if _parsed(self._dsn) is None:
             raise StoreError(f"store: {UNPARSABLE_DSN}")
+        _DRIVER_LOG.add(self._dsn)  # before any connection: psycopg logs the hosts it tries
 
     def scrub(self, text: str) -> str:
         return scrub(text, self._dsn)
