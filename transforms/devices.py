@@ -31,6 +31,7 @@ import subprocess
 from typing import Callable, Optional
 
 from transforms.model import ModelSettings
+from transforms.private_files import ensure_private_file, read_private, write_private
 
 _LOG = logging.getLogger(__name__)
 # Where Dataflow's install-nvidia-driver puts the driver's tools in the SDK container.
@@ -102,7 +103,9 @@ def engine_devices(settings: ModelSettings) -> list[Optional[str]]:
 class DeviceSlots:
     """The per-machine list of live SDK processes and the engine each was given (see the module's
     docstring): ``{folder}/{tag}.devices``, a JSON object {"<pid> <start time>": engine index},
-    changed only under ``{tag}.devices.lock``. ``alive`` tells whether a listed process still
+    changed only under ``{tag}.devices.lock``, in the engine's private folder
+    (``transforms.private_files``: written 0600 through a temp file of a random name, read only
+    if it is this user's and no one else's). ``alive`` tells whether a listed process still
     lives (its pid and start time: a pid may be reused)."""
 
     def __init__(self, folder: str, tag: str, alive: Callable[[tuple[int, int]], bool]):
@@ -116,6 +119,7 @@ class DeviceSlots:
         import fasteners
 
         key = f"{process[0]} {process[1]}"
+        ensure_private_file(self._lock_path)
         with fasteners.InterProcessLock(self._lock_path):
             table = self._read()
             table = {k: i for k, i in table.items()
@@ -125,10 +129,7 @@ class DeviceSlots:
                 for index in table.values():
                     load[index] += 1
                 table[key] = load.index(min(load))
-            tmp = f"{self.path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(table, f)
-            os.replace(tmp, self.path)
+            write_private(self.path, json.dumps(table).encode())
             return table[key]
 
     def counts(self, engines: int) -> list[int]:
@@ -140,10 +141,10 @@ class DeviceSlots:
         return load
 
     def _read(self) -> dict[str, int]:
+        data = read_private(self.path)  # not another user's, not through a symlink
         try:
-            with open(self.path) as f:
-                table = json.load(f)
-        except (OSError, ValueError):
+            table = json.loads(data) if data is not None else {}
+        except ValueError:
             return {}  # none yet, or unreadable: start afresh (processes are placed again)
         if not isinstance(table, dict):
             return {}

@@ -29,8 +29,11 @@ each SDK process one ``SharedEngineClient`` per step, which:
 A worker with several GPUs runs one such engine per GPU (``model.gpus_per_worker``), each pinned
 to its device, and each SDK process is given one of them (``transforms.devices``).
 
-Every file the engine and its clients meet at is in one folder (``tempfile.gettempdir()``, shared
-by every SDK process of the machine): Beam's ``{tag}-g<n>.address`` and ``.lock``, and newsvec's
+Only the job's user reaches the engine: each engine authenticates with a random key of its own
+(``_private_shared``; never Beam's constant ``b'mps'``), and every file the engine and its
+clients meet at is in one private folder (``transforms.private_files.private_folder``: 0700, this
+user's, shared by every SDK process of the machine), written 0600 and read only if no other user
+could have written it: Beam's ``{tag}-g<n>.address``, ``.key`` and ``.lock``, and newsvec's
 ``{tag}.engine``, ``{tag}.lock``, ``{tag}.busy``, ``{tag}.loading``, ``{tag}-g<n>.ended`` and
 ``{tag}-g<n>.exit``.
 """
@@ -49,7 +52,6 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -65,6 +67,14 @@ from transforms.engine import (
     process_engine,
 )
 from transforms.model import ModelSettings
+from transforms.private_files import (
+    UnsafeFolderError,
+    ensure_private_file,
+    is_private,
+    private_folder,
+    read_private,
+    write_private,
+)
 
 _LOG = logging.getLogger(__name__)
 
@@ -123,8 +133,7 @@ class _BusyFile:
     def read(self, process: Optional[tuple[int, int]] = None) -> Optional[_EngineState]:
         """The state, if the file is there, readable, and (given ``process``) that engine's."""
         try:
-            with open(self.path) as f:
-                raw = json.load(f)
+            raw = _read_json(self.path)
             state = _EngineState(**{**raw, "process": _pair(raw["process"])})
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -329,8 +338,9 @@ class _SharedEngine:
                 raise EngineFailedError(f"generation {self._generation}: {_SUPERSEDED}")
             _own_process_group()
             self._record.mark_loading(self._generation)
-            keep_fresh = [self._record.path, self._record.lock_path,
-                          self._record.address_file(current)]
+            address_file = self._record.address_file(current)
+            keep_fresh = [self._record.path, self._record.lock_path, address_file,
+                          _key_file(address_file)]
         _one_process_engine()
         if self._device is not None:
             torch = sys.modules.get("torch")
@@ -386,7 +396,7 @@ class _EngineRecord:
         self.path = os.path.join(folder, f"{tag}.engine")
         self.lock_path = os.path.join(folder, f"{tag}.lock")
         self._loading_path = os.path.join(folder, f"{tag}.loading")
-        self._files = re.compile(re.escape(tag) + r"-g(\d+)\.(address|lock|ended|exit)")
+        self._files = re.compile(re.escape(tag) + r"-g(\d+)\.(address|lock|key|ended|exit)")
 
     def address_file(self, generation: _Generation) -> str:
         return os.path.join(self.folder, generation.beam_tag(self.tag)) + ".address"
@@ -396,8 +406,7 @@ class _EngineRecord:
 
     def read(self) -> Optional[_Generation]:
         try:
-            with open(self.path) as f:
-                raw = json.load(f)
+            raw = _read_json(self.path)
             return _Generation(int(raw["number"]), _pair(raw["spawner"]),
                                None if raw.get("engine") is None else _pair(raw["engine"]))
         except (OSError, ValueError, KeyError, TypeError):
@@ -411,21 +420,18 @@ class _EngineRecord:
         spawner ends before recording it, the process that starts the next generation can end
         it (else two engines could load on one device)."""
         pid, started = _process_identity(os.getpid())
-        tmp = f"{self._loading_path}.{pid}.tmp"
         try:
-            with open(tmp, "w") as f:
-                f.write(f"{number} {pid} {started}")
-            os.replace(tmp, self._loading_path)
+            write_private(self._loading_path, f"{number} {pid} {started}".encode())
         except OSError:
             _LOG.exception("could not record the loading shared engine")
 
     def loading(self, number: Optional[int] = None) -> Optional[tuple[int, tuple[int, int]]]:
         """(generation, process) of the engine that began to load last, if recorded (and of
         generation ``number``, if given)."""
+        data = read_private(self._loading_path)
         try:
-            with open(self._loading_path) as f:
-                recorded, pid, started = (int(x) for x in f.read().split())
-        except (OSError, ValueError):
+            recorded, pid, started = (int(x) for x in (data or b"").split())
+        except ValueError:
             return None
         if number is not None and recorded != number:
             return None
@@ -440,13 +446,14 @@ class _EngineRecord:
         return [int(m.group(1)) for m in map(self._files.fullmatch, names) if m is not None]
 
     def forget_before(self, number: int) -> None:
-        """Delete the ``.ended`` and ``.exit`` files of generations before ``number``."""
+        """Delete the ``.ended``, ``.exit`` and ``.key`` files of generations before
+        ``number``."""
         try:
             names = os.listdir(self.folder)
         except OSError:
             return
         for match in map(self._files.fullmatch, names):
-            if (match is not None and match.group(2) in ("ended", "exit")
+            if (match is not None and match.group(2) in ("ended", "exit", "key")
                     and int(match.group(1)) < number):
                 try:
                     os.unlink(os.path.join(self.folder, match.group(0)))
@@ -461,8 +468,7 @@ class _EngineRecord:
 
     def ended(self, number: int, engine: tuple[int, int]) -> Optional[_Ended]:
         try:
-            with open(self._generation_file(number, "ended")) as f:
-                raw = json.load(f)
+            raw = _read_json(self._generation_file(number, "ended"))
             ended = _Ended(_pair(raw["engine"]), str(raw["why"]), raw.get("blame"))
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -481,8 +487,7 @@ class _EngineRecord:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                with open(self._generation_file(number, "exit")) as f:
-                    raw = json.load(f)
+                raw = _read_json(self._generation_file(number, "exit"))
                 if _pair(raw["engine"]) == tuple(engine):
                     return int(raw["status"])
             except (OSError, ValueError, KeyError, TypeError):
@@ -493,10 +498,157 @@ class _EngineRecord:
 
 
 def _write_json(path: str, value: Any) -> None:
-    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)
+    """Written whole, 0600, through a temp file of a random name (``write_private``)."""
+    write_private(path, json.dumps(value).encode())
+
+
+def _read_json(path: str) -> Any:
+    """The JSON in ``path``, if it is this user's private file (``read_private``); raises
+    ``OSError`` if it is not (or is not there), ``ValueError`` if it is not JSON."""
+    data = read_private(path)
+    if data is None:
+        raise FileNotFoundError(path)
+    return json.loads(data)
+
+
+def _engine_folder() -> str:
+    """The machine's private folder for the engine's files (``private_folder``), or
+    ``EngineFailedError`` where it is not safe (another user's, a symlink, open to others)."""
+    try:
+        return private_folder()
+    except (UnsafeFolderError, OSError) as exc:
+        _LOG.error("%s", exc)
+        raise EngineFailedError(f"the shared embedding engine cannot be reached safely: "
+                                f"{exc}"[:2000]) from exc
+
+
+def _key_file(address_file: str) -> str:
+    """The engine's authentication key, beside its address: ``{tag}-g<n>.key``."""
+    return address_file[:-len(".address")] + ".key"
+
+
+def _serve_privately(address_file: str, tag: str, constructor: Callable, authkey: bytes,
+                     life_line: Any) -> None:
+    """The engine's process (spawned): Beam's server, with the engine's own key, every file it
+    writes (its address, an error) made 0600."""
+    from apache_beam.utils import multi_process_shared
+
+    os.umask(0o077)
+    multi_process_shared._run_server_process(  # pylint: disable=protected-access
+        address_file, tag, constructor, authkey, life_line)
+
+
+_PRIVATE_SHARED: Any = None
+
+
+def _private_shared(constructor: Callable, tag: str, folder: str) -> Any:
+    """Beam's ``MultiProcessShared`` (``spawn_process=True``, ``always_proxy=True``) with a key of
+    the engine's own: Beam 2.77 has no authkey argument, and authenticates with the module's
+    constant ``AUTH_KEY = b'mps'``, which it also makes the whole SDK process's
+    ``current_process().authkey``. This subclass replaces the two methods that use it: the
+    spawner makes a random key (``secrets.token_bytes(32)``) per engine, writes it 0600 to
+    ``{tag}.key`` in the private folder and hands it to the engine's process in the spawn's
+    arguments (a pipe); a client reads it from that file and connects with it, and reads the
+    address only from a file of this user's that no one else may write. Neither touches
+    ``AUTH_KEY`` or the SDK process's ``current_process().authkey``."""
+    global _PRIVATE_SHARED  # pylint: disable=global-statement  # made once, on first use
+    if _PRIVATE_SHARED is None:
+        _PRIVATE_SHARED = _make_private_shared()
+    return _PRIVATE_SHARED(constructor, tag, path=folder, always_proxy=True, spawn_process=True)
+
+
+def _make_private_shared() -> Any:
+    import atexit
+    import secrets
+
+    from apache_beam.utils import multi_process_shared as mps
+    from apache_beam.utils import retry
+
+    class PrivateShared(mps.MultiProcessShared):
+        """See ``_private_shared``."""
+
+        def _get_manager(self) -> Any:
+            address_file = os.path.join(self._path, self._tag) + ".address"
+            while self._manager is None:
+                with mps._process_local_lock:  # pylint: disable=protected-access
+                    ensure_private_file(os.path.join(self._path, self._tag) + ".lock")
+                    with self._cross_process_lock:
+                        if not os.path.lexists(address_file):
+                            self._create_server(address_file)
+                        self._manager = self._connect(address_file)
+            return self._manager
+
+        def _connect(self, address_file: str) -> Any:
+            address, key = read_private(address_file), read_private(_key_file(address_file))
+            if address is None or key is None:
+                raise ConnectionRefusedError(
+                    f"the engine's address file {address_file} or its key is missing, or not "
+                    "this user's private file: not connected to")
+            host, port = address.decode().split(":")
+            manager = mps._SingletonRegistrar(  # pylint: disable=protected-access
+                address=(host, int(port)), authkey=key)
+
+            @retry.with_exponential_backoff(
+                num_retries=5, initial_delay_secs=0.1,
+                retry_filter=lambda exn: isinstance(exn, (ConnectionError, EOFError)))
+            def connect() -> None:
+                manager.connect()
+
+            try:
+                connect()
+            except (ConnectionError, EOFError):
+                os.unlink(address_file)  # the server is gone: as Beam does
+                return None
+            except multiprocessing.AuthenticationError as exc:
+                raise ConnectionRefusedError(
+                    f"the server at {address_file} did not take the engine's key: {exc}") from exc
+            return manager
+
+        def _create_server(self, address_file: str) -> None:
+            error_file = address_file + ".error"
+            try:
+                os.remove(error_file)
+            except OSError:
+                pass
+            key = secrets.token_bytes(32)
+            write_private(_key_file(address_file), key)
+            reader, writer = multiprocessing.Pipe(duplex=False)
+            self._life_line = writer
+            p = multiprocessing.get_context("spawn").Process(
+                target=_serve_privately,
+                args=(address_file, self._tag, self._constructor, key, reader), daemon=False)
+            p.start()
+
+            def cleanup_process() -> None:  # as Beam's: an engine ends with its spawner
+                writer.close()
+                if p.is_alive():
+                    p.terminate()
+                    p.join()
+                for path in (address_file, error_file):
+                    try:
+                        os.remove(path)
+                    except OSError:
+                        pass
+
+            atexit.register(cleanup_process)
+            while not os.path.exists(address_file):
+                if os.path.exists(error_file):
+                    error = read_private(error_file)
+                    try:
+                        os.remove(error_file)
+                    except OSError:
+                        pass
+                    if p.is_alive():
+                        p.terminate()
+                    raise RuntimeError("Shared Server Process crashed:\n" + (
+                        error.decode(errors="replace") if error is not None
+                        else "(its error file was refused)"))
+                if not p.is_alive():
+                    raise RuntimeError(
+                        f"Shared Server Process died unexpectedly with exit code {p.exitcode}")
+                time.sleep(0.05)
+
+    return PrivateShared
 
 
 def _pair(value: Any) -> tuple[int, int]:
@@ -801,9 +953,10 @@ class SharedEngineClient:
                  device: Optional[str] = None, connect: bool = True):
         self._settings, self._factory, self._tag = settings, factory, tag
         self.device = device  # CUDA_VISIBLE_DEVICES of the engine's process; None: as inherited
-        # Beam's address and lock files, the busy file and the engine record: the same folder in
-        # every SDK process of the machine (they share /tmp and the environment).
-        self._folder = tempfile.gettempdir()
+        # Beam's address, key and lock files, the busy file and the engine record: the same
+        # private folder in every SDK process of the machine (they share /tmp, the environment
+        # and the user), which no other user may enter (``transforms.private_files``).
+        self._folder = _engine_folder()
         self._busy = _BusyFile(os.path.join(self._folder, f"{tag}.busy"))
         self._record = _EngineRecord(self._folder, tag)
         self._timeout_s = settings.resolved_call_timeout_s()
@@ -871,6 +1024,10 @@ class SharedEngineClient:
             raise self._failed_to_connect(None, f"waited {self._load_timeout_s:g} s "
                                                 "(model.load_timeout_s) for another thread")
         try:
+            try:
+                ensure_private_file(self._record.lock_path)
+            except OSError as exc:
+                raise self._failed_to_connect(exc, str(exc)) from exc
             machine_lock = fasteners.InterProcessLock(self._record.lock_path)
             left = max(0.0, self._load_timeout_s - (time.monotonic() - started))
             try:
@@ -939,7 +1096,8 @@ class SharedEngineClient:
         current = self._record.read()
         if current is None:
             return self._new_generation(self._number_without_record(), None)
-        if os.path.exists(self._record.address_file(current)) and (
+        address_file = self._record.address_file(current)
+        if is_private(address_file) and is_private(_key_file(address_file)) and (
                 current.engine is None or _exists(current.engine)):
             return current
         loading = self._record.loading(current.number)
@@ -980,8 +1138,8 @@ class SharedEngineClient:
 
     def _new_generation(self, number: int, current: Optional[_Generation]) -> _Generation:
         if current is not None:
-            for stale in (self._record.address_file(current),
-                          self._record.address_file(current) + ".error"):
+            address_file = self._record.address_file(current)
+            for stale in (address_file, address_file + ".error", _key_file(address_file)):
                 try:
                     os.unlink(stale)
                 except OSError:
@@ -995,19 +1153,16 @@ class SharedEngineClient:
         """The proxy to ``generation``'s engine, its process and label, spawning it if Beam finds
         no address file for it; within ``model.load_timeout_s``, else the engine being spawned
         (or the one that does not answer) is ended: ``EngineFailedError``."""
-        from apache_beam.utils import multi_process_shared
-
         address_file = self._record.address_file(generation)
         children_before = {c.pid for c in multiprocessing.active_children()}
         done: dict[str, Any] = {}
 
         def reach() -> None:
             try:
-                shared = done["shared"] = multi_process_shared.MultiProcessShared(
+                shared = done["shared"] = _private_shared(
                     _SharedEngine(self._settings, self._factory, self._busy, self.device,
                                   self._record, generation.number),
-                    tag=generation.beam_tag(self._tag),
-                    path=self._folder, always_proxy=True, spawn_process=True)
+                    generation.beam_tag(self._tag), self._folder)
                 proxy = shared.acquire()
                 done["result"] = (proxy, _pair(proxy.process()), proxy.label())
             except BaseException as exc:  # pylint: disable=broad-except  # raised in the caller
@@ -1336,7 +1491,7 @@ def _new_client(settings: ModelSettings, factory: Optional[EngineFactory],
         raise EngineFailedError(str(exc)) from exc
     if len(devices) == 1:
         return SharedEngineClient(settings, factory, tag, devices[0], connect=False)
-    slots = DeviceSlots(tempfile.gettempdir(), tag, alive=_exists)
+    slots = DeviceSlots(_engine_folder(), tag, alive=_exists)
     index = slots.assign(_process_identity(os.getpid()), len(devices))
     _LOG.info("this SDK process uses the shared embedding engine on GPU %s (%d of %d; "
               "processes per engine: %s)", devices[index], index + 1, len(devices),

@@ -1,0 +1,254 @@
+"""Who can reach the shared engine (model.share_across_processes): only the SDK processes of its
+job's user.
+
+The engine serves pickle over ``multiprocessing.managers``: whoever can authenticate to it can run
+code in it, and whoever can make an SDK process connect to a server of theirs can run code in the
+SDK process. So the engine authenticates with a random key of its own (never Beam's constant
+``b'mps'``), read from a file no one else can read, and every rendezvous and state file is kept in
+a private folder (0700, this user's) and is read only if it is a regular file of this user's that
+no one else may write (``transforms.private_files``).
+
+These tests run as root on the CI machine, where no second user exists: "another user" is
+simulated by files and folders chowned to uid 65534 (nobody), or left writable by others (mode
+0o666, 0o755), which the code must refuse as if another user had written them. Each planted file
+is put both where the code before this change looked (the machine's temp folder) and in the
+private folder, so the test shows the planted file is never acted on, wherever it is."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import stat
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+
+import pytest
+
+from tests.conftest import make_config
+from tests.fakes import FakeEngine
+from transforms import shared_engine as module
+from transforms.devices import DeviceSlots
+from transforms.engine import EngineFailedError
+from transforms.shared_engine import SharedEngineClient
+
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="simulates another user by chown")
+
+
+@pytest.fixture
+def temp(tmp_path, monkeypatch):
+    """A temp folder of the test's own (the machine's, as the SDK processes see it)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def _private(temp) -> str:
+    """The private folder the client uses, made as it makes it (0700, this user's)."""
+    folder = os.path.join(str(temp), f"newsvec-engine-{os.geteuid()}")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    return folder
+
+
+def _plant(temp, name: str, content: str, how: str) -> None:
+    """``name`` with ``content`` in the temp folder and in the private folder, there as another
+    user would have left it: owned by uid 65534 (``how="owner"``) or writable by all
+    (``"mode"``)."""
+    for folder in (str(temp), _private(temp)):
+        path = os.path.join(folder, name)
+        with open(path, "w") as f:
+            f.write(content)
+        os.chmod(path, 0o600 if how == "owner" else 0o666)
+        if how == "owner":
+            os.chown(path, NOBODY, NOBODY)
+
+
+def _client(tag: str) -> SharedEngineClient:
+    return SharedEngineClient(make_config().model, FakeEngine, tag)
+
+
+def _end(client: SharedEngineClient) -> None:
+    module._end_process(client._process)
+
+
+def test_a_connection_without_the_engines_key_is_refused(temp):
+    """A local process that reads the engine's address and connects with Beam's public key (or
+    any key but the engine's) is refused before anything is unpickled; the engine's files are all
+    in the private folder, 0600 and this user's; the client's own calls work."""
+    tag = f"newsvec-test-{uuid.uuid4().hex}"
+    client = _client(tag)
+    try:
+        address_file = client._record.address_file(client._record.read())
+        with open(address_file) as f:
+            host, port = f.read().split(":")
+        with pytest.raises(multiprocessing.AuthenticationError):
+            multiprocessing.connection.Client((host, int(port)), authkey=b"mps").close()
+        with pytest.raises(multiprocessing.AuthenticationError):
+            multiprocessing.connection.Client((host, int(port)), authkey=os.urandom(32)).close()
+        folder = _private(temp)
+        assert os.path.dirname(address_file) == folder
+        assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
+        mine = [n for n in os.listdir(folder) if n.startswith(tag)]
+        assert f"{tag}-g1.key" in mine and f"{tag}.busy" in mine
+        for name in mine:
+            info = os.lstat(os.path.join(folder, name))
+            assert stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid(), name
+            assert stat.S_IMODE(info.st_mode) == 0o600, (name, oct(info.st_mode))
+        assert not [n for n in os.listdir(temp) if n.startswith(tag)], "nothing in the temp folder"
+        (vector,) = client.embed([[5, 7, 11]])
+        assert vector.shape == (384,)
+    finally:
+        _end(client)
+
+
+@as_root
+@pytest.mark.parametrize("how", ["owner", "mode"])
+def test_a_planted_address_file_is_never_connected_to(temp, how):
+    """Another user (simulated: files owned by uid 65534, or mode 0o666) plants an engine record
+    and an address file naming a server of theirs: the client never connects to it (it would
+    unpickle that server's answers), and starts an engine of its own."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    connections = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            connections.append(conn)
+            conn.close()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    tag = f"newsvec-test-{uuid.uuid4().hex}"
+    me = module._process_identity(os.getpid())
+    _plant(temp, f"{tag}.engine", json.dumps({"number": 1, "spawner": list(me), "engine": None}),
+           how)
+    _plant(temp, f"{tag}-g1.address", f"127.0.0.1:{listener.getsockname()[1]}", how)
+    _plant(temp, f"{tag}-g1.key", "k" * 32, how)
+    client = None
+    try:
+        client = _client(tag)
+        assert connections == [], f"the client connected to the planted address " \
+                                  f"{len(connections)} time(s)"
+        assert client._generation != 1, "the planted generation is not used"
+        (vector,) = client.embed([[1, 2, 3]])
+        assert vector.shape == (384,)
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+        if client is not None:
+            _end(client)
+
+
+@as_root
+@pytest.mark.parametrize("which,how", [("engine", "owner"), ("busy", "mode"),
+                                       ("loading", "owner"), ("loading", "mode")])
+def test_a_planted_state_file_never_makes_a_client_kill_an_unrelated_process(temp, which, how):
+    """Another user (simulated: the file owned by uid 65534, or mode 0o666) plants the tag's
+    engine record, busy file or loading file naming an unrelated process (a ``sleep`` this test
+    starts: its pid and start time, both readable in /proc): the client that reaches the engine
+    never kills it."""
+    victim = subprocess.Popen(["sleep", "600"])
+    client = None
+    try:
+        pid, started = module._process_identity(victim.pid)
+        tag = f"newsvec-test-{uuid.uuid4().hex}"
+        content = {
+            "engine": json.dumps({"number": 1, "spawner": [pid, started],
+                                  "engine": [pid, started]}),
+            "busy": json.dumps({"process": [pid, started], "generation": 1,
+                                "heartbeat": time.monotonic()}),
+            "loading": f"1 {pid} {started}",
+        }[which]
+        _plant(temp, f"{tag}.{which}", content, how)
+        client = _client(tag)
+        assert victim.poll() is None, f"the planted {which} file made the client kill pid {pid}"
+        assert client._process[0] != pid
+    finally:
+        victim.kill()
+        victim.wait()
+        if client is not None:
+            _end(client)
+
+
+def test_a_symlink_in_place_of_a_state_file_is_not_followed(temp):
+    """A symlink where the engine record is (to a record that names an unrelated process) is not
+    read through; a symlink at the name a temp file of the device slots used to take is not
+    written through; a symlink in place of the engine's lock file is refused (the client fails,
+    creating nothing where it points)."""
+    victim = subprocess.Popen(["sleep", "600"])
+    client = None
+    try:
+        pid, started = module._process_identity(victim.pid)
+        target = temp / "record-elsewhere.json"
+        target.write_text(json.dumps({"number": 1, "spawner": [pid, started],
+                                      "engine": [pid, started]}))
+        os.chmod(target, 0o600)
+        tag = f"newsvec-test-{uuid.uuid4().hex}"
+        for folder in (str(temp), _private(temp)):
+            os.symlink(target, os.path.join(folder, f"{tag}.engine"))
+        client = _client(tag)
+        assert victim.poll() is None, f"the record was read through its symlink: pid {pid} killed"
+        assert json.loads(target.read_text())["engine"] == [pid, started], "target untouched"
+    finally:
+        victim.kill()
+        victim.wait()
+        if client is not None:
+            _end(client)
+
+    # DeviceSlots' temp file: a predictable name once ({path}.{pid}.tmp).
+    victim_file = temp / "victim.conf"
+    victim_file.write_text("precious\n")
+    folder = _private(temp)
+    slots = DeviceSlots(folder, "t", alive=lambda p: True)
+    os.symlink(victim_file, f"{slots.path}.{os.getpid()}.tmp")
+    assert slots.assign((os.getpid(), 1), 2) == 0
+    assert victim_file.read_text() == "precious\n", "written through the symlink"
+    assert not os.path.islink(slots.path)
+
+    # The engine's lock file.
+    tag = f"newsvec-test-{uuid.uuid4().hex}"
+    nowhere = temp / "created-through-a-symlink"
+    for folder in (str(temp), _private(temp)):
+        os.symlink(nowhere, os.path.join(folder, f"{tag}.lock"))
+    client = None
+    error = None
+    try:
+        client = _client(tag)
+    except EngineFailedError as exc:
+        error = exc
+    finally:
+        if client is not None:
+            _end(client)
+    assert not nowhere.exists(), "the lock file's symlink was followed"
+    assert error is not None and "refused" in str(error), error
+
+
+@pytest.mark.parametrize("how", [pytest.param("owner", marks=as_root), "mode", "symlink"])
+def test_a_private_folder_another_user_could_write_is_refused(temp, how):
+    """The private folder, made first by another user (simulated: chowned to uid 65534), or open
+    to others (mode 0o755), or a symlink (to a folder of this user's), is refused: the client
+    fails with ``EngineFailedError`` and uses nothing in it."""
+    folder = os.path.join(str(temp), f"newsvec-engine-{os.geteuid()}")
+    if how == "symlink":
+        real = temp / "elsewhere"
+        real.mkdir(mode=0o700)
+        os.symlink(real, folder)
+    else:
+        os.mkdir(folder, 0o700)
+        if how == "owner":
+            os.chown(folder, NOBODY, NOBODY)
+        else:
+            os.chmod(folder, 0o755)
+    with pytest.raises(EngineFailedError, match="private folder"):
+        SharedEngineClient(make_config().model, FakeEngine, f"newsvec-test-{uuid.uuid4().hex}",
+                           connect=False)
