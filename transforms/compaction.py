@@ -292,6 +292,21 @@ def current_key_files(prefix: str) -> list[str]:
     return [p for p in current_files(prefix, KEYS_DIR) if p.endswith(".parquet")]
 
 
+def record_files(record: LedgerRecord, partition: str, where: str) -> dict[str, str]:
+    """{kind: file} of a ledger record, each checked to be a plain relative path under
+    ``<kind>/<partition>/`` (``layout.safe_relative``); ``InvalidManifest`` naming ``where`` (the
+    record's file) if one is not: such a record is never followed."""
+    named = {kind: getattr(record, field) for kind, field in _RECORD_FIELD.items()
+             if getattr(record, field) is not None}
+    try:
+        for kind, path in named.items():
+            safe_relative(path, join_path(kind, partition))
+    except ValueError as exc:
+        raise InvalidManifest(f"{where} is refused, not followed: a ledger record names {exc}") \
+            from None
+    return named
+
+
 def ledger_records(output: str, partitions: Optional[Iterable[str]] = None
                    ) -> tuple[list[LedgerRecord], dict[str, PartitionView]]:
     """Every ledger record of these partitions (all without), each once: the compacted ledger
@@ -303,9 +318,12 @@ def ledger_records(output: str, partitions: Optional[Iterable[str]] = None
         with FileSystems.open(path) as f:
             text = f.read().decode("utf-8")
         if path.endswith(".jsonl"):  # compacted: one record a line
-            records += [LedgerRecord.from_json(line) for line in text.splitlines() if line]
+            found = [LedgerRecord.from_json(line) for line in text.splitlines() if line]
         else:
-            records.append(LedgerRecord.from_json(text))
+            found = [LedgerRecord.from_json(text)]
+        for record in found:
+            record_files(record, partition_of(relative_to(output, path)), path)
+        records += found
     return records, views
 
 
@@ -459,14 +477,7 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
             continue
         with FileSystems.open(join_path(output, record_path)) as f:
             record = LedgerRecord.from_json(f.read().decode("utf-8"))
-        named = {kind: getattr(record, field) for kind, field in _RECORD_FIELD.items()
-                 if getattr(record, field) is not None}
-        try:
-            for kind, path in named.items():
-                safe_relative(path, join_path(kind, partition))
-        except ValueError as exc:
-            raise InvalidManifest(f"{join_path(output, record_path)} is refused, not followed: "
-                                  f"{exc}; {partition} is not compacted") from None
+        named = record_files(record, partition, join_path(output, record_path))
         missing = sorted(set(named.values()) - present)
         if missing:
             raise FileNotFoundError(f"{record_path} names files that are not there: {missing} "
