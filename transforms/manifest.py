@@ -232,17 +232,9 @@ def delete_files(paths: list[str], output: Optional[str] = None) -> None:
         FileSystems.delete(local)
 
 
-def delete_tree(path: str) -> None:
-    """Every file under ``path``, and on local disk the folders left empty."""
-    files = list(list_files(join_path(path, "**")))
-    if files:
-        delete_files(files)
-    if FileSystems.get_scheme(path) is None:  # a local path
-        shutil.rmtree(path, ignore_errors=True)  # Beam's local delete does not take empty folders
-
-
 def delete_tree_fenced(path: str, lease: PublishLease) -> None:
-    """``delete_tree`` by the holder of ``lease``, checked before each batch of deletes; on local
+    """Every file under ``path``, and on local disk the folders left empty (Beam's local delete
+    does not take them), by the holder of ``lease``, checked before each batch of deletes; on local
     disk only a folder of the output reached through no symlink (``layout.require_inside``). The
     files and (local) folders it removes are added to ``lease.removed``."""
     local = FileSystems.get_scheme(path) is None
@@ -375,7 +367,9 @@ def _write_summary(output: str, staged_summary: str, lease: PublishLease) -> Non
     on GCS only if unchanged since this holder last saw it, so a stalled publisher's late write
     of its own summary is refused). Never a copy: a copy undone by a publisher that lost its
     lease would delete the name every run shares."""
-    with FileSystems.open(join_path(output, staged_summary)) as f:
+    source = join_path(output, staged_summary)
+    require_inside(output, source)  # never a file a symlinked _staging/ leads to
+    with FileSystems.open(source) as f:
         data = f.read()
     path = join_path(output, SUMMARY_FILE)
     lease.put(path, data, lambda: write_whole(output, path, lambda f: f.write(data)))
