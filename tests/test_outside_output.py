@@ -306,3 +306,18 @@ def test_a_ledger_record_naming_a_file_outside_is_refused(stream, tmp_path):
         with pytest.raises(ValueError, match=record_path.name):
             compaction.compact_partition(str(out), H09, lease, 16)
     assert outside_hash(root, out) == before
+
+
+def test_the_batch_commit_refuses_a_crafted_manifest(tmp_path):
+    """§3: a ``publishing`` manifest whose run id sorts after the new run's is finished by the
+    next batch commit (``CommitRun``) before it publishes: it deleted ``victim/``."""
+    from transforms import commit
+
+    root, out = sandbox(tmp_path)
+    (out / "_staging" / "zz").mkdir()  # for the kernel to resolve its ..
+    (out / "_manifest.json").write_text(json.dumps(
+        _manifest(run_id="zz/../../../../victim", summary="_summary.json")))
+    before = outside_hash(root, out)
+    with pytest.raises(ValueError, match="_manifest.json"):
+        list(commit._CommitFn(str(out), RUN, {}, lease_s=30).process(None, [], {}))
+    assert outside_hash(root, out) == before
