@@ -18,7 +18,14 @@ PREFIX [--older-than-s 86400]``.
    output's run.
 On GCS, a lifecycle rule does step 3 for temporary files without a command:
 ``configs/gcs-lifecycle.json`` (docs/dataflow.md).
-Every delete is fenced by the output's publish lease, held throughout. Prints what it did as JSON.
+Every delete is fenced by the output's publish lease, held throughout. Prints what it did as JSON:
+every file and folder it removed (``removed``, in order; of which ``repair_removed``: the
+published folders' old files and the staging folder, its files and folders, of a repaired
+publish; ``strays_deleted``; ``deleted_files``).
+Nothing outside the output is ever touched: a manifest that names a run id or a path no newsvec
+run writes (``layout.InvalidManifest``), or a symlinked ``_temp/``, ``_staging/`` or published
+folder (``layout.UnsafePath``), is refused before anything is changed through it; the command
+says which (``refused``) and exits with status 1.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import logging
 import sys
 
 from transforms.incremental import SnapshotChanged
+from transforms.layout import InvalidManifest, UnsafePath
 from transforms.lease import PublishLease, require_lease_s
 from transforms.manifest import (
     clean_stale,
@@ -64,26 +72,38 @@ def main(argv=None) -> int:
                              "it is waited for, one killed while publishing for this long on GCS "
                              "(at least 360)")
     args = parser.parse_args(argv)
-    withdrawn = None
+    withdrawn = refused = repaired = None
+    strays: list[str] = []
+    deleted: list[str] = []
+    missing: list[str] = []
+    repair_removed: list[str] = []
     # Under the output's publish lease: never beside a run that publishes.
     with PublishLease(args.output, "cleanup", args.lease_s) as lease:
         try:
-            repaired = repair(args.output, lease)
-        except SnapshotChanged as exc:
-            repaired, withdrawn = None, str(exc)
-            _LOG.error("%s", exc)
-        strays = remove_strays(args.output, lease)
-        deleted = clean_stale(args.output, args.older_than_s, lease)
-        missing = missing_files(args.output)
+            try:
+                repaired = repair(args.output, lease)
+            except SnapshotChanged as exc:
+                repaired, withdrawn = None, str(exc)
+                _LOG.error("%s", exc)
+            repair_removed = list(lease.removed)
+            strays = remove_strays(args.output, lease)
+            deleted = clean_stale(args.output, args.older_than_s, lease)
+            missing = missing_files(args.output)
+        except (InvalidManifest, UnsafePath) as exc:
+            refused = f"{type(exc).__name__}: {exc}"
+            _LOG.error("%s: refused, nothing more done: %s", args.output, refused)
+        removed = list(lease.removed)
     if missing:
         _LOG.error("%s: the committed manifest names %d files that are not there (%s): readers "
                    "that follow it fail, readers that glob miss their rows; rerun the run that "
                    "writes this output", args.output, len(missing), ", ".join(missing[:10]))
     print(json.dumps({"repaired_run": repaired.run_id if repaired else None,
-                      "withdrawn": withdrawn, "strays_deleted": strays,
+                      "withdrawn": withdrawn, "repair_removed": repair_removed,
+                      "strays_deleted": strays,
                       "deleted": len(deleted), "deleted_files": deleted,
-                      "missing": missing}, indent=2))
-    return 1 if withdrawn or missing else 0
+                      "missing": missing, "refused": refused,
+                      "removed": removed}, indent=2))
+    return 1 if withdrawn or missing or refused else 0
 
 
 if __name__ == "__main__":

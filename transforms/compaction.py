@@ -55,6 +55,7 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+import re
 from typing import Callable, Iterable, Optional
 
 import pyarrow as pa
@@ -68,12 +69,18 @@ from transforms.layout import (
     DEAD_LETTER_DIR,
     KEYS_DIR,
     LEDGER_DIR,
+    PARTITION_FORMAT,
+    RUN_ID_FORMAT,
     VECTORS_DIR,
+    InvalidManifest,
     join_path,
     list_files,
     mkdirs,
     new_run_id,
     relative_to,
+    require_inside,
+    require_run_id,
+    safe_relative,
     temp_path,
     write_whole,
 )
@@ -126,6 +133,38 @@ class CompactionManifest:
     def current(self) -> set[str]:
         return {f["path"] for f in self.files.values()}
 
+    @classmethod
+    def from_dict(cls, data: object, partition: str) -> "CompactionManifest":
+        """The manifest of ``partition`` these fields make, checked: ``ValueError`` (or
+        ``TypeError``) unless its partition is ``partition``, its id ``new_run_id``'s format,
+        every compacted file ``<kind>/<partition>/compacted-<id><suffix>`` of a kind it knows,
+        and every replaced file a plain relative path under ``<kind>/<partition>/`` (the ledger
+        record's under ``ledger/<partition>/``). Never followed otherwise."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a manifest is a JSON object, not {type(data).__name__}")
+        manifest = cls(**data)
+        if manifest.partition != partition or not PARTITION_FORMAT.fullmatch(partition):
+            raise ValueError(f"partition {manifest.partition!r} is not its folder's, {partition}")
+        require_run_id(manifest.compaction_id)
+        if not isinstance(manifest.files, dict) or not isinstance(manifest.batches, list):
+            raise ValueError("files is not an object, or batches not a list")
+        for kind, file in manifest.files.items():
+            if kind not in KINDS or not isinstance(file, dict):
+                raise ValueError(f"files: {kind!r} is not a kind of file it compacts")
+            path = safe_relative(file.get("path"), join_path(kind, partition))
+            name = re.escape(COMPACTED_PREFIX) + RUN_ID_FORMAT.pattern + re.escape(_SUFFIX[kind])
+            if not re.fullmatch(name, path.rsplit("/", 1)[-1]) or path.count("/") != 3:
+                raise ValueError(f"files: {path!r} is not a compacted {kind} file of {partition}")
+        for batch in manifest.batches:
+            if not isinstance(batch, dict) or not isinstance(batch.get("files"), dict):
+                raise ValueError(f"batches: {batch!r} is not a micro-batch's files")
+            safe_relative(batch.get("record"), join_path(LEDGER_DIR, partition))
+            for kind, path in batch["files"].items():
+                if kind not in _RECORD_FIELD:
+                    raise ValueError(f"batches: {kind!r} is not a kind of file it compacts")
+                safe_relative(path, join_path(kind, partition))
+        return manifest
+
 
 def manifest_path(output: str, partition: str) -> str:
     return join_path(output, COMPACTION_DIR, partition, MANIFEST_NAME)
@@ -138,11 +177,22 @@ def read_compaction(output: str, partition: str, lease: Optional[PublishLease] =
     path = manifest_path(output, partition)
     if lease is not None and path.startswith("gs://"):
         data = lease.read_object(path)
-        return None if data is None else CompactionManifest(**json.loads(data.decode("utf-8")))
+        return None if data is None else _parse(path, data, partition)
     if not FileSystems.exists(path):
         return None
     with FileSystems.open(path) as f:
-        return CompactionManifest(**json.loads(f.read().decode("utf-8")))
+        return _parse(path, f.read(), partition)
+
+
+def _parse(path: str, data: bytes, partition: str) -> CompactionManifest:
+    """``CompactionManifest.from_dict``; ``InvalidManifest`` naming ``path`` if it is refused."""
+    try:
+        return CompactionManifest.from_dict(json.loads(data.decode("utf-8")), partition)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise InvalidManifest(
+            f"{path} is refused, not followed: {exc}. No newsvec compaction writes such a "
+            f"manifest: whoever can write the output wrote it; see what it names, then move it "
+            f"aside") from None
 
 
 def _write_manifest(output: str, manifest: CompactionManifest, lease: PublishLease) -> None:
@@ -242,6 +292,21 @@ def current_key_files(prefix: str) -> list[str]:
     return [p for p in current_files(prefix, KEYS_DIR) if p.endswith(".parquet")]
 
 
+def record_files(record: LedgerRecord, partition: str, where: str) -> dict[str, str]:
+    """{kind: file} of a ledger record, each checked to be a plain relative path under
+    ``<kind>/<partition>/`` (``layout.safe_relative``); ``InvalidManifest`` naming ``where`` (the
+    record's file) if one is not: such a record is never followed."""
+    named = {kind: getattr(record, field) for kind, field in _RECORD_FIELD.items()
+             if getattr(record, field) is not None}
+    try:
+        for kind, path in named.items():
+            safe_relative(path, join_path(kind, partition))
+    except ValueError as exc:
+        raise InvalidManifest(f"{where} is refused, not followed: a ledger record names {exc}") \
+            from None
+    return named
+
+
 def ledger_records(output: str, partitions: Optional[Iterable[str]] = None
                    ) -> tuple[list[LedgerRecord], dict[str, PartitionView]]:
     """Every ledger record of these partitions (all without), each once: the compacted ledger
@@ -253,9 +318,12 @@ def ledger_records(output: str, partitions: Optional[Iterable[str]] = None
         with FileSystems.open(path) as f:
             text = f.read().decode("utf-8")
         if path.endswith(".jsonl"):  # compacted: one record a line
-            records += [LedgerRecord.from_json(line) for line in text.splitlines() if line]
+            found = [LedgerRecord.from_json(line) for line in text.splitlines() if line]
         else:
-            records.append(LedgerRecord.from_json(text))
+            found = [LedgerRecord.from_json(text)]
+        for record in found:
+            record_files(record, partition_of(relative_to(output, path)), path)
+        records += found
     return records, views
 
 
@@ -292,6 +360,7 @@ def _write_compacted(output: str, target: str, write: Callable, lease: PublishLe
         if target.startswith("gs://"):
             copy_fenced(output, temp, target, lease)
         else:
+            require_inside(output, target)
             mkdirs(target.rsplit("/", 1)[0])
             lease.change(FileSystems.rename, [temp], [target])
     finally:
@@ -383,6 +452,9 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
     def absolute(paths: Iterable[str]) -> list[str]:
         return [join_path(output, p) for p in paths]
 
+    # A partition folder linked elsewhere is refused before it is listed: its files are not ours.
+    require_inside(output, *(join_path(output, kind, partition) for kind in KINDS),
+                   join_path(output, COMPACTION_DIR, partition))
     old = read_compaction(output, partition, lease)  # on GCS its generation, for the write
     replaced = old.replaced() if old else {}
     current = old.current() if old else set()
@@ -405,8 +477,7 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
             continue
         with FileSystems.open(join_path(output, record_path)) as f:
             record = LedgerRecord.from_json(f.read().decode("utf-8"))
-        named = {kind: getattr(record, field) for kind, field in _RECORD_FIELD.items()
-                 if getattr(record, field) is not None}
+        named = record_files(record, partition, join_path(output, record_path))
         missing = sorted(set(named.values()) - present)
         if missing:
             raise FileNotFoundError(f"{record_path} names files that are not there: {missing} "
@@ -440,6 +511,10 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
             if current_file:
                 files[kind] = current_file
             continue
+        if current_file and current_file["path"] not in present:
+            raise FileNotFoundError(f"{manifest_path(output, partition)} names {kind} file "
+                                    f"{current_file['path']}, which is not in {partition}; "
+                                    f"{partition} is not compacted")
         sources = ([current_file["path"]] if current_file else []) + new
         target = f"{kind}/{partition}/{COMPACTED_PREFIX}{compaction_id}{_SUFFIX[kind]}"
         hook(f"write {kind}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import os
 import re
 import uuid
 from typing import IO, Callable, Iterable, Optional
@@ -46,6 +47,22 @@ PUBLISHED_DIRS = (VECTORS_DIR, DEAD_LETTER_DIR, CHUNKS_DIR, KEYS_DIR)
 # Beam's shard template for a batch run's files: part-<run_id>-00000-of-00004.parquet.
 SHARD_TEMPLATE = "-SSSSS-of-NNNNN"
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")  # what BigQuery, gsutil and shells take unquoted
+# What ``new_run_id`` makes (ASCII digits): the only run id a manifest may name.
+RUN_ID_FORMAT = re.compile(r"[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}")
+PARTITION_FORMAT = re.compile(r"dt=[0-9]{4}-[0-9]{2}-[0-9]{2}/hour=[0-9]{2}")
+
+
+class InvalidManifest(ValueError):
+    """A manifest (``_manifest.json``, a compaction manifest, a ledger record) that names a run id
+    not of ``new_run_id``'s format, or a path that is not relative, holds ``.``, ``..``, an empty
+    segment or a backslash, or lies outside the folder its state allows: refused, never
+    followed. The message names the file."""
+
+
+class UnsafePath(ValueError):
+    """A local path that would be deleted, copied, renamed or written outside the output's real
+    folder, or through a symlink below it (a symlinked ``_temp/``, ``_staging/``, published or
+    partition folder): refused before anything is changed."""
 
 
 def new_run_id(now: Optional[dt.datetime] = None) -> str:
@@ -58,8 +75,63 @@ def new_run_id(now: Optional[dt.datetime] = None) -> str:
 
 
 def require_safe_run_id(run_id: str) -> None:
-    if not SAFE_NAME.fullmatch(run_id):
-        raise ValueError(f"run_id {run_id!r} must match {SAFE_NAME.pattern}")
+    if not SAFE_NAME.fullmatch(run_id) or set(run_id) == {"."}:
+        raise ValueError(f"run_id {run_id!r} must match {SAFE_NAME.pattern} and not be . or ..")
+
+
+def require_run_id(run_id: object) -> str:
+    """A run id as ``new_run_id`` makes it (what a manifest may name); ``ValueError`` if not."""
+    if not isinstance(run_id, str) or not RUN_ID_FORMAT.fullmatch(run_id):
+        raise ValueError(f"run id {run_id!r} is not of the form {RUN_ID_FORMAT.pattern}")
+    return run_id
+
+
+def safe_relative(path: object, under: str) -> str:
+    """``path`` as a manifest may name it: relative to the output, under the folder ``under``
+    (``vectors``, ``_staging/<run_id>/vectors``...), every segment non-empty and neither ``.`` nor
+    ``..``, no backslash or control character. ``ValueError`` if not."""
+    if not isinstance(path, str):
+        raise ValueError(f"{path!r} is not a path")
+    segments = path.split("/")
+    if ("\\" in path or any(ord(c) < 0x20 for c in path)
+            or any(s in ("", ".", "..") for s in segments)):
+        raise ValueError(f"{path!r} is not a plain relative path (an absolute path, an empty, . or "
+                         f".. segment, a backslash or a control character)")
+    folder = under.strip("/").split("/")
+    if segments[:len(folder)] != folder or len(segments) <= len(folder):
+        raise ValueError(f"{path!r} is not under {under}/")
+    return path
+
+
+def require_inside(output: str, *paths: str) -> None:
+    """Before a local delete, copy, rename or write: each path must be plain (no ``.``/``..``
+    segment) below the output, reach it through no symlink (the output's own folder may be
+    one), and really lie in the output's real folder. ``UnsafePath`` if not. A ``gs://`` name is
+    literal: nothing to check."""
+    if FileSystems.get_scheme(output) is not None:
+        return
+    base = os.path.abspath(output)
+    root = os.path.realpath(output)
+    for path in paths:
+        if FileSystems.get_scheme(path) is not None:
+            raise UnsafePath(f"{path} is not on local disk like the output {output}")
+        prefix = output.rstrip("/") + "/"
+        if not path.startswith(prefix) and os.path.abspath(path) != base:
+            raise UnsafePath(f"{path} is not under the output {output}")
+        relative = path[len(prefix):] if path.startswith(prefix) else ""
+        segments = [s for s in relative.split("/") if s]
+        if any(s in (".", "..") for s in segments):
+            raise UnsafePath(f"{path} leaves the output {output} (a . or .. segment)")
+        current = base
+        for segment in segments:
+            current = os.path.join(current, segment)
+            if os.path.islink(current):
+                raise UnsafePath(f"{current} is a symlink (to {os.readlink(current)}): nothing "
+                                 f"is deleted, copied, renamed or written through it; make it a "
+                                 f"folder of the output {output}")
+        real = os.path.realpath(path)
+        if real != root and not real.startswith(root + os.sep):
+            raise UnsafePath(f"{path} is really {real}, outside the output {output} ({root})")
 
 
 def join_path(prefix: str, *parts: str) -> str:
@@ -124,7 +196,8 @@ class PartFileName:
     suffix: str  # ".parquet", ".jsonl", ".json"
     run_id: Optional[str] = None  # only in a name of an earlier release
 
-    _TAIL = (r"(?P<window>\d{8}T\d{6}Z)-(?P<pane>\d{3,})-(?P<shard>\d{5,})-of-(?P<shards>\d{5,})")
+    _TAIL = (r"(?P<window>[0-9]{8}T[0-9]{6}Z)-(?P<pane>[0-9]{3,})-(?P<shard>[0-9]{5,})"
+             r"-of-(?P<shards>[0-9]{5,})")
     _PATTERN = re.compile(r"part-" + _TAIL
                           + r"-(?P<digest>[0-9a-f]{16})(?P<suffix>\.[A-Za-z0-9]+)")
     _EARLIER = re.compile(r"part-(?P<run_id>[A-Za-z0-9._-]+)-" + _TAIL
@@ -149,11 +222,14 @@ class PartFileName:
         """The parts of a file name (a bare name or a path), or None if it is not one of ours."""
         base = name.rsplit("/", 1)[-1]
         match = cls._PATTERN.fullmatch(base) or cls._EARLIER.fullmatch(base)
-        if not match:
+        if not match or set(match.groupdict().get("run_id") or "x") == {"."}:
             return None
         groups = match.groupdict()
-        window_start = dt.datetime.strptime(groups["window"], _WINDOW_FORMAT).replace(
-            tzinfo=dt.timezone.utc)
+        try:
+            window_start = dt.datetime.strptime(groups["window"], _WINDOW_FORMAT).replace(
+                tzinfo=dt.timezone.utc)
+        except ValueError:  # no such date or time (month 13, hour 99): not one of ours
+            return None
         return cls(window_start, int(groups["pane"]), int(groups["shard"]),
                    int(groups["shards"]), groups.get("digest"), groups["suffix"],
                    groups.get("run_id"))
@@ -177,6 +253,7 @@ def temp_path(output: str, run_id: Optional[str] = None) -> str:
     """A fresh name under ``<output>/_temp/`` (``_temp/<run_id>/`` for a run's files), its folder
     made. ``transforms.manifest.clean_stale`` deletes what a killed worker leaves there."""
     folder = join_path(output, TEMP_DIR, run_id) if run_id else join_path(output, TEMP_DIR)
+    require_inside(output, folder)
     mkdirs(folder)
     return join_path(folder, f"{uuid.uuid4().hex}.tmp")
 
@@ -196,6 +273,7 @@ def write_whole(output: str, target: str, write: Callable[[IO[bytes]], object], 
     except BaseException:
         _delete_quietly(temp)
         raise
+    require_inside(output, target)
     mkdirs(target.rsplit("/", 1)[0])
     FileSystems.rename([temp], [target])
     return target

@@ -538,6 +538,9 @@ class PublishLease:
         self.generations: dict[str, int] = {}
         # GCS generations of the files this holder copied (``transforms.manifest.copy_fenced``).
         self.copied: dict[str, int] = {}
+        # What this holder deleted (``transforms.manifest.delete_fenced``, ``delete_tree_fenced``:
+        # files, and local folders), in order: ``newsvec cleanup`` reports it.
+        self.removed: list[str] = []
 
     @property
     def holder(self) -> str:

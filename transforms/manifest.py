@@ -36,6 +36,7 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+import os
 import shutil
 from typing import Any, Iterable, Optional
 
@@ -47,11 +48,15 @@ from transforms.layout import (
     STAGING_DIR,
     SUMMARY_FILE,
     TEMP_DIR,
+    InvalidManifest,
     join_path,
     list_files,
     mkdirs,
     parquet_rows,
     relative_to,
+    require_inside,
+    require_run_id,
+    safe_relative,
     staging_prefix,
     temp_path,
     write_whole,
@@ -116,8 +121,56 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict) -> "Manifest":
+        """The manifest these fields make, checked (``check``): ``ValueError`` (or
+        ``TypeError``: a field missing) if it names what no publish of newsvec writes."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a manifest is a JSON object, not {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})  # a later release's fields
+        manifest = cls(**{k: v for k, v in data.items() if k in known})  # a later release's fields
+        manifest.check()
+        return manifest
+
+    def check(self) -> None:
+        """What every reader relies on before it follows a manifest (it is never followed
+        otherwise): the run id is ``new_run_id``'s format; the state one of the two; every file
+        a plain relative path (no ``.``, ``..``, empty segment or backslash) under
+        ``_staging/<run_id>/<folder>/`` (publishing) or ``<folder>/`` (committed), the summary
+        ``_staging/<run_id>/_summary.json`` or ``_summary.json``; the manifest it would put back
+        (``previous``) the same. ``ValueError`` naming what is wrong."""
+        run_id = require_run_id(self.run_id)
+        if self.state not in (PUBLISHING, COMMITTED):
+            raise ValueError(f"state {self.state!r} is neither {PUBLISHING} nor {COMMITTED}")
+        staged = join_path(STAGING_DIR, run_id)
+        for subdir in PUBLISHED_DIRS:
+            paths = getattr(self, subdir)
+            if not isinstance(paths, list):
+                raise ValueError(f"{subdir} is not a list of paths")
+            under = join_path(staged, subdir) if self.state == PUBLISHING else subdir
+            for path in paths:
+                safe_relative(path, under)
+        summaries = ((join_path(staged, SUMMARY_FILE), SUMMARY_FILE) if self.state == PUBLISHING
+                     else (SUMMARY_FILE,))
+        if self.summary not in summaries:
+            raise ValueError(f"summary {self.summary!r} is not {' or '.join(summaries)}")
+        if self.skipped_from is not None and not isinstance(self.skipped_from, list):
+            raise ValueError("skipped_from is not a list")
+        if self.previous is not None:
+            try:
+                Manifest.from_dict(self.previous)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"the manifest it would put back (previous): {exc}") from None
+
+
+def parse_manifest(path: str, data: bytes) -> Manifest:
+    """The manifest stored at ``path``, checked (``Manifest.check``); ``InvalidManifest`` naming
+    ``path`` if it is not one newsvec wrote."""
+    try:
+        return Manifest.from_dict(json.loads(data.decode("utf-8")))
+    except (TypeError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError included
+        raise InvalidManifest(
+            f"{path} is refused, not followed: {exc}. No newsvec run writes such a manifest: "
+            f"whoever can write the output wrote it; see what it names, then move it aside (a "
+            f"rerun of the output's run writes a new one)") from None
 
 
 def _manifest_path(output: str) -> str:
@@ -130,11 +183,11 @@ def read_manifest(output: str, lease: Optional[PublishLease] = None) -> Optional
     path = _manifest_path(output)
     if lease is not None and path.startswith("gs://"):
         data = lease.read_object(path)
-        return None if data is None else Manifest.from_dict(json.loads(data.decode("utf-8")))
+        return None if data is None else parse_manifest(path, data)
     if not FileSystems.exists(path):
         return None
     with FileSystems.open(path) as f:
-        return Manifest.from_dict(json.loads(f.read().decode("utf-8")))
+        return parse_manifest(path, f.read())
 
 
 def write_manifest(output: str, manifest: Manifest, lease: Optional[PublishLease] = None) -> None:
@@ -157,10 +210,12 @@ def _remove_manifest(output: str, lease: PublishLease) -> None:
     lease.remove(path, lambda: FileSystems.delete([path]) if FileSystems.exists(path) else None)
 
 
-def delete_files(paths: list[str]) -> None:
+def delete_files(paths: list[str], output: Optional[str] = None) -> None:
     """Delete files: on GCS up to ``_DELETES_PER_CHANGE`` in one batch request (Beam's
     ``FileSystems.delete`` makes a listing and a batch request of its own for every path), a file
-    already gone not an error; on local disk each file, as Beam's local filesystem does."""
+    already gone not an error; on local disk each file, as Beam's local filesystem does. With
+    ``output``, every local path is first checked to lie in it (``layout.require_inside``: no
+    symlink on the way), and none is deleted if one does not."""
     remote = [p for p in paths if p.startswith("gs://")]
     local = [p for p in paths if not p.startswith("gs://")]
     for start in range(0, len(remote), _DELETES_PER_CHANGE):
@@ -172,23 +227,25 @@ def delete_files(paths: list[str]) -> None:
         if failed:
             raise IOError(f"GCS refused to delete {failed}")
     if local:
+        if output is not None:
+            require_inside(output, *local)
         FileSystems.delete(local)
 
 
-def delete_tree(path: str) -> None:
-    """Every file under ``path``, and on local disk the folders left empty."""
-    files = list(list_files(join_path(path, "**")))
-    if files:
-        delete_files(files)
-    if FileSystems.get_scheme(path) is None:  # a local path
-        shutil.rmtree(path, ignore_errors=True)  # Beam's local delete does not take empty folders
-
-
 def delete_tree_fenced(path: str, lease: PublishLease) -> None:
-    """``delete_tree`` by the holder of ``lease``, checked before each batch of deletes."""
+    """Every file under ``path``, and on local disk the folders left empty (Beam's local delete
+    does not take them), by the holder of ``lease``, checked before each batch of deletes; on local
+    disk only a folder of the output reached through no symlink (``layout.require_inside``). The
+    files and (local) folders it removes are added to ``lease.removed``."""
+    local = FileSystems.get_scheme(path) is None
+    if local:
+        require_inside(lease.output, path)
     delete_fenced(sorted(list_files(join_path(path, "**"))), lease)
-    if FileSystems.get_scheme(path) is None:
+    if local and os.path.isdir(path):
+        folders = [join_path(path, os.path.relpath(d, path)) if d != path else path
+                   for d, _, _ in os.walk(path)]
         lease.change(shutil.rmtree, path, True)
+        lease.removed += sorted(f for f in folders if not os.path.exists(f))
 
 
 def _delete_quietly(paths: list[str]) -> None:
@@ -233,6 +290,7 @@ def copy_fenced(output: str, source: str, target: str, lease: PublishLease,
                 if_generation = found
         raise LeaseLost(f"{target} kept changing under {lease.holder}: another holder of the "
                         f"publish lease on {output} is writing it")
+    require_inside(output, source, target)
     temp = temp_path(output)
     FileSystems.copy([source], [temp])
     try:
@@ -253,7 +311,9 @@ def delete_fenced(paths: list[str], lease: PublishLease) -> None:
     A delete that lands late (after a takeover) removes only a file listed before it, whose name
     the taker never reuses (file names hold their run id or compaction id)."""
     for start in range(0, len(paths), _DELETES_PER_CHANGE):
-        lease.change(delete_files, paths[start:start + _DELETES_PER_CHANGE])
+        chunk = paths[start:start + _DELETES_PER_CHANGE]
+        lease.change(delete_files, chunk, lease.output)
+        lease.removed += chunk
 
 
 
@@ -307,7 +367,9 @@ def _write_summary(output: str, staged_summary: str, lease: PublishLease) -> Non
     on GCS only if unchanged since this holder last saw it, so a stalled publisher's late write
     of its own summary is refused). Never a copy: a copy undone by a publisher that lost its
     lease would delete the name every run shares."""
-    with FileSystems.open(join_path(output, staged_summary)) as f:
+    source = join_path(output, staged_summary)
+    require_inside(output, source)  # never a file a symlinked _staging/ leads to
+    with FileSystems.open(source) as f:
         data = f.read()
     path = join_path(output, SUMMARY_FILE)
     lease.put(path, data, lambda: write_whole(output, path, lambda f: f.write(data)))
@@ -462,6 +524,9 @@ def clean_stale(output: str, older_than_s: float, lease: PublishLease,
     # The ages are the storage's (GCS's ``updated``): counted on its clock, not this machine's.
     now = lease.storage_time() if now is None else now
     keep = _runs_being_published(read_manifest(output, lease))
+    # A symlinked _staging/ or _temp/ is refused before it is listed (Beam's local listing walks
+    # a symlinked root): its files are not the output's.
+    require_inside(output, join_path(output, STAGING_DIR), join_path(output, TEMP_DIR))
     doomed: list[str] = []
     staging_root = join_path(output, STAGING_DIR, "")
     runs: dict[str, list] = {}

@@ -41,6 +41,7 @@ from transforms.layout import (
     PartFileName,
     join_path,
     partition_path,
+    require_inside,
     require_safe_run_id,
     write_whole,
 )
@@ -357,6 +358,7 @@ class _WriteMicroBatchFn(beam.DoFn):
             return self._write(relative, sink, tables)
         path = join_path(self._output, relative)
         if FileSystems.exists(path):
+            require_inside(self._output, path)  # never through a symlinked partition folder
             FileSystems.delete([path])
         return None
 

@@ -1,0 +1,323 @@
+"""Nothing outside the output prefix is ever touched (issue 37 §2; the security review of
+2026-12-06, sections 3, 4, 5 and 13): a crafted ``_manifest.json`` or compaction manifest is
+refused, naming it, never followed; a symlinked ``_temp/``, ``_staging/``, published or partition
+folder is refused before anything is deleted, copied or renamed through it. Each case runs in a
+sandbox whose output is ``<sandbox>/a/out``: everything else in the sandbox (a victim folder, an
+``authorized_keys``, a secret) must hash the same before and after.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from apache_beam.io.filesystems import FileSystems
+
+from pipeline import cleanup
+from tests import streaming_output as so
+from transforms import compaction, manifest
+from transforms.layout import PartFileName
+from transforms.lease import PublishLease
+
+RUN = "20261201T093000Z-1a2b3c4d"
+SECRET = "AWS_SECRET_ACCESS_KEY=abc123"
+KEY = "ssh-ed25519 AAAA... alice@laptop"
+H09 = "dt=2026-12-01/hour=09"
+
+
+def _manifest(**changes) -> dict:
+    base = {"run_id": RUN, "state": "publishing", "started_at": 0.0, "vectors": [],
+            "dead_letter": [], "summary": f"_staging/{RUN}/_summary.json", "counts": {}}
+    return {**base, **changes}
+
+
+# The review's manifests (§3, §13), and others a reader must refuse.
+CRAFTED = {
+    "delete_outside": _manifest(run_id="../../../victim", summary="_summary.json"),
+    "overwrite_and_read_outside": _manifest(
+        run_id="A/../../alice/.ssh", vectors=["_staging/A/../../alice/.ssh/authorized_keys"],
+        summary="../../secret.txt"),
+    "run_id_dotdot": _manifest(run_id="..", summary="_summary.json"),
+    "run_id_unicode_digits": _manifest(run_id="٢٠٢٦١٢٠١T093000Z-1a2b3c4d"),
+    "absolute_path": _manifest(vectors=["/etc/passwd"]),
+    "dotdot_in_staged_path": _manifest(vectors=[f"_staging/{RUN}/vectors/../../../../x"]),
+    "backslash": _manifest(vectors=[f"_staging/{RUN}/vectors\\..\\..\\x"]),
+    "empty_segment": _manifest(vectors=[f"_staging/{RUN}//vectors/x.parquet"]),
+    "another_runs_staging": _manifest(vectors=["_staging/20261130T000000Z-00000000/vectors/x"]),
+    "wrong_folder": _manifest(vectors=[f"_staging/{RUN}/dead_letter/x.jsonl"]),
+    "committed_outside": _manifest(state="committed", vectors=["../victim/important.txt"],
+                                   summary="_summary.json"),
+    "summary_elsewhere": _manifest(state="committed", summary="vectors/_summary.json"),
+    "unknown_state": _manifest(state="published"),
+    "previous_crafted": _manifest(skipped_from=[{"prefix": "x"}],
+                                  previous=_manifest(run_id="../../../victim")),
+}
+
+
+def sandbox(tmp_path: Path) -> tuple[Path, Path]:
+    """``<tmp>/a/out`` (an output with a published run) beside what an attacker wants."""
+    out = tmp_path / "a" / "out"
+    for name, text in {"victim/important.txt": "important", "victim/sub/data.bin": "data",
+                       "alice/.ssh/authorized_keys": KEY, "secret.txt": SECRET,
+                       "a/out/vectors/part-x.parquet": "rows",
+                       # what the crafted manifest B names as its staged file
+                       "a/out/alice/.ssh/authorized_keys": "ssh-ed25519 AAAA... ATTACKER",
+                       "a/out/_staging/A/keep": "x"}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path, out
+
+
+def outside_hash(root: Path, out: Path) -> str:
+    """A hash of every file, folder and link under ``root`` but not under ``out``."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        if here == out or out in here.parents:
+            continue
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            path = here / name
+            h.update(str(path.relative_to(root)).encode())
+            if path.is_symlink():
+                h.update(os.readlink(path).encode())
+            elif path.is_file():
+                h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_a_crafted_manifest_is_refused_naming_it(tmp_path, case):
+    _, out = sandbox(tmp_path)
+    (out / "_manifest.json").write_text(json.dumps(CRAFTED[case]))
+    with pytest.raises(ValueError, match="_manifest.json"):
+        manifest.read_manifest(str(out))
+
+
+@pytest.mark.parametrize("case", ["delete_outside", "overwrite_and_read_outside",
+                                  "run_id_dotdot", "committed_outside"])
+def test_cleanup_refuses_a_crafted_manifest_and_touches_nothing(tmp_path, case, capsys):
+    root, out = sandbox(tmp_path)
+    text = json.dumps(CRAFTED[case])
+    (out / "_manifest.json").write_text(text)
+    before = outside_hash(root, out)
+    assert cleanup.main(["--output", str(out), "--older-than-s", "0"]) == 1
+    assert outside_hash(root, out) == before
+    assert (out / "_manifest.json").read_text() == text  # not followed, not rewritten
+    assert (out / "vectors" / "part-x.parquet").read_text() == "rows"
+    assert not (out / "_summary.json").exists()
+    report = json.loads(capsys.readouterr().out)
+    assert "_manifest.json" in report["refused"]
+
+
+def _gcs_write(path: str, data: bytes) -> None:
+    with FileSystems.create(path) as f:
+        f.write(data)
+
+
+def _gcs_tree(prefix: str) -> dict:
+    found = {}
+    for m in FileSystems.match([prefix + "**"])[0].metadata_list:
+        with FileSystems.open(m.path) as f:
+            found[m.path] = hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
+@pytest.mark.parametrize("case", ["delete_outside", "overwrite_and_read_outside",
+                                  "run_id_dotdot", "committed_outside"])
+def test_on_gcs_cleanup_refuses_a_crafted_manifest(gcs, tmp_path, case, capsys):
+    from tests.conftest import GCS_BUCKET
+
+    root = f"gs://{GCS_BUCKET}/{tmp_path.name}/"
+    out = root + "a/out"
+    for name, text in {"victim/important.txt": "important", "alice/.ssh/authorized_keys": KEY,
+                       "secret.txt": SECRET, "a/out/vectors/part-x.parquet": "rows",
+                       }.items():
+        _gcs_write(root + name, text.encode())
+    text = json.dumps(CRAFTED[case]).encode()
+    _gcs_write(out + "/_manifest.json", text)
+    outside = {p: h for p, h in _gcs_tree(root).items() if not p.startswith(out + "/")}
+    assert cleanup.main(["--output", out, "--older-than-s", "0"]) == 1
+    after = _gcs_tree(root)
+    assert {p: h for p, h in after.items() if not p.startswith(out + "/")} == outside
+    with FileSystems.open(out + "/_manifest.json") as f:
+        assert f.read() == text
+    assert out + "/_summary.json" not in after
+    assert "_manifest.json" in json.loads(capsys.readouterr().out)["refused"]
+
+
+def _old(path: Path, text: str = "x") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    past = time.time() - 3 * 86400
+    os.utime(path, (past, past))
+
+
+@pytest.mark.parametrize("folder", ["_temp", "_staging", "vectors"])
+def test_cleanup_refuses_a_symlinked_folder(tmp_path, folder, capsys):
+    """§4: ``out/_temp -> victim/`` (or ``_staging``, or a published folder with a committed
+    manifest): the clean-up listed through the link and deleted the victim's old files."""
+    root, out = sandbox(tmp_path)
+    _old(root / "victim" / "thesis.tex")
+    _old(root / "victim" / "photos" / "2019.jpg")
+    if folder == "vectors":
+        (out / "vectors" / "part-x.parquet").unlink()
+        (out / "vectors").rmdir()
+        (out / "_manifest.json").write_text(json.dumps(
+            _manifest(state="committed", summary="_summary.json")))
+    else:
+        (out / "_staging" / "A" / "keep").unlink()
+        (out / "_staging" / "A").rmdir()
+        if folder == "_staging":
+            (out / "_staging").rmdir()
+    (out / folder).symlink_to(root / "victim", target_is_directory=True)
+    before = outside_hash(root, out)
+    assert cleanup.main(["--output", str(out), "--older-than-s", "0"]) == 1
+    assert outside_hash(root, out) == before
+    report = json.loads(capsys.readouterr().out)
+    assert "symlink" in report["refused"] and folder in report["refused"]
+
+
+def test_compaction_refuses_a_symlinked_partition_folder(tmp_path):
+    """A partition folder linked elsewhere: compaction took the ``compacted-*`` files it found
+    there for a killed run's leftovers and deleted them."""
+    root, out = sandbox(tmp_path)
+    _old(root / "victim" / "compacted-20261201T000000Z-00000000.parquet")
+    (out / "vectors" / "dt=2026-12-01").mkdir(parents=True)
+    (out / "vectors" / "dt=2026-12-01" / "hour=09").symlink_to(root / "victim")
+    before = outside_hash(root, out)
+    with PublishLease(str(out), "compact", lease_s=30) as lease:
+        with pytest.raises(ValueError, match="symlink"):
+            compaction.compact_partition(str(out), H09, lease, 16)
+    assert outside_hash(root, out) == before
+
+
+def test_compaction_refuses_a_crafted_compaction_manifest(tmp_path):
+    """§5: a manifest whose current ledger file is ``../../secret.env``: compaction copied the
+    secret into the output's compacted ledger file."""
+    root, out = sandbox(tmp_path)
+    (root / "secret.env").write_text(SECRET + "\n")
+    so.write(str(out), so.micro_batches(4, windows=1, shards=1), row_group_rows=16)
+    crafted = {"partition": H09, "compaction_id": RUN, "compacted_at": "2026-12-01T10:00:00",
+               "files": {"ledger": {"path": "../../secret.env", "rows": 1}}, "batches": []}
+    path = out / "_compaction" / H09 / "manifest.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(crafted))
+    before = outside_hash(root, out)
+    with PublishLease(str(out), "compact", lease_s=30) as lease:
+        with pytest.raises(ValueError, match="manifest.json"):
+            compaction.compact_partition(str(out), H09, lease, 16)
+    assert outside_hash(root, out) == before
+    assert not any(SECRET in p.read_text(errors="replace")
+                   for p in out.rglob("*") if p.is_file() and p.suffix == ".jsonl")
+
+
+@pytest.mark.parametrize("bad", [
+    {"files": {"ledger": {"path": f"ledger/{H09}/../../../../x.jsonl", "rows": 1}}},
+    {"files": {"vectors": {"path": f"ledger/{H09}/compacted-{RUN}.jsonl", "rows": 1}}},
+    {"files": {"vectors": {"path": f"vectors/dt=2026-12-01/hour=10/compacted-{RUN}.parquet",
+                           "rows": 1}}},
+    {"partition": "dt=2026-12-01/hour=10"},
+    {"batches": [{"record": "/etc/passwd", "files": {}}]},
+    {"batches": [{"record": f"ledger/{H09}/x.json", "files": {"vectors": "../x.parquet"}}]},
+], ids=["dotdot", "wrong_kind", "wrong_partition", "partition", "absolute_record",
+        "dotdot_batch"])
+def test_a_crafted_compaction_manifest_is_refused_on_read(tmp_path, bad):
+    good = {"partition": H09, "compaction_id": RUN, "compacted_at": "2026-12-01T10:00:00",
+            "files": {"ledger": {"path": f"ledger/{H09}/compacted-{RUN}.jsonl", "rows": 1}},
+            "batches": []}
+    path = tmp_path / "_compaction" / H09 / "manifest.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(good))
+    assert compaction.read_compaction(str(tmp_path), H09) is not None
+    path.write_text(json.dumps({**good, **bad}))
+    with pytest.raises(ValueError, match="manifest.json"):
+        compaction.read_compaction(str(tmp_path), H09)
+
+
+@pytest.mark.parametrize("name", [
+    "part-٢٠٢٦١٢٠١T095900Z-001-00000-of-00004-0123456789abcdef.parquet",
+    "part-20261301T995900Z-001-00000-of-00004-0123456789abcdef.parquet",
+    "part-..-20261201T095900Z-001-00000-of-00004.parquet",
+])
+def test_a_name_that_is_not_ours_parses_to_none(name):
+    """§13: a stray file crashed ``newsvec ledger`` (``parse`` raised ValueError)."""
+    assert PartFileName.parse(name) is None
+
+
+def test_cleanup_names_every_file_and_folder_a_repair_removed(tmp_path, capsys):
+    """A repaired publish deletes its staging folder: the report names it and its files (before,
+    ``deleted: 0`` said nothing of them)."""
+    out = tmp_path / "out"
+    staged = out / "_staging" / RUN
+    (staged / "vectors").mkdir(parents=True)
+    (staged / "vectors" / f"part-{RUN}-00000-of-00001.parquet").write_text("rows")
+    (staged / "_summary.json").write_text(json.dumps({"run_id": RUN}))
+    (out / "_manifest.json").write_text(json.dumps(_manifest(
+        vectors=[f"_staging/{RUN}/vectors/part-{RUN}-00000-of-00001.parquet"])))
+    assert cleanup.main(["--output", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["repaired_run"] == RUN
+    removed = sorted(os.path.relpath(p, out) for p in report["repair_removed"])
+    assert removed == [f"_staging/{RUN}", f"_staging/{RUN}/_summary.json",
+                       f"_staging/{RUN}/vectors",
+                       f"_staging/{RUN}/vectors/part-{RUN}-00000-of-00001.parquet"]
+    assert not staged.exists()
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("stream") / "out"
+    so.write(str(out), so.micro_batches(6, windows=1, shards=1), row_group_rows=16)
+    return out
+
+
+def test_a_stray_file_does_not_crash_the_ledger(stream, tmp_path):
+    """§13: ``newsvec ledger`` died on a file named like a micro-batch's with no such date."""
+    from pipeline import ledger
+
+    out = tmp_path / "out"
+    shutil.copytree(stream, out)
+    assert ledger.check(str(out)).ok
+    (out / "vectors" / H09 / "part-20261301T995900Z-001-00000-of-00004-0123456789abcdef.parquet"
+     ).write_bytes(b"stray")
+    ledger.check(str(out))  # a stray name is not one of ours: no ValueError
+
+
+def test_a_ledger_record_naming_a_file_outside_is_refused(stream, tmp_path):
+    from pipeline import ledger
+
+    root = tmp_path
+    out = root / "a" / "out"
+    shutil.copytree(stream, out)
+    (root / "secret.parquet").write_text(SECRET)
+    (record_path,) = (out / "ledger" / H09).glob("*.json")
+    record = json.loads(record_path.read_text())
+    record["vectors_file"] = "../../secret.parquet"
+    record_path.write_text(json.dumps(record))
+    before = outside_hash(root, out)
+    with pytest.raises(ValueError, match=record_path.name):
+        ledger.check(str(out))
+    with PublishLease(str(out), "compact", lease_s=30) as lease:
+        with pytest.raises(ValueError, match=record_path.name):
+            compaction.compact_partition(str(out), H09, lease, 16)
+    assert outside_hash(root, out) == before
+
+
+def test_the_batch_commit_refuses_a_crafted_manifest(tmp_path):
+    """§3: a ``publishing`` manifest whose run id sorts after the new run's is finished by the
+    next batch commit (``CommitRun``) before it publishes: it deleted ``victim/``."""
+    from transforms import commit
+
+    root, out = sandbox(tmp_path)
+    (out / "_staging" / "zz").mkdir()  # for the kernel to resolve its ..
+    (out / "_manifest.json").write_text(json.dumps(
+        _manifest(run_id="zz/../../../../victim", summary="_summary.json")))
+    before = outside_hash(root, out)
+    with pytest.raises(ValueError, match="_manifest.json"):
+        list(commit._CommitFn(str(out), RUN, {}, lease_s=30).process(None, [], {}))
+    assert outside_hash(root, out) == before
