@@ -820,7 +820,9 @@ def test_run_ids_launched_in_one_second_sort_by_launch_time():
     for ms in range(0, 998, 3):
         earlier, later = t + dt.timedelta(milliseconds=ms), t + dt.timedelta(milliseconds=ms + 1)
         assert new_run_id(earlier) < new_run_id(later), (earlier, later)
-    assert len({new_run_id(t) for _ in range(1000)}) == 1000, "still collision-free"
+    # Within one millisecond, 5 random hex digits (20 bits): ten launches there collide with a
+    # chance of 45 / 2**20 (a thousand would, 38% of the time: the birthday bound).
+    assert len({new_run_id(t) for _ in range(10)}) == 10, "distinct within one millisecond"
 
 
 # A late copy on GCS, and its undo, never take what the output's manifest names. Played in threads

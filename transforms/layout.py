@@ -66,10 +66,10 @@ class UnsafePath(ValueError):
 
 
 def new_run_id(now: Optional[dt.datetime] = None) -> str:
-    """A sortable, collision-free id safe in any file name: 20261201T093000Z-1a2b3c4d. The newest
-    run wins by this order (``transforms.commit``), so the first 3 hex digits are the launch's
-    millisecond: two launches in one second sort by time, not by chance; the other 5 are
-    random."""
+    """A sortable id safe in any file name: 20261201T093000Z-1a2b3c4d. The newest run wins by
+    this order (``transforms.commit``), so the first 3 hex digits are the launch's millisecond:
+    two launches in one second sort by time, not by chance; the other 5 are random (two launches
+    in one millisecond get one id with a chance of 2**-20)."""
     now = now or dt.datetime.now(dt.timezone.utc)
     return f"{now:%Y%m%dT%H%M%SZ}-{now.microsecond // 1000:03x}{uuid.uuid4().hex[:5]}"
 
