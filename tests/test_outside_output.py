@@ -321,3 +321,22 @@ def test_the_batch_commit_refuses_a_crafted_manifest(tmp_path):
     with pytest.raises(ValueError, match="_manifest.json"):
         list(commit._CommitFn(str(out), RUN, {}, lease_s=30).process(None, [], {}))
     assert outside_hash(root, out) == before
+
+
+@pytest.mark.parametrize("name", ["*", "part-[a-z]*", "?art-a.parquet"])
+def test_a_stray_named_like_a_pattern_deletes_only_itself(tmp_path, name):
+    # Beam's local delete takes each path for a glob pattern: a stray file named "*" in vectors/
+    # would take the committed run's files with it. A stray is deleted by its name alone.
+    out = tmp_path / "out"
+    (out / "vectors").mkdir(parents=True)
+    (out / "vectors" / "part-a.parquet").write_text("the committed run's rows")
+    (out / "_summary.json").write_text("{}")
+    committed = _manifest(state="committed", vectors=["vectors/part-a.parquet"],
+                          summary="_summary.json")
+    (out / "_manifest.json").write_text(json.dumps(committed))
+    (out / "vectors" / name).write_text("stray")
+    with PublishLease(str(out), "cleanup", 360) as lease:
+        strays = manifest.remove_strays(str(out), lease)
+    assert [os.path.basename(s) for s in strays] == [name]
+    assert sorted(os.listdir(out / "vectors")) == ["part-a.parquet"]
+    assert manifest.missing_files(str(out)) == []

@@ -40,6 +40,7 @@ import os
 import shutil
 from typing import Any, Iterable, Optional
 
+from apache_beam.io.filesystem import BeamIOError
 from apache_beam.io.filesystems import FileSystems
 
 from transforms.layout import (
@@ -229,7 +230,24 @@ def delete_files(paths: list[str], output: Optional[str] = None) -> None:
     if local:
         if output is not None:
             require_inside(output, *local)
-        FileSystems.delete(local)
+        _delete_local(local)
+
+
+def _delete_local(paths: list[str]) -> None:
+    """Each local path by its name (a folder with what it holds), as Beam's local filesystem
+    deletes it but for one thing: Beam takes each path for a glob pattern, so that a file named
+    ``*`` (a stray anyone could leave in the output) would take every file beside it."""
+    failed: dict[str, Exception] = {}
+    for path in paths:
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+        except OSError as exc:
+            failed[path] = exc
+    if failed:
+        raise BeamIOError("Delete operation failed", failed)
 
 
 def delete_tree_fenced(path: str, lease: PublishLease) -> None:
