@@ -102,14 +102,13 @@ def _stale(path, age_s: float) -> None:
 def test_cleanup_checks_the_lease_before_each_delete(tmp_path, monkeypatch):
     """A clean-up whose lease is taken over midway (it stalled; the next holder took over) stops
     before its next delete. Before, it checked once, then deleted everything in one go."""
-    from apache_beam.io.filesystems import FileSystems
-
     from transforms import lease as lease_lib
+    from transforms import manifest as manifest_lib
     from transforms.lease import LeaseLost, LocalLockStore
 
     for i in range(150):
         _stale(tmp_path / "_temp" / f"{i:03d}.tmp", 7200)
-    real_delete, real_fenced = FileSystems.delete, getattr(LocalLockStore, "fenced", None)
+    real_delete, real_fenced = manifest_lib._delete_local, getattr(LocalLockStore, "fenced", None)
     requests: list = []
 
     def delete(paths):
@@ -123,7 +122,7 @@ def test_cleanup_checks_the_lease_before_each_delete(tmp_path, monkeypatch):
             requests.append(0)
         return real_fenced(self)
 
-    monkeypatch.setattr(FileSystems, "delete", staticmethod(delete))
+    monkeypatch.setattr(manifest_lib, "_delete_local", delete)
     monkeypatch.setattr(lease_lib.LocalLockStore, "fenced", fenced, raising=False)
     with pytest.raises(LeaseLost, match="the-next-holder"):
         cleanup.main(["--output", str(tmp_path), "--older-than-s", "3600"])
