@@ -142,7 +142,8 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
     # Every record of the partitions read (a compacted file holds the rows of all of its hour's);
     # the totals and the balance checks are of those in range. Their files are resolved through
     # the compaction manifests the records were read by, not read again later.
-    every, views = ledger_records(output, partitions)
+    unreadable: list[str] = []  # named as problems: one stray file does not stop the ledger
+    every, views = ledger_records(output, partitions, unreadable)
     not_compacted = PartitionView(None, {}, set())
 
     def view(relative: str) -> PartitionView:
@@ -150,7 +151,7 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
 
     prefix = output.rstrip("/") + "/"
     records = [r for r in every if in_range(_parse_time(r.window_start))]
-    problems = []
+    problems = list(unreadable)
     named: collections.Counter[str] = collections.Counter()  # micro-batch file -> records
     expected: collections.Counter[str] = collections.Counter()  # file -> rows its records say
     checked: dict[str, tuple[str, str, str]] = {}  # file -> (kind, first record, as named)

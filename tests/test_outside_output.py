@@ -288,6 +288,42 @@ def test_a_stray_file_does_not_crash_the_ledger(stream, tmp_path):
     ledger.check(str(out))  # a stray name is not one of ours: no ValueError
 
 
+@pytest.mark.parametrize("stray", ["not json", "a fifo", "not utf-8"])
+def test_a_stray_file_among_the_ledger_records_is_named_not_a_crash_or_a_wait(
+        stream, tmp_path, stray):
+    # Anyone who can write the output leaves a file among the ledger records: newsvec ledger names
+    # it as a problem (the ledger does not balance) instead of ending in a traceback, or waiting
+    # for ever on a FIFO that nobody writes.
+    import threading
+
+    from pipeline import ledger
+
+    out = tmp_path / "out"
+    shutil.copytree(stream, out)
+    junk = out / "ledger" / H09 / "junk.json"
+    if stray == "a fifo":
+        os.mkfifo(junk)
+    else:
+        junk.write_bytes(b"\xff\xfe{" if stray == "not utf-8" else b"{ this is not a record")
+    result: dict = {}
+
+    def check() -> None:
+        try:
+            result["report"] = ledger.check(str(out))
+        except Exception as exc:  # pylint: disable=broad-except  # the test reads it
+            result["error"] = exc
+
+    thread = threading.Thread(target=check, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert "error" not in result, f"newsvec ledger ended in {result['error']!r}"
+    assert "report" in result, "newsvec ledger waited on the stray file"
+    report = result["report"]
+    assert not report.ok
+    assert any(f"ledger/{H09}/junk.json is not a ledger record" in p for p in report.problems), \
+        report.problems
+
+
 def test_a_ledger_record_naming_a_file_outside_is_refused(stream, tmp_path):
     from pipeline import ledger
 

@@ -55,7 +55,9 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+import os
 import re
+import stat
 from typing import Callable, Iterable, Optional
 
 import pyarrow as pa
@@ -307,20 +309,43 @@ def record_files(record: LedgerRecord, partition: str, where: str) -> dict[str, 
     return named
 
 
-def ledger_records(output: str, partitions: Optional[Iterable[str]] = None
+def _read_record_file(path: str) -> str:
+    """A ledger file's text. On local disk only a regular file, opened through no symlink and
+    without waiting: a FIFO or a device someone left in the output would block the read."""
+    if FileSystems.get_scheme(path) is not None:
+        with FileSystems.open(path) as f:
+            return f.read().decode("utf-8")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError("not a regular file")
+        return f.read().decode("utf-8")
+
+
+def ledger_records(output: str, partitions: Optional[Iterable[str]] = None,
+                   unreadable: Optional[list[str]] = None
                    ) -> tuple[list[LedgerRecord], dict[str, PartitionView]]:
     """Every ledger record of these partitions (all without), each once: the compacted ledger
     files the manifests name, and the record files they do not replace; and the view of each
-    compacted partition they were read by (``current_view``), to resolve the records' files."""
+    compacted partition they were read by (``current_view``), to resolve the records' files.
+    A file that is not a ledger record (not a regular file, not UTF-8 JSON of a record) raises
+    ``ValueError`` naming it, or, given ``unreadable``, is named there and skipped."""
     records = []
     paths, views = current_view(output, LEDGER_DIR, partitions)
     for path in paths:
-        with FileSystems.open(path) as f:
-            text = f.read().decode("utf-8")
-        if path.endswith(".jsonl"):  # compacted: one record a line
-            found = [LedgerRecord.from_json(line) for line in text.splitlines() if line]
-        else:
-            found = [LedgerRecord.from_json(text)]
+        try:
+            text = _read_record_file(path)
+            if path.endswith(".jsonl"):  # compacted: one record a line
+                found = [LedgerRecord.from_json(line) for line in text.splitlines() if line]
+            else:
+                found = [LedgerRecord.from_json(text)]
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            why = (f"{relative_to(output, path)} is not a ledger record "
+                   f"({type(exc).__name__}: {exc})"[:500])
+            if unreadable is None:
+                raise ValueError(why) from None
+            unreadable.append(why)
+            continue
         for record in found:
             record_files(record, partition_of(relative_to(output, path)), path)
         records += found
