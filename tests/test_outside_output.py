@@ -376,3 +376,27 @@ def test_a_stray_named_like_a_pattern_deletes_only_itself(tmp_path, name):
     assert [os.path.basename(s) for s in strays] == [name]
     assert sorted(os.listdir(out / "vectors")) == ["part-a.parquet"]
     assert manifest.missing_files(str(out)) == []
+
+
+@pytest.mark.parametrize("entry", ["a folder of symlinks", "a symlink"])
+def test_a_publish_copies_only_regular_files_never_through_a_symlink(tmp_path, capsys, entry):
+    # A well-formed publishing manifest names a staged entry that is a folder holding symlinks to
+    # files outside (Beam's local copy copies a folder whole, following every link in it), or a
+    # symlink itself: finishing that publish must not copy anything from outside into vectors/.
+    root, out = sandbox(tmp_path)
+    staged = out / "_staging" / RUN / "vectors"
+    staged.mkdir(parents=True)
+    if entry == "a symlink":
+        (staged / "d").symlink_to(root / "secret.txt")
+    else:
+        (staged / "d").mkdir()
+        (staged / "d" / "secret").symlink_to(root / "secret.txt")
+        (staged / "d" / "ssh").symlink_to(root / "alice" / ".ssh")
+    (out / "_staging" / RUN / "_summary.json").write_text(json.dumps({"run_id": RUN}))
+    (out / "_manifest.json").write_text(json.dumps(_manifest(
+        vectors=[f"_staging/{RUN}/vectors/d"])))
+    cleanup.main(["--output", str(out)])
+    copied = [p for p in (out / "vectors").rglob("*") if p.is_file() and not p.is_symlink()]
+    leaked = [p for p in copied if p.read_text() in (SECRET, KEY)]
+    assert not leaked, f"copied from outside the output: {leaked}"
+    assert json.loads((out / "_manifest.json").read_text())["state"] != "committed"

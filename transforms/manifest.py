@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 from typing import Any, Iterable, Optional
 
 from apache_beam.io.filesystem import BeamIOError
@@ -50,6 +51,7 @@ from transforms.layout import (
     SUMMARY_FILE,
     TEMP_DIR,
     InvalidManifest,
+    UnsafePath,
     join_path,
     list_files,
     mkdirs,
@@ -310,12 +312,25 @@ def copy_fenced(output: str, source: str, target: str, lease: PublishLease,
                         f"publish lease on {output} is writing it")
     require_inside(output, source, target)
     temp = temp_path(output)
-    FileSystems.copy([source], [temp])
+    _copy_regular_file(source, temp)
     try:
         lease.change(FileSystems.rename, [temp], [target])
     except BaseException:
         _delete_quietly([temp])
         raise
+
+
+def _copy_regular_file(source: str, target: str) -> None:
+    """A local copy of ``source``, a regular file opened through no symlink at its name (Beam's
+    local copy copies a folder whole, following every symlink inside it: a manifest naming a
+    staged folder of links would publish files from outside the output)."""
+    fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafePath(f"{source} is not a regular file: a manifest names files only")
+    with os.fdopen(fd, "rb") as src:
+        with open(target, "xb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
 
 
 def _copy_whole(output: str, source: str, target: str, lease: PublishLease,
