@@ -24,7 +24,7 @@ from pipeline.progress import ProgressReporter
 from pipeline.summary import job_statistics
 from transforms.engine import EngineFactory
 from transforms.layout import SUMMARY_FILE, join_path, new_run_id
-from transforms.manifest import published_summary
+from transforms.manifest import SummaryUnavailable, published_summary, read_manifest
 from transforms.read import count_lines
 from transforms.store import StoreLoad, StoreLoadFailed
 
@@ -110,7 +110,7 @@ def run_batch(config: config_lib.Config, options: PipelineOptions,
         result.wait_until_finish()
     finished = time.perf_counter()
     # The committed run's summary, never another run's (``manifest.published_summary``).
-    summary = published_summary(config.output)
+    summary = _summary_after(config.output, run_id)
     if summary["run_id"] != run_id:
         _LOG.warning("run %s succeeded, but run %s has published into %s since", run_id,
                      summary["run_id"], config.output)
@@ -183,6 +183,21 @@ def lift_emulator_receive_limit() -> None:
             return grpc.insecure_channel(target, options=options, **kwargs)
 
     subscriber.grpc = _UnlimitedReceive()
+
+
+def _summary_after(output: str, run_id: str) -> dict:
+    """The committed run's summary once run ``run_id`` has ended; where a newer run is publishing
+    into the output meanwhile (this one, older, published nothing, or was cut off by it), what
+    this run can say: that it was superseded, by whom."""
+    try:
+        return published_summary(output)
+    except SummaryUnavailable:
+        current = read_manifest(output)
+        if current is None or current.run_id <= run_id:
+            raise
+        _LOG.warning("run %s succeeded, but the newer run %s is publishing into %s", run_id,
+                     current.run_id, output)
+        return {"run_id": run_id, "published": False, "superseded_by": current.run_id}
 
 
 def _only_described(options: PipelineOptions) -> bool:

@@ -25,6 +25,18 @@ tempfile.tempdir = None
 # whole session and the processes it starts; tests of the floors themselves unset it.
 os.environ["NEWSVEC_UNSAFE_TEST_TIMINGS"] = "1"
 
+# Seconds the test process may take to exit once the session is over (engines ended, exit hooks
+# run) before it prints every thread's stack and exits with status 1: a thread the interpreter
+# waits for at exit would otherwise hang the run, its tests all passed, until CI's own limit.
+EXIT_LIMIT_S = int(os.environ.get("NEWSVEC_TEST_EXIT_LIMIT_S", "300"))
+
+
+def pytest_unconfigure(config):  # pylint: disable=unused-argument
+    import faulthandler
+
+    faulthandler.dump_traceback_later(EXIT_LIMIT_S, exit=True)
+
+
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_EVENTS = REPO / "pipeline" / "sample_data" / "news-events.jsonl"
 BBC = REPO.parent / "shared" / "data" / "bbc-news"

@@ -195,6 +195,34 @@ def test_racing_runs_end_as_the_newest_run_whole(tmp_path, monkeypatch):
     check_is_run(output, DAY_2, newer)
 
 
+def test_a_run_that_ends_while_a_newer_one_publishes_says_it_was_superseded(tmp_path,
+                                                                             monkeypatch):
+    """The older run has ended (its commit published nothing, or was cut off) and reads the
+    output's summary while a newer run's manifest says publishing: it reports that it was
+    superseded, by which run. Before, it raised SummaryUnavailable, the job's work all done (this
+    is how the racing test above failed on a loaded machine)."""
+    import pipeline.run as run_module
+    from transforms.layout import STAGING_DIR, join_path, new_run_id
+
+    output = f"{tmp_path}/out"
+    newer: list = []
+    real = run_module.published_summary
+
+    def a_newer_run_publishes_first(out):
+        newer.append(new_run_id())
+        manifest.write_manifest(out, manifest.Manifest(
+            run_id=newer[0], state=manifest.PUBLISHING, started_at=time.time(), vectors=[],
+            dead_letter=[], summary=join_path(STAGING_DIR, newer[0], "_summary.json"),
+            counts={}))
+        return real(out)
+
+    monkeypatch.setattr(run_module, "published_summary", a_newer_run_publishes_first)
+    summary = run_batch(_config(write_input(str(tmp_path), "in1", DAY_1), output), _options(),
+                        engine_factory=FakeEngine)
+    assert summary["published"] is False and summary["superseded_by"] == newer[0], summary
+    assert summary["run_id"] < newer[0]
+
+
 def test_the_newest_run_wins_when_it_commits_first(tmp_path, monkeypatch):
     """An older launch (a slow job, or a Cloud Scheduler launch retried) that reaches its commit
     after a newer one has committed publishes nothing; before, whichever committed last won."""

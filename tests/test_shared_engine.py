@@ -289,13 +289,7 @@ def test_a_load_that_hangs_fails_within_load_timeout_in_every_process(tmp_path, 
     other = multiprocessing.get_context("spawn").Process(
         target=reach_engine, args=(settings, HangsOnLoad, tag, str(other_out)))
     other.start()
-    import concurrent.futures
-
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    try:
-        error = pool.submit(SharedEngineClient, settings, HangsOnLoad, tag).exception(timeout=30)
-    except concurrent.futures.TimeoutError:
-        error = None
+    outcome, error = _in_thread(SharedEngineClient, settings, HangsOnLoad, tag)
     other.join(timeout=30)
     assert isinstance(error, EngineFailedError) and "load_timeout_s" in str(error), error
     assert not other.is_alive(), "the other SDK process is still waiting"
@@ -304,7 +298,6 @@ def test_a_load_that_hangs_fails_within_load_timeout_in_every_process(tmp_path, 
     assert _engine_pids(log), "an engine was spawned"
     assert [pid for pid in _engine_pids(log) if _process_state((pid, 0)) == "alive"] == [], \
         "every engine that hung in its load was ended"
-    pool.shutdown(wait=False)
 
 
 def test_an_input_that_ends_the_shared_engine_is_dead_lettered_alone(tmp_path, monkeypatch,
@@ -462,17 +455,20 @@ def test_streaming_an_input_that_ends_the_shared_engine_is_dead_lettered_alone(
 def _in_thread(function, *args, timeout: float = 30):
     """``function(*args)`` in a thread of its own: ("ok", its result) or ("raised", its error),
     or ("waiting", None) if it has not returned within ``timeout`` (the thread is left behind)."""
-    import concurrent.futures
+    # A daemon thread: the interpreter joins a ThreadPoolExecutor's threads at exit, and one left
+    # waiting for ever would keep the test run from exiting.
+    outcome: list = []
 
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    future = pool.submit(function, *args)
-    pool.shutdown(wait=False)
-    try:
-        return "ok", future.result(timeout=timeout)
-    except concurrent.futures.TimeoutError:
-        return "waiting", None
-    except Exception as exc:  # pylint: disable=broad-except  # the test reads it
-        return "raised", exc
+    def run() -> None:
+        try:
+            outcome.append(("ok", function(*args)))
+        except Exception as exc:  # pylint: disable=broad-except  # the test reads it
+            outcome.append(("raised", exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return outcome[0] if outcome else ("waiting", None)
 
 
 def test_an_engine_stopped_while_idle_is_ended_and_the_call_served_by_the_next(
@@ -565,6 +561,35 @@ def test_a_call_that_gets_no_answer_fails_at_its_ceiling(tmp_path, monkeypatch):
     outcome, error = _in_thread(client._timed, lambda: never.wait(), (), client._process)
     assert outcome == "raised" and "no answer" in str(error), (outcome, error)
     assert _process_state(client._process) == "alive", "the engine is left to the others"
+
+
+_ABANDONS_A_CALL = """
+import sys, threading, uuid
+from tests.conftest import make_config
+from tests.fakes import LoggingEngine
+from transforms import shared_engine as module
+module._CEILING_SLACK_S = 1.0
+settings = make_config().model.model_copy(update={"call_timeout_s": 1.0})
+client = module.SharedEngineClient(settings, LoggingEngine, f"newsvec-test-{uuid.uuid4().hex}")
+never = threading.Event()
+try:
+    client._timed(lambda: never.wait(), (), client._process)
+except Exception as exc:
+    print("abandoned:", exc, flush=True)
+"""
+
+
+def test_a_process_that_abandoned_a_call_still_exits(tmp_path):
+    # A call that never returns (a frozen engine, an answer lost) is abandoned at its ceiling; its
+    # thread stays blocked. The SDK process (or a local run, or a test run) must still exit: the
+    # interpreter joins a ThreadPoolExecutor's threads at exit, and waited for this one for ever.
+    env = {**os.environ, "NEWSVEC_TEST_ENGINE_LOG": str(tmp_path / "engine.log")}
+    try:
+        done = subprocess.run([sys.executable, "-c", _ABANDONS_A_CALL], capture_output=True,
+                              text=True, timeout=120, env=env, cwd=os.getcwd())
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the process never exited after abandoning its call: {exc.stdout!r}")
+    assert "abandoned:" in done.stdout and "no answer" in done.stdout, (done.stdout, done.stderr)
 
 
 def test_a_burst_of_calls_on_a_healthy_engine_all_get_their_answer(tmp_path, monkeypatch):

@@ -49,6 +49,7 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import re
 import signal
 import sys
@@ -816,6 +817,37 @@ def _release_spawned(child: Any, shared: Any) -> None:
 _CALL_THREAD = threading.local()  # in each call thread: the engine proxy it last called
 
 
+class _CallThread:
+    """One daemon thread that runs a caller's engine calls in turn, each answered through a
+    ``concurrent.futures.Future``. Not a ``ThreadPoolExecutor``: the interpreter joins every
+    executor thread at exit, so one call abandoned on a frozen engine (it never returns) would keep
+    the SDK process, a local run or the test run from ever exiting. An abandoned thread of this
+    kind is left to end with the process."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="newsvec-engine-call", daemon=True).start()
+
+    def submit(self, function: Callable, *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((future, function, args))
+        return future
+
+    def shutdown(self) -> None:
+        """The thread ends after the call it is in, if that ever returns."""
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, function, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(function(*args))
+            except BaseException as exc:  # pylint: disable=broad-except  # the caller's to read
+                future.set_exception(exc)
+
+
 def _call_in_thread(method: Callable, args: tuple) -> Any:
     """``method(*args)``, run in a caller's call thread. The proxies keep a connection per thread
     and engine for the life of the thread: this thread's connection to an engine it called before
@@ -1256,8 +1288,7 @@ class SharedEngineClient:
         is then to be ended), and ``_NoAnswer`` when this call is past its ceiling."""
         pool = getattr(self._local, "pool", None)
         if pool is None:
-            pool = self._local.pool = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="newsvec-engine-call")
+            pool = self._local.pool = _CallThread()
         sent = time.monotonic()
         future = pool.submit(_call_in_thread, method, args)
         heard = sent  # the engine's last heartbeat, or when the call was sent
@@ -1266,7 +1297,7 @@ class SharedEngineClient:
 
         def abandon() -> None:  # the thread stays blocked until the engine's process ends
             self._local.pool = None
-            pool.shutdown(wait=False)
+            pool.shutdown()
 
         while True:
             try:
