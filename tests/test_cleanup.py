@@ -111,9 +111,9 @@ def test_cleanup_checks_the_lease_before_each_delete(tmp_path, monkeypatch):
     real_delete, real_fenced = manifest_lib._delete_local, getattr(LocalLockStore, "fenced", None)
     requests: list = []
 
-    def delete(paths):
+    def delete(paths, *rest):
         requests.append(len(paths))
-        return real_delete(paths)
+        return real_delete(paths, *rest)
 
     def fenced(self):
         if len(requests) == 1:  # after the first delete request, another

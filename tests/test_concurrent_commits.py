@@ -415,6 +415,17 @@ STALLED_PUBLISHER = textwrap.dedent("""
         return real_rename(sources, targets, *args, **kwargs)
 
     FileSystems.rename = staticmethod(rename)
+    from transforms import layout
+    real_rename_inside = getattr(layout, "rename_inside", None)
+
+    def rename_inside(output, source, target):  # local renames, through no symlink
+        if target.endswith("_manifest.json") and not stopped:
+            stopped.append(1)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real_rename_inside(output, source, target)
+
+    if real_rename_inside is not None:
+        layout.rename_inside = rename_inside
     intent = manifest.Manifest(run_id=run_id, state="publishing", started_at=0.0,
                                vectors=[p for k, p in staged if k == "vectors"], dead_letter=[],
                                keys=[p for k, p in staged if k == "keys"],

@@ -400,3 +400,317 @@ def test_a_publish_copies_only_regular_files_never_through_a_symlink(tmp_path, c
     leaked = [p for p in copied if p.read_text() in (SECRET, KEY)]
     assert not leaked, f"copied from outside the output: {leaked}"
     assert json.loads((out / "_manifest.json").read_text())["state"] != "committed"
+
+
+# A local attacker who can write into the output swaps what newsvec reads, deletes, copies or
+# renames there for a symlink (or a FIFO): compaction, publishing, the lease and the readers of the
+# manifest and the summary follow no symlink below the output when they act, not only when they
+# check, and never wait on a FIFO.
+
+@pytest.fixture(scope="module")
+def lettered(tmp_path_factory) -> Path:
+    """A streaming output of one micro-batch with a dead letter (one message in 20)."""
+    out = tmp_path_factory.mktemp("lettered") / "out"
+    so.write(str(out), so.micro_batches(20, windows=1, shards=1), row_group_rows=16)
+    return out
+
+
+def _compactable(stream: Path, tmp_path: Path) -> tuple[Path, Path]:
+    root = tmp_path / "root"
+    out = root / "a" / "out"
+    shutil.copytree(stream, out)
+    (root / "secret.txt").write_text(SECRET + "\n")
+    return root, out
+
+
+def _secret_parquet_like(part: Path, target: Path) -> None:
+    """A Parquet file of the part's schema whose ids are the secret."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(part)
+    ids = pa.array([SECRET] * table.num_rows, type=table.schema.field("id").type)
+    pq.write_table(table.set_column(table.schema.get_field_index("id"), "id", ids), target)
+
+
+def _leaked(out: Path) -> list[Path]:
+    found = []
+    for path in out.rglob("*"):
+        if path.is_file() and not path.is_symlink() and SECRET.encode() in path.read_bytes():
+            found.append(path)
+        elif path.is_file() and not path.is_symlink() and path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                if SECRET in pq.read_table(path).column("id").to_pylist():
+                    found.append(path)
+            except Exception:  # pylint: disable=broad-except  # not a Parquet file: no rows
+                pass
+    return found
+
+
+@pytest.mark.parametrize("kind", ["vectors", "dead_letter"])
+def test_compaction_never_reads_a_source_swapped_for_a_symlink(lettered, tmp_path, kind):
+    # A micro-batch file replaced by a symlink to a file outside the output: compaction copied
+    # the file's bytes (rows) into its compacted file, which any reader of the output reads.
+    root, out = _compactable(lettered, tmp_path)
+    suffix = ".parquet" if kind == "vectors" else ".jsonl"
+    part = sorted((out / kind / H09).glob(f"part-*{suffix}"))[0]
+    if kind == "vectors":
+        _secret_parquet_like(part, root / "secret.parquet")
+        target = root / "secret.parquet"
+    else:
+        target = root / "secret.txt"
+    part.unlink()
+    part.symlink_to(target)
+    before = outside_hash(root, out)
+    with PublishLease(str(out), "compact", lease_s=30) as lease:
+        with pytest.raises(ValueError, match=f"{part.name} is a symlink"):
+            compaction.compact_partition(str(out), H09, lease, 16)
+    assert outside_hash(root, out) == before
+    assert not _leaked(out), "the file outside was copied into the output"
+    assert not list(out.rglob("compacted-*")), "nothing is written before the refusal"
+
+
+def _within(seconds: float, action) -> dict:
+    """``action()`` in a thread: {"result": ...} or {"error": ...}, {} if it did not end."""
+    import threading
+
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = action()
+        except Exception as exc:  # pylint: disable=broad-except  # the test reads it
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=seconds)
+    return outcome
+
+
+def _unblock(fifo: Path) -> None:
+    """Let a reader stuck opening the FIFO go (its open returns, then end of file)."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # nobody is reading it
+
+
+@pytest.mark.parametrize("kind", ["vectors", "dead_letter", "ledger"])
+def test_compaction_never_waits_on_a_fifo_among_its_sources(lettered, tmp_path, kind):
+    # A FIFO in place of a micro-batch file (or its ledger record): compaction opened it and
+    # waited for a writer for ever, holding the output's lease, so that no publish, compaction or
+    # clean-up of the output could run again.
+    _, out = _compactable(lettered, tmp_path)
+    suffix = {"vectors": ".parquet", "dead_letter": ".jsonl", "ledger": ".json"}[kind]
+    part = sorted((out / kind / H09).glob(f"part-*{suffix}"))[0]
+    part.unlink()
+    os.mkfifo(part)
+
+    def compact():
+        with PublishLease(str(out), "compact", lease_s=30) as lease:
+            return compaction.compact_partition(str(out), H09, lease, 16)
+
+    try:
+        outcome = _within(30, compact)
+    finally:
+        _unblock(part)
+    assert outcome, "compaction waited on the FIFO"
+    assert isinstance(outcome.get("error"), ValueError), outcome
+    assert part.name in str(outcome["error"])
+    assert not list(out.rglob("compacted-*"))
+
+
+def _swap_for_symlink(folder: Path, to: Path) -> None:
+    folder.rename(folder.with_name(folder.name + ".moved"))
+    folder.symlink_to(to, target_is_directory=True)
+
+
+def _race(monkeypatch, module, swap, at: int = 1) -> None:
+    """``module.require_inside`` checks, then, after its ``at``-th check, ``swap()`` runs once:
+    the folder changes between that check and the operation, as a racing attacker would make
+    it."""
+    real = module.require_inside
+    calls: list = []
+
+    def check_then_swap(output, *paths):
+        real(output, *paths)
+        calls.append(paths)
+        if len(calls) == at:
+            swap()
+
+    monkeypatch.setattr(module, "require_inside", check_then_swap)
+
+
+def test_a_delete_never_follows_a_folder_swapped_after_its_check(tmp_path, monkeypatch):
+    # remove_strays checked vectors/ (a plain folder), then vectors/ became a symlink to a folder
+    # outside holding a file of the stray's name: the delete by path followed it.
+    root, out = sandbox(tmp_path)
+    (out / "vectors" / "stray.parquet").write_text("stray")
+    (root / "victim" / "stray.parquet").write_text("the victim's file")
+    (out / "_summary.json").write_text("{}")
+    (out / "_manifest.json").write_text(json.dumps(_manifest(
+        state="committed", vectors=["vectors/part-x.parquet"], summary="_summary.json")))
+    before = outside_hash(root, out)
+    _race(monkeypatch, manifest, lambda: _swap_for_symlink(out / "vectors", root / "victim"))
+    with PublishLease(str(out), "cleanup", 360) as lease:
+        with pytest.raises(ValueError, match="symlink"):
+            manifest.remove_strays(str(out), lease)
+    assert outside_hash(root, out) == before
+
+
+def test_a_publish_never_copies_through_a_folder_swapped_after_its_check(tmp_path, monkeypatch):
+    # The publish checked _staging/<run>/vectors (a plain folder), then it became a symlink to a
+    # folder outside holding a file of the staged file's name: the copy followed it (O_NOFOLLOW
+    # only guards the last segment) and published the file from outside.
+    root, out = sandbox(tmp_path)
+    name = f"part-{RUN}-00000-of-00001.parquet"
+    staged = out / "_staging" / RUN / "vectors"
+    staged.mkdir(parents=True)
+    (staged / name).write_text("rows")
+    (root / "victim" / name).write_text(SECRET)
+    (out / "_staging" / RUN / "_summary.json").write_text(json.dumps({"run_id": RUN}))
+    (out / "vectors" / "part-x.parquet").unlink()
+    publishing = manifest.Manifest.from_dict(_manifest(vectors=[f"_staging/{RUN}/vectors/{name}"]))
+    (out / "_manifest.json").write_text(publishing.to_json())
+    before = outside_hash(root, out)
+    _race(monkeypatch, manifest, lambda: _swap_for_symlink(staged, root / "victim"))
+    with PublishLease(str(out), "publish", 360) as lease:
+        with pytest.raises(ValueError, match="symlink"):
+            manifest.publish(str(out), publishing, lease)
+    assert outside_hash(root, out) == before
+    assert not _leaked(out / "vectors"), "a file from outside was published"
+
+
+def test_compaction_never_follows_a_partition_swapped_after_its_check(stream, tmp_path,
+                                                                       monkeypatch):
+    # Compaction checked the compacted file's target (vectors/<partition>/compacted-<id>, in a
+    # plain folder), then the partition became a symlink to a folder outside: the rename put the
+    # compacted file there.
+    root, out = _compactable(stream, tmp_path)
+    partition = out / "vectors" / H09
+    victim = root / "victim"
+    victim.mkdir()
+    for part in partition.glob("part-*.parquet"):
+        _secret_parquet_like(part, victim / part.name)
+    before = outside_hash(root, out)
+    _race(monkeypatch, compaction, lambda: _swap_for_symlink(partition, victim), at=2)
+    with PublishLease(str(out), "compact", lease_s=30) as lease:
+        with pytest.raises(ValueError, match="symlink"):
+            compaction.compact_partition(str(out), H09, lease, 16)
+    assert outside_hash(root, out) == before
+    assert not _leaked(out), "rows from outside were compacted into the output"
+
+
+def test_a_publish_lease_is_not_blocked_by_someone_else_flocking_the_folder(tmp_path):
+    # Anyone who could read the output folder could open it and take the flock the local lease
+    # took on it: every publish, compaction and clean-up of the output then waited for ever.
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    other = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+        def take():
+            with PublishLease(str(out), "publish", lease_s=30):
+                return True
+
+        outcome = _within(20, take)
+    finally:
+        os.close(other)
+    assert outcome == {"result": True}, outcome or "the publish waited on the folder's flock"
+
+
+@pytest.mark.parametrize("name", ["_publish.lock.flock", "_publish.lock"])
+def test_a_symlinked_publish_lock_is_refused(tmp_path, name):
+    root, out = sandbox(tmp_path)
+    (out / name).symlink_to(root / "secret.txt")
+    before = outside_hash(root, out)
+    outcome = _within(20, lambda: PublishLease(str(out), "publish", lease_s=30).acquire())
+    assert outcome, "the lease waited"
+    assert isinstance(outcome.get("error"), (OSError, ValueError)), outcome
+    assert name in str(outcome["error"]) and "refused" in str(outcome["error"])
+    assert not isinstance(outcome["error"], json.JSONDecodeError), "it read the file outside"
+    assert outside_hash(root, out) == before
+    assert (root / "secret.txt").read_text() == SECRET
+
+
+@pytest.mark.parametrize("entry", ["a symlink", "a fifo"])
+def test_a_manifest_that_is_not_a_regular_file_of_the_output_is_refused(tmp_path, entry):
+    # A _manifest.json symlinked to a manifest outside was followed (read as the output's own),
+    # and a FIFO there made every reader wait for ever.
+    root, out = sandbox(tmp_path)
+    elsewhere = root / "victim" / "_manifest.json"
+    elsewhere.write_text(json.dumps(_manifest(state="committed", summary="_summary.json")))
+    if entry == "a symlink":
+        (out / "_manifest.json").symlink_to(elsewhere)
+    else:
+        os.mkfifo(out / "_manifest.json")
+    try:
+        outcome = _within(20, lambda: manifest.read_manifest(str(out)))
+    finally:
+        if entry == "a fifo":
+            _unblock(out / "_manifest.json")
+    assert outcome, "the reader waited on the FIFO"
+    assert isinstance(outcome.get("error"), ValueError), outcome
+    assert "_manifest.json" in str(outcome["error"])
+
+
+def test_a_summary_symlinked_outside_is_never_echoed(tmp_path):
+    # _summary.json symlinked to a JSON file outside that names the committed run: newsvec took
+    # it for the run's summary and printed it (``newsvec run``, ``backfill``).
+    root, out = sandbox(tmp_path)
+    (root / "secret.json").write_text(json.dumps({"run_id": RUN, "secret": SECRET}))
+    (out / "_summary.json").symlink_to(root / "secret.json")
+    (out / "_manifest.json").write_text(json.dumps(_manifest(
+        state="committed", vectors=["vectors/part-x.parquet"], summary="_summary.json")))
+    summary = manifest.published_summary(str(out))
+    assert SECRET not in json.dumps(summary)
+    assert summary["summary_unavailable"]
+
+
+@pytest.mark.parametrize("skipped", [
+    [{"prefix": "../../victim", "run_id": None}],
+    [{"prefix": "victim", "run_id": RUN}],
+    [{"prefix": "/tmp/a/../../etc", "run_id": RUN}],
+    [{"prefix": "/tmp/prev", "run_id": None, "pins": [["../../secret.txt", "0"]]}],
+    [{"prefix": "/tmp/prev", "run_id": "../x"}],
+    ["/tmp/prev"],
+], ids=["relative_dotdot", "relative", "dotdot", "pin_outside", "run_id", "not_a_snapshot"])
+def test_a_crafted_skipped_from_is_refused_on_read(tmp_path, skipped):
+    # The snapshots a publishing manifest records are checked (read, hashed) before its publish:
+    # any prefix or pin was taken, so a crafted manifest made the publish read (and wait on) any
+    # file it named.
+    _, out = sandbox(tmp_path)
+    (out / "_manifest.json").write_text(json.dumps(_manifest(skipped_from=skipped)))
+    with pytest.raises(ValueError, match="_manifest.json"):
+        manifest.read_manifest(str(out))
+
+
+def test_a_skipped_from_naming_the_output_itself_is_refused(tmp_path):
+    _, out = sandbox(tmp_path)
+    crafted = manifest.Manifest.from_dict(_manifest(
+        skipped_from=[{"prefix": str(out / "vectors"), "run_id": None}]))
+    (out / "_manifest.json").write_text(crafted.to_json())
+    with PublishLease(str(out), "publish", 360) as lease:
+        with pytest.raises(ValueError, match="_manifest.json"):
+            manifest.check_snapshots(str(out), crafted, lease)
+
+
+def test_a_fifo_among_a_previous_outputs_key_files_is_not_waited_on(stream, tmp_path):
+    from transforms.incremental import key_file_checksums
+
+    out = tmp_path / "prev"
+    shutil.copytree(stream, out)
+    fifo = out / "keys" / H09 / "part-20261201T095900Z-001-00000-of-00004-0123456789abcdef.parquet"
+    os.mkfifo(fifo)
+    try:
+        outcome = _within(20, lambda: key_file_checksums(str(out)))
+    finally:
+        _unblock(fifo)
+    assert "result" in outcome, outcome or "it waited on the FIFO"
+    assert os.path.relpath(fifo, out) not in outcome["result"]

@@ -55,10 +55,8 @@ import dataclasses
 import datetime as dt
 import json
 import logging
-import os
 import re
-import stat
-from typing import Callable, Iterable, Optional
+from typing import IO, Callable, Iterable, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -75,11 +73,16 @@ from transforms.layout import (
     RUN_ID_FORMAT,
     VECTORS_DIR,
     InvalidManifest,
+    create_inside,
+    is_local,
     join_path,
     list_files,
-    mkdirs,
     new_run_id,
+    open_inside,
+    read_inside,
     relative_to,
+    remove_inside,
+    rename_inside,
     require_inside,
     require_run_id,
     safe_relative,
@@ -180,6 +183,11 @@ def read_compaction(output: str, partition: str, lease: Optional[PublishLease] =
     if lease is not None and path.startswith("gs://"):
         data = lease.read_object(path)
         return None if data is None else _parse(path, data, partition)
+    if is_local(path):  # a regular file, through no symlink, without waiting on a FIFO
+        try:
+            return _parse(path, read_inside(output, path), partition)
+        except FileNotFoundError:
+            return None
     if not FileSystems.exists(path):
         return None
     with FileSystems.open(path) as f:
@@ -309,16 +317,20 @@ def record_files(record: LedgerRecord, partition: str, where: str) -> dict[str, 
     return named
 
 
-def _read_record_file(path: str) -> str:
-    """A ledger file's text. On local disk only a regular file, opened through no symlink and
-    without waiting: a FIFO or a device someone left in the output would block the read."""
-    if FileSystems.get_scheme(path) is not None:
-        with FileSystems.open(path) as f:
-            return f.read().decode("utf-8")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise ValueError("not a regular file")
+def open_source(output: str, path: str) -> IO[bytes]:
+    """A file of the output opened for reading: on local disk only a regular file, reached
+    through no symlink and opened without waiting (``layout.open_inside``: a part file swapped
+    for a symlink to a file outside would be copied into the compacted file; a FIFO or a device
+    someone left in the output would block the read, and the lease with it), else
+    ``UnsafePath`` naming it. On GCS, as Beam opens it (no symlinks there)."""
+    if is_local(path):
+        return open_inside(output, path)
+    return FileSystems.open(path)
+
+
+def _read_record_file(output: str, path: str) -> str:
+    """A ledger file's text (``open_source``)."""
+    with open_source(output, path) as f:
         return f.read().decode("utf-8")
 
 
@@ -334,7 +346,7 @@ def ledger_records(output: str, partitions: Optional[Iterable[str]] = None,
     paths, views = current_view(output, LEDGER_DIR, partitions)
     for path in paths:
         try:
-            text = _read_record_file(path)
+            text = _read_record_file(output, path)
             if path.endswith(".jsonl"):  # compacted: one record a line
                 found = [LedgerRecord.from_json(line) for line in text.splitlines() if line]
             else:
@@ -380,20 +392,23 @@ def _write_compacted(output: str, target: str, write: Callable, lease: PublishLe
     lost: its name is this compaction's own, needed by no one else)."""
     temp = temp_path(output)
     try:
-        with FileSystems.create(temp) as handle:
-            write(handle)
         if target.startswith("gs://"):
+            with FileSystems.create(temp) as handle:
+                write(handle)
             copy_fenced(output, temp, target, lease)
-        else:
+        else:  # made and moved through no symlink below the output (``layout.rename_inside``)
+            with create_inside(output, temp) as handle:
+                write(handle)
             require_inside(output, target)
-            mkdirs(target.rsplit("/", 1)[0])
-            lease.change(FileSystems.rename, [temp], [target])
+            lease.change(rename_inside, output, temp, target)
     finally:
-        if temp.startswith("gs://") or FileSystems.exists(temp):
-            try:
+        try:
+            if is_local(temp):
+                remove_inside(output, temp, missing_ok=True)
+            else:
                 FileSystems.delete([temp])
-            except IOError:
-                pass  # gone already
+        except (IOError, ValueError):
+            pass  # gone already
 
 
 def _write_parquet(output: str, target: str, sources: list[str], row_group_rows: int,
@@ -406,7 +421,7 @@ def _write_parquet(output: str, target: str, sources: list[str], row_group_rows:
     rows = 0
     schemas = []
     for source in sources:
-        with FileSystems.open(source) as f:
+        with open_source(output, source) as f:
             schemas.append(pq.ParquetFile(f).schema_arrow)
     try:
         schema = common_schema(schemas)
@@ -420,7 +435,7 @@ def _write_parquet(output: str, target: str, sources: list[str], row_group_rows:
         try:
             writer = pq.ParquetWriter(handle, schema, compression="zstd")
             for source in sources:
-                with FileSystems.open(source) as f:
+                with open_source(output, source) as f:
                     parquet = pq.ParquetFile(f)
                     for batch in parquet.iter_batches(batch_size=row_group_rows):
                         batch = conform(batch, schema)
@@ -456,7 +471,7 @@ def _write_lines(output: str, target: str, sources: list[str], lease: PublishLea
     def write(handle) -> None:
         nonlocal lines
         for source in sources:
-            with FileSystems.open(source) as f:
+            with open_source(output, source) as f:
                 for line in f.read().splitlines():
                     if line.strip():
                         handle.write(line.rstrip(b"\r") + b"\n")
@@ -500,8 +515,7 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
     for record_path in listed[LEDGER_DIR]:
         if is_compacted(record_path) or record_path in replaced:
             continue
-        with FileSystems.open(join_path(output, record_path)) as f:
-            record = LedgerRecord.from_json(f.read().decode("utf-8"))
+        record = LedgerRecord.from_json(_read_record_file(output, join_path(output, record_path)))
         named = record_files(record, partition, join_path(output, record_path))
         missing = sorted(set(named.values()) - present)
         if missing:
@@ -525,22 +539,32 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
                                 len(leftovers))
 
     # 1. The new compacted files: the current ones' rows first, then the new micro-batches'.
-    compaction_id = new_run_id()
-    files: dict[str, dict] = {}
-    written = 0
+    sources_of: dict[str, list[str]] = {}
     for kind in KINDS:
         current_file = old.files.get(kind) if old else None
         new = ([b["record"] for b in batches] if kind == LEDGER_DIR
                else [b["files"][kind] for b in batches if kind in b["files"]])
         if not new:  # nothing new of this kind: its compacted file stays as it is
-            if current_file:
-                files[kind] = current_file
             continue
         if current_file and current_file["path"] not in present:
             raise FileNotFoundError(f"{manifest_path(output, partition)} names {kind} file "
                                     f"{current_file['path']}, which is not in {partition}; "
                                     f"{partition} is not compacted")
-        sources = ([current_file["path"]] if current_file else []) + new
+        sources_of[kind] = ([current_file["path"]] if current_file else []) + new
+    # Every source refused before anything is written if it is not a regular file of the output
+    # (a symlink, a FIFO: ``open_source``); each is opened the same way again when it is read.
+    if not on_gcs:
+        for source in absolute(p for paths in sources_of.values() for p in paths):
+            open_source(output, source).close()
+    compaction_id = new_run_id()
+    files: dict[str, dict] = {}
+    written = 0
+    for kind in KINDS:
+        if kind not in sources_of:
+            if old and kind in old.files:
+                files[kind] = old.files[kind]
+            continue
+        sources = sources_of[kind]
         target = f"{kind}/{partition}/{COMPACTED_PREFIX}{compaction_id}{_SUFFIX[kind]}"
         hook(f"write {kind}")
         if kind in PARQUET_KINDS:

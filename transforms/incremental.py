@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import time
 from typing import Optional
 
@@ -168,11 +169,14 @@ def key_file_checksums(prefix: str) -> dict[str, str]:
         for file_name in names:
             path = os.path.join(folder, file_name)
             if file_name.endswith(".parquet") and not is_compacted(file_name):
-                try:
-                    with open(path, "rb") as f:
-                        digest = hashlib.file_digest(f, "sha256").hexdigest()
-                except FileNotFoundError:
-                    continue  # deleted while listed: not held
+                try:  # a regular file only, through no symlink, without waiting on a FIFO
+                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                except OSError:
+                    continue  # deleted while listed, a symlink, a socket: not held
+                with os.fdopen(fd, "rb") as f:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        continue  # a FIFO, a folder: not held
+                    digest = hashlib.file_digest(f, "sha256").hexdigest()
                 out[relative_to(prefix, path)] = digest
     return out
 
@@ -241,7 +245,9 @@ def output_prefixes(pattern: str, own_output: str) -> list[str]:
                 streaming = _streaming_prefix(match.path)
                 if streaming is not None:
                     found.add(streaming)
-    return sorted(p for p in found if _normal(p) != own)
+    # Local prefixes absolute and normalized, as a manifest records them (``skipped_from``:
+    # ``transforms.manifest.check_snapshot``), whatever the working folder of whoever checks them.
+    return sorted({_normal(p) for p in found} - {own})
 
 
 def streaming_key_files(prefix: str) -> list[str]:

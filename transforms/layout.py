@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import errno
 import os
 import re
+import shutil
+import stat
 import uuid
-from typing import IO, Callable, Iterable, Optional
+from typing import IO, BinaryIO, Callable, Iterable, Optional, Sequence
 
 import pyarrow.parquet as pq
-from apache_beam.io.filesystem import CompressionTypes
+from apache_beam.io.filesystem import CompressedFile, CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 from apache_beam.transforms.window import IntervalWindow
 
@@ -60,9 +63,10 @@ class InvalidManifest(ValueError):
 
 
 class UnsafePath(ValueError):
-    """A local path that would be deleted, copied, renamed or written outside the output's real
-    folder, or through a symlink below it (a symlinked ``_temp/``, ``_staging/``, published or
-    partition folder): refused before anything is changed."""
+    """A local path that would be read, deleted, copied, renamed or written outside the output's
+    real folder, or through a symlink below it (a symlinked ``_temp/``, ``_staging/``, published or
+    partition folder), or a file read that is not a regular file (a symlink, a FIFO): refused
+    before anything is changed."""
 
 
 def new_run_id(now: Optional[dt.datetime] = None) -> str:
@@ -132,6 +136,162 @@ def require_inside(output: str, *paths: str) -> None:
         real = os.path.realpath(path)
         if real != root and not real.startswith(root + os.sep):
             raise UnsafePath(f"{path} is really {real}, outside the output {output} ({root})")
+
+
+# Local files of the output, reached through no symlink when they are used.
+#
+# ``require_inside`` checks a path's name before an operation; a folder swapped for a symlink
+# between that check and the operation would still be followed. The functions below walk from the
+# output's own folder (which may itself be a symlink) one segment at a time, each opened
+# ``O_DIRECTORY|O_NOFOLLOW`` relative to the one before, and act on the last one by its
+# descriptor (``dir_fd``): whatever is swapped in meanwhile, no symlink below the output is
+# followed. Every local read, delete, copy, rename and write of the output's files goes through
+# them; ``require_inside`` stays as the early, clearer refusal.
+
+def is_local(path: str) -> bool:
+    return FileSystems.get_scheme(path) is None
+
+
+def _segments(output: str, path: str) -> list[str]:
+    """``path``'s segments below the output; ``UnsafePath`` unless plainly under it."""
+    prefix = output.rstrip("/") + "/"
+    if not path.startswith(prefix):
+        raise UnsafePath(f"{path} is not under the output {output}")
+    segments = path[len(prefix):].rstrip("/").split("/")
+    if any(s in ("", ".", "..") for s in segments):
+        raise UnsafePath(f"{path} is not a plain path below the output {output} (an empty, . or "
+                         f".. segment)")
+    return segments
+
+
+def _refusal(folder: int, name: str, path: str, output: str) -> UnsafePath:
+    """Why ``name`` (in the folder ``folder``, on the way to ``path``) cannot be used."""
+    try:
+        info = os.stat(name, dir_fd=folder, follow_symlinks=False)
+    except OSError as exc:
+        return UnsafePath(f"{path}: {name} cannot be used ({exc.strerror})")
+    if stat.S_ISLNK(info.st_mode):
+        return UnsafePath(f"{path}: {name} is a symlink (to {os.readlink(name, dir_fd=folder)}): "
+                          f"nothing is read, deleted, copied, renamed or written through it; make "
+                          f"it a folder or file of the output {output}")
+    return UnsafePath(f"{path}: {name} is not a regular file or folder "
+                      f"({stat.filemode(info.st_mode)}): refused")
+
+
+def _open_folder(output: str, segments: Sequence[str], path: str, make: bool = False) -> int:
+    """A descriptor of the folder ``output/segments...``, each segment opened through no symlink;
+    with ``make``, the folders that are missing made. Raises ``UnsafePath`` naming ``path``."""
+    if make:
+        os.makedirs(output, exist_ok=True)
+    fd = os.open(output, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for segment in segments:
+            if make:
+                try:
+                    os.mkdir(segment, dir_fd=fd)
+                except FileExistsError:
+                    pass
+            try:
+                child = os.open(segment, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                                | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _refusal(fd, segment, path, output) from None
+                raise
+            os.close(fd)
+            fd = child
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_inside(output: str, path: str) -> BinaryIO:
+    """A local file of the output opened for reading: a regular file reached through no symlink,
+    opened without waiting (a FIFO someone left there would block a plain open). ``UnsafePath``
+    naming it otherwise, ``FileNotFoundError`` if it is not there."""
+    *folders, name = _segments(output, path)
+    parent = _open_folder(output, folders, path)
+    try:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=parent)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP):
+                raise _refusal(parent, name, path, output) from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _refusal(parent, name, path, output)
+    finally:
+        os.close(parent)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_inside(output: str, path: str) -> bytes:
+    """``open_inside``'s bytes."""
+    with open_inside(output, path) as f:
+        return f.read()
+
+
+def create_inside(output: str, path: str) -> BinaryIO:
+    """A new local file of the output for writing (``O_CREAT|O_EXCL|O_NOFOLLOW``), its folders
+    made, each reached through no symlink."""
+    *folders, name = _segments(output, path)
+    parent = _open_folder(output, folders, path, make=True)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o666, dir_fd=parent)
+    finally:
+        os.close(parent)
+    return os.fdopen(fd, "wb")
+
+
+def makedirs_inside(output: str, path: str) -> None:
+    """A local folder of the output (and those above it) made, each reached through no symlink."""
+    os.close(_open_folder(output, _segments(output, path), path, make=True))
+
+
+def rename_inside(output: str, source: str, target: str) -> None:
+    """Move a local file of the output to another name in it (replacing what is there: a
+    symlink there is replaced, not followed), the target's folders made; every folder on both
+    ways reached through no symlink."""
+    *source_folders, source_name = _segments(output, source)
+    *target_folders, target_name = _segments(output, target)
+    source_fd = _open_folder(output, source_folders, source)
+    try:
+        target_fd = _open_folder(output, target_folders, target, make=True)
+        try:
+            os.replace(source_name, target_name, src_dir_fd=source_fd, dst_dir_fd=target_fd)
+        finally:
+            os.close(target_fd)
+    finally:
+        os.close(source_fd)
+
+
+def remove_inside(output: str, path: str, missing_ok: bool = False) -> None:
+    """Delete a local entry of the output by its exact name (never a glob): a file or a symlink
+    itself, or a folder with everything in it (``shutil.rmtree`` by descriptor, which follows no
+    symlink inside), reached through no symlink. ``FileNotFoundError`` if it is not there, unless
+    ``missing_ok``."""
+    *folders, name = _segments(output, path)
+    try:
+        parent = _open_folder(output, folders, path)
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise
+    try:
+        if stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+            shutil.rmtree(name, dir_fd=parent)
+        else:
+            os.unlink(name, dir_fd=parent)
+    except FileNotFoundError:
+        if not missing_ok:
+            raise
+    finally:
+        os.close(parent)
 
 
 def join_path(prefix: str, *parts: str) -> str:
@@ -242,11 +402,14 @@ def mkdirs(path: str) -> None:
         pass  # it exists (another shard, another worker); a real failure fails the rename after
 
 
-def _delete_quietly(path: str) -> None:
+def _delete_quietly(output: str, path: str) -> None:
     try:
-        FileSystems.delete([path])
-    except IOError:
-        pass  # never created; the error that brought us here matters more
+        if is_local(path):
+            remove_inside(output, path, missing_ok=True)  # by name, not a glob
+        else:
+            FileSystems.delete([path])
+    except (IOError, ValueError):
+        pass  # never created, or refused; the error that brought us here matters more
 
 
 def temp_path(output: str, run_id: Optional[str] = None) -> str:
@@ -254,7 +417,10 @@ def temp_path(output: str, run_id: Optional[str] = None) -> str:
     made. ``transforms.manifest.clean_stale`` deletes what a killed worker leaves there."""
     folder = join_path(output, TEMP_DIR, run_id) if run_id else join_path(output, TEMP_DIR)
     require_inside(output, folder)
-    mkdirs(folder)
+    if is_local(folder):
+        makedirs_inside(output, folder)
+    else:
+        mkdirs(folder)
     return join_path(folder, f"{uuid.uuid4().hex}.tmp")
 
 
@@ -264,18 +430,36 @@ def write_whole(output: str, target: str, write: Callable[[IO[bytes]], object], 
     """Write ``target`` whole, by ``write(handle)``: first to a temp file under ``<output>/_temp/``,
     then renamed into place, so nothing half-written is ever visible where readers look (a worker
     killed mid-write leaves only the temp file). A retry with the same target replaces it whole.
-    An object upload is atomic on GCS, a rename on local disk. Returns ``target``."""
+    An object upload is atomic on GCS, a rename on local disk (the temp file made, and renamed,
+    through no symlink below the output: ``create_inside``, ``rename_inside``). Returns
+    ``target``."""
     temp = temp_path(output, run_id)
+    local = is_local(output)
     try:
-        with FileSystems.create(temp, mime_type=mime_type,
-                                compression_type=compression_type) as handle:
-            write(handle)
+        if local:
+            with create_inside(output, temp) as raw:
+                if compression_type in (CompressionTypes.UNCOMPRESSED, CompressionTypes.AUTO):
+                    write(raw)  # AUTO: by the name, which ends in .tmp
+                else:
+                    with CompressedFile(raw, compression_type) as handle:
+                        write(handle)
+        else:
+            with FileSystems.create(temp, mime_type=mime_type,
+                                    compression_type=compression_type) as handle:
+                write(handle)
     except BaseException:
-        _delete_quietly(temp)
+        _delete_quietly(output, temp)
         raise
     require_inside(output, target)
-    mkdirs(target.rsplit("/", 1)[0])
-    FileSystems.rename([temp], [target])
+    if local:
+        try:
+            rename_inside(output, temp, target)
+        except BaseException:
+            _delete_quietly(output, temp)
+            raise
+    else:
+        mkdirs(target.rsplit("/", 1)[0])
+        FileSystems.rename([temp], [target])
     return target
 
 

@@ -11,11 +11,15 @@ every change to it is conditional on the generation the changer last saw:
   does not enforce preconditions on deletes. google-cloud-storage retries a conditional upload
   whose response was lost; the retry then gets 412 although the first request was applied: a
   refused change is therefore followed by a read, and a lock whose body is this holder's is its own;
-- on local disk, the same operations under an OS lock (``fcntl.flock``) on the output folder, with
-  the generation kept in the file; a released lock is deleted. ``flock`` does not span machines
-  (NFS, SMB, FUSE mounts such as gcsfuse, virtiofs, 9p): only the local filesystems of
-  ``LOCAL_FILESYSTEMS`` are accepted, any other (or one whose type cannot be read) refused unless
-  the user names it in ``NEWSVEC_LOCAL_LOCK_FILESYSTEMS`` (an output only this machine writes).
+- on local disk, the same operations under an OS lock (``fcntl.flock``) on a file of its own,
+  ``_publish.lock.flock`` (made 0600 by the job's user, through no symlink, and refused if it is
+  a symlink or another user's: no one else can open it, so no one else can hold its flock and
+  stop every publish, as anyone who could read the output folder could when the folder itself
+  was flocked), with the generation kept in the file; a released lock is deleted. ``flock``
+  does not span machines (NFS, SMB, FUSE mounts such as gcsfuse, virtiofs, 9p): only the local
+  filesystems of ``LOCAL_FILESYSTEMS`` are accepted, any other (or one whose type cannot be
+  read) refused unless the user names it in ``NEWSVEC_LOCAL_LOCK_FILESYSTEMS`` (an output only
+  this machine writes).
 
 The holder renews the lease every ``lease_s / 4`` (a new generation each time). Another run waits
 while the generation changes; when it has seen one generation stand for ``lease_s`` by its own
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import functools
 import json
@@ -56,6 +61,7 @@ import os
 import random
 import re
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -65,7 +71,8 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.layout import PUBLISH_LOCK_FILE, join_path
+from transforms.layout import PUBLISH_LOCK_FILE, UnsafePath, join_path
+from transforms.private_files import open_private_file
 
 _LOG = logging.getLogger(__name__)
 
@@ -379,13 +386,15 @@ _FLOCK_POLL_S, _FLOCK_QUIET_S, _FLOCK_LOG_EVERY_S = 0.02, 1.0, 30.0
 
 
 class LocalLockStore:
-    """The lock as a local file; each read-compare-write holds ``flock`` on its folder (every
-    process on this machine sees it; a killed process's flock is released by the OS)."""
+    """The lock as a local file; each read-compare-write holds ``flock`` on ``<lock>.flock``
+    beside it (``_guarded``: every process on this machine sees it; a killed process's flock is
+    released by the OS)."""
 
     exclusive = True
 
     def __init__(self, path: str, filesystem: Optional[str] = None):
         self._path = path
+        self._flock_path = f"{path}.flock"
         self._folder = os.path.dirname(path) or "."
         os.makedirs(self._folder, exist_ok=True)
         kind = (filesystem if filesystem is not None else filesystem_type(self._folder)
@@ -402,51 +411,85 @@ class LocalLockStore:
     def _holder(self) -> str:
         """Who the lock file names (read without the flock: it is replaced whole), for a log."""
         try:
-            with open(self._path, encoding="utf-8") as f:
-                body = json.load(f)["body"]
+            body = json.loads(self._read_bytes())["body"]
         except (OSError, ValueError, KeyError, TypeError):
             return "a process of this machine"
         return (f"{body.get('holder')} (pid {body.get('pid')} on {body.get('host')}"
                 + (", released)" if body.get("released") else ")"))
 
+    def _flocked(self) -> int:
+        """A descriptor of ``<lock>.flock`` (``private_files.open_private_file``: 0600, this
+        user's, no symlink; ``UnsafeFileError`` if not) holding its flock. Taken without
+        blocking, again and again: a holder frozen inside a change keeps it (a change must never
+        land after a takeover, so nobody may take the lease over meanwhile), and whoever waits
+        for it says so in the log. Taken again if the name no longer names the file flocked (it
+        was removed or replaced meanwhile): every holder flocks the one file the name holds."""
+        started = now()
+        next_log = started + _FLOCK_QUIET_S
+        while True:
+            guard = open_private_file(self._flock_path)
+            try:
+                fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(guard)
+                if now() >= next_log:
+                    _LOG.warning("waiting %.0f s for the publish lock of %s: %s is inside a "
+                                 "change of the output (a holder frozen there is waited for, "
+                                 "never taken over)", now() - started, self._folder,
+                                 self._holder())
+                    next_log = now() + _FLOCK_LOG_EVERY_S
+                time.sleep(_FLOCK_POLL_S)
+                continue
+            held = os.fstat(guard)
+            try:
+                named = os.stat(self._flock_path, follow_symlinks=False)
+            except FileNotFoundError:
+                named = None
+            if named is not None and (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
+                return guard
+            os.close(guard)
+
     @contextlib.contextmanager
     def _guarded(self) -> Iterator[None]:
-        """The flock on the output folder. Taken without blocking, again and again: a holder
-        frozen inside a change keeps it (a change must never land after a takeover, so nobody
-        may take the lease over meanwhile), and whoever waits for it says so in the log."""
-        guard = os.open(self._folder, os.O_RDONLY)
+        """The flock every read-compare-write of the lock holds (``_flocked``)."""
+        guard = self._flocked()
         try:
-            started = now()
-            next_log = started + _FLOCK_QUIET_S
-            while True:
-                try:
-                    fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if now() >= next_log:
-                        _LOG.warning("waiting %.0f s for the publish lock of %s: %s is inside a "
-                                     "change of the output (a holder frozen there is waited "
-                                     "for, never taken over)", now() - started, self._folder,
-                                     self._holder())
-                        next_log = now() + _FLOCK_LOG_EVERY_S
-                    time.sleep(_FLOCK_POLL_S)
             yield
         finally:
             os.close(guard)  # and with it the flock
 
+    def _read_bytes(self) -> bytes:
+        """The lock file's bytes: a regular file, opened through no symlink and without waiting
+        (a FIFO in its place would block every publish); ``UnsafePath`` if it is not one,
+        ``FileNotFoundError`` if it is not there."""
+        try:
+            fd = os.open(self._path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENXIO):
+                raise UnsafePath(f"the publish lock {self._path} is a symlink or a socket: "
+                                 f"refused; move it aside") from None
+            raise
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UnsafePath(f"the publish lock {self._path} is not a regular file: "
+                                 f"refused; move it aside")
+            os.set_blocking(fd, True)
+            return f.read()
+
     def _read(self) -> Optional[tuple[int, dict]]:
         try:
-            with open(self._path, encoding="utf-8") as f:
-                stored = json.load(f)
+            stored = json.loads(self._read_bytes())
         except FileNotFoundError:
             return None
         return stored["generation"], stored["body"]
 
     def _write(self, body: dict, generation: int) -> int:
         temp = f"{self._path}.{uuid.uuid4().hex}.tmp"
-        with open(temp, "w", encoding="utf-8") as f:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"generation": generation, "body": body}, f)
-        os.replace(temp, self._path)
+        os.replace(temp, self._path)  # a rename replaces a symlink there, never follows it
         return generation
 
     def read(self) -> Optional[tuple[int, dict]]:
@@ -472,6 +515,9 @@ class LocalLockStore:
             current = self._read()
             if current is not None and current[0] == generation:
                 os.remove(self._path)
+                # Under its flock: a waiter that flocked this file finds the name gone and flocks
+                # the one made next (``_flocked``).
+                os.remove(self._flock_path)
 
     @contextlib.contextmanager
     def fenced(self) -> Iterator[Optional[tuple[int, dict]]]:

@@ -38,13 +38,13 @@ import json
 import logging
 import os
 import shutil
-import stat
 from typing import Any, Iterable, Optional
 
 from apache_beam.io.filesystem import BeamIOError
 from apache_beam.io.filesystems import FileSystems
 
 from transforms.layout import (
+    KEYS_DIR,
     MANIFEST_FILE,
     PUBLISHED_DIRS,
     STAGING_DIR,
@@ -52,11 +52,18 @@ from transforms.layout import (
     TEMP_DIR,
     InvalidManifest,
     UnsafePath,
+    create_inside,
+    is_local,
     join_path,
     list_files,
+    makedirs_inside,
     mkdirs,
+    open_inside,
     parquet_rows,
+    read_inside,
     relative_to,
+    remove_inside,
+    rename_inside,
     require_inside,
     require_run_id,
     safe_relative,
@@ -155,13 +162,54 @@ class Manifest:
                      else (SUMMARY_FILE,))
         if self.summary not in summaries:
             raise ValueError(f"summary {self.summary!r} is not {' or '.join(summaries)}")
-        if self.skipped_from is not None and not isinstance(self.skipped_from, list):
-            raise ValueError("skipped_from is not a list")
+        if self.skipped_from is not None:
+            if not isinstance(self.skipped_from, list):
+                raise ValueError("skipped_from is not a list")
+            for snapshot in self.skipped_from:
+                check_snapshot(snapshot)
         if self.previous is not None:
             try:
                 Manifest.from_dict(self.previous)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"the manifest it would put back (previous): {exc}") from None
+
+
+def _plain_prefix(prefix: str) -> bool:
+    """Whether ``prefix`` is an output prefix as ``transforms.incremental.output_prefixes``
+    resolves one: ``gs://bucket/path`` or an absolute, normalized local path, no ``.``, ``..``,
+    empty segment, backslash or control character."""
+    if "\\" in prefix or any(ord(c) < 0x20 for c in prefix):
+        return False
+    if prefix.startswith("gs://"):
+        return all(s not in ("", ".", "..") for s in prefix[len("gs://"):].split("/"))
+    return (FileSystems.get_scheme(prefix) is None and os.path.isabs(prefix)
+            and os.path.normpath(prefix) == prefix and prefix != "/")
+
+
+def check_snapshot(data: object) -> None:
+    """A snapshot as a publishing manifest records it (``skipped_from``,
+    ``transforms.incremental.Snapshot.to_dict``): its ``prefix`` an output prefix
+    (``_plain_prefix``; which outputs a run may read is its own configuration's, not known to
+    whoever finishes its publish, so the form is what is checked), its ``run_id`` None or
+    ``new_run_id``'s format, each pin a key file's plain relative path under ``keys/`` and a
+    checksum. ``ValueError`` if not: a crafted snapshot would make the publish read, hash or wait
+    on any file the prefix leads to."""
+    if not isinstance(data, dict):
+        raise ValueError(f"skipped_from: {data!r} is not a snapshot")
+    prefix = data.get("prefix")
+    if not isinstance(prefix, str) or not _plain_prefix(prefix):
+        raise ValueError(f"skipped_from: prefix {prefix!r} is not gs://bucket/path or an "
+                         f"absolute, normalized local path")
+    if data.get("run_id") is not None:
+        require_run_id(data["run_id"])
+    pins = data.get("pins", [])
+    if not isinstance(pins, list):
+        raise ValueError("skipped_from: pins is not a list")
+    for pin in pins:
+        if (not isinstance(pin, list) or len(pin) != 2
+                or not all(isinstance(part, str) for part in pin)):
+            raise ValueError(f"skipped_from: pin {pin!r} is not [path, checksum]")
+        safe_relative(pin[0], KEYS_DIR)
 
 
 def parse_manifest(path: str, data: bytes) -> Manifest:
@@ -187,6 +235,11 @@ def read_manifest(output: str, lease: Optional[PublishLease] = None) -> Optional
     if lease is not None and path.startswith("gs://"):
         data = lease.read_object(path)
         return None if data is None else parse_manifest(path, data)
+    if is_local(path):  # a regular file, through no symlink, without waiting on a FIFO
+        try:
+            return parse_manifest(path, read_inside(output, path))
+        except FileNotFoundError:
+            return None
     if not FileSystems.exists(path):
         return None
     with FileSystems.open(path) as f:
@@ -210,15 +263,19 @@ def write_manifest(output: str, manifest: Manifest, lease: Optional[PublishLease
 
 def _remove_manifest(output: str, lease: PublishLease) -> None:
     path = _manifest_path(output)
-    lease.remove(path, lambda: FileSystems.delete([path]) if FileSystems.exists(path) else None)
+    if is_local(path):
+        lease.remove(path, lambda: remove_inside(output, path, missing_ok=True))
+    else:
+        lease.remove(path, lambda: FileSystems.delete([path]) if FileSystems.exists(path)
+                     else None)
 
 
 def delete_files(paths: list[str], output: Optional[str] = None) -> None:
     """Delete files: on GCS up to ``_DELETES_PER_CHANGE`` in one batch request (Beam's
     ``FileSystems.delete`` makes a listing and a batch request of its own for every path), a file
-    already gone not an error; on local disk each file, as Beam's local filesystem does. With
-    ``output``, every local path is first checked to lie in it (``layout.require_inside``: no
-    symlink on the way), and none is deleted if one does not."""
+    already gone not an error; on local disk each file by its name, reached through no symlink
+    below ``output`` (``_delete_local``), every local path first checked to lie in it
+    (``layout.require_inside``), and none deleted if one does not."""
     remote = [p for p in paths if p.startswith("gs://")]
     local = [p for p in paths if not p.startswith("gs://")]
     for start in range(0, len(remote), _DELETES_PER_CHANGE):
@@ -230,22 +287,21 @@ def delete_files(paths: list[str], output: Optional[str] = None) -> None:
         if failed:
             raise IOError(f"GCS refused to delete {failed}")
     if local:
-        if output is not None:
-            require_inside(output, *local)
-        _delete_local(local)
+        if output is None:
+            raise ValueError(f"local deletes need the output they lie in: {local[:3]}")
+        require_inside(output, *local)
+        _delete_local(local, output)
 
 
-def _delete_local(paths: list[str]) -> None:
-    """Each local path by its name (a folder with what it holds), as Beam's local filesystem
-    deletes it but for one thing: Beam takes each path for a glob pattern, so that a file named
-    ``*`` (a stray anyone could leave in the output) would take every file beside it."""
+def _delete_local(paths: list[str], output: str) -> None:
+    """Each local path by its name (a folder with what it holds: ``layout.remove_inside``), as
+    Beam's local filesystem deletes it but for two things: Beam takes each path for a glob
+    pattern, so that a file named ``*`` (a stray anyone could leave in the output) would take
+    every file beside it; and it follows a folder swapped for a symlink after the check."""
     failed: dict[str, Exception] = {}
     for path in paths:
         try:
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
+            remove_inside(output, path)
         except OSError as exc:
             failed[path] = exc
     if failed:
@@ -257,22 +313,26 @@ def delete_tree_fenced(path: str, lease: PublishLease) -> None:
     does not take them), by the holder of ``lease``, checked before each batch of deletes; on local
     disk only a folder of the output reached through no symlink (``layout.require_inside``). The
     files and (local) folders it removes are added to ``lease.removed``."""
-    local = FileSystems.get_scheme(path) is None
+    local = is_local(path)
     if local:
         require_inside(lease.output, path)
     delete_fenced(sorted(list_files(join_path(path, "**"))), lease)
     if local and os.path.isdir(path):
         folders = [join_path(path, os.path.relpath(d, path)) if d != path else path
                    for d, _, _ in os.walk(path)]
-        lease.change(shutil.rmtree, path, True)
+        lease.change(remove_inside, lease.output, path.rstrip("/"), True)
         lease.removed += sorted(f for f in folders if not os.path.exists(f))
 
 
-def _delete_quietly(paths: list[str]) -> None:
+def _delete_quietly(output: str, paths: list[str]) -> None:
     try:
-        FileSystems.delete(paths)
-    except IOError:
-        pass  # already gone
+        for path in paths:
+            if is_local(path):
+                remove_inside(output, path, missing_ok=True)
+            else:
+                FileSystems.delete([path])
+    except (IOError, ValueError):
+        pass  # already gone, or refused: the error that brought us here matters more
 
 
 def copy_fenced(output: str, source: str, target: str, lease: PublishLease,
@@ -312,25 +372,25 @@ def copy_fenced(output: str, source: str, target: str, lease: PublishLease,
                         f"publish lease on {output} is writing it")
     require_inside(output, source, target)
     temp = temp_path(output)
-    _copy_regular_file(source, temp)
     try:
-        lease.change(FileSystems.rename, [temp], [target])
+        _copy_regular_file(output, source, temp)
+        lease.change(rename_inside, output, temp, target)
     except BaseException:
-        _delete_quietly([temp])
+        _delete_quietly(output, [temp])
         raise
 
 
-def _copy_regular_file(source: str, target: str) -> None:
-    """A local copy of ``source``, a regular file opened through no symlink at its name (Beam's
-    local copy copies a folder whole, following every symlink inside it: a manifest naming a
-    staged folder of links would publish files from outside the output)."""
-    fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UnsafePath(f"{source} is not a regular file: a manifest names files only")
-    with os.fdopen(fd, "rb") as src:
-        with open(target, "xb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
+def _copy_regular_file(output: str, source: str, target: str) -> None:
+    """A local copy of ``source``, a regular file of the output reached through no symlink
+    (``layout.open_inside``; Beam's local copy copies a folder whole, following every symlink
+    inside it: a manifest naming a staged folder of links would publish files from outside the
+    output), to ``target``, a new file made through no symlink (``layout.create_inside``)."""
+    try:
+        src = open_inside(output, source)
+    except UnsafePath as exc:
+        raise UnsafePath(f"{exc}: a manifest names regular files only") from None
+    with src, create_inside(output, target) as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
 
 
 def _copy_whole(output: str, source: str, target: str, lease: PublishLease,
@@ -368,6 +428,13 @@ def check_snapshots(output: str, manifest: Manifest, lease: PublishLease) -> Man
     from transforms.incremental import Snapshot, SnapshotChanged  # pylint: disable=import-outside-toplevel
 
     snapshots = [Snapshot.from_dict(s) for s in manifest.skipped_from]
+    own = output.rstrip("/") if not is_local(output) else os.path.abspath(output)
+    for snapshot in snapshots:  # checked by Manifest.check: plain, so compared by their names
+        if snapshot.prefix == own or snapshot.prefix.startswith(own + "/"):
+            raise InvalidManifest(
+                f"{_manifest_path(output)} is refused, not followed: it skipped articles for "
+                f"{snapshot.prefix}, which is this output or inside it (a run never reads its own "
+                f"output as a previous one)")
     changed = [s for s in snapshots if not s.still_holds()]
     if changed:
         if manifest.previous is None:
@@ -402,8 +469,11 @@ def _write_summary(output: str, staged_summary: str, lease: PublishLease) -> Non
     lease would delete the name every run shares."""
     source = join_path(output, staged_summary)
     require_inside(output, source)  # never a file a symlinked _staging/ leads to
-    with FileSystems.open(source) as f:
-        data = f.read()
+    if is_local(source):
+        data = read_inside(output, source)  # and never one swapped for a symlink since
+    else:
+        with FileSystems.open(source) as f:
+            data = f.read()
     path = join_path(output, SUMMARY_FILE)
     lease.put(path, data, lambda: write_whole(output, path, lambda f: f.write(data)))
 
@@ -420,7 +490,10 @@ def publish(output: str, manifest: Manifest, lease: PublishLease) -> Manifest:
     sizes = list_files(join_path(staging_prefix(output, manifest.run_id), "**"))
     for subdir in PUBLISHED_DIRS:
         present = _listed(join_path(output, subdir))
-        mkdirs(join_path(output, subdir))
+        if is_local(output):
+            makedirs_inside(output, join_path(output, subdir))
+        else:
+            mkdirs(join_path(output, subdir))
         for staged in getattr(manifest, subdir):
             source, target = join_path(output, staged), join_path(output, _published(staged))
             size, generation = present.get(target, (None, 0))
@@ -505,9 +578,14 @@ def published_summary(output: str) -> dict:
     path = join_path(output, current.summary)
     reason = None
     try:
-        with FileSystems.open(path) as f:
-            summary = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError) as exc:  # gone (FileNotFoundError, BeamIOError) or torn
+        if is_local(path):  # a regular file, through no symlink: never a file outside echoed
+            summary = json.loads(read_inside(output, path).decode("utf-8"))
+        else:
+            with FileSystems.open(path) as f:
+                summary = json.loads(f.read().decode("utf-8"))
+        if not isinstance(summary, dict):
+            raise ValueError(f"a summary is a JSON object, not {type(summary).__name__}")
+    except (OSError, ValueError) as exc:  # gone (FileNotFoundError, BeamIOError), torn, refused
         summary, reason = None, f"{path} could not be read ({type(exc).__name__})"
     if summary is not None and summary.get("run_id") != current.run_id:
         reason = (f"{path} is run {summary.get('run_id')}'s, not the committed run "

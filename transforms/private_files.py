@@ -136,9 +136,10 @@ def write_private(path: str, data: bytes) -> None:
         raise
 
 
-def ensure_private_file(path: str) -> None:
-    """Make ``path`` (a lock file) 0600 if missing, without following a symlink; raise
-    ``UnsafeFileError`` if what is there is a symlink or is not this user's private file."""
+def open_private_file(path: str) -> int:
+    """A descriptor (read-write) of ``path``, a lock file made 0600 if missing, without following
+    a symlink; ``UnsafeFileError`` if what is there is a symlink or is not this user's private
+    file."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
                      0o600)
@@ -146,7 +147,15 @@ def ensure_private_file(path: str) -> None:
         raise UnsafeFileError(exc.errno, f"refused {path}: {exc.strerror}") from exc
     try:
         why = _refusal(os.fstat(fd))
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
     if why is not None:
+        os.close(fd)
         raise UnsafeFileError(f"refused {path}: it {why}, so another user could have made it")
+    return fd
+
+
+def ensure_private_file(path: str) -> None:
+    """Make ``path`` (a lock file) 0600 if missing (``open_private_file``)."""
+    os.close(open_private_file(path))

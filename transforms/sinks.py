@@ -39,8 +39,10 @@ from transforms.layout import (
     SHARD_TEMPLATE,
     VECTORS_DIR,
     PartFileName,
+    is_local,
     join_path,
     partition_path,
+    remove_inside,
     require_inside,
     require_safe_run_id,
     write_whole,
@@ -357,8 +359,10 @@ class _WriteMicroBatchFn(beam.DoFn):
         if records:
             return self._write(relative, sink, tables)
         path = join_path(self._output, relative)
-        if FileSystems.exists(path):
-            require_inside(self._output, path)  # never through a symlinked partition folder
+        if is_local(path):  # by its name, never through a symlinked partition folder
+            require_inside(self._output, path)
+            remove_inside(self._output, path, missing_ok=True)
+        elif FileSystems.exists(path):
             FileSystems.delete([path])
         return None
 
