@@ -268,6 +268,20 @@ def test_the_run_still_imports_a_pypackage_model_and_checks_its_dimensions(tmp_p
     assert marker.exists(), "the run resolves the model as before"
 
 
+def test_the_run_names_a_pypackage_model_whose_folder_cannot_be_resolved(tmp_path, monkeypatch):
+    """A module found but without ``get_model_path()`` passes ``newsvec config`` (nothing of it
+    runs there) and is a config error naming it when the run starts."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "newsvec_no_model_path_here.py").write_text("VALUE = 1\n")
+    importlib.invalidate_caches()
+    path = _pypackage_config(tmp_path, "newsvec_no_model_path_here")
+    config_lib.load(path)
+    with pytest.raises(config_lib.ConfigError, match="get_model_path"):
+        resolve(["--config", str(path)])
+
+
 @pytest.mark.parametrize("module, says", [
     ("", "not a module name"),
     ("../evil", "not a module name"),
