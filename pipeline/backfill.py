@@ -111,6 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, beam_args = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.WARNING)
     config = config_lib.load(args.config)
+    config_lib.check_model(config, args.config)  # what the load left to the run
     if "{date" not in (config.input or "") or "{date" not in config.output:
         raise config_lib.ConfigError(
             f"{args.config}: a backfill needs {{date}} in input and output")

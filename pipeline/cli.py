@@ -59,8 +59,10 @@ def _config_command(argv: Sequence[str]) -> int:
         for key, default, meaning in config_lib.explain():
             print(f"{key}\n    default: {default or '-'}\n    {meaning}")
         return 0
-    config = config_lib.load(args.config)
+    config = config_lib.load(args.config)  # runs none of the config's code (no model import)
     print(yaml.safe_dump(json.loads(config.model_dump_json()), sort_keys=False), end="")
+    for line in config_lib.checks_left_to_the_run(config):
+        print(f"newsvec config: {line}", file=sys.stderr)
     return 0
 
 

@@ -22,7 +22,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from transforms.chunking import ChunkingSettings
 from transforms.dedup import DedupKey
 from transforms.lease import require_lease_s
-from transforms.model import ModelSettings, check_dimensions
+from transforms.model import (
+    PYPACKAGE,
+    ModelSettings,
+    check_dimensions,
+    check_without_running_code,
+    resolve_model_path,
+)
 from transforms.schema import VectorDtype
 from transforms.store import StoreSettings
 from transforms.text import DEFAULT_MAX_TITLE_CHARS, DEFAULT_PREPARE_BUDGET_S, UnicodeForm
@@ -203,10 +209,10 @@ def validate(raw: Any, source: str = "config") -> Config:
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
             for e in exc.errors(include_url=False))
         raise ConfigError(f"{source}: {problems}") from None
-    try:
-        check_dimensions(config.model)
-    except (ValueError, ImportError) as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+    try:  # a pypackage: model is looked for, not imported: the run checks the rest (check_model)
+        check_without_running_code(config.model)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: model.path: {exc}") from None
     unknown = sorted(set(config.beam) - known_beam_options())
     if unknown:
         raise ConfigError(f"{source}: beam.{unknown[0]}: not a Beam pipeline option")
@@ -215,6 +221,30 @@ def validate(raw: Any, source: str = "config") -> Config:
         raise ConfigError(f"{source}: fill in the placeholder(s) before running: "
                           f"{', '.join(filled)}")
     return config
+
+
+def checks_left_to_the_run(config: Config) -> list[str]:
+    """A line for each check ``validate`` leaves to the run because it needs the model's files
+    (a ``pypackage:`` model's folder is known only by running its code)."""
+    return check_without_running_code(config.model)
+
+
+def check_model(config: Config, source: str = "config") -> None:
+    """What ``validate`` left to the run (``checks_left_to_the_run``): a ``pypackage:`` model
+    imported to find its folder (its code runs, as it does for the run itself), and
+    ``model.dimensions`` checked against its ``config.json``. ConfigError for a problem: a module
+    that fails to import or has no ``get_model_path()`` is named here, not in a traceback at
+    launch."""
+    if config.model.path.startswith(PYPACKAGE):
+        try:
+            resolve_model_path(config.model.path)
+        except Exception as exc:  # pylint: disable=broad-except  # the package's own code raised
+            raise ConfigError(f"{source}: model.path {config.model.path}: its model folder could "
+                              f"not be resolved: {type(exc).__name__}: {exc}") from None
+    try:
+        check_dimensions(config.model)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def _read_text(path: str) -> str:

@@ -40,6 +40,7 @@ def resolve(argv: Optional[Sequence[str]] = None) -> tuple[config_lib.Config, Pi
     path = ours.config or str(config_lib.DEFAULT_CONFIG)
     config = config_lib.load(path, subscription=ours.subscription, input=ours.input,
                              output=ours.output)
+    config_lib.check_model(config, path)  # what the load left to the run: runs the model's code
     config = config_lib.fill_date(config_lib.fill_model(config), ours.input_date)
     # Flags after the config's beam: section win, as argparse keeps the last value.
     options = PipelineOptions(config.beam_flags() + argv)

@@ -111,7 +111,8 @@ CORPUS: list[Case] = [
                    "comes again is fixed once"),
     Case("unclosed_comment_then_markup", ev(id="row-unclosed-comment", title="Comment",
                                             body="x<!-- y <b>bold</b> z"), ROW,
-         note="a comment that never closes is text as far as the next '>': 'x<!-- y <b>bold z'"),
+         note="a comment that never closes is text as far as the next '>', its '<'s defused: "
+              "'x< !-- y < b>bold z'"),
     Case("long_words_between_arabic_commas", ev(id="row-long-words", title="Long words",
                                                 body=("\u3042" * 100 + "\u060c") * 90), ROW,
          note="words of 100 kana (WordPiece reads each again per token) between punctuation "

@@ -1,9 +1,10 @@
 """The reference text preparation: newsvec's PrepareText as of 2026-12-02, frozen here, before its
 fast paths (transforms/text.py). Every field goes through the HTML step, the whole of ftfy, then the
 control/format/whitespace clean-up (since 2026-12-06, a text that had format characters is NFC
-again once they are removed); every text is tokenized whole with right truncation (the version
-of 2026-12-02 first cut texts at 32 characters per token, a bound that does not hold in scripts
-without spaces: issue 23; the reference is the definition, so it cuts nothing).
+again once they are removed, and last of all a space goes after every "<" that would open a tag:
+no live markup in a prepared text or title); every text is tokenized whole with right truncation
+(the version of 2026-12-02 first cut texts at 32 characters per token, a bound that does not hold
+in scripts without spaces: issue 23; the reference is the definition, so it cuts nothing).
 tests/test_text_equivalence.py checks that the fast paths give exactly this output: the same
 prepared text (so the same text_sha256), token ids and truncation flag.
 
@@ -27,6 +28,7 @@ _FORMAT = re.compile("[" + "".join(
     re.escape(chr(c)) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Cf")
     + "]")
 _SPACE = re.compile(r"\s+")
+_TAG_OPEN = re.compile(r"<([A-Za-z!/?])")  # "<" that opens a tag, a comment, a declaration...
 
 
 def normalize_text(text: Optional[str]) -> str:
@@ -41,7 +43,8 @@ def normalize_text(text: Optional[str]) -> str:
     without = _FORMAT.sub("", text)
     if without != text:  # a letter and its mark side by side again: NFC again (since 2026-12-06)
         text = unicodedata.normalize("NFC", without)
-    return _SPACE.sub(" ", text).strip()
+    text = _SPACE.sub(" ", text).strip()
+    return _TAG_OPEN.sub(r"< \1", text)  # since 2026-12-06: defused, read as text
 
 
 def compose_text(title: Optional[str], body: Optional[str]) -> str:

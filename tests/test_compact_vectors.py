@@ -52,7 +52,9 @@ def _validate(model: dict | None = None, sink: dict | None = None) -> config_lib
     raw = _raw_config()
     raw["model"].update(model or {})
     raw["sink"] = {**(raw.get("sink") or {}), **(sink or {})}
-    return config_lib.validate(raw, "test.yaml")
+    config = config_lib.validate(raw, "test.yaml")
+    config_lib.check_model(config, "test.yaml")  # a pypackage: model's files: when a run starts
+    return config
 
 
 # Config.

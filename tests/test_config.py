@@ -167,3 +167,137 @@ def test_a_config_larger_than_any_config_is_refused_before_it_is_parsed(tmp_path
     path.write_text("# " + "x" * (2 << 20) + "\ninput: x\n")  # 2 MiB
     with pytest.raises(config_lib.ConfigError, match="larger than"):
         config_lib.load(path)
+
+
+# --- `newsvec config` runs none of the config's code ------------------------------------------
+
+_MARKS_ITS_IMPORT = '''import pathlib
+pathlib.Path({marker!r}).write_text("imported: this code ran")
+'''
+_GET_MODEL_PATH = '''
+def get_model_path():
+    return {folder!r}
+'''
+
+
+@pytest.fixture
+def code_package(tmp_path, monkeypatch):
+    """A factory: a package on sys.path that writes a marker file when it is imported, and ships a
+    model folder (a config.json that declares no Matryoshka dimensions). Returns (the module to
+    name in ``pypackage:``, the marker). ``dotted``: the marker is written by the parent package's
+    ``__init__`` and the model module is ``<package>.models`` (``importlib.util.find_spec`` on a
+    dotted name imports the parents)."""
+    import importlib
+    import sys
+    import uuid
+
+    root = tmp_path / "site"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    made: list[str] = []
+
+    def make(dotted: bool = False) -> tuple[str, Path]:
+        name = f"newsvec_marker_{uuid.uuid4().hex[:12]}"
+        marker = tmp_path / f"{name}.imported"
+        folder = tmp_path / f"{name}-model"
+        folder.mkdir()
+        (folder / "config.json").write_text('{"hidden_size": 384}')
+        code = _MARKS_ITS_IMPORT.format(marker=str(marker))
+        model_code = _GET_MODEL_PATH.format(folder=str(folder))
+        if dotted:
+            (root / name).mkdir()
+            (root / name / "__init__.py").write_text(code)
+            (root / name / "models.py").write_text(model_code)
+            module = f"{name}.models"
+        else:
+            (root / f"{name}.py").write_text(code + model_code)
+            module = name
+        importlib.invalidate_caches()
+        made.append(name)
+        return module, marker
+
+    yield make
+    for name in made:
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
+
+
+def _pypackage_config(tmp_path, module: str, **model) -> Path:
+    raw = local_raw()
+    raw["model"].update(path=f"pypackage:{module}", **model)
+    return write(tmp_path, raw)
+
+
+@pytest.mark.parametrize("dotted", [False, True], ids=["module", "package.module"])
+@pytest.mark.parametrize("dimensions", [{}, {"dimensions": 128,
+                                             "truncate_dimensions_knowingly": True}],
+                         ids=["dim", "dimensions"])
+def test_newsvec_config_validates_a_pypackage_model_without_importing_it(
+        tmp_path, code_package, capsys, dotted, dimensions):
+    """``newsvec config --config untrusted.yaml`` runs none of the file's code: a ``pypackage:``
+    model is looked for on the Python path, not imported, and what needs its files
+    (``model.dimensions``) is left to the run, with a line that says so. Before: with
+    ``model.dimensions`` set, the module was imported (the marker written), for the module and for
+    the package's module alike."""
+    from pipeline import cli
+
+    module, marker = code_package(dotted=dotted)
+    path = _pypackage_config(tmp_path, module, **dimensions)
+    assert cli.main(["config", "--config", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert not marker.exists(), f"newsvec config ran the package's code: {marker.read_text()}"
+    assert yaml.safe_load(out)["model"]["path"] == f"pypackage:{module}"
+    assert "not imported" in err
+    if dimensions:
+        assert "model.dimensions" in err and "at run time" in err
+
+
+def test_the_run_still_imports_a_pypackage_model_and_checks_its_dimensions(tmp_path,
+                                                                           code_package, capsys):
+    """What ``newsvec config`` leaves to the run is checked when the run starts (``resolve``):
+    the package imported, ``model.dimensions`` refused for a model that does not declare
+    Matryoshka dimensions."""
+    from pipeline import cli
+
+    module, marker = code_package()
+    path = _pypackage_config(tmp_path, module, dimensions=128)
+    assert cli.main(["config", "--config", str(path)]) == 0
+    assert not marker.exists()
+    with pytest.raises(config_lib.ConfigError, match="truncate_dimensions_knowingly"):
+        resolve(["--config", str(path)])
+    assert marker.exists(), "the run resolves the model as before"
+
+
+def test_the_run_names_a_pypackage_model_whose_folder_cannot_be_resolved(tmp_path, monkeypatch):
+    """A module found but without ``get_model_path()`` passes ``newsvec config`` (nothing of it
+    runs there) and is a config error naming it when the run starts."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "newsvec_no_model_path_here.py").write_text("VALUE = 1\n")
+    importlib.invalidate_caches()
+    path = _pypackage_config(tmp_path, "newsvec_no_model_path_here")
+    config_lib.load(path)
+    with pytest.raises(config_lib.ConfigError, match="get_model_path"):
+        resolve(["--config", str(path)])
+
+
+@pytest.mark.parametrize("module, says", [
+    ("", "not a module name"),
+    ("../evil", "not a module name"),
+    ("os;touch x", "not a module name"),
+    ("a..b", "not a module name"),
+    ("1abc", "not a module name"),
+    ("pkg.class", "not a module name"),
+    ("newsvec_no_such_package_anywhere", "no module"),
+    ("json.newsvec_no_such_module", "no module"),
+    ("json.decoder.x", "not a package"),
+])
+def test_a_pypackage_model_that_is_no_module_here_is_refused_naming_it(tmp_path, capsys,
+                                                                       module, says):
+    from pipeline import cli
+
+    path = _pypackage_config(tmp_path, module)
+    assert cli.main(["config", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "model.path" in err and says in err, err

@@ -1,6 +1,7 @@
 """Text preparation: normalization, composition and head truncation with the model's tokenizer."""
 import csv
 import hashlib
+import re
 import unicodedata
 
 import apache_beam as beam
@@ -21,7 +22,7 @@ from transforms.text import PrepareText, compose_text, normalize_text
     ("itâ€™s a cafÃ©", "it's a café"),                 # mojibake, curly quote straightened
     ("<p>Hello &amp; <b>world</b></p><p>next</p>", "Hello & world next"),
     ("<div>kept</div><script>var dropped = 1;</script><style>p {}</style>", "kept"),
-    ("AT&amp;T &lt;b&gt; &#8217; &nbsp;x", "AT&T <b> ' x"),  # entities, decoded once
+    ("AT&amp;T &lt;b&gt; &#8217; &nbsp;x", "AT&T < b> ' x"),  # decoded once, tag defused
     ("&amp;lt;", "&lt;"),                                   # never decoded twice
     ("AT&T < 5 > 3", "AT&T < 5 > 3"),                       # not HTML: left alone
     ("  many   spaces\t\ttabs\n\n\nlines  ", "many spaces tabs lines"),
@@ -707,3 +708,81 @@ def test_texts_of_words_of_few_tokens_tokenize_as_the_whole_text(tokenizer, unit
     text = (unit * (chars // len(unit) + 1))[:chars]
     assert tokenizer.batch([text]) == reference.head_tokens(tokenizer._tok, [text],
                                                             tokenizer.max_tokens)
+
+
+# --- no live markup in a prepared title or text -------------------------------------------------
+
+# "<" then what opens a tag, comment, declaration or processing instruction in HTML's tokenizer.
+LIVE_MARKUP = re.compile(r"<[A-Za-z!/?]")
+HOSTILE_TITLES = [
+    "<script>alert(1)</script>",
+    "<img src=x onerror=alert(1)>",
+    "&lt;script&gt;alert(1)&lt;/script&gt; plain title",
+    "<p>Breaking</p> &lt;img src=x onerror=alert(document.cookie)&gt;",
+    "&#60;svg onload=alert(1)&#62;",
+    "&#x3C;iframe src=javascript:alert(1)&#x3E;",
+    "a &lt;/title&gt;&lt;script&gt;alert(1)&lt;/script&gt;",
+    "&lt;!-- x --&gt; &lt;!DOCTYPE html&gt; &lt;?php echo 1 ?&gt;",
+    "\uff1cscript\uff1ealert(1)\uff1c/script\uff1e",  # full width: ftfy folds it to ASCII
+    "\ufe64img src=x onerror=alert(1)\ufe65",            # small form: NFKC folds it
+    "<\u00adscript>alert(1)</script>",                    # a soft hyphen, dropped after the HTML
+    "&lt;\u200dimg src=x onerror=alert(1)&gt;",           # a joiner, the same
+    "&lt;sc<b>ri</b>pt&gt;alert(1)",                       # a tag stripped from inside a tag
+    "<<b>script>alert(1)<</b>/script>",
+    "&lt;\x00script&gt;",
+]
+
+
+@pytest.mark.parametrize("form", ["NFC", "NFKC"])
+@pytest.mark.parametrize("raw", HOSTILE_TITLES)
+def test_no_live_markup_survives_normalization(raw, form):
+    """Tags stripped and entities decoded, a title may still hold markup: decoded from entities,
+    folded to ASCII from other forms, or joined once an invisible character between its "<" and
+    its name is dropped. The prepared text goes to the outputs, the store and ``newsvec search``,
+    and to whoever shows them: its every "<" that would open a tag has a space after it. Before:
+    '&lt;script&gt;alert(1)&lt;/script&gt; plain title' was prepared as
+    '<script>alert(1)</script> plain title', and so were the full-width, small-form and
+    soft-hyphen variants."""
+    once = normalize_text(raw, form)
+    assert not LIVE_MARKUP.search(once), once
+    assert normalize_text(once, form) == once
+
+
+@pytest.mark.parametrize("raw, prepared", [
+    ("&lt;script&gt;alert(1)&lt;/script&gt; plain title",
+     "< script>alert(1)< /script> plain title"),
+    ("Why &lt;div&gt; soup hurts", "Why < div> soup hurts"),  # the words are kept: they are text
+    ("<p>Breaking</p> &lt;img src=x onerror=alert(1)&gt;",
+     "Breaking < img src=x onerror=alert(1)>"),
+    ("\uff1cb\uff1ebold", "< b>bold"),
+    ("AT&T < 5 > 3, 2<3, x <= y", "AT&T < 5 > 3, 2<3, x <= y"),  # not markup: left alone
+    ("&amp;lt;script&amp;gt;", "&lt;script&gt;"),  # decoded once: no "<" at all
+])
+def test_markup_left_in_text_is_defused_not_removed(raw, prepared):
+    assert normalize_text(raw) == prepared
+
+
+def test_prepared_titles_and_texts_carry_no_live_markup(tokenizer):
+    """Through PrepareText's DoFn: the title the outputs hold and the text that is embedded (its
+    first line), the body's markup too. The space after "<" changes no token of a BERT-style
+    tokenizer (it splits "<" off as punctuation): the same vector as before."""
+    fn = _prepare_fn()
+    for i, raw in enumerate(HOSTILE_TITLES):
+        (doc,) = list(fn.process([NewsEvent(id=str(i), title=raw + " news",
+                                            body=raw + " <p>body</p> &lt;a href=x&gt;more")]))
+        assert not isinstance(doc, pvalue.TaggedOutput), doc
+        assert doc.title and not LIVE_MARKUP.search(doc.title), doc.title
+        assert not LIVE_MARKUP.search(doc.text), doc.text
+        assert doc.text.split("\n")[0] == doc.title
+    assert tokenizer.batch(["< script>alert(1)< /script> Why < div> soup"]) == \
+        tokenizer.batch(["<script>alert(1)</script> Why <div> soup"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["<", "&lt;", "&#60;", "\uff1c", "\ufe64", "\u00ad", "\u200d",
+                                 "\x00", "b", "img", "/", "!", "?", ">", "&gt;", " ", "<b>", "</b>",
+                                 "&amp;", "script", "é", "\u0301"]),
+                min_size=1, max_size=24).map("".join))
+def test_no_generated_text_normalizes_to_live_markup(value):
+    for form in ("NFC", "NFKC"):
+        assert not LIVE_MARKUP.search(normalize_text(value, form))

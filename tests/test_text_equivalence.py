@@ -93,7 +93,7 @@ PIECES = [
     "\x9d", "£", "é", "ü", "€", "™", "’", "“", "”", "‘", "ﬁ", "ﬂ", "Ｌ", "ｏ", "\u3000", "e\u0301",
     "\u0301", "\u00ad", "\u200d", "\u2028", "\u0085", "\ufeff", "\x1b[31m", "\x1b", "\x00", "\x07",
     "\x0b", "\x0c", "\r\n", "\r", "\n", "\t", "  ", "中文", "ب", "\ud800", "&amp;", "<b>", "...",
-    "--",
+    "--", "&lt;script&gt;", "&lt;/", "&#60;", "<", "\uff1cb\uff1e", "\ufe64i", "<!", "</", "<?",
 ]
 WORDS = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789,.'-",
                 min_size=1, max_size=12)

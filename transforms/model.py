@@ -11,7 +11,10 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import importlib.machinery
+import importlib.util
 import json
+import keyword
 import os
 import re
 from pathlib import Path
@@ -25,11 +28,43 @@ _HASHED_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model")
 
 def resolve_model_path(spec: str) -> str:
     """The local folder of a model spec. A Hugging Face id is returned as is (the config
-    decides)."""
+    decides). A ``pypackage:`` spec imports its module, which runs the package's code: the run
+    does; ``newsvec config`` only looks for it (``locate_pypackage``)."""
     if spec.startswith(PYPACKAGE):
         module = importlib.import_module(spec[len(PYPACKAGE):])
         return str(module.get_model_path())
     return spec
+
+
+def locate_pypackage(spec: str) -> str:
+    """Where the module of a ``pypackage:`` spec is (its file), found WITHOUT importing it or its
+    parent packages, whose code would run: the top-level name through
+    ``importlib.util.find_spec`` (which imports nothing for a name without a dot), each submodule
+    through ``PathFinder`` in its parent's folders. ValueError when the spec does not name a module
+    (each dotted part an identifier, not a keyword), or no such module is on this Python path. A
+    parent package that extends its own ``__path__`` when imported can hide a submodule from this
+    search: name the module that holds ``get_model_path`` by its real place."""
+    name = spec[len(PYPACKAGE):]
+    parts = name.split(".")
+    if not all(part.isidentifier() and not keyword.iskeyword(part) for part in parts):
+        raise ValueError(f"{spec!r} is not a module name (pypackage:PACKAGE or "
+                         "pypackage:PACKAGE.MODULE, each part a Python identifier)")
+    try:
+        found = importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):  # a module already imported without a spec
+        found = None
+    for depth in range(1, len(parts) + 1):
+        here = ".".join(parts[:depth])
+        if found is None:
+            raise ValueError(f"{spec}: no module {here} on this Python path (looked for, not "
+                             "imported): install the package that ships the model")
+        if depth < len(parts):
+            if found.submodule_search_locations is None:
+                raise ValueError(f"{spec}: {here} is a module, not a package")
+            found = importlib.machinery.PathFinder.find_spec(
+                ".".join(parts[:depth + 1]), list(found.submodule_search_locations))
+    assert found is not None, "the loop raises for a part not found"
+    return found.origin or ", ".join(found.submodule_search_locations or ()) or name
 
 
 @functools.lru_cache(maxsize=8)
@@ -283,10 +318,32 @@ def truncation(settings: "ModelSettings", matryoshka: Matryoshka) -> Literal[
 
 
 def check_dimensions(settings: "ModelSettings") -> None:
-    """At config time: ``truncation`` against the model's local ``config.json`` (nothing to check
-    without ``dimensions``, or for a model that is not a local folder yet)."""
+    """When a run starts: ``truncation`` against the model's local ``config.json`` (nothing to
+    check without ``dimensions``, or for a model that is not a local folder yet). A ``pypackage:``
+    model is imported to find its folder (``resolve_model_path``)."""
     if settings.dimensions is None:
         return
     matryoshka = declared_matryoshka(resolve_model_path(settings.path))
     if matryoshka is not None:
         truncation(settings, matryoshka)
+
+
+def check_without_running_code(settings: "ModelSettings") -> list[str]:
+    """At config time (``newsvec config``, every config load): what can be checked of the model
+    without running any of its code, and a line for each check left to the run. A ``pypackage:``
+    model is looked for (``locate_pypackage``), not imported: its folder, which only its
+    ``get_model_path()`` can tell, and so ``model.dimensions`` against its ``config.json``, are
+    checked when the run starts (``check_dimensions``) and when the engine loads. Any other model:
+    ``check_dimensions`` (a local folder's ``config.json`` is read, nothing run). ValueError for a
+    problem."""
+    if not settings.path.startswith(PYPACKAGE):
+        check_dimensions(settings)
+        return []
+    where = locate_pypackage(settings.path)
+    deferred = [f"model.path {settings.path}: found ({where}), not imported (importing runs the "
+                "package's code); its model folder is resolved at run time"]
+    if settings.dimensions is not None:
+        deferred.append(f"model.dimensions {settings.dimensions}: checked against the model's "
+                        "config.json at run time (newsvec run, backfill), and by the engine when "
+                        "it loads")
+    return deferred

@@ -458,8 +458,8 @@ VECTOR_COLUMNS = (
     _ID, _from_event("url", pa.string()), _from_event("source", pa.string()),
     Column("title", pa.string(), True,
            "the prepared title: HTML stripped, entities decoded, mojibake repaired, in "
-           "`text.unicode_form`, whitespace collapsed (the text's first line); null if none is "
-           "left"),
+           "`text.unicode_form`, whitespace collapsed, a space after each `<` that would open a "
+           "tag (the text's first line); null if none is left"),
     _from_event("published_at", _TIMESTAMP),
     _from_event("language", pa.string()),
     _MODEL, _DIM, _EMBEDDING, _TEXT_SHA256,

@@ -3,7 +3,10 @@ letter.
 
 Normalization: HTML tags dropped and entities decoded, mojibake repaired (ftfy), Unicode NFC (or
 NFKC: ``text.unicode_form``), control characters removed, invisible format characters (bidi
-controls, joiners, soft hyphens) dropped, whitespace collapsed. Title and body are joined by a
+controls, joiners, soft hyphens) dropped, whitespace collapsed, and last a space put after every
+``<`` that would open a tag (``defuse_markup``): text that only became markup on the way
+(``&lt;script&gt;`` decoded, ``＜img＞`` folded to ASCII, ``<\u00adscript>`` once the soft hyphen
+is dropped) is never live markup in the prepared text and title. Title and body are joined by a
 newline.
 
 Truncation keeps the HEAD of long articles: the text is tokenized here with the model's own
@@ -584,7 +587,28 @@ def normalize_text(text: Optional[str], form: UnicodeForm = "NFC",
             text = collapse_combining_marks(without)
             if not unicodedata.is_normalized(form, text):
                 text = unicodedata.normalize(form, text)
-    return " ".join(text.split())  # str.split's whitespace is re's \s (the test checks each)
+    # str.split's whitespace is re's \s (the test checks each). Last, as every step before can
+    # make a tag open: entities, ftfy's and NFKC's folding of full-width and small forms, a format
+    # character dropped from between "<" and a letter.
+    return defuse_markup(" ".join(text.split()))
+
+
+# "<" then what makes it open something in HTML (the tokenizer's tag open state: an ASCII letter, a
+# start tag or end tag; "!", a comment or declaration; "/", an end tag; "?", a processing
+# instruction or bogus comment). After any other character "<" is text to every HTML and XML parser.
+_TAG_OPEN = re.compile(r"<(?=[A-Za-z!/?])")
+
+
+def defuse_markup(text: str) -> str:
+    """``text`` with a space after every ``<`` that would open a tag (``<script>`` becomes
+    ``< script>``): what is left of markup once the tags are stripped and the entities decoded
+    (``&lt;img onerror=...&gt;``) reads as text wherever the prepared title and text go, an HTML
+    page that forgets to escape them included. Not escaped (``&lt;``): the outputs are plain text
+    (Parquet, BigQuery, DuckDB, PostgreSQL, a terminal), which every consumer escapes for its own
+    output, and the model would embed ``&lt;``'s tokens; nor removed: ``&lt;div&gt;`` in a title
+    is a word of its text. A BERT-style tokenizer splits ``<`` off as punctuation either way: the
+    same tokens, the same vector."""
+    return _TAG_OPEN.sub("< ", text) if "<" in text else text
 
 
 def join_text(title: str, body: str) -> str:
