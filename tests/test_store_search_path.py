@@ -102,10 +102,11 @@ def _assert_search(store: Store, stored: list[LoadRows], k: int = 3) -> None:
 
 def _hostile_objects(dsn: str, owner: str, where: str, dtype: str) -> str:
     """``owner``, a role that is not the loader, puts into ``where`` (a schema earlier on the
-    database's ``search_path`` than pgvector's ``ext``) a ``<=>`` operator on pgvector's own type
-    and a ``pg_advisory_xact_lock(integer)`` (a better match for ``hashtext``'s integer than the
-    built-in one's bigint: the CVE-2018-1058 pattern), each recording its call in
-    ``public.hostile_calls`` before doing the real thing. Returns the schema's name as created."""
+    database's ``search_path`` than pgvector's ``ext``) a ``<=>`` operator on pgvector's own type,
+    a domain named like that type, and a ``pg_advisory_xact_lock(integer)`` (a better match for
+    ``hashtext``'s integer than the built-in one's bigint: the CVE-2018-1058 pattern), each
+    recording its call in ``public.hostile_calls`` before doing the real thing. Returns the
+    schema's name as created."""
     type_ = f"ext.{PGVECTOR_TYPES[dtype]}"
     statements = ["CREATE TABLE public.hostile_calls (what text)",
                   "GRANT INSERT, SELECT ON public.hostile_calls TO PUBLIC"]
@@ -122,6 +123,11 @@ def _hostile_objects(dsn: str, owner: str, where: str, dtype: str) -> str:
         "RETURN ext.cosine_distance(a, b); END $$",
         f'CREATE OPERATOR "{schema}".<=> (LEFTARG = {type_}, RIGHTARG = {type_}, '
         f'FUNCTION = "{schema}".hostile_distance)',
+        f'CREATE FUNCTION "{schema}".hostile_check(v {type_}) RETURNS boolean '
+        "LANGUAGE plpgsql AS $$ BEGIN INSERT INTO public.hostile_calls VALUES ('domain'); "
+        "RETURN true; END $$",
+        f'CREATE DOMAIN "{schema}".{PGVECTOR_TYPES[dtype]} AS {type_} '
+        f'CHECK ("{schema}".hostile_check(VALUE))',
         f'CREATE FUNCTION "{schema}".pg_advisory_xact_lock(integer) RETURNS void '
         "LANGUAGE plpgsql AS $$ BEGIN INSERT INTO public.hostile_calls "
         "VALUES ('pg_advisory_xact_lock'); END $$",
@@ -163,7 +169,8 @@ def test_pgvector_in_a_schema_of_its_own_not_on_the_path(store_settings, pg):
 @pytest.mark.parametrize("where", ["public", "$user"])
 def test_hostile_objects_earlier_on_the_path_are_never_called(store_settings, pg, roles, where,
                                                               dtype):
-    """Another role's ``<=>`` operator and ``pg_advisory_xact_lock(integer)``, in a schema the
+    """Another role's ``<=>`` operator, ``vector`` (``halfvec``) domain and
+    ``pg_advisory_xact_lock(integer)``, in a schema the
     database's ``search_path`` names before pgvector's: a load (articles and chunks; then a
     later version and a redo, under the lock) and a search (by chunks, then by articles) give
     the right results, and neither hostile object is ever called."""

@@ -31,6 +31,11 @@ session idle inside its transaction (the server ends it), and TCP keepalives and
 before the table's lock is taken; under it, each statement runs on the server from the staged
 rows, so a client that freezes there holds the table for at most ``lock_timeout_s``.
 
+Nothing resolves through the session's ``search_path``: each connection sets ``SEARCH_PATH``
+(``pg_catalog, pg_temp``), the tables are named with their schema, and pgvector's type, operator
+and operator classes with the extension's schema (``pgvector_schema``), so that no object another
+role named like one of them, in a schema earlier on the path, is ever picked.
+
 The connection string (DSN) never comes from the config file: it is read at run time from the
 Secret Manager secret ``store.dsn_secret``, the secret file ``store.dsn_file`` or the environment
 variable ``store.dsn_env``, and it is scrubbed from every message this module logs or raises (and
