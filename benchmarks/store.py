@@ -41,7 +41,7 @@ from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 from tools.emulators import postgres_server
 from transforms.schema import vector_schema
-from transforms.store import LoadRows, Store, StoreSettings
+from transforms.store import LoadRows, Store, StoreSettings, pgvector_schema
 
 DSN_ENV = "NEWSVEC_BENCH_STORE_DSN"
 
@@ -186,8 +186,12 @@ def bbc(work: Path, config_path: str, k: int, limit: int | None) -> dict:
         with store.connect() as conn:
             conn.execute(sql.SQL("SET hnsw.ef_search = {}").format(
                 sql.Literal(max(config.store.ef_search, k))))
-            statement = sql.SQL("SELECT id FROM {} ORDER BY embedding <=> %s::vector LIMIT %s") \
-                .format(sql.Identifier(config.store.schema_name, config.store.table))
+            # pgvector's names with its schema: a store connection's search_path is pg_catalog
+            pgvector = pgvector_schema(conn) or "public"
+            statement = sql.SQL("SELECT id FROM {} ORDER BY embedding OPERATOR({}.<=>) %s::{} "
+                                "LIMIT %s").format(
+                sql.Identifier(config.store.schema_name, config.store.table),
+                sql.Identifier(pgvector), sql.Identifier(pgvector, "vector"))
             for vector in query_vectors:
                 text = "[" + ",".join(repr(float(x)) for x in vector) + "]"
                 started = time.perf_counter()

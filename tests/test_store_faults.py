@@ -551,7 +551,7 @@ def test_rows_the_server_refuses_are_isolated_without_a_table_or_lock_per_part(s
     with psycopg.connect(pg) as conn:
         conn.execute("CREATE TABLE lock_count (n bigint)")
         conn.execute("CREATE FUNCTION count_locks() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-                     "INSERT INTO lock_count SELECT count(*) FROM pg_locks "
+                     "INSERT INTO public.lock_count SELECT count(*) FROM pg_locks "
                      "WHERE pid = pg_backend_pid(); RETURN NULL; END $$")
         conn.execute("CREATE TRIGGER count_locks AFTER INSERT OR UPDATE ON news_vectors_loads "
                      "FOR EACH ROW EXECUTE FUNCTION count_locks()")

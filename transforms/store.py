@@ -31,6 +31,11 @@ session idle inside its transaction (the server ends it), and TCP keepalives and
 before the table's lock is taken; under it, each statement runs on the server from the staged
 rows, so a client that freezes there holds the table for at most ``lock_timeout_s``.
 
+Nothing resolves through the session's ``search_path``: each connection sets ``SEARCH_PATH``
+(``pg_catalog, pg_temp``), the tables are named with their schema, and pgvector's type, operator
+and operator classes with the extension's schema (``pgvector_schema``), so that no object another
+role named like one of them, in a schema earlier on the path, is ever picked.
+
 The connection string (DSN) never comes from the config file: it is read at run time from the
 Secret Manager secret ``store.dsn_secret``, the secret file ``store.dsn_file`` or the environment
 variable ``store.dsn_env``, and it is scrubbed from every message this module logs or raises (and
@@ -91,6 +96,13 @@ KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 3
 TCP_USER_TIMEOUT_MS = 30_000
 # PostgreSQL 14+: a running statement checks this often that its client is still there.
 CLIENT_CHECK_INTERVAL_MS = 5000
+# Every store connection's search_path: the built-in catalog, then the session's own temporary
+# tables (never searched for functions or operators). No schema another role can create in is on
+# it, so no object someone else names like a built-in (``public.<=>``, a ``"$user".vector``, a
+# ``pg_advisory_xact_lock(integer)`` that matches better than the built-in's ``bigint``) is ever
+# picked (CVE-2018-1058). The store's tables are named with their schema, pgvector's type,
+# operators and operator classes with the extension's schema (``pgvector_schema``).
+SEARCH_PATH = "pg_catalog, pg_temp"
 
 
 class StoreError(RuntimeError):
@@ -452,6 +464,28 @@ def vector_sql_type(dim: int, vector_dtype: VectorDtype = "float32") -> str:
     return f"{_PGVECTOR_TYPES[vector_dtype]}({int(dim)})"
 
 
+def _type_sql(type_: str, pgvector_schema: str):
+    """``type_`` (``_sql_type``'s) as SQL: pgvector's ``vector(dim)`` and ``halfvec(dim)`` named
+    with the extension's schema (``"ext"."vector"(8)``), the built-in types as they are (the
+    search path is ``pg_catalog`` only: ``SEARCH_PATH``)."""
+    from psycopg import sql
+
+    name, paren, size = type_.partition("(")
+    if paren and name in _PGVECTOR_TYPES.values():
+        return sql.SQL("{}({})").format(sql.Identifier(pgvector_schema, name),
+                                        sql.SQL(str(int(size.rstrip(")")))))
+    return sql.SQL(type_)  # ours (_sql_type, _ADDED_COLUMNS), never input
+
+
+def pgvector_schema(conn) -> Optional[str]:
+    """The schema pgvector is installed in (``pg_extension.extnamespace``), None when it is not
+    installed in the connection's database: every name of pgvector is qualified with it."""
+    row = conn.execute(
+        "SELECT n.nspname::text FROM pg_catalog.pg_extension e JOIN pg_catalog.pg_namespace n "
+        "ON n.oid = e.extnamespace WHERE e.extname = 'vector'").fetchone()
+    return None if row is None else str(row[0])
+
+
 def _sql_type(column: Column, dim: int, vector_dtype: VectorDtype = "float32") -> str:
     type_ = column.field(dim).type
     if column.name == "embedding":
@@ -500,25 +534,32 @@ def _ident(*names: str):
 
 
 def _create_statements(settings: StoreSettings, dim: int,
-                       vector_dtype: VectorDtype = "float32") -> list:
-    """Every statement that creates the store's schema and main tables, in order (tests use
-    them; a load issues only those the catalog lacks: ``_missing_ddl``)."""
-    return [statement for _, statement in _main_ddl(settings, dim, vector_dtype)]
+                       vector_dtype: VectorDtype = "float32",
+                       pgvector_schema: str = "public") -> list:
+    """Every statement that creates the store's schema and main tables, in order, pgvector being
+    (or to be created) in ``pgvector_schema`` (tests use them; a load issues only those the
+    catalog lacks: ``_missing_ddl``)."""
+    return [statement for _, statement in _main_ddl(settings, dim, vector_dtype,
+                                                    pgvector_schema)]
 
 
-def _main_ddl(settings: StoreSettings, dim: int, vector_dtype: VectorDtype = "float32"
-              ) -> list[tuple[str, Any]]:
-    """(what the catalog must hold, the statement that creates it): ``extension:vector``,
-    ``schema:<name>``, then a table's name, for the schema and the three main tables."""
+def _main_ddl(settings: StoreSettings, dim: int, vector_dtype: VectorDtype = "float32",
+              pgvector_schema: Optional[str] = None) -> list[tuple[str, Any]]:
+    """(what the catalog must hold, the statement that creates it): ``schema:<name>``,
+    ``extension:vector`` (created, where it is missing, in ``pgvector_schema``, by default the
+    store's schema: the search path names no schema to create it in), then a table's name, for
+    the three main tables, their ``embedding`` of pgvector's type in ``pgvector_schema``."""
     from psycopg import sql
 
     schema = settings.schema_name
+    pgvector_schema = pgvector_schema or schema
     out: list[tuple[str, Any]] = [
-        ("extension:vector", sql.SQL("CREATE EXTENSION IF NOT EXISTS vector")),
-        (f"schema:{schema}", sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_ident(schema)))]
+        (f"schema:{schema}", sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(_ident(schema))),
+        ("extension:vector", sql.SQL("CREATE EXTENSION IF NOT EXISTS vector SCHEMA {}").format(
+            _ident(pgvector_schema)))]
     for table in _tables(settings):
         columns = [sql.SQL("{} {}{}").format(
-            _ident(name), sql.SQL(type_),  # type_ is ours (_sql_type), never input
+            _ident(name), _type_sql(type_, pgvector_schema),
             sql.SQL(" NOT NULL") if name in table.key or name in ("dt", "embedding", "load_key",
                                                                   "embedded_at") else sql.SQL(""))
             for name, type_ in table.column_types(dim, vector_dtype)]
@@ -596,11 +637,11 @@ _ADDED_COLUMNS = (("", "updated_at", "timestamptz"), ("_loads", "outcome", "text
 
 @dataclasses.dataclass(frozen=True)
 class _Catalog:
-    """What the store's catalog holds of ours, read in one query: whether pgvector and the schema
-    are there, the tables and indexes (by name, in the schema), and the columns of the tables
-    (``table.column``)."""
+    """What the store's catalog holds of ours, read in one query: the schema pgvector is in (None:
+    not installed), whether the store's schema is there, the tables and indexes (by name, in the
+    schema), and the columns of the tables (``table.column``)."""
 
-    extension: bool
+    pgvector_schema: Optional[str]
     schema: bool
     relations: frozenset
     columns: frozenset
@@ -608,7 +649,7 @@ class _Catalog:
 
     def has(self, what: str) -> bool:
         if what == "extension:vector":
-            return self.extension
+            return self.pgvector_schema is not None
         if what.startswith("schema:"):
             return self.schema
         return what in self.relations
@@ -626,34 +667,37 @@ def _read_catalog(conn, settings: StoreSettings) -> _Catalog:
     relations = tables + [n for n, _ in _index_ddl(settings)] + [
         f"{table.name}_embedding_hnsw" for table in _tables(settings)]
     row = conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'vector'), "
-        "EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = %(schema)s), "
-        "ARRAY(SELECT c.relname::text FROM pg_class c JOIN pg_namespace n "
+        "SELECT (SELECT n.nspname::text FROM pg_catalog.pg_extension e "
+        "JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace WHERE e.extname = 'vector'), "
+        "EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s), "
+        "ARRAY(SELECT c.relname::text FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
         "ON n.oid = c.relnamespace WHERE n.nspname = %(schema)s "
         "AND c.relname = ANY(%(relations)s)), "
-        "ARRAY(SELECT c.relname || '.' || a.attname FROM pg_attribute a JOIN pg_class c "
-        "ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "ARRAY(SELECT c.relname || '.' || a.attname FROM pg_catalog.pg_attribute a "
+        "JOIN pg_catalog.pg_class c ON c.oid = a.attrelid "
+        "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
         "WHERE n.nspname = %(schema)s AND c.relname = ANY(%(tables)s) AND a.attnum > 0 "
         "AND NOT a.attisdropped), "
-        "ARRAY(SELECT c.relname::text FROM pg_class c JOIN pg_namespace n "
+        "ARRAY(SELECT c.relname::text FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
         "ON n.oid = c.relnamespace WHERE n.nspname = %(schema)s "
         "AND c.relname = ANY(%(main)s) AND c.reltuples <= 0)",
         {"schema": settings.schema_name, "relations": relations, "tables": tables,
          "main": tables[:2]}).fetchone()
-    return _Catalog(bool(row[0]), bool(row[1]), frozenset(row[2]),
+    return _Catalog(row[0], bool(row[1]), frozenset(row[2]),
                     frozenset(tuple(c.split(".", 1)) for c in row[3]), frozenset(row[4]))
 
 
 def _missing_ddl(settings: StoreSettings, catalog: _Catalog, dim: int,
                  vector_dtype: VectorDtype = "float32") -> list:
-    """The statements that create what ``catalog`` lacks, in order: pgvector, the schema, the
-    main tables, the columns a newer release added to tables that are there, the kept versions'
-    tables (like the main ones, with every column by then), the B-tree indexes. Empty when
-    everything is there: nothing to lock."""
+    """The statements that create what ``catalog`` lacks, in order: the schema, pgvector (in the
+    store's schema), the main tables (pgvector's type named with its schema), the columns a newer
+    release added to tables that are there, the kept versions' tables (like the main ones, with
+    every column by then), the B-tree indexes. Empty when everything is there: nothing to lock."""
     from psycopg import sql
 
     schema, name = settings.schema_name, settings.table
-    out = [s for what, s in _main_ddl(settings, dim, vector_dtype) if not catalog.has(what)]
+    out = [s for what, s in _main_ddl(settings, dim, vector_dtype, catalog.pgvector_schema)
+           if not catalog.has(what)]
 
     def columns(suffixes: Sequence[str]) -> None:
         for suffix, column, type_ in _ADDED_COLUMNS:
@@ -671,14 +715,18 @@ def _missing_ddl(settings: StoreSettings, catalog: _Catalog, dim: int,
     return out
 
 
-def _index_statement(settings: StoreSettings, table: _Table, pgvector_type: str = "vector"):
+def _index_statement(settings: StoreSettings, table: _Table, pgvector_type: str,
+                     pgvector_schema: str):
+    """The HNSW index of ``table``, with pgvector's operator class in its own schema."""
     from psycopg import sql
 
+    if pgvector_type not in _PGVECTOR_TYPES.values():  # ours, never input
+        raise ValueError(pgvector_type)
     return sql.SQL(
         "CREATE INDEX IF NOT EXISTS {} ON {} USING hnsw (embedding {}) "
         "WITH (m = {}, ef_construction = {})").format(
             _ident(f"{table.name}_embedding_hnsw"), _ident(settings.schema_name, table.name),
-            sql.SQL(f"{pgvector_type}_cosine_ops"),  # one of _PGVECTOR_TYPES' values, never input
+            _ident(pgvector_schema, f"{pgvector_type}_cosine_ops"),
             sql.Literal(settings.hnsw_m), sql.Literal(settings.hnsw_ef_construction))
 
 
@@ -999,7 +1047,8 @@ class _Staged:
         row = conn.execute(sql.SQL(
             "DELETE FROM {stage} WHERE position = (SELECT position FROM {stage} WHERE rn = %s "
             "ORDER BY {latest}, position LIMIT 1) RETURNING position").format(
-                stage=_ident(self.vectors), latest=_latest_first()), (rn,)).fetchone()
+                stage=_ident("pg_temp", self.vectors), latest=_latest_first()),
+            (rn,)).fetchone()
         position = int(row[0])
         self.missing.add(position)
         return position
@@ -1078,7 +1127,8 @@ class Store:
         autocommit connection (each transaction of a load is explicit: ``conn.transaction()``)
         whose session bounds its waits: ``lock_timeout``, ``statement_timeout``, and
         ``idle_in_transaction_session_timeout`` (= the lock timeout: a load that stalls inside
-        its transaction holds others no longer than they would wait for it)."""
+        its transaction holds others no longer than they would wait for it). Every connection's
+        ``search_path`` is ``SEARCH_PATH``, set before anything else runs on it."""
         import psycopg
 
         error = None
@@ -1095,10 +1145,11 @@ class Store:
                     f"the store's database has the encoding {encoding}, not UTF8: it cannot hold "
                     "every article's text (any character outside its encoding would be refused, "
                     "row by row); create the database with ENCODING 'UTF8'")
-            settings = {"tcp_keepalives_idle": KEEPALIVE_IDLE_S,
-                        "tcp_keepalives_interval": KEEPALIVE_INTERVAL_S,
-                        "tcp_keepalives_count": KEEPALIVE_COUNT,
-                        "tcp_user_timeout": TCP_USER_TIMEOUT_MS}
+            settings: dict[str, Any] = {"search_path": SEARCH_PATH,
+                                        "tcp_keepalives_idle": KEEPALIVE_IDLE_S,
+                                        "tcp_keepalives_interval": KEEPALIVE_INTERVAL_S,
+                                        "tcp_keepalives_count": KEEPALIVE_COUNT,
+                                        "tcp_user_timeout": TCP_USER_TIMEOUT_MS}
             if conn.info.server_version >= 140000:
                 settings["client_connection_check_interval"] = CLIENT_CHECK_INTERVAL_MS
             if load:
@@ -1106,7 +1157,9 @@ class Store:
                 settings.update({
                     "lock_timeout": lock_ms, "idle_in_transaction_session_timeout": lock_ms,
                     "statement_timeout": max(1, int(self.settings.statement_timeout_s * 1000))})
-            conn.execute("SELECT " + ", ".join("set_config(%s, %s, false)" for _ in settings),
+            # pg_catalog's own set_config: the session's path is not the safe one yet.
+            conn.execute("SELECT " + ", ".join("pg_catalog.set_config(%s, %s, false)"
+                                               for _ in settings),
                          [x for k, v in settings.items() for x in (k, str(v))])
             if not load:
                 conn.commit()
@@ -1186,7 +1239,6 @@ class Store:
         here holds nothing another load waits for); then, under the table's lock, everything
         that changes the tables, each statement run by the server from the staged rows."""
         from psycopg import sql
-        from psycopg.types import TypeInfo
         from psycopg.types.json import Jsonb
 
         started = time.perf_counter()
@@ -1198,7 +1250,8 @@ class Store:
         with conn:
             # One load at a time per table: concurrent upserts of the same articles would
             # deadlock, and concurrent CREATE ... IF NOT EXISTS can collide.
-            lock = sql.SQL("SELECT pg_advisory_xact_lock(hashtext({}))").format(
+            lock = sql.SQL(
+                "SELECT pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext({}))").format(
                 sql.Literal(f"newsvec-store:{schema}.{self.settings.table}"))
             catalog = _read_catalog(conn, self.settings)
             if _missing_ddl(self.settings, catalog, rows.dim, rows.vector_dtype):
@@ -1228,16 +1281,16 @@ class Store:
                     prior = loaded_before()
                     if prior is not None and prior[2] == outcome:
                         return no_op(prior)
-            pgvector_type = self._embedding_type(conn, rows)
-            info = TypeInfo.fetch(conn, pgvector_type)
-            if info is None:
+            pgvector = catalog.pgvector_schema
+            if pgvector is None:
                 raise StoreLoadFailed("the store's database has no pgvector (CREATE EXTENSION "
                                       "vector)")
-            info.register(conn)
-            conn.adapters.register_dumper(np.ndarray, _vector_dumper(info.oid, pgvector_type))
+            pgvector_type, oid = self._embedding_type(conn, rows, pgvector)
+            conn.adapters.register_dumper(np.ndarray, _vector_dumper(oid, pgvector_type))
             keep, rejected = self._check(rows, pgvector_type == "halfvec")
             isolation = _Isolation(rows.vectors.num_rows, self.settings.statement_timeout_s)
-            staged = self._stage(conn, rows, keep, pgvector_type, load_key, isolation)
+            staged = self._stage(conn, rows, keep, pgvector_type, oid, pgvector, load_key,
+                                 isolation)
             ids_given = set(rows.vectors.column("id").to_pylist())
             with conn.transaction():
                 conn.execute(lock)
@@ -1269,7 +1322,8 @@ class Store:
                         rows.vectors.num_rows >= BUILD_INDEX_AFTER_ROWS)
                     if not index_after:
                         for table in hnsw:
-                            conn.execute(_index_statement(self.settings, table, pgvector_type))
+                            conn.execute(_index_statement(self.settings, table,
+                                                          pgvector_type, pgvector))
                 done = _Part()
                 for part in self._isolate(
                         conn, staged.articles,
@@ -1290,7 +1344,8 @@ class Store:
                         conn.execute(sql.SQL("SET LOCAL maintenance_work_mem = {}").format(
                             sql.Literal(f"{self.settings.index_build_memory_mb}MB")))
                     for table in hnsw:
-                        conn.execute(_index_statement(self.settings, table, pgvector_type))
+                        conn.execute(_index_statement(self.settings, table, pgvector_type,
+                                                      pgvector))
                 conn.execute(sql.SQL(
                     "INSERT INTO {} (load_key, rows, chunk_rows, articles_current, outcome, "
                     "rejected, withdrawn, output, run_id) "
@@ -1523,7 +1578,8 @@ class Store:
             pending += [(middle, hi), (lo, middle)]  # the first half first
         return done
 
-    def _stage(self, conn, rows: LoadRows, keep: list[int], pgvector_type: str, load_key: str,
+    def _stage(self, conn, rows: LoadRows, keep: list[int], pgvector_type: str,
+               pgvector_oid: int, pgvector_schema: str, load_key: str,
                isolation: _Isolation) -> _Staged:
         """The rows ``keep`` (and their chunks) into temporary tables (``_Staged``), in a
         transaction of their own before the table's lock: no lock of the store's tables is
@@ -1557,19 +1613,20 @@ class Store:
 
         def create(name: str, types: list[tuple[str, str]], extra: str = ""):
             return sql.SQL("CREATE TEMP TABLE {} ({}{})").format(
-                _ident(name), sql.SQL(", ").join(
-                    sql.SQL("{} {}").format(_ident(n), sql.SQL(t))  # t: ours (_sql_type)
+                _ident("pg_temp", name), sql.SQL(", ").join(
+                    sql.SQL("{} {}").format(_ident(n), _type_sql(t, pgvector_schema))
                     for n, t in types), sql.SQL(extra))
 
-        def copy(name: str, names: list[str], types: list[str], batch: list) -> None:
+        def copy(name: str, names: list[str], types: list[int | str], batch: list) -> None:
             with conn.cursor().copy(sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
-                    _ident(name), sql.SQL(", ").join(map(_ident, names)))) as out:
+                    _ident("pg_temp", name), sql.SQL(", ").join(map(_ident, names)))) as out:
                 out.set_types(types)
                 for row in batch:
                     out.write_row(row)
 
-        def sql_types(types: list[tuple[str, str]]) -> list[str]:
-            return [pgvector_type if n == "embedding" else t for n, t in types]
+        def sql_types(types: list[tuple[str, str]]) -> list[int | str]:
+            # pgvector's type by its oid (in its own schema), psycopg's built-in ones by name
+            return [pgvector_oid if n == "embedding" else t for n, t in types]
 
         def refused_row(position: int, exc: BaseException) -> list[dict]:
             staged.missing.add(position)
@@ -1611,7 +1668,8 @@ class Store:
                     conn.execute(sql.SQL(
                         "DELETE FROM {} s USING unnest(%s::text[], %s::text[]) AS g(id, sha) "
                         "WHERE s.id = g.id AND s.text_sha256 = g.sha").format(
-                            _ident(staged.vectors)), ([g[0] for g in gone], [g[1] for g in gone]))
+                            _ident("pg_temp", staged.vectors)),
+                        ([g[0] for g in gone], [g[1] for g in gone]))
         return staged
 
     def _load_part(self, conn, staged: _Staged, lo: int, hi: int, load_key: str) -> _Part:
@@ -1647,7 +1705,7 @@ class Store:
                 "JOIN unnest(%s::text[], %s::text[]) AS v(id, text_sha256) "
                 "ON s.id = v.id AND s.text_sha256 = v.text_sha256 "
                 "ORDER BY s.id, s.chunk_index, s.embedded_at DESC").format(
-                    names["chunks"], chunk_names, s_chunk_names, _ident(staged.chunks)),
+                    names["chunks"], chunk_names, s_chunk_names, _ident("pg_temp", staged.chunks)),
                 ([v[0] for v in won], [v[1] for v in won])).rowcount
         if lost:
             conn.execute(sql.SQL(
@@ -1656,7 +1714,8 @@ class Store:
                 "JOIN unnest(%s::text[], %s::text[], %s::text[]) AS v(id, text_sha256, holder) "
                 "ON s.id = v.id AND s.text_sha256 = v.text_sha256 "
                 "ORDER BY s.id, s.chunk_index, s.embedded_at DESC ON CONFLICT DO NOTHING").format(
-                    names["chunks_sup"], chunk_names, s_chunk_names, _ident(staged.chunks)),
+                    names["chunks_sup"], chunk_names, s_chunk_names,
+                    _ident("pg_temp", staged.chunks)),
                 ([v[0] for v in lost], [v[1] for v in lost], [v[2] for v in lost]))
         return part
 
@@ -1691,7 +1750,8 @@ class Store:
             "SELECT true, id, text_sha256, NULL FROM up UNION ALL "
             "SELECT false, id, text_sha256, withdrawn_with FROM lost").format(
                 cols=t[""], v_cols=t["v."], o_cols=t["o."], s_cols=t["s."],
-                stage=_ident(staged.vectors), latest=_latest_first(), target=names["vectors"],
+                stage=_ident("pg_temp", staged.vectors), latest=_latest_first(),
+                target=names["vectors"],
                 kept=names["sup"],
                 updates=sql.SQL(", ").join(sql.SQL("{} = EXCLUDED.{}").format(_ident(n), _ident(n))
                                            for n in cols if n != "id"),
@@ -1700,27 +1760,39 @@ class Store:
         return ([(r[1], r[2]) for r in result if r[0]],
                 [(r[1], r[2], r[3]) for r in result if not r[0]])
 
-    def _embedding_type(self, conn, rows: LoadRows) -> str:
-        """``vector`` or ``halfvec``: the type the store's table was created with, whatever the
-        rows' dtype (``sink.vector_dtype`` may change; rows are converted to the table's type). A
-        table of another dimension (``model.dimensions`` or the model changed) is refused."""
-        stored = self._stored_embedding_type(conn)
-        pgvector_type, _, size = stored.partition("(")
-        if pgvector_type not in _PGVECTOR_TYPES.values() or int(size.rstrip(")")) != rows.dim:
+    def _embedding_type(self, conn, rows: LoadRows, pgvector: str) -> tuple[str, int]:
+        """``vector`` or ``halfvec``, and its oid: the type the store's table was created with,
+        whatever the rows' dtype (``sink.vector_dtype`` may change; rows are converted to the
+        table's type). A table of another dimension (``model.dimensions`` or the model changed)
+        is refused."""
+        pgvector_type, oid, dims = self._stored_embedding_type(conn, pgvector)
+        if dims != rows.dim:
             raise StoreLoadFailed(
                 f"the store's table {self.settings.schema_name}.{self.settings.table} holds "
-                f"{stored} vectors, these rows have {rows.dim} dimensions: a model or "
-                "model.dimensions change needs a table of its own (store.table)")
-        return pgvector_type
+                f"{pgvector_type}({dims}) vectors, these rows have {rows.dim} dimensions: a "
+                "model or model.dimensions change needs a table of its own (store.table)")
+        return pgvector_type, oid
 
-    def _stored_embedding_type(self, conn) -> str:
+    def _stored_embedding_type(self, conn, pgvector: str) -> tuple[str, int, int]:
+        """The articles' table's ``embedding`` type: (``vector`` or ``halfvec``, its oid, its
+        dimension); ``StoreLoadFailed`` when it is not one of pgvector's, in ``pgvector``, the
+        extension's schema (a type of that name in another schema is someone else's)."""
         row = conn.execute(
-            "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = "
-            "%s::regclass AND attname = 'embedding'",
+            "SELECT t.typname::text, n.nspname::text, t.oid, a.atttypmod "
+            "FROM pg_catalog.pg_attribute a JOIN pg_catalog.pg_type t ON t.oid = a.atttypid "
+            "JOIN pg_catalog.pg_namespace n ON n.oid = t.typnamespace "
+            "WHERE a.attrelid = %s::pg_catalog.regclass AND a.attname = 'embedding' "
+            "AND NOT a.attisdropped",
             (f'"{self.settings.schema_name}"."{self.settings.table}"',)).fetchone()
         if row is None:
             raise StoreLoadFailed(f"the store's table {self.settings.table} has no embedding")
-        return str(row[0])
+        name, schema, oid, dims = str(row[0]), str(row[1]), int(row[2]), int(row[3])
+        if name not in _PGVECTOR_TYPES.values() or schema != pgvector:
+            raise StoreLoadFailed(
+                f"the store's table {self.settings.schema_name}.{self.settings.table} holds "
+                f"{_printable(schema)}.{_printable(name)} embeddings, not pgvector's vector or "
+                f"halfvec (pgvector is in the schema {_printable(pgvector)})")
+        return name, oid, dims
 
     def search(self, vector, k: int) -> list[dict]:
         """The ``k`` nearest articles to ``vector`` through the HNSW index (``hnsw.ef_search`` from
@@ -1734,25 +1806,33 @@ class Store:
         # HNSW returns at most ef_search rows: enough of them to group chunks into k articles.
         ef_search = max(self.settings.ef_search, k)
         with self.connect() as conn, conn.transaction():
+            pgvector = pgvector_schema(conn)
+            if pgvector is None:
+                raise StoreError("the store's database has no pgvector (CREATE EXTENSION vector)")
             conn.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(ef_search)))
-            # The query vector as the column's type, so that the HNSW index serves the ORDER BY.
-            stored = self._stored_embedding_type(conn).partition("(")[0]
-            cast = sql.SQL("halfvec" if stored == "halfvec" else "vector")
+            # The query vector as the column's type, so that the HNSW index serves the ORDER BY;
+            # the type and its operator are pgvector's, named with its schema.
+            stored = self._stored_embedding_type(conn, pgvector)[0]
+            cast = _ident(pgvector, stored)
+            distance = sql.SQL("OPERATOR({}.<=>)").format(_ident(pgvector))
             has_chunks = conn.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {})").format(
                 _ident(schema, chunks_table.name))).fetchone()
             if has_chunks and has_chunks[0]:
                 nearest = conn.execute(sql.SQL(
-                    "SELECT c.id, v.title, 1 - (c.embedding <=> %s::{cast}), c.chunk_index "
-                    "FROM (SELECT id, chunk_index, embedding FROM {chunks} ORDER BY embedding <=> "
-                    "%s::{cast} LIMIT %s) c LEFT JOIN {vectors} v USING (id)").format(
+                    "SELECT c.id, v.title, 1 - (c.embedding {distance} %s::{cast}), "
+                    "c.chunk_index FROM (SELECT id, chunk_index, embedding FROM {chunks} "
+                    "ORDER BY embedding {distance} %s::{cast} LIMIT %s) c "
+                    "LEFT JOIN {vectors} v USING (id)").format(
                         chunks=_ident(schema, chunks_table.name),
-                        vectors=_ident(schema, vectors_table.name), cast=cast),
+                        vectors=_ident(schema, vectors_table.name), cast=cast,
+                        distance=distance),
                     (query, query, ef_search)).fetchall()
             else:
                 nearest = conn.execute(sql.SQL(
-                    "SELECT id, title, 1 - (embedding <=> %s::{cast}), NULL::integer "
-                    "FROM {vectors} ORDER BY embedding <=> %s::{cast} LIMIT %s").format(
-                        vectors=_ident(schema, vectors_table.name), cast=cast),
+                    "SELECT id, title, 1 - (embedding {distance} %s::{cast}), NULL::integer "
+                    "FROM {vectors} ORDER BY embedding {distance} %s::{cast} LIMIT %s").format(
+                        vectors=_ident(schema, vectors_table.name), cast=cast,
+                        distance=distance),
                     (query, query, k)).fetchall()
         best: dict[str, tuple] = {}
         for doc_id, title, score, chunk_index in nearest:
