@@ -223,6 +223,45 @@ def test_a_run_that_ends_while_a_newer_one_publishes_says_it_was_superseded(tmp_
     assert summary["run_id"] < newer[0]
 
 
+def test_a_run_from_the_future_in_the_output_fails_the_run_not_silently_wins(tmp_path):
+    """An output whose manifest names a run launched, by its id, years from now (a launching
+    machine's clock, or someone else's manifest): every later run would be older, publish nothing
+    and report success (``published: False``) for ever. The run fails instead, and says why;
+    the output is left as it was."""
+    output = f"{tmp_path}/out"
+    future = "29991231T235959Z-00012345"
+    manifest.write_manifest(output, manifest.Manifest(
+        run_id=future, state=manifest.COMMITTED, started_at=time.time(), vectors=[],
+        dead_letter=[], summary="_summary.json", counts={},
+        committed_at="2026-12-06T00:00:00+00:00"))
+    before = listing(output)
+    with pytest.raises(Exception, match="launched .* h from now") as failure:
+        run_batch(_config(write_input(str(tmp_path), "in1", DAY_1), output), _options(),
+                  engine_factory=FakeEngine)
+    assert future in str(failure.value)
+    after = listing(output)
+    assert after["_manifest.json"] == before["_manifest.json"]
+
+
+def test_a_newer_run_launched_on_a_clock_a_little_ahead_still_wins(tmp_path):
+    """A clock difference below ``FUTURE_RUN_SKEW_S`` between two launching machines is normal:
+    the newer run (ten minutes ahead) keeps the output and this run publishes nothing."""
+    import datetime as _dt
+
+    from transforms.layout import new_run_id
+
+    output = f"{tmp_path}/out"
+    ahead = new_run_id(_dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(minutes=10))
+    manifest.write_manifest(output, manifest.Manifest(
+        run_id=ahead, state=manifest.COMMITTED, started_at=time.time(), vectors=[],
+        dead_letter=[], summary="_summary.json", counts={},
+        committed_at="2026-12-06T00:00:00+00:00"))
+    summary = run_batch(_config(write_input(str(tmp_path), "in1", DAY_1), output), _options(),
+                        engine_factory=FakeEngine)
+    assert summary["run_id"] == ahead, "the summary is the newer run's, the output's"
+    assert json.loads(listing(output)["_manifest.json"])["run_id"] == ahead
+
+
 def test_the_newest_run_wins_when_it_commits_first(tmp_path, monkeypatch):
     """An older launch (a slow job, or a Cloud Scheduler launch retried) that reaches its commit
     after a newer one has committed publishes nothing; before, whichever committed last won."""

@@ -38,8 +38,10 @@ from transforms.layout import (
     SUMMARY_FILE,
     VECTORS_DIR,
     join_path,
+    new_run_id,
     parquet_rows,
     relative_to,
+    run_id_time,
     staging_prefix,
     write_whole,
 )
@@ -62,6 +64,16 @@ _LOG = logging.getLogger(__name__)
 
 class AccountingError(RuntimeError):
     """Some input is neither written, dead-lettered nor a counted duplicate."""
+
+
+class RunFromTheFuture(RuntimeError):
+    """The output holds a run launched, by its id, later than now by more than
+    ``FUTURE_RUN_SKEW_S``: no run launched before that time could ever supersede it, so every
+    run would publish nothing. A clock that is wrong (the machine that launched it, or this one),
+    or a manifest written by someone else; nothing is published until someone looks."""
+
+
+FUTURE_RUN_SKEW_S = 3600.0  # the clock difference between two launching machines taken as normal
 
 
 class Tally(enum.StrEnum):
@@ -112,6 +124,15 @@ class _CommitFn(beam.DoFn):
         if current is not None and current.run_id == self._run_id:
             return self._published_summary()
         if current is not None and current.run_id > self._run_id:
+            ahead = (run_id_time(current.run_id) - run_id_time(new_run_id())).total_seconds()
+            if ahead > FUTURE_RUN_SKEW_S:
+                raise RunFromTheFuture(
+                    f"{self._output}: its manifest names run {current.run_id} "
+                    f"({current.state}), launched {ahead / 3600:.1f} h from now by its id: no "
+                    f"run could supersede it, so run {self._run_id} publishes nothing and fails. "
+                    "A clock is wrong (the machine that launched that run, or this one), or "
+                    "someone else wrote the manifest: check it, then move _manifest.json aside "
+                    "and rerun")
             # A run launched after this one holds the output: the newest run wins, whichever
             # commits last. This run publishes nothing.
             delete_tree_fenced(staging_prefix(self._output, self._run_id), lease)

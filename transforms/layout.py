@@ -78,6 +78,11 @@ def new_run_id(now: Optional[dt.datetime] = None) -> str:
     return f"{now:%Y%m%dT%H%M%SZ}-{now.microsecond // 1000:03x}{uuid.uuid4().hex[:5]}"
 
 
+def run_id_time(run_id: str) -> dt.datetime:
+    """When run ``run_id`` (of ``new_run_id``'s form) was launched, to the second, in UTC."""
+    return dt.datetime.strptime(run_id[:16], "%Y%m%dT%H%M%SZ").replace(tzinfo=dt.timezone.utc)
+
+
 def require_safe_run_id(run_id: str) -> None:
     if not SAFE_NAME.fullmatch(run_id) or set(run_id) == {"."}:
         raise ValueError(f"run_id {run_id!r} must match {SAFE_NAME.pattern} and not be . or ..")
