@@ -3,22 +3,28 @@ job's user.
 
 The engine serves pickle over ``multiprocessing.managers``: whoever can authenticate to it can run
 code in it, and whoever can make an SDK process connect to a server of theirs can run code in the
-SDK process. So the engine authenticates with a random key of its own (never Beam's constant
-``b'mps'``), read from a file no one else can read, and every rendezvous and state file is kept in
-a private folder (0700, this user's) and is read only if it is a regular file of this user's that
-no one else may write (``transforms.private_files``).
+SDK process. So the engine serves on a Unix socket (0600) in a private folder (0700, this
+user's), never on a TCP port (which another user may bind once the engine ends, or flood), and a
+client connects to nothing else; the engine authenticates with a random key of its own as well
+(never Beam's constant ``b'mps'``), read from a file no one else can read; and every rendezvous
+and state file is kept in the private folder and is read only if it is a regular file of this
+user's that no one else may write (``transforms.private_files``).
 
 These tests run as root on the CI machine, where no second user exists: "another user" is
 simulated by files and folders chowned to uid 65534 (nobody), or left writable by others (mode
-0o666, 0o755), which the code must refuse as if another user had written them. Each planted file
+0o666, 0o755), which the code must refuse as if another user had written them, or by a child
+process that drops to uid 65534. Each planted file
 is put both where the code before this change looked (the machine's temp folder) and in the
 private folder, so the test shows the planted file is never acted on, wherever it is."""
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import pathlib
+import shutil
 import socket
 import stat
 import subprocess
@@ -34,6 +40,7 @@ from tests.fakes import FakeEngine
 from transforms import shared_engine as module
 from transforms.devices import DeviceSlots
 from transforms.engine import EngineFailedError
+from transforms.private_files import write_private
 from transforms.shared_engine import SharedEngineClient
 
 NOBODY = 65534
@@ -41,10 +48,14 @@ as_root = pytest.mark.skipif(os.geteuid() != 0, reason="simulates another user b
 
 
 @pytest.fixture
-def temp(tmp_path, monkeypatch):
-    """A temp folder of the test's own (the machine's, as the SDK processes see it)."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    return tmp_path
+def temp(monkeypatch):
+    """A temp folder of the test's own (the machine's, as the SDK processes see it), with a short
+    path: the engine's Unix socket is in it, and AF_UNIX takes 107 bytes of path (pytest's
+    ``tmp_path`` here is about 100 before the private folder's name)."""
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="door-"))
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _private(temp) -> str:
@@ -83,20 +94,20 @@ def test_a_connection_without_the_engines_key_is_refused(temp):
     client = _client(tag)
     try:
         address_file = client._record.address_file(client._record.read())
-        with open(address_file) as f:
-            host, port = f.read().split(":")
+        path = _engine_socket(client, temp)
         with pytest.raises(multiprocessing.AuthenticationError):
-            multiprocessing.connection.Client((host, int(port)), authkey=b"mps").close()
+            multiprocessing.connection.Client(path, authkey=b"mps").close()
         with pytest.raises(multiprocessing.AuthenticationError):
-            multiprocessing.connection.Client((host, int(port)), authkey=os.urandom(32)).close()
+            multiprocessing.connection.Client(path, authkey=os.urandom(32)).close()
         folder = _private(temp)
         assert os.path.dirname(address_file) == folder
         assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
         mine = [n for n in os.listdir(folder) if n.startswith(tag)]
         assert f"{tag}-g1.key" in mine and f"{tag}.busy" in mine
-        for name in mine:
+        for name in mine + [os.path.basename(path)]:
             info = os.lstat(os.path.join(folder, name))
-            assert stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid(), name
+            kind = stat.S_ISSOCK if name == os.path.basename(path) else stat.S_ISREG
+            assert kind(info.st_mode) and info.st_uid == os.geteuid(), name
             assert stat.S_IMODE(info.st_mode) == 0o600, (name, oct(info.st_mode))
         assert not [n for n in os.listdir(temp) if n.startswith(tag)], "nothing in the temp folder"
         (vector,) = client.embed([[5, 7, 11]])
@@ -252,3 +263,204 @@ def test_a_private_folder_another_user_could_write_is_refused(temp, how):
     with pytest.raises(EngineFailedError, match="private folder"):
         SharedEngineClient(make_config().model, FakeEngine, f"newsvec-test-{uuid.uuid4().hex}",
                            connect=False)
+
+
+def _listening_sockets(pid: int) -> dict[str, list[str]]:
+    """The sockets process ``pid`` listens on, by kind: ``tcp`` (the ``local address:port`` of
+    each TCP or TCP6 socket in state LISTEN, 0A) and ``unix`` (the path of each Unix stream
+    socket that accepts connections, flag __SO_ACCEPTCON), matched by inode against the
+    ``socket:[inode]`` links among its descriptors, in the process's own network namespace."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    found: dict[str, list[str]] = {"tcp": [], "unix": []}
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in list(f)[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:
+                    found["tcp"].append(fields[1])
+    with open(f"/proc/{pid}/net/unix") as f:
+        for row in list(f)[1:]:
+            fields = row.split()
+            if int(fields[3], 16) & 0x10000 and fields[6] in inodes:
+                found["unix"].append(fields[7] if len(fields) > 7 else "")
+    return found
+
+
+def _engine_socket(client: SharedEngineClient, temp) -> str:
+    """The socket the engine's address file names, which must be a bare name in the private
+    folder."""
+    address_file = client._record.address_file(client._record.read())
+    with open(address_file) as f:
+        name = f.read()
+    assert "/" not in name and ":" not in name, f"the address file names {name!r}"
+    return os.path.join(_private(temp), name)
+
+
+def test_the_engine_listens_on_no_tcp_port_only_on_a_unix_socket_in_the_private_folder(temp):
+    """The engine's process listens on no TCP port (a port is freed when the engine ends, and
+    another local user may bind it and relay two clients' challenges to each other), only on the
+    Unix socket its address file names, in the private folder."""
+    client = _client(f"newsvec-test-{uuid.uuid4().hex}")
+    try:
+        listening = _listening_sockets(client._process[0])
+        assert listening["tcp"] == [], f"the engine listens on TCP {listening['tcp']}"
+        path = _engine_socket(client, temp)
+        assert listening["unix"] == [path], listening
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+        (vector,) = client.embed([[5, 7, 11]])
+        assert vector.shape == (384,)
+    finally:
+        _end(client)
+
+
+def _connects_as(uid: int, path: str, files_as_root: bool = False) -> str:
+    """What a process of user ``uid`` (a child of this one, which drops to it) meets at the Unix
+    socket at ``path``: "challenged" (it connected and the server sent it the key's challenge),
+    "closed" (it connected, and the server closed the connection), or the error's name. With
+    ``files_as_root``, only its effective uid drops (the one the server sees, ``SO_PEERCRED``),
+    and it reaches files as root (``setfsuid(0)``): past the folder's 0700, which would
+    otherwise stop it first."""
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover  # the child
+        try:
+            os.setgroups([])
+            if files_as_root:
+                os.setegid(uid)
+                os.seteuid(uid)
+                ctypes.CDLL(None, use_errno=True).setfsuid(0)
+            else:
+                os.setgid(uid)
+                os.setuid(uid)
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(path)
+                s.settimeout(10)
+                os.write(writer, b"challenged" if s.recv(1) else b"closed")
+        except BaseException as exc:  # pylint: disable=broad-except
+            os.write(writer, type(exc).__name__.encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    os.waitpid(child, 0)
+    with os.fdopen(reader, "rb") as f:
+        return f.read().decode()
+
+
+@as_root
+def test_the_engines_socket_is_this_users_alone_and_a_silent_connection_blocks_no_call(temp):
+    """The engine's socket is 0600, this user's, in the 0700 private folder: another user
+    (simulated: a child that drops to uid 65534) cannot connect to it at all, so cannot hold
+    connections open to starve it (the server runs a thread and holds a descriptor for every
+    connection until its handshake ends, with no time limit: enough silent ones exhaust its
+    descriptors, and then no client is accepted and the engine cannot write its heartbeat). Silent
+    connections this user holds open do not stop another's call."""
+    client = _client(f"newsvec-test-{uuid.uuid4().hex}")
+    silent = []
+    try:
+        path = _engine_socket(client, temp)
+        info = os.lstat(path)
+        assert stat.S_ISSOCK(info.st_mode) and info.st_uid == os.geteuid()
+        assert stat.S_IMODE(info.st_mode) == 0o600, oct(info.st_mode)
+        assert stat.S_IMODE(os.lstat(os.path.dirname(path)).st_mode) == 0o700
+        assert _connects_as(NOBODY, path) == "PermissionError"
+        assert _connects_as(os.geteuid(), path) == "challenged"
+        for _ in range(20):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            silent.append(s)
+        started = time.monotonic()
+        (vector,) = client.embed([[5, 7, 11]])
+        assert vector.shape == (384,)
+        assert time.monotonic() - started < 10
+    finally:
+        for s in silent:
+            s.close()
+        _end(client)
+
+
+@pytest.mark.parametrize("where", ["tcp", "outside", "relative", "other-socket"])
+def test_an_address_file_naming_anything_but_the_engines_socket_is_never_connected_to(temp,
+                                                                                       where):
+    """An address file of this user's (0600, in the private folder: not refused as planted) that
+    names a TCP address, a socket outside the private folder (by an absolute or a relative path),
+    or another socket in it than the one its generation's engine binds, is never connected to
+    (whoever listens there could be another user's server, which could have relayed a challenge
+    and would then be unpickled); the client starts an engine of its own."""
+    folder = _private(temp)
+    if where == "tcp":
+        listener = socket.create_server(("127.0.0.1", 0))
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+    else:
+        path = os.path.join(folder if where == "other-socket" else str(temp), "x.sock")
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(path)
+        listener.listen(16)
+        address = {"outside": path, "relative": "../x.sock", "other-socket": "x.sock"}[where]
+    listener.settimeout(0.2)
+    connections = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            connections.append(conn)
+            conn.close()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    tag = f"newsvec-test-{uuid.uuid4().hex}"
+    me = module._process_identity(os.getpid())
+    for name, content in ((f"{tag}.engine", json.dumps({"number": 1, "spawner": list(me),
+                                                          "engine": None})),
+                          (f"{tag}-g1.address", address), (f"{tag}-g1.key", "k" * 32)):
+        write_private(os.path.join(folder, name), content.encode())
+    client = None
+    try:
+        client = _client(tag)
+        assert connections == [], f"the client connected to {address} {len(connections)} time(s)"
+        assert client._generation != 1, "the generation that names it is not used"
+        (vector,) = client.embed([[1, 2, 3]])
+        assert vector.shape == (384,)
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+        if client is not None:
+            _end(client)
+
+
+def test_a_temp_folder_too_deep_for_the_engines_socket_fails_saying_so(monkeypatch, tmp_path):
+    """Where the private folder's path leaves no room for the socket's (AF_UNIX takes 107 bytes),
+    reaching the engine fails with an ``EngineFailedError`` that says so and what to do, rather
+    than an error from deep in multiprocessing."""
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(EngineFailedError, match="shorter path"):
+        _client(f"newsvec-test-{uuid.uuid4().hex}")
+
+
+@as_root
+def test_the_engine_hangs_up_on_a_process_of_another_user_before_its_challenge(temp):
+    """A process of another user that reaches the socket all the same (simulated: a child whose
+    effective uid is 65534 but that reaches files as root, past the private folder) is hung up on
+    at once (the engine checks the peer's uid, ``SO_PEERCRED``), before the key's challenge: it
+    holds no thread or descriptor of the engine."""
+    client = _client(f"newsvec-test-{uuid.uuid4().hex}")
+    try:
+        path = _engine_socket(client, temp)
+        assert _connects_as(NOBODY, path, files_as_root=True) == "closed"
+        (vector,) = client.embed([[5, 7, 11]])
+        assert vector.shape == (384,)
+    finally:
+        _end(client)

@@ -29,32 +29,43 @@ each SDK process one ``SharedEngineClient`` per step, which:
 A worker with several GPUs runs one such engine per GPU (``model.gpus_per_worker``), each pinned
 to its device, and each SDK process is given one of them (``transforms.devices``).
 
-Only the job's user reaches the engine: each engine authenticates with a random key of its own
-(``_private_shared``; never Beam's constant ``b'mps'``), and every file the engine and its
-clients meet at is in one private folder (``transforms.private_files.private_folder``: 0700, this
-user's, shared by every SDK process of the machine), written 0600 and read only if no other user
-could have written it: Beam's ``{tag}-g<n>.address``, ``.key`` and ``.lock``, and newsvec's
-``{tag}.engine``, ``{tag}.lock``, ``{tag}.busy``, ``{tag}.loading``, ``{tag}-g<n>.ended`` and
-``{tag}-g<n>.exit``.
+Only the job's user reaches the engine: it serves on a Unix socket (``_serve_privately``, in
+place of Beam's server function, which binds a TCP port on 127.0.0.1), 0600, in one private
+folder (``transforms.private_files.private_folder``: 0700, this user's, shared by every SDK process
+of the machine), and takes connections only from processes of this user (``_OwnUsersServer``);
+a client connects only to that socket, named by its generation's address file
+(``_engine_socket``), never to a TCP address or a path elsewhere. Each engine authenticates with
+a random key of its own as well (``_private_shared``; never Beam's constant ``b'mps'``). Every
+file the engine and its clients meet at is in that folder, written 0600 and read only if no
+other user could have written it: Beam's ``{tag}-g<n>.address``, ``.key`` and ``.lock``, the
+socket (``<hash of {tag}-g<n>>.sock``), and newsvec's ``{tag}.engine``, ``{tag}.lock``,
+``{tag}.busy``, ``{tag}.loading``, ``{tag}-g<n>.ended`` and ``{tag}-g<n>.exit``.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import dataclasses
+import hashlib
 import itertools
 import json
 import logging
 import math
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.managers
 import os
 import queue
 import re
 import signal
+import socket
+import stat
+import struct
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -70,6 +81,7 @@ from transforms.engine import (
 from transforms.model import ModelSettings
 from transforms.private_files import (
     UnsafeFolderError,
+    check_private_folder,
     ensure_private_file,
     is_private,
     private_folder,
@@ -341,7 +353,7 @@ class _SharedEngine:
             self._record.mark_loading(self._generation)
             address_file = self._record.address_file(current)
             keep_fresh = [self._record.path, self._record.lock_path, address_file,
-                          _key_file(address_file)]
+                          _key_file(address_file), _socket_file(address_file)]
         _one_process_engine()
         if self._device is not None:
             torch = sys.modules.get("torch")
@@ -528,30 +540,181 @@ def _key_file(address_file: str) -> str:
     return address_file[:-len(".address")] + ".key"
 
 
+# AF_UNIX's limit on a socket's path: sun_path holds 108 bytes, with the NUL that ends it.
+_SOCKET_PATH_MAX = 107
+
+
+def _socket_file(address_file: str) -> str:
+    """The engine's Unix socket, beside its address file in the private folder:
+    ``<10 hex digits of the SHA-256 of its Beam tag>.sock`` (a tag can be long, and AF_UNIX takes
+    ``_SOCKET_PATH_MAX`` bytes of path). ``EngineFailedError`` where the folder's path leaves no
+    room for it."""
+    folder, name = os.path.split(address_file)
+    digest = hashlib.sha256(name[:-len(".address")].encode()).hexdigest()[:10]
+    path = os.path.join(folder, f"{digest}.sock")
+    if len(os.fsencode(path)) > _SOCKET_PATH_MAX:
+        raise EngineFailedError(
+            f"the shared engine's socket {path} would be {len(os.fsencode(path))} bytes long, over "
+            f"the {_SOCKET_PATH_MAX} a Unix socket's path may have: point TMPDIR (where the "
+            "private folder is made) at a folder with a shorter path")
+    return path
+
+
+def _engine_socket(address_file: str) -> str:
+    """The socket to reach the engine at: the one its address file names, if that is the name
+    its generation's engine binds (``_socket_file``, in the same private folder), and a socket of
+    this user's that no one else may use. Anything else (a TCP address, a path elsewhere, another
+    name, a file that is not a socket) is refused, never connected to: ``ConnectionRefusedError``.
+    (A server another user runs would have the client unpickle its answers, and with a TCP port,
+    freed when an engine ends, it could pass the key's challenge by relaying two clients'.)"""
+    expected = _socket_file(address_file)
+    address = read_private(address_file)
+    if address is None:
+        raise ConnectionRefusedError(f"the engine's address file {address_file} is missing, or "
+                                     "not this user's private file: not connected to")
+    if address != os.path.basename(expected).encode():
+        raise ConnectionRefusedError(
+            f"the engine's address file {address_file} names {address[:200]!r}, not its socket "
+            f"{os.path.basename(expected)} in the private folder: not connected to")
+    check_private_folder(os.path.dirname(expected))
+    try:
+        info = os.lstat(expected)
+    except OSError as exc:
+        raise ConnectionRefusedError(f"the engine's socket {expected}: {exc}") from exc
+    why = None
+    if not stat.S_ISSOCK(info.st_mode):
+        why = "is not a socket"
+    elif info.st_uid != os.geteuid():
+        why = f"is owned by uid {info.st_uid}, not this user ({os.geteuid()})"
+    elif info.st_mode & 0o077:
+        why = f"has mode {stat.S_IMODE(info.st_mode):o} (group or others may use it)"
+    if why is not None:
+        raise ConnectionRefusedError(f"the engine's socket {expected} {why}: not connected to")
+    return expected
+
+
+def _peer_is_this_user(connection: multiprocessing.connection.Connection) -> bool:
+    """Whether the process at the other end of an accepted Unix socket runs as this user
+    (``SO_PEERCRED``: its credentials when it connected)."""
+    try:
+        with socket.socket(fileno=os.dup(connection.fileno())) as peer:
+            credentials = peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                          struct.calcsize("3i"))
+    except OSError:
+        return False
+    _, uid, _ = struct.unpack("3i", credentials)
+    return uid == os.geteuid()
+
+
+class _OwnUsersServer(multiprocessing.managers.Server):
+    """multiprocessing's manager server, on the engine's Unix socket, that hands a connection to
+    a thread of its own (as multiprocessing's does: the key's challenge is met there, not in the
+    accept loop) only if its peer runs as this user (the 0700 folder already keeps others from
+    the socket), and that waits a little when accepting fails (out of descriptors: its loop
+    would spin) instead of trying again at once."""
+
+    def accepter(self) -> None:
+        listener = self.listener  # type: ignore[attr-defined]
+        while True:
+            try:
+                connection = listener.accept()
+            except OSError:
+                time.sleep(0.05)
+                continue
+            if not _peer_is_this_user(connection):
+                _LOG.warning("the shared engine refused a connection from another user")
+                connection.close()
+                continue
+            threading.Thread(target=self.handle_request, args=(connection,), daemon=True,
+                             name="newsvec-engine-connection").start()
+
+
 def _serve_privately(address_file: str, tag: str, constructor: Callable, authkey: bytes,
                      life_line: Any) -> None:
-    """The engine's process (spawned): Beam's server, with the engine's own key, every file it
-    writes (its address, an error) made 0600."""
-    from apache_beam.utils import multi_process_shared
+    """The engine's process (spawned): what Beam's ``_run_server_process`` does (load the
+    engine as the singleton of ``tag``, end when the spawner's life line breaks, an error file
+    if it fails, its files removed as it ends), but serving on a Unix socket in the private
+    folder (``_socket_file``; 0600, with the engine's own key as well), whose name it writes to
+    its address file once it listens; umask 077, so that whatever else it writes there is
+    0600 too."""
+    from apache_beam.utils import multi_process_shared as mps
 
     os.umask(0o077)
-    multi_process_shared._run_server_process(  # pylint: disable=protected-access
-        address_file, tag, constructor, authkey, life_line)
+    error_file = address_file + ".error"
+    socket_file = ""
+
+    def remove_files() -> None:
+        for path in (address_file, error_file, socket_file):
+            try:
+                if path:
+                    os.remove(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                _LOG.warning("could not remove the shared engine's file %s: %s", path, exc)
+
+    def hard_delete() -> None:
+        remove_files()
+        os._exit(0)  # pylint: disable=protected-access
+
+    def watch_life_line() -> None:
+        while True:
+            try:
+                life_line.recv_bytes()
+            except (EOFError, OSError):
+                _LOG.warning("the shared engine's spawner (process %d) has ended: so does the "
+                             "engine (process %d)", os.getppid(), os.getpid())
+                hard_delete()
+            time.sleep(0.5)
+
+    atexit.register(remove_files)
+    try:
+        logging.getLogger().setLevel(logging.INFO)
+        multiprocessing.current_process().authkey = authkey
+        socket_file = _socket_file(address_file)
+        singletons = mps._process_level_singleton_manager  # pylint: disable=protected-access
+        singletons.set_hard_delete_callback(hard_delete)
+        singletons.register_singleton(constructor, tag, initialize_eagerly=True,
+                                      hard_delete_callback=hard_delete)
+        # Watched once loaded, as Beam does.
+        threading.Thread(target=watch_life_line, daemon=True,
+                         name="newsvec-engine-life-line").start()
+        try:
+            os.unlink(socket_file)  # left by an engine of this tag that was killed
+        except FileNotFoundError:
+            pass
+        # What BaseManager.get_server makes, but of the class above.
+        registrar: Any = mps._SingletonRegistrar  # pylint: disable=protected-access
+        server = _OwnUsersServer(registrar._registry, socket_file, authkey, "pickle")
+        os.chmod(socket_file, 0o600)
+        _LOG.info("process %d: the shared engine %s serves at %s", os.getpid(), tag, socket_file)
+        write_private(address_file, os.path.basename(socket_file).encode())
+        server.serve_forever()
+    except Exception:  # pylint: disable=broad-except  # told to the spawner through the file
+        trace = traceback.format_exc()
+        try:
+            write_private(error_file, trace.encode())
+        except Exception:  # pylint: disable=broad-except
+            _LOG.error("the shared engine failed, and its error file cannot be written:\n%s",
+                       trace)
+        os._exit(1)  # pylint: disable=protected-access
 
 
 _PRIVATE_SHARED: Any = None
 
 
 def _private_shared(constructor: Callable, tag: str, folder: str) -> Any:
-    """Beam's ``MultiProcessShared`` (``spawn_process=True``, ``always_proxy=True``) with a key of
-    the engine's own: Beam 2.77 has no authkey argument, and authenticates with the module's
-    constant ``AUTH_KEY = b'mps'``, which it also makes the whole SDK process's
-    ``current_process().authkey``. This subclass replaces the two methods that use it: the
-    spawner makes a random key (``secrets.token_bytes(32)``) per engine, writes it 0600 to
-    ``{tag}.key`` in the private folder and hands it to the engine's process in the spawn's
-    arguments (a pipe); a client reads it from that file and connects with it, and reads the
-    address only from a file of this user's that no one else may write. Neither touches
-    ``AUTH_KEY`` or the SDK process's ``current_process().authkey``."""
+    """Beam's ``MultiProcessShared`` (``spawn_process=True``, ``always_proxy=True``) on a Unix
+    socket in the private folder, with a key of the engine's own: Beam 2.77 serves on TCP
+    (``localhost``, a free port) and authenticates with the module's constant
+    ``AUTH_KEY = b'mps'``, which it also makes the whole SDK process's
+    ``current_process().authkey``. This subclass replaces the two methods that spawn and reach
+    the server: the spawner makes a random key (``secrets.token_bytes(32)``) per engine, writes
+    it 0600 to ``{tag}.key`` in the private folder and hands it to the engine's process in the
+    spawn's arguments (a pipe), which runs newsvec's server function (``_serve_privately``); a
+    client reads the key from that file and connects with it only to the socket the address file
+    names (``_engine_socket``), reading both only from files of this user's that no one else may
+    write. Neither touches ``AUTH_KEY`` or the SDK process's ``current_process().authkey``."""
     global _PRIVATE_SHARED  # pylint: disable=global-statement  # made once, on first use
     if _PRIVATE_SHARED is None:
         _PRIVATE_SHARED = _make_private_shared()
@@ -559,7 +722,6 @@ def _private_shared(constructor: Callable, tag: str, folder: str) -> Any:
 
 
 def _make_private_shared() -> Any:
-    import atexit
     import secrets
 
     from apache_beam.utils import multi_process_shared as mps
@@ -580,14 +742,13 @@ def _make_private_shared() -> Any:
             return self._manager
 
         def _connect(self, address_file: str) -> Any:
-            address, key = read_private(address_file), read_private(_key_file(address_file))
-            if address is None or key is None:
+            key = read_private(_key_file(address_file))
+            if key is None:
                 raise ConnectionRefusedError(
-                    f"the engine's address file {address_file} or its key is missing, or not "
-                    "this user's private file: not connected to")
-            host, port = address.decode().split(":")
+                    f"the engine's key for {address_file} is missing, or not this user's private "
+                    "file: not connected to")
             manager = mps._SingletonRegistrar(  # pylint: disable=protected-access
-                address=(host, int(port)), authkey=key)
+                address=_engine_socket(address_file), authkey=key)
 
             @retry.with_exponential_backoff(
                 num_retries=5, initial_delay_secs=0.1,
@@ -611,6 +772,7 @@ def _make_private_shared() -> Any:
                 os.remove(error_file)
             except OSError:
                 pass
+            socket_file = _socket_file(address_file)  # too long a path: fails here
             key = secrets.token_bytes(32)
             write_private(_key_file(address_file), key)
             reader, writer = multiprocessing.Pipe(duplex=False)
@@ -625,7 +787,7 @@ def _make_private_shared() -> Any:
                 if p.is_alive():
                     p.terminate()
                     p.join()
-                for path in (address_file, error_file):
+                for path in (address_file, error_file, socket_file):
                     try:
                         os.remove(path)
                     except OSError:
@@ -1131,7 +1293,12 @@ class SharedEngineClient:
         address_file = self._record.address_file(current)
         if is_private(address_file) and is_private(_key_file(address_file)) and (
                 current.engine is None or _exists(current.engine)):
-            return current
+            try:
+                _engine_socket(address_file)
+                return current
+            except ConnectionRefusedError as exc:
+                _LOG.warning("the shared embedding engine of generation %d cannot be reached: "
+                             "%s", current.number, exc)
         loading = self._record.loading(current.number)
         named = [current.engine, loading[1] if loading is not None else None]
         for left in dict.fromkeys(p for p in named if p is not None):
@@ -1171,7 +1338,8 @@ class SharedEngineClient:
     def _new_generation(self, number: int, current: Optional[_Generation]) -> _Generation:
         if current is not None:
             address_file = self._record.address_file(current)
-            for stale in (address_file, address_file + ".error", _key_file(address_file)):
+            for stale in (address_file, address_file + ".error", _key_file(address_file),
+                          _socket_file(address_file)):
                 try:
                     os.unlink(stale)
                 except OSError:
