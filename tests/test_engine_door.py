@@ -18,7 +18,6 @@ is put both where the code before this change looked (the machine's temp folder)
 private folder, so the test shows the planted file is never acted on, wherever it is."""
 from __future__ import annotations
 
-import ctypes
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -28,6 +27,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -320,37 +320,39 @@ def test_the_engine_listens_on_no_tcp_port_only_on_a_unix_socket_in_the_private_
         _end(client)
 
 
+_CONNECTS_AS = """
+import ctypes, os, socket, sys
+uid, path, files_as_root = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+try:
+    os.setgroups([])
+    if files_as_root:
+        os.setegid(uid)
+        os.seteuid(uid)
+        ctypes.CDLL(None, use_errno=True).setfsuid(0)
+    else:
+        os.setgid(uid)
+        os.setuid(uid)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        s.settimeout(10)
+        print("challenged" if s.recv(1) else "closed", end="")
+except BaseException as exc:
+    print(type(exc).__name__, end="")
+"""
+
+
 def _connects_as(uid: int, path: str, files_as_root: bool = False) -> str:
-    """What a process of user ``uid`` (a child of this one, which drops to it) meets at the Unix
-    socket at ``path``: "challenged" (it connected and the server sent it the key's challenge),
-    "closed" (it connected, and the server closed the connection), or the error's name. With
-    ``files_as_root``, only its effective uid drops (the one the server sees, ``SO_PEERCRED``),
-    and it reaches files as root (``setfsuid(0)``): past the folder's 0700, which would
-    otherwise stop it first."""
-    reader, writer = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover  # the child
-        try:
-            os.setgroups([])
-            if files_as_root:
-                os.setegid(uid)
-                os.seteuid(uid)
-                ctypes.CDLL(None, use_errno=True).setfsuid(0)
-            else:
-                os.setgid(uid)
-                os.setuid(uid)
-            with socket.socket(socket.AF_UNIX) as s:
-                s.connect(path)
-                s.settimeout(10)
-                os.write(writer, b"challenged" if s.recv(1) else b"closed")
-        except BaseException as exc:  # pylint: disable=broad-except
-            os.write(writer, type(exc).__name__.encode())
-        finally:
-            os._exit(0)
-    os.close(writer)
-    os.waitpid(child, 0)
-    with os.fdopen(reader, "rb") as f:
-        return f.read().decode()
+    """What a process of user ``uid`` (a fresh interpreter started by this one as root, which
+    drops to it) meets at the Unix socket at ``path``: "challenged" (it connected and the server
+    sent it the key's challenge), "closed" (it connected, and the server closed the connection),
+    or the error's name. With ``files_as_root``, only its effective uid drops (the one the server
+    sees, ``SO_PEERCRED``), and it reaches files as root (``setfsuid(0)``): past the folder's
+    0700, which would otherwise stop it first. (Not a bare ``os.fork``: this test process runs
+    many threads, and a forked child of it may deadlock on a lock one of them held.)"""
+    done = subprocess.run([sys.executable, "-c", _CONNECTS_AS, str(uid), path,
+                           "1" if files_as_root else "0"], capture_output=True, text=True,
+                          timeout=60)
+    return done.stdout
 
 
 @as_root
@@ -373,7 +375,8 @@ def test_the_engines_socket_is_this_users_alone_and_a_silent_connection_blocks_n
         assert _connects_as(os.geteuid(), path) == "challenged"
         for _ in range(20):
             s = socket.socket(socket.AF_UNIX)
-            s.connect(path)
+            s.setblocking(True)  # as multiprocessing's client: a default timeout set by another
+            s.connect(path)  # test would make a full backlog an EAGAIN instead of a wait
             silent.append(s)
         started = time.monotonic()
         (vector,) = client.embed([[5, 7, 11]])
