@@ -43,6 +43,8 @@ CRAFTED = {
         summary="../../secret.txt"),
     "run_id_dotdot": _manifest(run_id="..", summary="_summary.json"),
     "run_id_unicode_digits": _manifest(run_id="٢٠٢٦١٢٠١T093000Z-1a2b3c4d"),
+    "run_id_not_a_time": _manifest(run_id="99991399T999999Z-00000000", state="committed",
+                                   summary="_summary.json"),
     "absolute_path": _manifest(vectors=["/etc/passwd"]),
     "dotdot_in_staged_path": _manifest(vectors=[f"_staging/{RUN}/vectors/../../../../x"]),
     "backslash": _manifest(vectors=[f"_staging/{RUN}/vectors\\..\\..\\x"]),

@@ -712,8 +712,9 @@ def test_texts_of_words_of_few_tokens_tokenize_as_the_whole_text(tokenizer, unit
 
 # --- no live markup in a prepared title or text -------------------------------------------------
 
-# "<" then what opens a tag, comment, declaration or processing instruction in HTML's tokenizer.
-LIVE_MARKUP = re.compile(r"<[A-Za-z!/?]")
+# "<" then what opens a tag, comment, declaration or processing instruction in HTML's tokenizer
+# (an ASCII letter, "!", "/", "?") or an element in XML (also "_", ":" and letters beyond ASCII).
+LIVE_MARKUP = re.compile(r"<[A-Za-z!/?_:]|<[^\W\d]")
 HOSTILE_TITLES = [
     "<script>alert(1)</script>",
     "<img src=x onerror=alert(1)>",
@@ -730,6 +731,9 @@ HOSTILE_TITLES = [
     "&lt;sc<b>ri</b>pt&gt;alert(1)",                       # a tag stripped from inside a tag
     "<<b>script>alert(1)<</b>/script>",
     "&lt;\x00script&gt;",
+    # An XML element's name may start so (ElementTree parses each):
+    "&lt;_x onload=1/&gt;",
+    "&lt;:x/&gt; &lt;\u00e9l\u00e9ment/&gt; &lt;\u8a18\u4e8b/&gt;",
 ]
 
 
@@ -755,7 +759,8 @@ def test_no_live_markup_survives_normalization(raw, form):
     ("<p>Breaking</p> &lt;img src=x onerror=alert(1)&gt;",
      "Breaking < img src=x onerror=alert(1)>"),
     ("\uff1cb\uff1ebold", "< b>bold"),
-    ("AT&T < 5 > 3, 2<3, x <= y", "AT&T < 5 > 3, 2<3, x <= y"),  # not markup: left alone
+    ("AT&T < 5 > 3, 2<3, x <= y, <<", "AT&T < 5 > 3, 2<3, x <= y, <<"),  # no tag: left alone
+    ("&lt;_x onload=1/&gt;", "< _x onload=1/>"),  # XML would read an element there
     ("&amp;lt;script&amp;gt;", "&lt;script&gt;"),  # decoded once: no "<" at all
 ])
 def test_markup_left_in_text_is_defused_not_removed(raw, prepared):
@@ -781,7 +786,7 @@ def test_prepared_titles_and_texts_carry_no_live_markup(tokenizer):
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(["<", "&lt;", "&#60;", "\uff1c", "\ufe64", "\u00ad", "\u200d",
                                  "\x00", "b", "img", "/", "!", "?", ">", "&gt;", " ", "<b>", "</b>",
-                                 "&amp;", "script", "é", "\u0301"]),
+                                 "&amp;", "script", "é", "\u0301", "_", ":", "\u8a18"]),
                 min_size=1, max_size=24).map("".join))
 def test_no_generated_text_normalizes_to_live_markup(value):
     for form in ("NFC", "NFKC"):

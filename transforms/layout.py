@@ -92,6 +92,11 @@ def require_run_id(run_id: object) -> str:
     """A run id as ``new_run_id`` makes it (what a manifest may name); ``ValueError`` if not."""
     if not isinstance(run_id, str) or not RUN_ID_FORMAT.fullmatch(run_id):
         raise ValueError(f"run id {run_id!r} is not of the form {RUN_ID_FORMAT.pattern}")
+    try:
+        run_id_time(run_id)
+    except ValueError:
+        raise ValueError(f"run id {run_id!r} does not begin with a real time (UTC, to the "
+                         "second)") from None
     return run_id
 
 
