@@ -1139,3 +1139,24 @@ def test_who_waits_for_a_holder_frozen_inside_a_local_change_says_so(tmp_path, c
     acquiring.join(30)
     waiter.release()
     assert "20261201T000000Z-aaaaaaaa" in caplog.text and "inside a change" in caplog.text
+
+
+def test_an_output_folder_every_user_may_write_is_refused_before_anything_is_published(tmp_path):
+    """Whoever may write the output folder may replace ``_publish.lock`` (naming a live holder on
+    another host, with a rising generation: every run then waits for ever) or unlink
+    ``_publish.lock.flock`` under its holder (the next process flocks a new file: two inside a
+    change at once). Before, a world-writable output was taken as it was; now the lease refuses
+    it, and the run fails saying how to fix it, with nothing published."""
+    from transforms.layout import UnsafePath
+
+    output = tmp_path / "out"
+    output.mkdir()
+    os.chmod(output, 0o777)
+    with pytest.raises(UnsafePath, match="every user"):
+        LocalLockStore(str(output / "_publish.lock"))
+    with pytest.raises(Exception, match="chmod o-w"):
+        run_batch(_config(write_input(str(tmp_path), "in1", DAY_1), str(output)), _options(),
+                  engine_factory=FakeEngine)
+    assert not (output / "_manifest.json").exists() and not (output / "vectors").exists()
+    os.chmod(output, 0o775)  # a group it trusts may write it
+    LocalLockStore(str(output / "_publish.lock"))

@@ -332,3 +332,29 @@ def test_a_streaming_snapshot_takes_only_micro_batches_settled_for_the_margin(tm
         os.utime(record, (old, old))
     snapshot, settled = streaming_snapshot(stream, settle=STREAMING_SETTLE_S)
     assert settled == none_needed and len(snapshot.pins) == 2
+
+
+def test_a_pinned_key_file_reached_through_a_symlinked_keys_folder_is_not_held(tmp_path):
+    """A publishing manifest's snapshot names a local streaming output and the key files it
+    pinned; before the publish, each must still be there with its bytes. Reached through a
+    symlinked ``keys/`` (a writer of that output, or a crafted manifest naming a prefix whose
+    ``keys`` leads elsewhere), the file is not the output's: the snapshot does not hold. Before,
+    the walk followed the symlink (hashing every file it led to, under the lease) and it held."""
+    import hashlib
+    import os
+
+    from transforms.incremental import Snapshot
+
+    name = "keys/dt=2026-12-01/hour=09/part-20261201T095900Z-001-00000-of-00004-0a.parquet"
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / name).parent.mkdir(parents=True)
+    (elsewhere / name).write_bytes(b"not this output's keys")
+    checksum = hashlib.sha256(b"not this output's keys").hexdigest()
+    prev = tmp_path / "prev"
+    prev.mkdir()
+    os.symlink(elsewhere / "keys", prev / "keys")
+    assert not Snapshot(str(prev), None, ((name, checksum),)).still_holds()
+    os.unlink(prev / "keys")
+    (prev / name).parent.mkdir(parents=True)
+    (prev / name).write_bytes(b"not this output's keys")
+    assert Snapshot(str(prev), None, ((name, checksum),)).still_holds()

@@ -42,7 +42,10 @@ from transforms.layout import (
     MANIFEST_FILE,
     STAGING_DIR,
     TEMP_DIR,
+    UnsafePath,
+    is_local,
     join_path,
+    open_inside,
     relative_to,
 )
 from transforms.lease import gcs_bucket_and_name, unsafe_test_timings
@@ -125,6 +128,9 @@ class Snapshot:
         """Whether the output still holds what was read: the same run, committed; for a streaming
         output, every pinned key file still there with the same bytes."""
         if self.run_id is None:
+            if is_local(self.prefix):  # each pinned file alone, reached through no symlink
+                return all(_local_checksum(self.prefix, path) == checksum
+                           for path, checksum in self.pins)
             now = key_file_checksums(self.prefix)
             return all(now.get(path) == checksum for path, checksum in self.pins)
         current = read_manifest(self.prefix)
@@ -145,6 +151,21 @@ class Snapshot:
     def from_dict(cls, data: dict) -> "Snapshot":
         return cls(data["prefix"], data.get("run_id"),
                    tuple((str(p), str(c)) for p, c in data.get("pins", ())))
+
+
+def _local_checksum(prefix: str, path: str) -> Optional[str]:
+    """The sha256 of the key file ``path`` (relative to the local output ``prefix``), as
+    ``key_file_checksums`` hashes it, or None where it is not a regular file reached through no
+    symlink (a publishing manifest's snapshot names its prefix: a symlinked ``keys/`` there would
+    otherwise have every file it leads to hashed, under the lease)."""
+    digest = hashlib.sha256()
+    try:
+        with open_inside(prefix, join_path(prefix, path)) as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except (OSError, UnsafePath):
+        return None
+    return digest.hexdigest()
 
 
 def key_file_checksums(prefix: str) -> dict[str, str]:

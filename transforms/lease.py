@@ -397,6 +397,15 @@ class LocalLockStore:
         self._flock_path = f"{path}.flock"
         self._folder = os.path.dirname(path) or "."
         os.makedirs(self._folder, exist_ok=True)
+        mode = stat.S_IMODE(os.stat(self._folder).st_mode)
+        if mode & stat.S_IWOTH:
+            # Whoever may write the folder may replace the lock file (naming a live holder
+            # elsewhere, for ever) or unlink the flocked file under a holder (two processes then
+            # change the output at once): the lock is only as private as the folder.
+            raise UnsafePath(
+                f"{self._folder} may be written by every user (mode {mode:o}): any of them could "
+                "hold or void its publish lock, so nothing is published there; make it writable "
+                f"by the job's user (and a group it trusts) alone: chmod o-w {self._folder}")
         kind = (filesystem if filesystem is not None else filesystem_type(self._folder)
                 or UNKNOWN_FILESYSTEM)
         if kind not in accepted_filesystems():
