@@ -131,8 +131,9 @@ def test_tables_another_role_made_first_are_refused_before_its_trigger_runs(pg, 
 
 def test_a_search_of_tables_another_role_made_is_refused(pg, role):
     """A search (a read) of tables ``mallory`` made, with row security whose check runs her
-    function as the reader, is refused before it reads them. Pre-fix: the search ran
-    ``grab_check()`` as the store's owner and returned mallory's rows."""
+    function as the reader, is refused before it reads them; so is any ``Store.connect()`` (the
+    ledger's check reads the store through it). Pre-fix: the search ran ``grab_check()`` as the
+    store's owner and returned mallory's row."""
     settings = StoreSettings(enabled=True, retry_s=0)
     mallory = role("mallory")
     _hostile_function(pg, mallory)
@@ -146,8 +147,11 @@ def test_a_search_of_tables_another_role_made_is_refused(pg, role):
                      (np.ones(DIM, np.float32),))
         conn.execute("ALTER TABLE public.news_vectors ENABLE ROW LEVEL SECURITY")
         conn.execute("CREATE POLICY grab ON public.news_vectors USING (public.grab_check())")
+    store = Store(settings, f"{pg} user={_owner_role(pg, role)}")
     with pytest.raises(StoreError, match=rf"owned by the role {mallory}\b"):
-        Store(settings, f"{pg} user={_owner_role(pg, role)}").search(np.ones(DIM), 2)
+        store.search(np.ones(DIM), 2)
+    with pytest.raises(StoreError, match=rf"owned by the role {mallory}\b"):
+        store.connect()
     assert _calls(pg) == []
 
 

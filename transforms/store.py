@@ -36,6 +36,13 @@ Nothing resolves through the session's ``search_path``: each connection sets ``S
 and operator classes with the extension's schema (``pgvector_schema``), so that no object another
 role named like one of them, in a schema earlier on the path, is ever picked.
 
+Every load and every read (``Store.connect``) first checks that each table and index of the
+store, and each trigger's function on them, is owned by a role the connection trusts (itself, a
+role it is a member of, a superuser, or ``table_owner``), and refuses the store otherwise: a role
+that may create in the store's schema could have made the tables before the owner's first load
+(``CREATE TABLE IF NOT EXISTS`` would find them there), and their triggers would run with the
+loader's rights (``_refuse_foreign``).
+
 The connection string (DSN) never comes from the config file: it is read at run time from the
 Secret Manager secret ``store.dsn_secret``, the secret file ``store.dsn_file`` or the environment
 variable ``store.dsn_env``, and it is scrubbed from every message this module logs or raises (and
@@ -1246,14 +1253,33 @@ class Store:
         return conn
 
     def connect(self) -> "psycopg.Connection":
+        """A connection to read the store (a search, the ledger's check against it), once the
+        catalog shows no table, index or trigger function of the store that another role owns
+        (``_refuse_foreign``: ``StoreError``): a read of such a table would run its owner's code
+        (a row security policy, a view) as this connection's role."""
         import psycopg
 
-        failure = None
+        failure: Optional[StoreError] = None
         try:
-            return self._open()
+            conn = self._open()
         except psycopg.Error as exc:
             failure = _failure(exc, self._dsn, "cannot connect to the store")
-        raise failure
+        if failure is not None:
+            raise failure
+        try:
+            _refuse_foreign(self.settings, _read_catalog(conn, self.settings), StoreError)
+            conn.commit()
+        except StoreError as exc:
+            failure = StoreError(self.scrub(str(exc)))
+        except psycopg.Error as exc:
+            failure = _failure(exc, self._dsn, "cannot read the store's catalog")
+        except BaseException:
+            conn.close()
+            raise
+        if failure is not None:
+            conn.close()
+            raise failure
+        return conn
 
     def load(self, rows: LoadRows, load_key: str, ids: Optional[Sequence[str]] = None, *,
              output: Optional["BatchOutput"] = None, reload: bool = False) -> StoreLoad:
@@ -1891,7 +1917,6 @@ class Store:
         # HNSW returns at most ef_search rows: enough of them to group chunks into k articles.
         ef_search = max(self.settings.ef_search, k)
         with self.connect() as conn, conn.transaction():
-            _refuse_foreign(self.settings, _read_catalog(conn, self.settings), StoreError)
             pgvector = pgvector_schema(conn)
             if pgvector is None:
                 raise StoreError("the store's database has no pgvector (CREATE EXTENSION vector)")
