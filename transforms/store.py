@@ -677,7 +677,7 @@ class _Catalog:
 
 # Whether the role of oid ``{x}`` may own the store's objects, in the eyes of the load's role
 # (``me``: current_user): that role itself, a role it is a member of (``pg_has_role``; for a
-# superuser it is true of every role, so a superuser trusts only itself), a superuser (who can
+# superuser it is true of every role, so it is not asked for one), a superuser (who can
 # run anything as anyone already), or the role ``store.table_owner`` names. Anyone else who may
 # create in the store's schema could have made a table under one of its names before the owner
 # did: its triggers, rules, policies, defaults and indexes run with the rights of whoever writes
