@@ -36,6 +36,13 @@ Nothing resolves through the session's ``search_path``: each connection sets ``S
 and operator classes with the extension's schema (``pgvector_schema``), so that no object another
 role named like one of them, in a schema earlier on the path, is ever picked.
 
+Every load and every read (``Store.connect``) first checks that each table and index of the
+store, and each trigger's function on them, is owned by a role the connection trusts (itself, a
+role it is a member of, a superuser, or ``table_owner``), and refuses the store otherwise: a role
+that may create in the store's schema could have made the tables before the owner's first load
+(``CREATE TABLE IF NOT EXISTS`` would find them there), and their triggers would run with the
+loader's rights (``_refuse_foreign``).
+
 The connection string (DSN) never comes from the config file: it is read at run time from the
 Secret Manager secret ``store.dsn_secret``, the secret file ``store.dsn_file`` or the environment
 variable ``store.dsn_env``, and it is scrubbed from every message this module logs or raises (and
@@ -153,6 +160,14 @@ class StoreSettings(BaseModel):
     table: str = Field("news_vectors", description="the articles' table; `<table>_chunks` and "
                                                    "`<table>_loads` beside it (an SQL identifier, "
                                                    "at most 40 characters)")
+    table_owner: Optional[str] = Field(
+        None, min_length=1, max_length=63, pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="the role that owns the store's tables, where the connection's role (the "
+                    "DSN's user) neither is it nor is a member of it: a loader that owns nothing "
+                    "(docs/store.md, \"Roles and privileges\"). A table or index of the store, "
+                    "or a trigger's function on one, owned by any role but this one, the "
+                    "connection's role, a role it is a member of or a superuser is refused (a "
+                    "role that may create in the schema could have made them first)")
     hnsw_m: int = Field(16, ge=2, le=100, description="HNSW index: links per node (`m`)")
     hnsw_ef_construction: int = Field(64, ge=4, le=1000,
                                       description="HNSW index: `ef_construction`")
@@ -646,6 +661,11 @@ class _Catalog:
     relations: frozenset
     columns: frozenset
     unanalyzed: frozenset = frozenset()  # main tables with no planner statistics (reltuples <= 0)
+    # (name, owner) of the tables and indexes of ours whose owner the load does not trust, and
+    # (table, trigger, function's owner) of the triggers on them that run an untrusted role's
+    # function (``_TRUSTED``)
+    foreign: tuple = ()
+    foreign_triggers: tuple = ()
 
     def has(self, what: str) -> bool:
         if what == "extension:vector":
@@ -655,18 +675,33 @@ class _Catalog:
         return what in self.relations
 
 
+# Whether the role of oid ``{x}`` may own the store's objects, in the eyes of the load's role
+# (``me``: current_user): that role itself, a role it is a member of (``pg_has_role``; for a
+# superuser it is true of every role, so it is not asked for one), a superuser (who can
+# run anything as anyone already), or the role ``store.table_owner`` names. Anyone else who may
+# create in the store's schema could have made a table under one of its names before the owner
+# did: its triggers, rules, policies, defaults and indexes run with the rights of whoever writes
+# to it, and its owner reads every row (CVE-2018-1058's kind, with the table itself as bait).
+_TRUSTED = (
+    "EXISTS (SELECT 1 FROM pg_catalog.pg_roles o, me WHERE o.oid = {x} AND (o.oid = me.oid "
+    "OR o.rolsuper OR (NOT me.rolsuper AND pg_catalog.pg_has_role(me.oid, o.oid, 'MEMBER')) "
+    "OR o.rolname = %(table_owner)s))")
+
+
 def _read_catalog(conn, settings: StoreSettings) -> _Catalog:
     """The catalog's view of the store's objects (``pg_extension``, ``pg_namespace``,
     ``pg_class``, ``pg_attribute``): no lock of any table is taken, so a load that finds
     everything in place issues no DDL, and waits for nothing a VACUUM, an ANALYZE or a
     ``CREATE INDEX CONCURRENTLY`` holds (a ``CREATE INDEX IF NOT EXISTS`` takes the table's SHARE
-    lock before it finds the index there)."""
+    lock before it finds the index there). It also lists what of the store another role owns
+    (``_Catalog.foreign``: ``_refuse_foreign``)."""
     name = settings.table
     tables = [table.name for table in _tables(settings)] + [
         f"{name}_loads", f"{name}_superseded", f"{name}_chunks_superseded"]
     relations = tables + [n for n, _ in _index_ddl(settings)] + [
         f"{table.name}_embedding_hnsw" for table in _tables(settings)]
     row = conn.execute(
+        "WITH me AS (SELECT oid, rolsuper FROM pg_catalog.pg_roles WHERE rolname = current_user) "
         "SELECT (SELECT n.nspname::text FROM pg_catalog.pg_extension e "
         "JOIN pg_catalog.pg_namespace n ON n.oid = e.extnamespace WHERE e.extname = 'vector'), "
         "EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s), "
@@ -680,11 +715,60 @@ def _read_catalog(conn, settings: StoreSettings) -> _Catalog:
         "AND NOT a.attisdropped), "
         "ARRAY(SELECT c.relname::text FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
         "ON n.oid = c.relnamespace WHERE n.nspname = %(schema)s "
-        "AND c.relname = ANY(%(main)s) AND c.reltuples <= 0)",
+        "AND c.relname = ANY(%(main)s) AND c.reltuples <= 0), "
+        "ARRAY(SELECT ARRAY[c.relname::text, pg_catalog.pg_get_userbyid(c.relowner)::text] "
+        "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %(schema)s AND c.relname = ANY(%(relations)s) "
+        "AND NOT " + _TRUSTED.format(x="c.relowner") + " ORDER BY c.relname), "
+        "ARRAY(SELECT ARRAY[c.relname::text, t.tgname::text, "
+        "pg_catalog.pg_get_userbyid(p.proowner)::text] FROM pg_catalog.pg_trigger t "
+        "JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid "
+        "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+        "JOIN pg_catalog.pg_proc p ON p.oid = t.tgfoid "
+        "WHERE n.nspname = %(schema)s AND c.relname = ANY(%(tables)s) AND NOT t.tgisinternal "
+        "AND NOT " + _TRUSTED.format(x="p.proowner") + " ORDER BY c.relname, t.tgname)",
         {"schema": settings.schema_name, "relations": relations, "tables": tables,
-         "main": tables[:2]}).fetchone()
+         "main": tables[:2], "table_owner": settings.table_owner}).fetchone()
     return _Catalog(row[0], bool(row[1]), frozenset(row[2]),
-                    frozenset(tuple(c.split(".", 1)) for c in row[3]), frozenset(row[4]))
+                    frozenset(tuple(c.split(".", 1)) for c in row[3]), frozenset(row[4]),
+                    tuple(tuple(r) for r in row[5]), tuple(tuple(r) for r in row[6]))
+
+
+def _refuse_foreign(settings: StoreSettings, catalog: _Catalog,
+                    error: type[StoreError] = StoreLoadFailed) -> None:
+    """``error`` (never retried: no later try gets past it) naming the first table or index of
+    the store that a role the load does not trust owns (``_TRUSTED``), or the first trigger on a
+    table of the store that runs such a role's function; nothing when there is none. Called on
+    each reading of the catalog, before anything is written to or read from the store's tables:
+    a table someone else made under one of its names before the owner's first load (``CREATE
+    TABLE IF NOT EXISTS`` finds it there) would run its owner's code with this role's rights at
+    the first write (a trigger, a default) or read (a policy, a view); a trigger another role
+    added (the owner granted it ``TRIGGER``, or ``ALL``) likewise."""
+    schema = settings.schema_name
+    named = ("store.table_owner" if settings.table_owner is None
+             else f"store.table_owner ({_printable(settings.table_owner)})")
+    if catalog.foreign:
+        name, owner = (_printable(x) for x in catalog.foreign[0])
+        more = (f" (and {len(catalog.foreign) - 1} more of its tables and indexes)"
+                if len(catalog.foreign) > 1 else "")
+        raise error(
+            f"the store's {schema}.{name}{more} is owned by the role {owner}, which is neither "
+            f"this connection's role, a role it is a member of, a superuser nor {named}: "
+            "refused before anything is written to or read from it (a role that may create in "
+            "the schema can make the store's tables before its owner does; their triggers would "
+            "run with this role's rights, and their owner reads every row). If "
+            f"{owner} is the store's owner, set store.table_owner to it; else have it (or a "
+            "superuser) drop them, and let the owner's next load create them (docs/store.md, "
+            "\"Roles and privileges\")")
+    if catalog.foreign_triggers:
+        table, trigger, owner = (_printable(x) for x in catalog.foreign_triggers[0])
+        raise error(
+            f"the store's table {schema}.{table} has the trigger {trigger}, whose function is "
+            f"owned by the role {owner}, which is neither this connection's role, a role it is "
+            f"a member of, a superuser nor {named}: refused before anything is written (the "
+            "trigger would run with this role's rights; a role granted TRIGGER on the table can "
+            "add one). Drop the trigger, and revoke TRIGGER on the store's tables from every "
+            "role but their owner (docs/store.md, \"Roles and privileges\")")
 
 
 def _missing_ddl(settings: StoreSettings, catalog: _Catalog, dim: int,
@@ -1169,14 +1253,33 @@ class Store:
         return conn
 
     def connect(self) -> "psycopg.Connection":
+        """A connection to read the store (a search, the ledger's check against it), once the
+        catalog shows no table, index or trigger function of the store that another role owns
+        (``_refuse_foreign``: ``StoreError``): a read of such a table would run its owner's code
+        (a row security policy, a view) as this connection's role."""
         import psycopg
 
-        failure = None
+        failure: Optional[StoreError] = None
         try:
-            return self._open()
+            conn = self._open()
         except psycopg.Error as exc:
             failure = _failure(exc, self._dsn, "cannot connect to the store")
-        raise failure
+        if failure is not None:
+            raise failure
+        try:
+            _refuse_foreign(self.settings, _read_catalog(conn, self.settings), StoreError)
+            conn.commit()
+        except StoreError as exc:
+            failure = StoreError(self.scrub(str(exc)))
+        except psycopg.Error as exc:
+            failure = _failure(exc, self._dsn, "cannot read the store's catalog")
+        except BaseException:
+            conn.close()
+            raise
+        if failure is not None:
+            conn.close()
+            raise failure
+        return conn
 
     def load(self, rows: LoadRows, load_key: str, ids: Optional[Sequence[str]] = None, *,
              output: Optional["BatchOutput"] = None, reload: bool = False) -> StoreLoad:
@@ -1253,15 +1356,21 @@ class Store:
             lock = sql.SQL(
                 "SELECT pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext({}))").format(
                 sql.Literal(f"newsvec-store:{schema}.{self.settings.table}"))
+            # Each reading of the catalog refuses a table, an index or a trigger of the store
+            # that another role owns (``_refuse_foreign``): before any DDL on it, and after the
+            # DDL (which skips a name another role took meanwhile), before any row is written.
             catalog = _read_catalog(conn, self.settings)
+            _refuse_foreign(self.settings, catalog)
             if _missing_ddl(self.settings, catalog, rows.dim, rows.vector_dtype):
                 with conn.transaction():
                     conn.execute(lock)
                     catalog = _read_catalog(conn, self.settings)  # another load may have
+                    _refuse_foreign(self.settings, catalog)
                     for statement in _missing_ddl(self.settings, catalog, rows.dim,
                                                   rows.vector_dtype):
                         conn.execute(statement)
                 catalog = _read_catalog(conn, self.settings)
+                _refuse_foreign(self.settings, catalog)
 
             def loaded_before():
                 return conn.execute(sql.SQL(
@@ -1312,8 +1421,10 @@ class Store:
                 hnsw = [table for table in (vectors_table, chunks_table)
                         if f"{table.name}_embedding_hnsw" not in catalog.relations]
                 if hnsw:  # read again under the lock: another load may have built them
-                    there = _read_catalog(conn, self.settings).relations
-                    hnsw = [t for t in hnsw if f"{t.name}_embedding_hnsw" not in there]
+                    again = _read_catalog(conn, self.settings)
+                    _refuse_foreign(self.settings, again)
+                    hnsw = [t for t in hnsw
+                            if f"{t.name}_embedding_hnsw" not in again.relations]
                 index_after = False
                 if hnsw:
                     empty = conn.execute(sql.SQL("SELECT NOT EXISTS (SELECT 1 FROM {})").format(
