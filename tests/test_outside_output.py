@@ -20,7 +20,7 @@ from apache_beam.io.filesystems import FileSystems
 from pipeline import cleanup
 from tests import streaming_output as so
 from transforms import compaction, manifest
-from transforms.layout import PartFileName
+from transforms.layout import PartFileName, UnsafePath
 from transforms.lease import PublishLease
 
 RUN = "20261201T093000Z-1a2b3c4d"
@@ -714,3 +714,89 @@ def test_a_fifo_among_a_previous_outputs_key_files_is_not_waited_on(stream, tmp_
         _unblock(fifo)
     assert "result" in outcome, outcome or "it waited on the FIFO"
     assert os.path.relpath(fifo, out) not in outcome["result"]
+
+
+# Readers of an output's files (the batch commit's counts, newsvec load, search, the key index,
+# the ledger, the current-vector reader) open each through ``layout.open_output_file``: a file a
+# writer of the output swapped for a symlink to a file outside is never read as the output's, and
+# a FIFO in its place is refused at once (UnsafePath naming it), never waited on.
+
+STAGED_RUN = "20261201T000000Z-0000000c"
+NEWER_RUN = "20261202T000000Z-0000000d"
+
+
+def _swap(path: Path, entry: str, outside: Path) -> None:
+    """Put a symlink to ``outside``, or a FIFO, in place of ``path``."""
+    path.unlink()
+    if entry == "a symlink":
+        path.symlink_to(outside)
+    else:
+        os.mkfifo(path)
+
+
+def _outside_rows(root: Path, ids: list[str]) -> Path:
+    """Another output of the same user (its one vectors and keys file of ``ids``), beside ours."""
+    from tests.test_concurrent_commits import hand_staged_run
+
+    hand_staged_run(str(root / "private"), "20261130T000000Z-0000000a", ids)
+    return root / "private"
+
+
+def _staged_for_commit(root: Path, kind: str) -> tuple[Path, list, dict, Path]:
+    """A run stopped before its commit (vectors, keys, and one dead letter), and the staged file
+    of ``kind``."""
+    from tests.test_concurrent_commits import hand_staged_run
+
+    out = root / "a" / "out"
+    staged, tallies = hand_staged_run(str(out), STAGED_RUN, ["a", "b"])
+    letter = (out / "_staging" / STAGED_RUN / "dead_letter"
+              / f"part-{STAGED_RUN}-00000-of-00001.jsonl")
+    letter.parent.mkdir(parents=True)
+    letter.write_text(json.dumps({"event_id": "c", "reason": "invalid_json"}) + "\n")
+    staged.append(("dead_letter", str(letter)))
+    tallies = {**tallies, "in": tallies["in"] + 1}
+    suffix = ".jsonl" if kind == "dead_letter" else ".parquet"
+    (path,) = [Path(p) for d, p in staged if d == kind and p.endswith(suffix)]
+    return out, staged, tallies, path
+
+
+@pytest.mark.parametrize("kind", ["vectors", "keys", "dead_letter"])
+@pytest.mark.parametrize("entry", ["a symlink", "a fifo"])
+def test_the_batch_commit_never_reads_or_waits_on_a_staged_file_swapped(tmp_path, kind, entry):
+    # A staged file swapped, after the run wrote it, for a symlink to a file outside (another
+    # output's 7 rows, a dead-letter file elsewhere) or a FIFO: the commit's counts
+    # (layout.parquet_rows, manifest.dead_letter_reasons) read the file outside (its row count in
+    # the AccountingError), or blocked in open() for ever while holding the publish lease, which
+    # its renewer kept fresh: no newer run or clean-up of the output could go on.
+    from transforms.commit import _CommitFn
+
+    root = tmp_path
+    out, staged, tallies, path = _staged_for_commit(root, kind)
+    private = _outside_rows(root, [f"secret-{n}" for n in range(7)])
+    outside = next((private / "_staging").rglob(f"{kind}/*.parquet"), None) \
+        or root / "letters.jsonl"
+    if kind == "dead_letter":
+        outside.write_text("".join(json.dumps({"reason": f"secret-{n}"}) + "\n" for n in range(7)))
+    _swap(path, entry, outside)
+    before = outside_hash(root, out)
+    try:
+        outcome = _within(30, lambda: list(_CommitFn(str(out), STAGED_RUN, {}, lease_s=360)
+                                           .process(None, staged, tallies)))
+    finally:
+        if entry == "a fifo":
+            _unblock(path)
+    assert outcome, "the commit waited on the FIFO"
+    assert isinstance(outcome.get("error"), UnsafePath), outcome
+    assert f"{path.name} is " in str(outcome["error"]), outcome["error"]
+    assert not (out / "_manifest.json").exists(), "nothing is published"
+    assert outside_hash(root, out) == before
+    _the_lease_is_free(out)
+
+
+def _the_lease_is_free(out: Path) -> None:
+    """A newer run takes the output's publish lease at once: nobody holds it."""
+    newer = PublishLease(str(out), NEWER_RUN, lease_s=360)
+    taken = _within(10, newer.acquire)
+    assert taken, "a newer run still waits for the lease"
+    newer.release()
+    assert "error" not in taken, taken
