@@ -258,19 +258,19 @@ _LAYOUT_DIRS = frozenset({*PUBLISHED_DIRS, LEDGER_DIR, STAGING_DIR, TEMP_DIR, CO
 
 
 def output_of(path: str) -> str:
-    """The output a file path of the layout lies in, for a reader given only paths: the part
-    before the path's first folder of the layout (``vectors``, ``_staging``...). The first, so
-    the prefix is the output or a folder above it, never one below: the walk from there checks
-    every folder of the output (and, where the output's own name holds such a folder, some above
-    it too, refusing a symlink there). ``ValueError`` if the path has none."""
-    if not is_local(path):
-        return path.rsplit("/", 1)[0]  # nothing is walked on GCS
+    """Where ``open_output_file`` starts its walk for a reader given only a path (callers that
+    know the output pass it instead): the part before the path's first folder of the layout
+    (``vectors``, ``_staging``...). The first, so the prefix is the output or a folder above it,
+    never one below: the walk checks every folder of the output (and, where the output's own
+    name holds such a folder, some above it too, refusing a symlink there). A path with no such
+    folder (not an output's file): its own folder, so that the file itself is still refused if
+    it is a symlink or a FIFO."""
     segments = path.split("/")
-    for i, segment in enumerate(segments[:-1]):
-        if i > 0 and segment in _LAYOUT_DIRS:
-            return "/".join(segments[:i])
-    raise ValueError(f"{path} is not a file of an output's layout (under vectors/, keys/, "
-                     f"_staging/...): give the output it is read from")
+    if is_local(path):
+        for i, segment in enumerate(segments[:-1]):
+            if i > 0 and segment in _LAYOUT_DIRS:
+                return "/".join(segments[:i])
+    return "/".join(segments[:-1]) or "."
 
 
 def create_inside(output: str, path: str) -> BinaryIO:
