@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import glob as globlib
 import os
+import re
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from transforms.schema import NULLABLE_IN_ORDER, VERSION_ORDER, common_schema
+from transforms.layout import open_output_file
+from transforms.schema import NULLABLE_IN_ORDER, VERSION_ORDER, common_schema, conform
 
 LATEST_FIRST = ", ".join(f"{name} DESC NULLS LAST" if name in NULLABLE_IN_ORDER
                          else f"{name} DESC" for name in VERSION_ORDER)
@@ -44,21 +45,46 @@ if LATEST_FIRST not in " ".join(CURRENT_VECTORS_SQL.split()):
 __doc__ += "\n" + CURRENT_VECTORS_SQL + "\n"
 
 
+def _partition_values(root: str, path: str) -> dict[str, str]:
+    """The ``key=value`` folders between ``root`` and ``path`` (hive partitioning)."""
+    folder = os.path.relpath(os.path.dirname(path), root)
+    return dict(s.split("=", 1) for s in folder.split(os.sep) if "=" in s)
+
+
+def _partition_type(values: list[str]) -> pa.DataType:
+    """As pyarrow's hive partitioning infers it: int32 if every value is one, else a string."""
+    if all(re.fullmatch(r"-?[0-9]+", v) and -2**31 <= int(v) < 2**31 for v in values):
+        return pa.int32()
+    return pa.string()
+
+
 def current_vectors(root: str, pattern: str = "dt=*/vectors/*.parquet") -> pa.Table:
-    """pyarrow: the current row of every article among the vector files ``root/pattern`` (local;
-    for gs:// give ``ds.dataset`` a ``pyarrow.fs.GcsFileSystem``). ``dt`` comes from the path."""
+    """pyarrow: the current row of every article among the vector files ``root/pattern`` (on
+    local disk). ``dt`` comes from the path (as pyarrow's hive partitioning reads it).
+    Each file is read as a regular file below ``root`` (``layout.open_output_file``): a symlink
+    (to a file or a folder outside) or a FIFO in place of one is an ``UnsafePath`` naming it,
+    never read or waited on."""
     files = sorted(globlib.glob(os.path.join(root, pattern)))
     if not files:
         raise FileNotFoundError(f"no vector files match {os.path.join(root, pattern)}")
+    read = []
+    for path in files:
+        with open_output_file(root, path) as f:
+            read.append(pq.read_table(f))
     # Files written before the embedding's elements were declared not null, or at another
     # sink.vector_dtype, are read under one schema (float32 if any file's is).
-    schema = common_schema([pq.read_schema(f) for f in files], merge_columns=True)
-    partitioning = ds.partitioning(flavor="hive")
-    found = ds.dataset(files, format="parquet", partitioning=partitioning,
-                       partition_base_dir=root).schema
-    extra = [found.field(name) for name in found.names if name not in schema.names]
-    table = ds.dataset(files, schema=pa.schema([*schema, *extra]), format="parquet",
-                       partitioning=partitioning, partition_base_dir=root).to_table()
+    schema = common_schema([t.schema for t in read], merge_columns=True)
+    values = [_partition_values(root, path) for path in files]
+    keys = list(dict.fromkeys(k for found in values for k in found if k not in schema.names))
+    types = {k: _partition_type([found[k] for found in values if k in found]) for k in keys}
+    tables = []
+    for table, found in zip(read, values, strict=True):
+        table = pa.Table.from_batches([conform(b, schema) for b in table.to_batches()], schema)
+        for key in keys:
+            column = pa.array([found.get(key)] * table.num_rows, pa.string()).cast(types[key])
+            table = table.append_column(pa.field(key, types[key]), column)
+        tables.append(table)
+    table = pa.concat_tables(tables)
     for name in VERSION_ORDER:  # files written before a column existed: null there
         if name not in table.column_names:
             table = table.append_column(name, pa.nulls(table.num_rows, pa.timestamp("us", "UTC")))

@@ -52,7 +52,9 @@ from transforms.layout import (
     LEDGER_DIR,
     VECTORS_DIR,
     PartFileName,
+    UnsafePath,
     join_path,
+    open_output_file,
     parquet_rows,
     partitions_between,
 )
@@ -84,8 +86,8 @@ def _list(output: str, subdir: str, suffix: Union[str, tuple[str, ...]],
             if m.path.endswith(suffix)]
 
 
-def _row_message_ids(path: str) -> list[Optional[str]]:
-    with FileSystems.open(path) as f:
+def _row_message_ids(output: str, path: str) -> list[Optional[str]]:
+    with open_output_file(output, path) as f:
         return pq.read_table(f, columns=["pubsub_message_id"]).column(0).to_pylist()
 
 
@@ -117,8 +119,10 @@ def _written_twice(message_ids: list[Optional[str]], relative: str, written_in: 
     return problems
 
 
-def _read(path: str) -> bytes:
-    with FileSystems.open(path) as f:
+def _read(output: str, path: str) -> bytes:
+    """A file of the output's bytes: a regular file only (``open_output_file``: a symlink or a
+    FIFO in its place is an ``UnsafePath`` naming it, never read or waited on)."""
+    with open_output_file(output, path) as f:
         return f.read()
 
 
@@ -198,14 +202,19 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
             problems.append(f"{where}: its {kind} file {relative} is missing" + (
                 f" (compacted into {holder})" if compacted else ""))
         elif verify:
-            if kind == "dead letter":
-                lines = [line for line in _read(path).splitlines() if line]
-                found, message_ids = len(lines), [_letter_message_id(line) for line in lines]
-                if ... in message_ids:
-                    problems.append(f"{where}: {holder} holds a line that is not a dead letter")
-            else:
-                found = parquet_rows([path])
-                message_ids = _row_message_ids(path) if kind == "vectors" else []
+            try:
+                if kind == "dead letter":
+                    lines = [line for line in _read(output, path).splitlines() if line]
+                    found, message_ids = len(lines), [_letter_message_id(line) for line in lines]
+                    if ... in message_ids:
+                        problems.append(f"{where}: {holder} holds a line that is not a dead "
+                                        f"letter")
+                else:
+                    found = parquet_rows([path], output)
+                    message_ids = _row_message_ids(output, path) if kind == "vectors" else []
+            except UnsafePath as exc:  # a symlink, a FIFO: named, never read or waited on
+                problems.append(f"{where}: its {kind} file {holder} is refused: {exc}")
+                continue
             if found != expected[holder]:
                 says = (f"its ledger records say {expected[holder]}" if compacted
                         else f"the record says {expected[holder]}")
@@ -279,25 +288,35 @@ _CHUNK = 5000  # article ids per query of the store, and file rows compared at a
 _DAY = re.compile(r"/dt=([0-9]{4}-[0-9]{2}-[0-9]{2})/")
 
 
-def _file_columns(path: str, columns) -> Optional[pa.Table]:
-    """``columns`` of a Parquet file, those it has (a file written before ``updated_at`` lacks
-    it), never the others (its embeddings); None if it is gone (named missing by the file
-    checks)."""
+def _file_columns(output: str, path: str, columns) -> Optional[pa.Table]:
+    """``columns`` of a Parquet file of the output, those it has (a file written before
+    ``updated_at`` lacks it), never the others (its embeddings); None if it is gone (named
+    missing by the file checks) or not a regular file of the output (a symlink, a FIFO: named
+    by the file checks, never read)."""
     if not FileSystems.exists(path):
         return None
-    with FileSystems.open(path) as f:
+    try:
+        f = open_output_file(output, path)
+    except UnsafePath:
+        return None
+    with f:
         parquet = pq.ParquetFile(f)
         return parquet.read(columns=[c for c in columns if c in parquet.schema_arrow.names])
 
 
-def _letter_ids(prefix: str, holders: set[str]) -> set[str]:
-    """The article ids of the dead letters of the dead-letter files ``holders``."""
+def _letter_ids(output: str, holders: set[str]) -> set[str]:
+    """The article ids of the dead letters of the dead-letter files ``holders`` (a file that is
+    gone or not a regular file of the output: none, the file checks name it)."""
     letters: set[str] = set()
     for holder in sorted(holders):
-        path = prefix + holder
+        path = join_path(output, holder)
         if not FileSystems.exists(path):
             continue
-        for line in _read(path).splitlines():
+        try:
+            data = _read(output, path)
+        except UnsafePath:
+            continue
+        for line in data.splitlines():
             if line.strip():
                 event_id = json.loads(line).get("event_id")
                 if isinstance(event_id, str):
@@ -394,7 +413,7 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
         stored = _StoredRows(conn, settings, columns(settings.table))
         gone = set(withdrawn) - set(stored.of(withdrawn))  # withdrawn, and no row now
         for holder in sorted(holders["vectors"]) if verify else ():
-            table = _file_columns(prefix + holder, _FILE_COLUMNS)
+            table = _file_columns(output, prefix + holder, _FILE_COLUMNS)
             if table is None:
                 continue
             day = _DAY.search(holder)
@@ -432,7 +451,7 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
                                      f"{held['text_sha256']})")
                         named.add(doc_id)
         if verify:
-            for doc_id, held in stored.of(_letter_ids(prefix, holders["dead letter"])).items():
+            for doc_id, held in stored.of(_letter_ids(output, holders["dead letter"])).items():
                 if held["load_key"] in batch_keys:
                     suspects.setdefault(doc_id, held["load_key"])
     for key, (where, rows, refused) in sorted(keys.items()):
@@ -459,7 +478,7 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
             holder = path[len(prefix):]
             if holder in holders["vectors"]:
                 continue
-            table = _file_columns(path, ("id",))
+            table = _file_columns(output, path, ("id",))
             if table is not None and "id" in table.column_names:
                 for doc_id in gone.intersection(table.column("id").to_pylist()):
                     held_by.setdefault(doc_id, holder)

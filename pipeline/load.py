@@ -20,10 +20,9 @@ from typing import Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from apache_beam.io.filesystems import FileSystems
 
 from pipeline import config as config_lib
-from transforms.layout import join_path
+from transforms.layout import join_path, open_output_file
 from transforms.manifest import COMMITTED, read_manifest
 from transforms.store import BatchOutput, LoadRows, StoreLoad, StoreLoadFailed, store_of
 
@@ -46,9 +45,11 @@ def load_key(run_id: str) -> str:
 
 
 def _read(output: str, relative: list[str]) -> Optional[pa.Table]:
+    """The files the manifest names, each a regular file of the output (``open_output_file``: a
+    symlink or FIFO in place of one is an ``UnsafePath`` naming it, never read or waited on)."""
     tables = []
     for path in relative:
-        with FileSystems.open(join_path(output, path)) as f:
+        with open_output_file(output, join_path(output, path)) as f:
             tables.append(pq.read_table(f))
     return pa.concat_tables(tables) if tables else None
 

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from pipeline.config import Config
-from transforms.layout import CHUNKS_DIR, VECTORS_DIR, join_path
+from transforms.layout import CHUNKS_DIR, VECTORS_DIR, join_path, open_output_file
 from transforms.schema import float32_embeddings
 
 
@@ -26,8 +26,8 @@ def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
     files = [m.path for m in FileSystems.match([join_path(output, subdir, "**")])[0].metadata_list
              if m.path.endswith(".parquet")]
     tables = []
-    for path in sorted(files):
-        with FileSystems.open(path) as f:
+    for path in sorted(files):  # regular files of the output only (never one outside, no FIFO)
+        with open_output_file(output, path) as f:
             tables.append(float32_embeddings(pq.read_table(f, columns=columns)))
     return pa.concat_tables(tables) if tables else None
 

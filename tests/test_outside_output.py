@@ -20,7 +20,7 @@ from apache_beam.io.filesystems import FileSystems
 from pipeline import cleanup
 from tests import streaming_output as so
 from transforms import compaction, manifest
-from transforms.layout import PartFileName
+from transforms.layout import PartFileName, UnsafePath
 from transforms.lease import PublishLease
 
 RUN = "20261201T093000Z-1a2b3c4d"
@@ -716,3 +716,239 @@ def test_a_fifo_among_a_previous_outputs_key_files_is_not_waited_on(stream, tmp_
         _unblock(fifo)
     assert "result" in outcome, outcome or "it waited on the FIFO"
     assert os.path.relpath(fifo, out) not in outcome["result"]
+
+
+# Readers of an output's files (the batch commit's counts, newsvec load, search, the key index,
+# the ledger, the current-vector reader) open each through ``layout.open_output_file``: a file a
+# writer of the output swapped for a symlink to a file outside is never read as the output's, and
+# a FIFO in its place is refused at once (UnsafePath naming it), never waited on.
+
+STAGED_RUN = "20261201T000000Z-0000000c"
+NEWER_RUN = "20261202T000000Z-0000000d"
+
+
+def _swap(path: Path, entry: str, outside: Path) -> None:
+    """Put a symlink to ``outside``, or a FIFO, in place of ``path``."""
+    path.unlink()
+    if entry == "a symlink":
+        path.symlink_to(outside)
+    else:
+        os.mkfifo(path)
+
+
+def _outside_rows(root: Path, ids: list[str]) -> Path:
+    """Another output of the same user (its one vectors and keys file of ``ids``), beside ours."""
+    from tests.test_concurrent_commits import hand_staged_run
+
+    hand_staged_run(str(root / "private"), "20261130T000000Z-0000000a", ids)
+    return root / "private"
+
+
+def _staged_for_commit(root: Path, kind: str) -> tuple[Path, list, dict, Path]:
+    """A run stopped before its commit (vectors, keys, and one dead letter), and the staged file
+    of ``kind``."""
+    from tests.test_concurrent_commits import hand_staged_run
+
+    out = root / "a" / "out"
+    staged, tallies = hand_staged_run(str(out), STAGED_RUN, ["a", "b"])
+    letter = (out / "_staging" / STAGED_RUN / "dead_letter"
+              / f"part-{STAGED_RUN}-00000-of-00001.jsonl")
+    letter.parent.mkdir(parents=True)
+    letter.write_text(json.dumps({"event_id": "c", "reason": "invalid_json"}) + "\n")
+    staged.append(("dead_letter", str(letter)))
+    tallies = {**tallies, "in": tallies["in"] + 1}
+    suffix = ".jsonl" if kind == "dead_letter" else ".parquet"
+    (path,) = [Path(p) for d, p in staged if d == kind and p.endswith(suffix)]
+    return out, staged, tallies, path
+
+
+@pytest.mark.parametrize("kind", ["vectors", "keys", "dead_letter"])
+@pytest.mark.parametrize("entry", ["a symlink", "a fifo"])
+def test_the_batch_commit_never_reads_or_waits_on_a_staged_file_swapped(tmp_path, kind, entry):
+    # A staged file swapped, after the run wrote it, for a symlink to a file outside (another
+    # output's 7 rows, a dead-letter file elsewhere) or a FIFO: the commit's counts
+    # (layout.parquet_rows, manifest.dead_letter_reasons) read the file outside (its row count in
+    # the AccountingError), or blocked in open() for ever while holding the publish lease, which
+    # its renewer kept fresh: no newer run or clean-up of the output could go on.
+    from transforms.commit import _CommitFn
+
+    root = tmp_path
+    out, staged, tallies, path = _staged_for_commit(root, kind)
+    private = _outside_rows(root, [f"secret-{n}" for n in range(7)])
+    outside = next((private / "_staging").rglob(f"{kind}/*.parquet"), None) \
+        or root / "letters.jsonl"
+    if kind == "dead_letter":
+        outside.write_text("".join(json.dumps({"reason": f"secret-{n}"}) + "\n" for n in range(7)))
+    _swap(path, entry, outside)
+    before = outside_hash(root, out)
+    try:
+        outcome = _within(30, lambda: list(_CommitFn(str(out), STAGED_RUN, {}, lease_s=360)
+                                           .process(None, staged, tallies)))
+    finally:
+        if entry == "a fifo":
+            _unblock(path)
+    assert outcome, "the commit waited on the FIFO"
+    assert isinstance(outcome.get("error"), UnsafePath), outcome
+    assert f"{path.name} is " in str(outcome["error"]), outcome["error"]
+    assert not (out / "_manifest.json").exists(), "nothing is published"
+    assert outside_hash(root, out) == before
+    _the_lease_is_free(out)
+
+
+def _the_lease_is_free(out: Path) -> None:
+    """A newer run takes the output's publish lease at once: nobody holds it."""
+    newer = PublishLease(str(out), NEWER_RUN, lease_s=360)
+    taken = _within(10, newer.acquire)
+    assert taken, "a newer run still waits for the lease"
+    newer.release()
+    assert "error" not in taken, taken
+
+
+SECRET_IDS = [f"secret-{n}" for n in range(3)]
+
+
+@pytest.fixture
+def committed_pair(tmp_path) -> tuple[Path, Path, Path]:
+    """``<tmp>/a/out`` holding run ``STAGED_RUN`` committed (ids a, b), and beside it another
+    output of the same user (``<tmp>/private``) holding ``SECRET_IDS`` committed."""
+    from tests.test_concurrent_commits import hand_staged_run
+    from transforms.commit import _CommitFn
+
+    out, private = tmp_path / "a" / "out", tmp_path / "private"
+    for where, run, ids in ((out, STAGED_RUN, ["a", "b"]),
+                            (private, "20261130T000000Z-0000000a", SECRET_IDS)):
+        list(_CommitFn(str(where), run, {}, lease_s=360).process(
+            None, *hand_staged_run(str(where), run, ids)))
+    return tmp_path, out, private
+
+
+def _published(output: Path, kind: str) -> Path:
+    (path,) = (output / kind).glob("*.parquet")
+    return path
+
+
+def _refused_at_once(action, swapped: Path, entry: str, error=ValueError) -> Exception:
+    """``action()`` ends within 20 s in ``error`` naming ``swapped`` (a FIFO freed after)."""
+    try:
+        outcome = _within(20, action)
+    finally:
+        if entry == "a fifo":
+            _unblock(swapped)
+    assert outcome, f"it waited on the FIFO {swapped.name}"
+    assert "error" in outcome, f"it read {swapped.name} and returned {outcome['result']!r}"
+    assert isinstance(outcome["error"], error), outcome
+    assert f"{swapped.name} is " in str(outcome["error"]), outcome["error"]
+    return outcome["error"]
+
+
+@pytest.mark.parametrize("entry", ["a symlink", "a fifo"])
+def test_newsvec_load_never_stores_a_file_swapped_in_the_output(committed_pair, entry):
+    # A published vectors file swapped for a symlink to another output's: newsvec load stored
+    # that output's rows (secret-0..2) as this run's; a FIFO there made it wait for ever.
+    from pipeline.load import run_rows
+    from transforms.store import StoreLoadFailed
+
+    _, out, private = committed_pair
+    part = _published(out, "vectors")
+    _swap(part, entry, _published(private, "vectors"))
+    error = _refused_at_once(lambda: run_rows(str(out), STAGED_RUN), part, entry,
+                             StoreLoadFailed)
+    assert "UnsafePath" in str(error)
+
+
+def _as_chunks(vectors: Path, target: Path) -> Path:
+    """A chunks file of one chunk per row of a vectors file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(vectors, columns=["id", "embedding"])
+    pq.write_table(table.append_column("chunk_index", pa.array([0] * table.num_rows, pa.int32())),
+                   target)
+    return target
+
+
+@pytest.mark.parametrize("kind", ["vectors", "chunks"])
+@pytest.mark.parametrize("entry", ["a symlink", "a fifo"])
+def test_newsvec_search_never_reads_a_file_swapped_in_the_output(committed_pair, monkeypatch,
+                                                                 entry, kind):
+    # newsvec search listed vectors/ (and chunks/) and read each file through Beam: a symlink to
+    # another output's vectors returned its articles (secret-0..2) as hits; a FIFO hung it.
+    from pipeline import search
+    from tests.conftest import make_config
+    from tests.fakes import FakeEngine
+
+    root, out, private = committed_pair
+    outside = _published(private, "vectors")
+    if kind == "chunks":  # outputs with chunks (one per article): ours swapped, vectors stay
+        _as_chunks(_published(out, "vectors"), out / "chunks" / "part-chunks.parquet")
+        outside = _as_chunks(outside, root / "secret-chunks.parquet")
+    part = _published(out, kind)
+    _swap(part, entry, outside)
+    config = make_config(output=str(out))
+    monkeypatch.setattr(search, "embed_query",
+                        lambda cfg, query: FakeEngine(cfg.model).embed([[1]])[0])
+    _refused_at_once(lambda: search.search(config, "anything", k=10), part, entry, UnsafePath)
+
+
+@pytest.mark.parametrize("entry", ["a symlink", "a fifo"])
+def test_the_incremental_key_index_never_reads_a_key_file_swapped(committed_pair, monkeypatch,
+                                                                  entry):
+    # A previous output's key file swapped for a symlink to another output's keys: the skip
+    # counted those articles (secret-0..2) as already embedded there, and left them out of the
+    # run; a FIFO hung every worker's index load (and the run) for ever.
+    from transforms import incremental
+    from transforms.incremental import KeyFiles, Snapshot
+    from transforms.key_index import ProcessCache
+
+    monkeypatch.setattr(incremental, "_INDEXES", ProcessCache())
+    _, out, private = committed_pair
+    part = _published(out, "keys")
+    _swap(part, entry, _published(private, "keys"))
+    files = KeyFiles((Snapshot(str(out), STAGED_RUN),), ((str(part),),))
+    _refused_at_once(lambda: incremental.key_index(files), part, entry, UnsafePath)
+
+
+@pytest.mark.parametrize("kind", ["vectors", "dead_letter"])
+@pytest.mark.parametrize("entry", ["a symlink", "a fifo"])
+def test_newsvec_ledger_names_a_file_swapped_never_reads_or_waits(lettered, tmp_path, kind,
+                                                                  entry):
+    # A micro-batch's vectors file swapped for a symlink to a file outside with as many rows (or
+    # its dead-letter file for one with as many lines): newsvec ledger read it and said the
+    # output balances; a FIFO there made it wait for ever.
+    from pipeline import ledger
+
+    root, out = _compactable(lettered, tmp_path)
+    suffix = ".parquet" if kind == "vectors" else ".jsonl"
+    part = sorted((out / kind / H09).glob(f"part-*{suffix}"))[0]
+    outside = root / f"outside{suffix}"
+    if kind == "vectors":
+        _secret_parquet_like(part, outside)
+    else:
+        shutil.copy(part, outside)
+    _swap(part, entry, outside)
+    try:
+        outcome = _within(30, lambda: ledger.check(str(out)))
+    finally:
+        if entry == "a fifo":
+            _unblock(part)
+    assert outcome, "newsvec ledger waited on the FIFO"
+    assert "result" in outcome, outcome
+    report = outcome["result"]
+    assert not report.ok, "a file outside was read as the output's"
+    assert any(f"{part.name} is " in p and "refused" in p for p in report.problems), \
+        report.problems
+
+
+@pytest.mark.parametrize("entry", ["a symlink", "a fifo"])
+def test_the_current_vector_reader_never_reads_a_file_swapped(committed_pair, entry):
+    # pipeline.current read every dt=*/vectors/*.parquet with pyarrow's dataset: a symlink to
+    # another output's vectors made its articles (secret-0..2) current; a FIFO hung it.
+    from pipeline.current import current_vectors
+
+    root, out, private = committed_pair
+    days = root / "days"
+    for day in ("2026-12-01", "2026-12-02"):
+        shutil.copytree(out, days / f"dt={day}")
+    part = _published(days / "dt=2026-12-02", "vectors")
+    _swap(part, entry, _published(private, "vectors"))
+    _refused_at_once(lambda: current_vectors(str(days)), part, entry, UnsafePath)

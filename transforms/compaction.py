@@ -56,7 +56,7 @@ import datetime as dt
 import json
 import logging
 import re
-from typing import IO, Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -78,7 +78,7 @@ from transforms.layout import (
     join_path,
     list_files,
     new_run_id,
-    open_inside,
+    open_output_file,
     read_inside,
     relative_to,
     remove_inside,
@@ -317,20 +317,9 @@ def record_files(record: LedgerRecord, partition: str, where: str) -> dict[str, 
     return named
 
 
-def open_source(output: str, path: str) -> IO[bytes]:
-    """A file of the output opened for reading: on local disk only a regular file, reached
-    through no symlink and opened without waiting (``layout.open_inside``: a part file swapped
-    for a symlink to a file outside would be copied into the compacted file; a FIFO or a device
-    someone left in the output would block the read, and the lease with it), else
-    ``UnsafePath`` naming it. On GCS, as Beam opens it (no symlinks there)."""
-    if is_local(path):
-        return open_inside(output, path)
-    return FileSystems.open(path)
-
-
 def _read_record_file(output: str, path: str) -> str:
-    """A ledger file's text (``open_source``)."""
-    with open_source(output, path) as f:
+    """A ledger file's text (``layout.open_output_file``)."""
+    with open_output_file(output, path) as f:
         return f.read().decode("utf-8")
 
 
@@ -421,7 +410,7 @@ def _write_parquet(output: str, target: str, sources: list[str], row_group_rows:
     rows = 0
     schemas = []
     for source in sources:
-        with open_source(output, source) as f:
+        with open_output_file(output, source) as f:
             schemas.append(pq.ParquetFile(f).schema_arrow)
     try:
         schema = common_schema(schemas)
@@ -435,7 +424,7 @@ def _write_parquet(output: str, target: str, sources: list[str], row_group_rows:
         try:
             writer = pq.ParquetWriter(handle, schema, compression="zstd")
             for source in sources:
-                with open_source(output, source) as f:
+                with open_output_file(output, source) as f:
                     parquet = pq.ParquetFile(f)
                     for batch in parquet.iter_batches(batch_size=row_group_rows):
                         batch = conform(batch, schema)
@@ -471,7 +460,7 @@ def _write_lines(output: str, target: str, sources: list[str], lease: PublishLea
     def write(handle) -> None:
         nonlocal lines
         for source in sources:
-            with open_source(output, source) as f:
+            with open_output_file(output, source) as f:
                 for line in f.read().splitlines():
                     if line.strip():
                         handle.write(line.rstrip(b"\r") + b"\n")
@@ -552,10 +541,11 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
                                     f"{partition} is not compacted")
         sources_of[kind] = ([current_file["path"]] if current_file else []) + new
     # Every source refused before anything is written if it is not a regular file of the output
-    # (a symlink, a FIFO: ``open_source``); each is opened the same way again when it is read.
+    # (a symlink, a FIFO: ``layout.open_output_file``); each is opened the same way again when it
+    # is read.
     if not on_gcs:
         for source in absolute(p for paths in sources_of.values() for p in paths):
-            open_source(output, source).close()
+            open_output_file(output, source).close()
     compaction_id = new_run_id()
     files: dict[str, dict] = {}
     written = 0

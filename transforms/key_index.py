@@ -27,6 +27,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
+from transforms.layout import open_output_file, output_of
+
 KEY_HEX_CHARS = 32
 _BATCH_ROWS = 1 << 20  # rows decoded at a time: about 100 MB of temporaries, whatever the file
 
@@ -69,8 +71,8 @@ def hex_key_to_words(key: str) -> tuple[int, int]:
     return int(key[:16], 16), int(key[16:], 16)
 
 
-def _key_batches(path: str) -> Iterator[pa.Array]:
-    with FileSystems.open(path) as f:
+def _key_batches(output: str, path: str) -> Iterator[pa.Array]:
+    with open_output_file(output, path) as f:
         for batch in pq.ParquetFile(f).iter_batches(batch_size=_BATCH_ROWS, columns=["key"]):
             yield batch.column(0)
 
@@ -83,9 +85,13 @@ class KeyIndex:
         self.load_s = 0.0  # how long ``build`` took
 
     @classmethod
-    def build(cls, groups: Sequence[Sequence[str]]) -> "KeyIndex":
-        """The keys of each group of Parquet files (``key`` column); group i gives source i. A
-        file that is not there raises ``MissingKeyFile``."""
+    def build(cls, groups: Sequence[Sequence[str]],
+              outputs: Optional[Sequence[str]] = None) -> "KeyIndex":
+        """The keys of each group of Parquet files (``key`` column); group i gives source i, the
+        files of output ``outputs[i]`` (without, each file's own: ``layout.output_of``). Each
+        file is opened by ``layout.open_output_file``: a symlink or a FIFO in place of one is an
+        ``UnsafePath`` naming it, never read or waited on. A file that is not there raises
+        ``MissingKeyFile``."""
         his: list[np.ndarray] = []
         los: list[np.ndarray] = []
         sources: list[np.ndarray] = []
@@ -93,7 +99,8 @@ class KeyIndex:
         for group, paths in enumerate(groups):
             for path in paths:
                 try:
-                    for keys in _key_batches(path):
+                    output = outputs[group] if outputs is not None else output_of(path)
+                    for keys in _key_batches(output, path):
                         hi, lo = hex_keys_to_words(keys)
                         his.append(hi)
                         los.append(lo)

@@ -245,6 +245,39 @@ def read_inside(output: str, path: str) -> bytes:
         return f.read()
 
 
+def open_output_file(output: str, path: str) -> IO[bytes]:
+    """A file of the output opened for reading: the one way every reader of an output's files
+    (the commit's counts, ``newsvec load``, ``search``, ``ledger``, compaction, the key index, the
+    current-vector reader) opens them. On local disk only a regular file reached from ``output``
+    through no symlink, opened without waiting (``open_inside``): a file swapped for a symlink to
+    a file outside would be read as the output's, a FIFO or a device would block the reader (and
+    the lease it holds) for ever; ``UnsafePath`` naming it. On GCS, as Beam opens it (no symlinks
+    there)."""
+    if is_local(path):
+        return open_inside(output, path)
+    return FileSystems.open(path)
+
+
+# The folders of the layout right below an output: what ``output_of`` cuts a path at.
+_LAYOUT_DIRS = frozenset({*PUBLISHED_DIRS, LEDGER_DIR, STAGING_DIR, TEMP_DIR, COMPACTION_DIR})
+
+
+def output_of(path: str) -> str:
+    """Where ``open_output_file`` starts its walk for a reader given only a path (callers that
+    know the output pass it instead): the part before the path's first folder of the layout
+    (``vectors``, ``_staging``...). The first, so the prefix is the output or a folder above it,
+    never one below: the walk checks every folder of the output (and, where the output's own
+    name holds such a folder, some above it too, refusing a symlink there). A path with no such
+    folder (not an output's file): its own folder, so that the file itself is still refused if
+    it is a symlink or a FIFO."""
+    segments = path.split("/")
+    if is_local(path):
+        for i, segment in enumerate(segments[:-1]):
+            if i > 0 and segment in _LAYOUT_DIRS:
+                return "/".join(segments[:i])
+    return "/".join(segments[:-1]) or "."
+
+
 def create_inside(output: str, path: str) -> BinaryIO:
     """A new local file of the output for writing (``O_CREAT|O_EXCL|O_NOFOLLOW``), its folders
     made, each reached through no symlink."""
@@ -478,10 +511,11 @@ def list_files(pattern: str) -> dict[str, int]:
     return {m.path: m.size_in_bytes for m in FileSystems.match([pattern])[0].metadata_list}
 
 
-def parquet_rows(paths: Iterable[str]) -> int:
-    """Rows in these Parquet files, from their footers."""
+def parquet_rows(paths: Iterable[str], output: Optional[str] = None) -> int:
+    """Rows in these Parquet files of ``output`` (each opened by ``open_output_file``), from their
+    footers. Without ``output``, each file's own (``output_of``)."""
     rows = 0
     for path in paths:
-        with FileSystems.open(path) as f:
+        with open_output_file(output or output_of(path), path) as f:
             rows += pq.ParquetFile(f).metadata.num_rows
     return rows

@@ -59,6 +59,8 @@ from transforms.layout import (
     makedirs_inside,
     mkdirs,
     open_inside,
+    open_output_file,
+    output_of,
     parquet_rows,
     read_inside,
     relative_to,
@@ -469,11 +471,8 @@ def _write_summary(output: str, staged_summary: str, lease: PublishLease) -> Non
     lease would delete the name every run shares."""
     source = join_path(output, staged_summary)
     require_inside(output, source)  # never a file a symlinked _staging/ leads to
-    if is_local(source):
-        data = read_inside(output, source)  # and never one swapped for a symlink since
-    else:
-        with FileSystems.open(source) as f:
-            data = f.read()
+    with open_output_file(output, source) as f:  # and never one swapped for a symlink since
+        data = f.read()
     path = join_path(output, SUMMARY_FILE)
     lease.put(path, data, lambda: write_whole(output, path, lambda f: f.write(data)))
 
@@ -578,11 +577,9 @@ def published_summary(output: str) -> dict:
     path = join_path(output, current.summary)
     reason = None
     try:
-        if is_local(path):  # a regular file, through no symlink: never a file outside echoed
-            summary = json.loads(read_inside(output, path).decode("utf-8"))
-        else:
-            with FileSystems.open(path) as f:
-                summary = json.loads(f.read().decode("utf-8"))
+        # a regular file, through no symlink: never a file outside echoed
+        with open_output_file(output, path) as f:
+            summary = json.loads(f.read().decode("utf-8"))
         if not isinstance(summary, dict):
             raise ValueError(f"a summary is a JSON object, not {type(summary).__name__}")
     except (OSError, ValueError) as exc:  # gone (FileNotFoundError, BeamIOError), torn, refused
@@ -655,12 +652,16 @@ def clean_stale(output: str, older_than_s: float, lease: PublishLease,
     return doomed
 
 
-def dead_letter_reasons(paths: Iterable[str]) -> list[tuple[Optional[str], str]]:
-    """The (language, reason) of every dead letter in these JSON Lines files (one JSON per line;
-    language None where the event gave none, or in files written before it was kept)."""
+def dead_letter_reasons(paths: Iterable[str], output: Optional[str] = None
+                        ) -> list[tuple[Optional[str], str]]:
+    """The (language, reason) of every dead letter in these JSON Lines files of ``output`` (one
+    JSON per line; language None where the event gave none, or in files written before it was
+    kept), each opened by ``layout.open_output_file``: a symlink or a FIFO in place of one is an
+    ``UnsafePath`` naming it, never read or waited on. Without ``output``, each file's own
+    (``layout.output_of``)."""
     letters = []
     for path in paths:
-        with FileSystems.open(path) as f:
+        with open_output_file(output or output_of(path), path) as f:
             for line in f.read().splitlines():
                 if line:
                     letter = json.loads(line)
@@ -669,12 +670,13 @@ def dead_letter_reasons(paths: Iterable[str]) -> list[tuple[Optional[str], str]]
 
 
 def count_stored(vectors: Iterable[str], dead_letters: Iterable[str],
-                 chunks: Iterable[str] = ()) -> Counts:
-    """What the files hold: rows and chunk rows (Parquet footers), and dead letters by reason and
-    by language."""
-    letters = dead_letter_reasons(dead_letters)
+                 chunks: Iterable[str] = (), output: Optional[str] = None) -> Counts:
+    """What the files of ``output`` hold: rows and chunk rows (Parquet footers), and dead letters
+    by reason and by language; each file opened by ``layout.open_output_file`` (without
+    ``output``: its own, ``layout.output_of``)."""
+    letters = dead_letter_reasons(dead_letters, output)
     reasons = Counts.by_reason(reason for _, reason in letters)
-    return Counts(written=parquet_rows(vectors), dead_lettered=sum(reasons.values()),
+    return Counts(written=parquet_rows(vectors, output), dead_lettered=sum(reasons.values()),
                   dead_lettered_by_reason=reasons,
                   dead_lettered_by_language=Counts.by_language(letters),
-                  chunks_written=parquet_rows(chunks))
+                  chunks_written=parquet_rows(chunks, output))
