@@ -764,13 +764,25 @@ def _staged_for_commit(root: Path, kind: str) -> tuple[Path, list, dict, Path]:
 
 @pytest.mark.parametrize("kind", ["vectors", "keys", "dead_letter"])
 @pytest.mark.parametrize("entry", ["a symlink", "a fifo"])
-def test_the_batch_commit_never_reads_or_waits_on_a_staged_file_swapped(tmp_path, kind, entry):
+def test_the_batch_commit_never_reads_or_waits_on_a_staged_file_swapped(tmp_path, kind, entry,
+                                                                        monkeypatch):
     # A staged file swapped, after the run wrote it, for a symlink to a file outside (another
     # output's 7 rows, a dead-letter file elsewhere) or a FIFO: the commit's counts
     # (layout.parquet_rows, manifest.dead_letter_reasons) read the file outside (its row count in
     # the AccountingError), or blocked in open() for ever while holding the publish lease, which
-    # its renewer kept fresh: no newer run or clean-up of the output could go on.
+    # its renewer kept fresh: no newer run or clean-up of the output could go on. Now it is
+    # refused before the lease is even taken.
+    from transforms import commit
     from transforms.commit import _CommitFn
+
+    leases: list = []
+
+    class CountedLease(PublishLease):
+        def acquire(self):
+            leases.append(self)
+            return super().acquire()
+
+    monkeypatch.setattr(commit, "PublishLease", CountedLease)
 
     root = tmp_path
     out, staged, tallies, path = _staged_for_commit(root, kind)
@@ -791,6 +803,7 @@ def test_the_batch_commit_never_reads_or_waits_on_a_staged_file_swapped(tmp_path
     assert isinstance(outcome.get("error"), UnsafePath), outcome
     assert f"{path.name} is " in str(outcome["error"]), outcome["error"]
     assert not (out / "_manifest.json").exists(), "nothing is published"
+    assert leases == [], "refused before the publish lease is taken"
     assert outside_hash(root, out) == before
     _the_lease_is_free(out)
 

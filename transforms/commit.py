@@ -37,8 +37,10 @@ from transforms.layout import (
     PUBLISHED_DIRS,
     SUMMARY_FILE,
     VECTORS_DIR,
+    is_local,
     join_path,
     new_run_id,
+    open_output_file,
     parquet_rows,
     relative_to,
     run_id_time,
@@ -92,6 +94,11 @@ class _CommitFn(beam.DoFn):
         self._output, self._run_id, self._summary, self._lease_s = output, run_id, summary, lease_s
 
     def process(self, _, staged, tallies, skipped_from=()):
+        # A staged file swapped for a symlink or a FIFO (a writer of the output) is refused here,
+        # before the lease is taken (and again where it is read, under the lease).
+        for _, path in staged:
+            if is_local(path):
+                open_output_file(self._output, path).close()
         # Everything below runs under the output's publish lease, so that two attempts of this
         # commit (a work item executed twice at once), another run, or a clean-up never act on
         # the output together, and each decision reads the manifest as the holder left it.
@@ -143,8 +150,9 @@ class _CommitFn(beam.DoFn):
             files[subdir].append(path)
         files = {subdir: sorted(paths) for subdir, paths in files.items()}
         sent = collections.defaultdict(int, tallies)
-        stored = count_stored(files[VECTORS_DIR], files[DEAD_LETTER_DIR], files[CHUNKS_DIR])
-        keys = parquet_rows(files[KEYS_DIR])
+        stored = count_stored(files[VECTORS_DIR], files[DEAD_LETTER_DIR], files[CHUNKS_DIR],
+                              output=self._output)
+        keys = parquet_rows(files[KEYS_DIR], self._output)
         counts = dataclasses.replace(
             stored, articles_in=sent[Tally.IN], duplicates=sent[Tally.DUPLICATES],
             unchanged=sent[Tally.UNCHANGED], truncated=sent[Tally.TRUNCATED])

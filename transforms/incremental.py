@@ -367,7 +367,7 @@ _INDEXES = ProcessCache()  # KeyFiles -> KeyIndex, once per worker process
 def _build_index(files: KeyFiles) -> KeyIndex:
     started = time.perf_counter()
     try:
-        index = KeyIndex.build(files.files)
+        index = KeyIndex.build(files.files, [snapshot.prefix for snapshot in files.snapshots])
     except MissingKeyFile as exc:
         snapshot = files.snapshots[exc.group]
         how = ("was compacted" if snapshot.run_id is None  # a streaming output's files rewritten
