@@ -74,6 +74,11 @@ def current_vectors(root: str, pattern: str = "dt=*/vectors/*.parquet") -> pa.Ta
     # Files written before the embedding's elements were declared not null, or at another
     # sink.vector_dtype, are read under one schema (float32 if any file's is).
     schema = common_schema([t.schema for t in read], merge_columns=True)
+    # A column some file lacks (written before it existed) is null there, whatever later files
+    # declare: nullable in the merged schema, as pyarrow's dataset read it.
+    schema = pa.schema([field if all(field.name in t.schema.names for t in read)
+                        else field.with_nullable(True) for field in schema],
+                       metadata=schema.metadata)
     values = [_partition_values(root, path) for path in files]
     keys = list(dict.fromkeys(k for found in values for k in found if k not in schema.names))
     types = {k: _partition_type([found[k] for found in values if k in found]) for k in keys}

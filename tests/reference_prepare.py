@@ -28,7 +28,7 @@ _FORMAT = re.compile("[" + "".join(
     re.escape(chr(c)) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Cf")
     + "]")
 _SPACE = re.compile(r"\s+")
-_TAG_OPEN = re.compile(r"<([^\s\d<>=])")  # "<" that could open an HTML or XML tag, comment...
+_TAG_OPEN = re.compile(r"<([^\s0-9<>=])")  # "<" that could open an HTML or XML tag, comment...
 
 
 def normalize_text(text: Optional[str]) -> str:

@@ -357,6 +357,24 @@ def test_the_current_vector_reads_days_written_before_and_after(tmp_path):
     np.testing.assert_allclose(vector_matrix(table), [[0.6, 0.8], [0.0, 1.0]], atol=1e-3)
 
 
+def test_the_current_vector_reads_a_day_written_before_a_not_null_column_existed(tmp_path):
+    # A day written before chunks mode has no chunk_count, which later files declare not null:
+    # its rows read with a null there (as pyarrow's dataset read them), not a failed cast.
+    old, new = tmp_path / "dt=2026-12-01" / "vectors", tmp_path / "dt=2026-12-02" / "vectors"
+    for folder in (old, new):
+        folder.mkdir(parents=True)
+    stamp = pa.array([so.START], pa.timestamp("us", tz="UTC"))
+    pq.write_table(pa.table({"id": ["a"], "embedded_at": stamp}), old / "part.parquet")
+    pq.write_table(pa.Table.from_arrays(
+        [pa.array(["b"]), stamp, pa.array([3], pa.int32())],
+        schema=pa.schema([("id", pa.string()), ("embedded_at", stamp.type),
+                          pa.field("chunk_count", pa.int32(), nullable=False)])),
+        new / "part.parquet")
+    table = current_vectors(str(tmp_path)).sort_by("id")
+    assert table["id"].to_pylist() == ["a", "b"]
+    assert table["chunk_count"].to_pylist() == [None, 3]
+
+
 def test_search_refuses_an_output_of_another_dimension(tmp_path):
     (tmp_path / "vectors").mkdir()
     pq.write_table(pa.table({

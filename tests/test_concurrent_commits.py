@@ -1160,3 +1160,20 @@ def test_an_output_folder_every_user_may_write_is_refused_before_anything_is_pub
     assert not (output / "_manifest.json").exists() and not (output / "vectors").exists()
     os.chmod(output, 0o775)  # a group it trusts may write it
     LocalLockStore(str(output / "_publish.lock"))
+
+
+def test_a_commit_attempt_after_the_publish_returns_its_summary(tmp_path):
+    """A second attempt of a commit that published (a work item retried after its worker was
+    lost) finds the run's staging deleted by that publish: it returns the run's summary. Its
+    check of the staged files before the lease (a symlink or a FIFO there is refused) takes a
+    file that is gone for what it is, not for an error."""
+    from transforms.commit import _CommitFn
+
+    output = str(tmp_path / "out")
+    run_id = "20261201T000000Z-0000000c"
+    staged, tallies = hand_staged_run(output, run_id, ["a", "b"])
+    first = list(_CommitFn(output, run_id, {}, lease_s=360).process(None, staged, tallies))
+    assert not (tmp_path / "out" / "_staging" / run_id).exists()
+    again = list(_CommitFn(output, run_id, {}, lease_s=360).process(None, staged, tallies))
+    assert again[0]["run_id"] == first[0]["run_id"] == run_id
+    assert again[0]["counts"] == first[0]["counts"]

@@ -354,7 +354,11 @@ def test_a_pinned_key_file_reached_through_a_symlinked_keys_folder_is_not_held(t
     prev.mkdir()
     os.symlink(elsewhere / "keys", prev / "keys")
     assert not Snapshot(str(prev), None, ((name, checksum),)).still_holds()
+    from transforms.incremental import key_file_checksums
+
+    assert key_file_checksums(str(prev)) == {}, "the files a symlinked keys/ leads to are hashed"
     os.unlink(prev / "keys")
     (prev / name).parent.mkdir(parents=True)
     (prev / name).write_bytes(b"not this output's keys")
     assert Snapshot(str(prev), None, ((name, checksum),)).still_holds()
+    assert key_file_checksums(str(prev)) == {name: checksum}

@@ -170,12 +170,36 @@ def test_a_trigger_another_role_added_to_the_owners_table_is_refused(pg, role):
     _execute(f"{pg} user={mallory}",
              "CREATE TRIGGER grab BEFORE INSERT ON public.news_vectors_chunks "
              "FOR EACH ROW EXECUTE FUNCTION public.grab()")
-    with pytest.raises(StoreLoadFailed, match=rf"news_vectors_chunks has the trigger grab, whose "
-                                              rf"function is owned by the role {mallory}\b"):
+    with pytest.raises(StoreLoadFailed, match=rf"news_vectors_chunks has the trigger grab, with "
+                                              rf"its function owned by the role {mallory}\b"):
         store.load(_rows(["c"], seed=1), "run:2")
     assert _calls(pg) == []
     assert _counts(pg, ["news_vectors", "news_vectors_chunks"]) == {
         "news_vectors": 2, "news_vectors_chunks": 2}
+
+
+def test_a_trigger_whose_when_clause_calls_another_roles_function_is_refused(pg, role):
+    """As above, but ``mallory``'s trigger runs a superuser's built-in function (trusted) and
+    calls her own in its WHEN clause, which PostgreSQL evaluates with the loader's rights before
+    the trigger fires: refused, whoever owns the trigger's function. Before: the load ran her
+    function as the owner."""
+    settings = StoreSettings(enabled=True, retry_s=0)
+    mallory = role("mallory")
+    _hostile_function(pg, mallory)
+    as_owner = f"{pg} user={_owner_role(pg, role)}"
+    store = Store(settings, as_owner)
+    store.load(_rows(["a", "b"]), "run:1")
+    _execute(as_owner, "GRANT ALL ON ALL TABLES IN SCHEMA public TO PUBLIC")
+    _execute(f"{pg} user={mallory}",
+             "CREATE FUNCTION public.spy(text) RETURNS boolean LANGUAGE plpgsql AS $$ BEGIN "
+             f"INSERT INTO {CALLS} VALUES (current_user); RETURN false; END $$",
+             "CREATE TRIGGER spy AFTER INSERT ON public.news_vectors_loads FOR EACH ROW "
+             "WHEN (public.spy('x')) "
+             "EXECUTE FUNCTION pg_catalog.suppress_redundant_updates_trigger()")
+    with pytest.raises(StoreLoadFailed, match="news_vectors_loads has the trigger spy, with a "
+                                              "WHEN clause"):
+        store.load(_rows(["c"], seed=1), "run:2")
+    assert _calls(pg) == []
 
 
 def test_a_loader_loads_into_the_owners_tables_as_table_owner_or_member(pg, role):

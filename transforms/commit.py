@@ -95,10 +95,14 @@ class _CommitFn(beam.DoFn):
 
     def process(self, _, staged, tallies, skipped_from=()):
         # A staged file swapped for a symlink or a FIFO (a writer of the output) is refused here,
-        # before the lease is taken (and again where it is read, under the lease).
+        # before the lease is taken (and again where it is read, under the lease). One gone is
+        # not: a retried attempt of a commit that published finds its staging deleted.
         for _, path in staged:
             if is_local(path):
-                open_output_file(self._output, path).close()
+                try:
+                    open_output_file(self._output, path).close()
+                except FileNotFoundError:
+                    pass
         # Everything below runs under the output's publish lease, so that two attempts of this
         # commit (a work item executed twice at once), another run, or a clean-up never act on
         # the output together, and each decision reads the manifest as the holder left it.

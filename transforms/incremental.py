@@ -186,6 +186,8 @@ def key_file_checksums(prefix: str) -> dict[str, str]:
     if FileSystems.get_scheme(keys) is not None:
         raise ValueError(f"{prefix}: streaming outputs as previous outputs are read on gs:// or "
                          f"local disk")
+    if os.path.islink(keys):
+        return out  # its files are not this output's: none is held (nor hashed)
     for folder, _, names in os.walk(keys):
         for file_name in names:
             path = os.path.join(folder, file_name)

@@ -720,13 +720,16 @@ def _read_catalog(conn, settings: StoreSettings) -> _Catalog:
         "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
         "WHERE n.nspname = %(schema)s AND c.relname = ANY(%(relations)s) "
         "AND NOT " + _TRUSTED.format(x="c.relowner") + " ORDER BY c.relname), "
-        "ARRAY(SELECT ARRAY[c.relname::text, t.tgname::text, "
-        "pg_catalog.pg_get_userbyid(p.proowner)::text] FROM pg_catalog.pg_trigger t "
+        "ARRAY(SELECT ARRAY[c.relname::text, t.tgname::text, CASE WHEN " +
+        _TRUSTED.format(x="p.proowner") + " THEN 'a WHEN clause, which may call any role''s "
+        "function' ELSE 'its function owned by the role ' || "
+        "pg_catalog.pg_get_userbyid(p.proowner)::text END] FROM pg_catalog.pg_trigger t "
         "JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid "
         "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
         "JOIN pg_catalog.pg_proc p ON p.oid = t.tgfoid "
         "WHERE n.nspname = %(schema)s AND c.relname = ANY(%(tables)s) AND NOT t.tgisinternal "
-        "AND NOT " + _TRUSTED.format(x="p.proowner") + " ORDER BY c.relname, t.tgname)",
+        "AND (t.tgqual IS NOT NULL OR NOT " + _TRUSTED.format(x="p.proowner") + ") "
+        "ORDER BY c.relname, t.tgname)",
         {"schema": settings.schema_name, "relations": relations, "tables": tables,
          "main": tables[:2], "table_owner": settings.table_owner}).fetchone()
     return _Catalog(row[0], bool(row[1]), frozenset(row[2]),
@@ -761,14 +764,15 @@ def _refuse_foreign(settings: StoreSettings, catalog: _Catalog,
             "superuser) drop them, and let the owner's next load create them (docs/store.md, "
             "\"Roles and privileges\")")
     if catalog.foreign_triggers:
-        table, trigger, owner = (_printable(x) for x in catalog.foreign_triggers[0])
+        table, trigger, why = (_printable(x) for x in catalog.foreign_triggers[0])
         raise error(
-            f"the store's table {schema}.{table} has the trigger {trigger}, whose function is "
-            f"owned by the role {owner}, which is neither this connection's role, a role it is "
-            f"a member of, a superuser nor {named}: refused before anything is written (the "
+            f"the store's table {schema}.{table} has the trigger {trigger}, with {why}: neither "
+            f"this connection's role, a role it is a member of, a superuser nor {named} is known "
+            "to have written what it runs, so it is refused before anything is written (the "
             "trigger would run with this role's rights; a role granted TRIGGER on the table can "
-            "add one). Drop the trigger, and revoke TRIGGER on the store's tables from every "
-            "role but their owner (docs/store.md, \"Roles and privileges\")")
+            "add one). Drop the trigger (a condition belongs inside a trusted role's trigger "
+            "function, not in WHEN), and revoke TRIGGER on the store's tables from every role "
+            "but their owner (docs/store.md, \"Roles and privileges\")")
 
 
 def _missing_ddl(settings: StoreSettings, catalog: _Catalog, dim: int,

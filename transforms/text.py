@@ -596,21 +596,21 @@ def normalize_text(text: Optional[str], form: UnicodeForm = "NFC",
 # "<" then what makes it open something in HTML (the tokenizer's tag open state: an ASCII letter, a
 # start tag or end tag; "!", a comment or declaration; "/", an end tag; "?", a processing
 # instruction or bogus comment). After any other character "<" is text to every HTML and XML parser.
-_TAG_OPEN = re.compile(r"<(?=[^\s\d<>=])")
+_TAG_OPEN = re.compile(r"<(?=[^\s0-9<>=])")
 
 
 def defuse_markup(text: str) -> str:
     """``text`` with a space after every ``<`` that could open a tag (``<script>`` becomes
-    ``< script>``): any ``<`` followed by what is not a space, a digit, ``<``, ``>`` or ``=``, so
-    that neither HTML (a tag opens at an ASCII letter, ``!``, ``/`` or ``?``) nor XML (also at
-    ``_``, ``:`` and letters beyond ASCII) reads one. What is left of markup once the tags are
-    stripped and the entities decoded (``&lt;img onerror=...&gt;``) then reads as text wherever
-    the prepared title and text go, an HTML page that forgets to escape them included. Not
-    escaped (``&lt;``): the outputs are plain text (Parquet, BigQuery, DuckDB, PostgreSQL, a
-    terminal), which every consumer escapes for its own output, and the model would embed
-    ``&lt;``'s tokens; nor removed: ``&lt;div&gt;`` in a title is a word of its text. A
-    BERT-style tokenizer splits ``<`` off as punctuation either way: the same tokens, the same
-    vector."""
+    ``< script>``): any ``<`` followed by what is not a space, an ASCII digit, ``<``, ``>`` or
+    ``=``, so that neither HTML (a tag opens at an ASCII letter, ``!``, ``/`` or ``?``) nor XML
+    (also at ``_``, ``:``, letters and other digits beyond ASCII) reads one. What is left of
+    markup once the tags are stripped and the entities decoded (``&lt;img onerror=...&gt;``)
+    then reads as text wherever the prepared title and text go, an HTML page that forgets to
+    escape them included. Not escaped (``&lt;``): the outputs are plain text (Parquet, BigQuery,
+    DuckDB, PostgreSQL, a terminal), which every consumer escapes for its own output, and the
+    model would embed ``&lt;``'s tokens; nor removed: ``&lt;div&gt;`` in a title is a word of
+    its text. A BERT-style tokenizer splits ``<`` off as punctuation either way: the same
+    tokens, the same vector."""
     return _TAG_OPEN.sub("< ", text) if "<" in text else text
 
 
