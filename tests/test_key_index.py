@@ -5,6 +5,7 @@ process whatever the number of DoFn instances, bundles and threads. No engine: k
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 import threading
 
@@ -34,6 +35,7 @@ def key_of(doc_id: str, text: str = "t") -> str:
 
 
 def write_keys(path, keys: list[str]) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     table = pa.table({"key": keys, "id": [f"i{n}" for n in range(len(keys))],
                       "text_sha256": ["0" * 64] * len(keys)}, schema=key_schema())
     pq.write_table(table, path)
@@ -86,29 +88,31 @@ def test_keys_of_several_outputs_map_to_the_output_that_holds_them(tmp_path):
 
 
 def test_a_key_file_gone_since_the_keys_were_resolved_is_a_changed_snapshot(tmp_path):
-    present = write_keys(tmp_path / "a.parquet", [key_of("a")])
+    # Each output's key files under it, as ReadKeys lists them: each is read below its output.
+    present = write_keys(tmp_path / "out-a" / "keys" / "a.parquet", [key_of("a")])
+    gone = tmp_path / "out-b" / "keys" / "gone.parquet"
     files = KeyFiles((Snapshot(str(tmp_path / "out-a"), "run-1"),
                       Snapshot(str(tmp_path / "out-b"), "run-7")),
-                     ((present,), (str(tmp_path / "gone.parquet"),)))
+                     ((present,), (str(gone),)))
     with pytest.raises(SnapshotChanged, match="out-b \\(run run-7\\) was republished"):
         key_index(files)
     streaming = KeyFiles((Snapshot(str(tmp_path / "stream"), None),),
-                         ((str(tmp_path / "compacted-away.parquet"),),))
+                         ((str(tmp_path / "stream" / "keys" / "compacted-away.parquet"),),))
     with pytest.raises(SnapshotChanged, match="stream was compacted"):
         key_index(streaming)
     # A failed load is not kept: the bundle's retry loads again (here the file is back).
-    write_keys(tmp_path / "gone.parquet", [key_of("b")])
+    write_keys(gone, [key_of("b")])
     assert key_index(files).lookup(key_of("b")) == 1
 
 
 def test_one_load_per_process_across_dofn_instances_bundles_and_threads(tmp_path, monkeypatch):
     monkeypatch.setattr(incremental, "_INDEXES", ProcessCache())
-    path = write_keys(tmp_path / "k.parquet", [key_of("old")])
+    path = write_keys(tmp_path / "keys" / "k.parquet", [key_of("old")])
     files = KeyFiles((Snapshot(str(tmp_path), "run-1"),), ((path,),))
     loads = []
     build = KeyIndex.build
     monkeypatch.setattr(KeyIndex, "build", classmethod(
-        lambda cls, groups: loads.append(groups) or build(groups)))
+        lambda cls, groups, outputs=None: loads.append(groups) or build(groups, outputs)))
     doc_old, doc_new = (PreparedDoc(event=NewsEvent(id=i, body="x"), text="x", text_sha256="t",
                                     token_ids=(1,), truncated=False) for i in ("old", "new"))
     fns = [pickle.loads(pickle.dumps(incremental._SkipFn(LABEL, SIGNATURE))) for _ in range(3)]
