@@ -28,7 +28,7 @@ from benchmarks import plots, write_results
 from pipeline.config import REPO_ROOT, load
 from transforms.model import resolve_model_path
 
-BBC = REPO_ROOT.parent / "shared" / "data" / "bbc-news"
+BBC = Path(os.environ.get("NEWSVEC_BBC_DIR") or REPO_ROOT.parent / "shared" / "data" / "bbc-news")
 ST_BATCH_SIZES = (16, 32, 64, 128)
 
 

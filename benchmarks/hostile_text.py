@@ -34,15 +34,17 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
+import os
 import statistics
 import string
 import sys
 import time
+from pathlib import Path
 
 from benchmarks import write_results
 from pipeline.config import REPO_ROOT
 
-BBC = REPO_ROOT.parent / "shared" / "data" / "bbc-news"
+BBC = Path(os.environ.get("NEWSVEC_BBC_DIR") or REPO_ROOT.parent / "shared" / "data" / "bbc-news")
 MARKS = "\u0301\u0316"  # combining acute (class 230) and grave below (220): alternating classes
 KATAKANA_WORD = "\u30ad\u30ed\u30e1\u30fc\u30c8\u30eb" * 16  # NFKC of U+3316 * 16: 96 characters
 INFORMATION = ("normal", "CJK, one line")  # not hostile fields

@@ -39,7 +39,21 @@ def pytest_unconfigure(config):  # pylint: disable=unused-argument
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_EVENTS = REPO / "pipeline" / "sample_data" / "news-events.jsonl"
-BBC = REPO.parent / "shared" / "data" / "bbc-news"
+# The 2,225 BBC News articles (train.csv, val.csv, test.csv, a `text` column each), which some
+# tests read for realistic text; not in the repository.
+BBC = Path(os.environ.get("NEWSVEC_BBC_DIR") or REPO.parent / "shared" / "data" / "bbc-news")
+
+
+def bbc_file(name: str) -> Path:
+    """``BBC / name``, or the test is skipped (failed under ``CI=true``) saying how to get it."""
+    from tests.emulators import skip_or_fail
+
+    path = BBC / name
+    if not path.is_file():
+        skip_or_fail(f"the BBC News articles are not at {BBC} (no {name}): set NEWSVEC_BBC_DIR "
+                     "to the folder of the BBC News dataset's train.csv, val.csv and test.csv "
+                     "(columns text, label)")
+    return path
 # The bucket of the `gcs` fixture (test_gcs.py has its own fixture and bucket).
 GCS_BUCKET = "newsvec-reruns"
 

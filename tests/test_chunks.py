@@ -30,8 +30,7 @@ from pipeline import ledger
 from pipeline.config import ConfigError, StreamingSettings, validate
 from pipeline.graph import embed_and_write_streaming
 from pipeline.run import run_batch
-from tests.conftest import BBC, make_config
-from tests.emulators import skip_or_fail
+from tests.conftest import bbc_file, make_config
 from tests.fakes import POISON, FakeEngine
 from transforms.chunking import Chunker, ChunkingSettings, ChunkSpan, chunk_id
 from transforms.embed import EmbedWithVLLM, VLLMEmbeddingHandler
@@ -45,9 +44,7 @@ CHUNKING = ChunkingSettings(mode="chunks", overlap_tokens=32, sentence_end_slack
 
 
 def bbc_events(n: int) -> list[dict]:
-    if not BBC.is_dir():
-        skip_or_fail(f"the BBC articles are not at {BBC}")
-    with open(BBC / "train.csv", encoding="utf-8") as f:
+    with open(bbc_file("train.csv"), encoding="utf-8") as f:
         texts = [row["text"] for row in csv.DictReader(f)][:n]
     return [{"id": f"bbc-{i:02d}", "body": t} for i, t in enumerate(texts)]
 

@@ -22,7 +22,7 @@ from apache_beam.utils.timestamp import Timestamp
 from pipeline import ledger
 from pipeline.config import ConfigError, StreamingSettings, TextSettings, validate
 from pipeline.run import run_batch
-from tests.conftest import BBC, make_config
+from tests.conftest import bbc_file, make_config
 from tests.fakes import FakeEngine
 from transforms.chunking import ChunkingSettings
 from transforms.dedup import dedup_key_function
@@ -113,7 +113,7 @@ def test_the_limit_is_a_setting():
 def test_no_bbc_article_is_unreadable():
     events = []
     for name in ("train.csv", "val.csv", "test.csv"):
-        with open(BBC / name, encoding="utf-8") as f:
+        with open(bbc_file(name), encoding="utf-8") as f:
             events += [{"id": f"{name}-{i}", "body": row["text"]}
                        for i, row in enumerate(csv.DictReader(f))]
     assert len(events) == 2225

@@ -12,7 +12,7 @@ from apache_beam.testing.util import assert_that, equal_to
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import BBC
+from tests.conftest import bbc_file
 from transforms.schema import NewsEvent, Reason
 from transforms.text import PrepareText, compose_text, normalize_text
 
@@ -36,7 +36,7 @@ def test_normalize_text(raw, clean):
 
 
 def test_normalize_is_idempotent_on_real_bbc_text():
-    with open(BBC / "test.csv", encoding="utf-8") as f:
+    with open(bbc_file("test.csv"), encoding="utf-8") as f:
         # The first 200 rows of the file: shorter than it on purpose.
         texts = [row["text"] for _, row in zip(range(200), csv.DictReader(f), strict=False)]
     damaged = [t for t in texts if "Â" in t or "â€" in t]
