@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import yaml
 
 from pipeline import config as config_lib
+from pipeline import logs_to_stderr
 from transforms.store import StoreError
 
 _DELEGATED = {  # sub-command -> (module, what it does): each parses its own options
@@ -152,6 +153,7 @@ def _print_line(line: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    logs_to_stderr()
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {**{name: what for name, (_, what) in _DELEGATED.items()},
                 "config": "check a config, or list every key (--explain)",

@@ -18,6 +18,7 @@ from apache_beam.options.pipeline_options import (
 )
 
 from pipeline import config as config_lib
+from pipeline import logs_to_stderr
 from pipeline.graph import build_batch, build_streaming
 from pipeline.options import NewsvecOptions
 from pipeline.progress import ProgressReporter
@@ -230,6 +231,7 @@ def usage() -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import sys
 
+    logs_to_stderr()
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
         print(usage())

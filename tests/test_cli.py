@@ -103,6 +103,25 @@ def test_search_finds_the_sample_article_a_query_is_about(sample_outputs, capsys
     assert len(lines) == 3
 
 
+def test_search_json_in_a_fresh_process_prints_json_lines_alone(sample_outputs, tmp_path):
+    """``newsvec search --json`` as a user runs it (a process of its own, so vLLM configures its
+    logging there): every line of standard output is a hit, as ``jq`` reads it; vLLM's log lines
+    go to standard error. Before, vLLM wrote its INFO lines to standard output first."""
+    import os
+
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(json.loads(make_config(
+        input="x", output=str(sample_outputs["head"])).model_dump_json())))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_STREAM"}
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "search", "--config",
+                           str(config_file), "--k", "2", "--json", BATTERY_QUERY],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    hits = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [hit["id"] for hit in hits][:1] == ["sample-0007"] and len(hits) == 2
+    assert "INFO" in done.stderr, "vLLM's log lines are on standard error"
+
+
 def test_search_puts_model_query_prefix_before_the_query():
     """e5 and bge expect a prefix on queries: the query is embedded as prefix + query, the
     counterpart of ``document_prefix`` on articles (same engine: prefixes are not engine
