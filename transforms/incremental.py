@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import time
 from typing import Optional
 
@@ -192,15 +191,11 @@ def key_file_checksums(prefix: str) -> dict[str, str]:
         for file_name in names:
             path = os.path.join(folder, file_name)
             if file_name.endswith(".parquet") and not is_compacted(file_name):
-                try:  # a regular file only, through no symlink, without waiting on a FIFO
-                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-                except OSError:
-                    continue  # deleted while listed, a symlink, a socket: not held
-                with os.fdopen(fd, "rb") as f:
-                    if not stat.S_ISREG(os.fstat(fd).st_mode):
-                        continue  # a FIFO, a folder: not held
-                    digest = hashlib.file_digest(f, "sha256").hexdigest()
-                out[relative_to(prefix, path)] = digest
+                # A regular file only, through no symlink, without waiting on a FIFO: one
+                # deleted while listed, a symlink, a FIFO is not held.
+                digest = _local_checksum(prefix, relative_to(prefix, path))
+                if digest is not None:
+                    out[relative_to(prefix, path)] = digest
     return out
 
 

@@ -28,7 +28,7 @@ import logging
 import os
 import stat
 import tempfile
-from typing import Optional
+from typing import Callable, Optional
 
 _LOG = logging.getLogger(__name__)
 
@@ -59,24 +59,20 @@ def check_private_folder(folder: str) -> None:
     """Raise ``UnsafeFolderError`` unless ``folder`` is a real directory (not a symlink) owned by
     this user that no one else may enter, read or write (mode & 0o077 == 0)."""
     info = os.lstat(folder)
-    why = None
-    if stat.S_ISLNK(info.st_mode):
-        why = "is a symlink"
-    elif not stat.S_ISDIR(info.st_mode):
-        why = "is not a directory"
-    elif info.st_uid != os.geteuid():
-        why = f"is owned by uid {info.st_uid}, not this user ({os.geteuid()})"
-    elif info.st_mode & 0o077:
-        why = f"has mode {stat.S_IMODE(info.st_mode):o} (group or others may use it; 700 needed)"
+    why = ("is a symlink" if stat.S_ISLNK(info.st_mode)
+           else refusal(info, stat.S_ISDIR, "a directory"))
     if why is not None:
         raise UnsafeFolderError(
             f"the shared engine's private folder {folder} {why}: refused (another user could "
             "plant the engine's address or state files there); remove it, or run as its owner")
 
 
-def _refusal(info: os.stat_result) -> Optional[str]:
-    if not stat.S_ISREG(info.st_mode):
-        return "is not a regular file"
+def refusal(info: os.stat_result, is_kind: Callable[[int], bool] = stat.S_ISREG,
+            kind: str = "a regular file") -> Optional[str]:
+    """Why an entry of the private folder (``info``: its ``lstat`` or ``fstat``) is not this
+    user's own ``kind`` that no one else may use, or None."""
+    if not is_kind(info.st_mode):
+        return f"is not {kind}"
     if info.st_uid != os.geteuid():
         return f"is owned by uid {info.st_uid}, not this user ({os.geteuid()})"
     if info.st_mode & 0o077:
@@ -95,7 +91,7 @@ def read_private(path: str) -> Optional[bytes]:
         _LOG.warning("refused %s: %s", path, exc)
         return None
     try:
-        why = _refusal(os.fstat(fd))
+        why = refusal(os.fstat(fd))
         if why is not None:
             _LOG.warning("refused %s: it %s, so another user could have written it", path, why)
             return None
@@ -114,7 +110,7 @@ def read_private(path: str) -> Optional[bytes]:
 def is_private(path: str) -> bool:
     """Whether ``path`` is there and would be read by ``read_private``."""
     try:
-        return _refusal(os.lstat(path)) is None
+        return refusal(os.lstat(path)) is None
     except OSError:
         return False
 
@@ -146,7 +142,7 @@ def open_private_file(path: str) -> int:
     except OSError as exc:
         raise UnsafeFileError(exc.errno, f"refused {path}: {exc.strerror}") from exc
     try:
-        why = _refusal(os.fstat(fd))
+        why = refusal(os.fstat(fd))
     except BaseException:
         os.close(fd)
         raise

@@ -86,6 +86,7 @@ from transforms.private_files import (
     is_private,
     private_folder,
     read_private,
+    refusal,
     write_private,
 )
 
@@ -581,13 +582,7 @@ def _engine_socket(address_file: str) -> str:
         info = os.lstat(expected)
     except OSError as exc:
         raise ConnectionRefusedError(f"the engine's socket {expected}: {exc}") from exc
-    why = None
-    if not stat.S_ISSOCK(info.st_mode):
-        why = "is not a socket"
-    elif info.st_uid != os.geteuid():
-        why = f"is owned by uid {info.st_uid}, not this user ({os.geteuid()})"
-    elif info.st_mode & 0o077:
-        why = f"has mode {stat.S_IMODE(info.st_mode):o} (group or others may use it)"
+    why = refusal(info, stat.S_ISSOCK, "a socket")
     if why is not None:
         raise ConnectionRefusedError(f"the engine's socket {expected} {why}: not connected to")
     return expected
