@@ -105,6 +105,29 @@ def pg(postgres_server, request) -> str:
     postgres_server.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture
+def roles(postgres_server, pg):
+    """``roles(kind)``: a new login role of the session's PostgreSQL, its name unique (roles
+    belong to the whole server, which other tests share); each dropped after the test, with what
+    it owns and every privilege granted to it in ``pg``."""
+    import psycopg
+
+    made: list[str] = []
+
+    def make(kind: str) -> str:
+        name = f"{kind}_{os.urandom(4).hex()}"
+        postgres_server.execute(f"CREATE ROLE {name} LOGIN")
+        made.append(name)
+        return name
+
+    yield make
+    if made:
+        with psycopg.connect(pg, autocommit=True) as conn:
+            conn.execute(f"DROP OWNED BY {', '.join(made)} CASCADE")
+        for name in made:
+            postgres_server.execute(f"DROP ROLE IF EXISTS {name}")
+
+
 STORE_DSN_ENV = "NEWSVEC_TEST_STORE_DSN"
 
 

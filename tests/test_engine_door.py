@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 import uuid
+from typing import Callable
 
 import pytest
 
@@ -76,6 +77,33 @@ def _plant(temp, name: str, content: str, how: str) -> None:
         os.chmod(path, 0o600 if how == "owner" else 0o666)
         if how == "owner":
             os.chown(path, NOBODY, NOBODY)
+
+
+def _counting_connections(listener: socket.socket) -> tuple[list, Callable[[], None]]:
+    """Every connection made to ``listener`` (closed at once), counted by a thread of its own
+    until the function returned is called: a server of someone else's that a client must never
+    reach."""
+    listener.settimeout(0.2)
+    connections: list = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            connections.append(conn)
+            conn.close()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+
+    def stopped() -> None:
+        stop.set()
+        thread.join()
+
+    return connections, stopped
 
 
 def _client(tag: str) -> SharedEngineClient:
@@ -123,21 +151,7 @@ def test_a_planted_address_file_is_never_connected_to(temp, how):
     and an address file naming a server of theirs: the client never connects to it (it would
     unpickle that server's answers), and starts an engine of its own."""
     listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.2)
-    connections = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                continue
-            connections.append(conn)
-            conn.close()
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
+    connections, stop = _counting_connections(listener)
     tag = f"newsvec-test-{uuid.uuid4().hex}"
     me = module._process_identity(os.getpid())
     _plant(temp, f"{tag}.engine", json.dumps({"number": 1, "spawner": list(me), "engine": None}),
@@ -153,8 +167,7 @@ def test_a_planted_address_file_is_never_connected_to(temp, how):
         (vector,) = client.embed([[1, 2, 3]])
         assert vector.shape == (384,)
     finally:
-        stop.set()
-        thread.join()
+        stop()
         listener.close()
         if client is not None:
             _end(client)
@@ -406,21 +419,7 @@ def test_an_address_file_naming_anything_but_the_engines_socket_is_never_connect
         listener.bind(path)
         listener.listen(16)
         address = {"outside": path, "relative": "../x.sock", "other-socket": "x.sock"}[where]
-    listener.settimeout(0.2)
-    connections = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                continue
-            connections.append(conn)
-            conn.close()
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
+    connections, stop = _counting_connections(listener)
     tag = f"newsvec-test-{uuid.uuid4().hex}"
     me = module._process_identity(os.getpid())
     for name, content in ((f"{tag}.engine", json.dumps({"number": 1, "spawner": list(me),
@@ -435,8 +434,7 @@ def test_an_address_file_naming_anything_but_the_engines_socket_is_never_connect
         (vector,) = client.embed([[1, 2, 3]])
         assert vector.shape == (384,)
     finally:
-        stop.set()
-        thread.join()
+        stop()
         listener.close()
         if client is not None:
             _end(client)

@@ -8,8 +8,6 @@ or ``store.table_owner`` (the owner a loader that owns nothing loads for), none 
 written, and the other role's code never runs."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import psycopg
 import pytest
@@ -28,25 +26,6 @@ from transforms.store import (
 )
 
 CALLS = "public.hostile_calls"
-
-
-@pytest.fixture
-def role(postgres_server, pg):
-    """Unique role names (roles belong to the whole server, which other tests share), dropped
-    with what they own and every privilege granted to them after the test."""
-    made: list[str] = []
-
-    def make(kind: str) -> str:
-        name = f"{kind}_{os.urandom(4).hex()}"
-        postgres_server.execute(f"CREATE ROLE {name} LOGIN")
-        made.append(name)
-        return name
-
-    yield make
-    if made:
-        _execute(pg, f"DROP OWNED BY {', '.join(made)} CASCADE")
-        for name in made:
-            postgres_server.execute(f"DROP ROLE IF EXISTS {name}")
 
 
 def _hostile_function(dsn: str, mallory: str) -> None:
@@ -99,15 +78,15 @@ def _counts(dsn: str, tables: list[str]) -> dict[str, int]:
                 for t in tables}
 
 
-def _owner_role(pg: str, role) -> str:
+def _owner_role(pg: str, roles) -> str:
     """A store owner that is not a superuser: it may create in ``public``."""
-    owner = role("store_owner")
+    owner = roles("store_owner")
     _execute(pg, f"GRANT CREATE, USAGE ON SCHEMA public TO {owner}")
     return owner
 
 
 @pytest.mark.parametrize("who", ["superuser", "owner"])
-def test_tables_another_role_made_first_are_refused_before_its_trigger_runs(pg, role, who,
+def test_tables_another_role_made_first_are_refused_before_its_trigger_runs(pg, roles, who,
                                                                             caplog):
     """``mallory`` makes the store's tables and indexes, with a trigger on each, before the
     first load (the attack: a public schema others may create in). The first load, by a
@@ -116,10 +95,10 @@ def test_tables_another_role_made_first_are_refused_before_its_trigger_runs(pg, 
     trigger never runs and nothing is written. Pre-fix: the load stored its 2 rows through
     mallory's trigger, which ran as the loader (and mallory could read them)."""
     settings = StoreSettings(enabled=True, retry_s=30)
-    mallory = role("mallory")
+    mallory = roles("mallory")
     _hostile_function(pg, mallory)
     tables = _precreate(pg, mallory, settings)
-    dsn = pg if who == "superuser" else f"{pg} user={_owner_role(pg, role)}"
+    dsn = pg if who == "superuser" else f"{pg} user={_owner_role(pg, roles)}"
     with pytest.raises(StoreLoadFailed, match=rf"public\.news_vectors\b.* owned by the role "
                                               rf"{mallory}\b.*store\.table_owner") as refused:
         Store(settings, dsn).load(_rows(["a", "b"]), "run:1")
@@ -129,13 +108,13 @@ def test_tables_another_role_made_first_are_refused_before_its_trigger_runs(pg, 
     assert _counts(pg, tables) == dict.fromkeys(tables, 0)
 
 
-def test_a_search_of_tables_another_role_made_is_refused(pg, role):
+def test_a_search_of_tables_another_role_made_is_refused(pg, roles):
     """A search (a read) of tables ``mallory`` made, with row security whose check runs her
     function as the reader, is refused before it reads them; so is any ``Store.connect()`` (the
     ledger's check reads the store through it). Pre-fix: the search ran ``grab_check()`` as the
     store's owner and returned mallory's row."""
     settings = StoreSettings(enabled=True, retry_s=0)
-    mallory = role("mallory")
+    mallory = roles("mallory")
     _hostile_function(pg, mallory)
     _precreate(pg, mallory, settings)
     with psycopg.connect(f"{pg} user={mallory}", autocommit=True) as conn:
@@ -147,7 +126,7 @@ def test_a_search_of_tables_another_role_made_is_refused(pg, role):
                      (np.ones(DIM, np.float32),))
         conn.execute("ALTER TABLE public.news_vectors ENABLE ROW LEVEL SECURITY")
         conn.execute("CREATE POLICY grab ON public.news_vectors USING (public.grab_check())")
-    store = Store(settings, f"{pg} user={_owner_role(pg, role)}")
+    store = Store(settings, f"{pg} user={_owner_role(pg, roles)}")
     with pytest.raises(StoreError, match=rf"owned by the role {mallory}\b"):
         store.search(np.ones(DIM), 2)
     with pytest.raises(StoreError, match=rf"owned by the role {mallory}\b"):
@@ -155,18 +134,24 @@ def test_a_search_of_tables_another_role_made_is_refused(pg, role):
     assert _calls(pg) == []
 
 
-def test_a_trigger_another_role_added_to_the_owners_table_is_refused(pg, role):
+def _owners_store_open_to_all(pg: str, roles) -> tuple[Store, str]:
+    """A store its (non-superuser) owner loaded once, then granted ALL on to everyone (TRIGGER
+    included), and ``mallory``, who has her recording function: the store and her name."""
+    mallory = roles("mallory")
+    _hostile_function(pg, mallory)
+    as_owner = f"{pg} user={_owner_role(pg, roles)}"
+    store = Store(StoreSettings(enabled=True, retry_s=0), as_owner)
+    store.load(_rows(["a", "b"]), "run:1")
+    _execute(as_owner, "GRANT ALL ON ALL TABLES IN SCHEMA public TO PUBLIC")
+    return store, mallory
+
+
+def test_a_trigger_another_role_added_to_the_owners_table_is_refused(pg, roles):
     """The owner's tables, but the owner granted ALL on them to everyone (TRIGGER included), and
     ``mallory`` added her trigger to the chunks' table: the next load is refused, naming the
     trigger and its function's owner, and the trigger never runs. Pre-fix: the load ran her
     trigger as the loader."""
-    settings = StoreSettings(enabled=True, retry_s=0)
-    mallory = role("mallory")
-    _hostile_function(pg, mallory)
-    as_owner = f"{pg} user={_owner_role(pg, role)}"
-    store = Store(settings, as_owner)
-    store.load(_rows(["a", "b"]), "run:1")
-    _execute(as_owner, "GRANT ALL ON ALL TABLES IN SCHEMA public TO PUBLIC")
+    store, mallory = _owners_store_open_to_all(pg, roles)
     _execute(f"{pg} user={mallory}",
              "CREATE TRIGGER grab BEFORE INSERT ON public.news_vectors_chunks "
              "FOR EACH ROW EXECUTE FUNCTION public.grab()")
@@ -178,18 +163,12 @@ def test_a_trigger_another_role_added_to_the_owners_table_is_refused(pg, role):
         "news_vectors": 2, "news_vectors_chunks": 2}
 
 
-def test_a_trigger_whose_when_clause_calls_another_roles_function_is_refused(pg, role):
+def test_a_trigger_whose_when_clause_calls_another_roles_function_is_refused(pg, roles):
     """As above, but ``mallory``'s trigger runs a superuser's built-in function (trusted) and
     calls her own in its WHEN clause, which PostgreSQL evaluates with the loader's rights before
     the trigger fires: refused, whoever owns the trigger's function. Before: the load ran her
     function as the owner."""
-    settings = StoreSettings(enabled=True, retry_s=0)
-    mallory = role("mallory")
-    _hostile_function(pg, mallory)
-    as_owner = f"{pg} user={_owner_role(pg, role)}"
-    store = Store(settings, as_owner)
-    store.load(_rows(["a", "b"]), "run:1")
-    _execute(as_owner, "GRANT ALL ON ALL TABLES IN SCHEMA public TO PUBLIC")
+    store, mallory = _owners_store_open_to_all(pg, roles)
     _execute(f"{pg} user={mallory}",
              "CREATE FUNCTION public.spy(text) RETURNS boolean LANGUAGE plpgsql AS $$ BEGIN "
              f"INSERT INTO {CALLS} VALUES (current_user); RETURN false; END $$",
@@ -202,7 +181,7 @@ def test_a_trigger_whose_when_clause_calls_another_roles_function_is_refused(pg,
     assert _calls(pg) == []
 
 
-def test_a_loader_loads_into_the_owners_tables_as_table_owner_or_member(pg, role):
+def test_a_loader_loads_into_the_owners_tables_as_table_owner_or_member(pg, roles):
     """The setup docs/store.md documents: a store owner (not a superuser) creates the tables at
     the first load, and adds a trigger of its own (allowed: its function is the owner's); a
     loader with only the listed grants, which owns nothing, is refused without
@@ -210,7 +189,7 @@ def test_a_loader_loads_into_the_owners_tables_as_table_owner_or_member(pg, role
     owner, and loads without it once it is a member of the owner's role. The owner's trigger
     runs each time. Pre-fix: ``store.table_owner`` was an unknown key, and the load without it
     was not refused."""
-    owner, loader = _owner_role(pg, role), role("loader")
+    owner, loader = _owner_role(pg, roles), roles("loader")
     settings = StoreSettings(enabled=True, retry_s=0)
     Store(settings, f"{pg} user={owner}").load(_rows(["a", "b"]), "run:1")
     _execute(f"{pg} user={owner}",

@@ -10,7 +10,6 @@ only SELECT."""
 from __future__ import annotations
 
 import datetime as dt
-import os
 
 import numpy as np
 import psycopg
@@ -34,25 +33,6 @@ def _execute(dsn: str, *statements: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         for statement in statements:
             conn.execute(statement)
-
-
-@pytest.fixture
-def roles(postgres_server, pg):
-    """Unique role names (roles belong to the whole server, which other tests share), dropped
-    with what they own and every privilege granted to them after the test."""
-    made: list[str] = []
-
-    def make(kind: str) -> str:
-        name = f"{kind}_{os.urandom(4).hex()}"
-        postgres_server.execute(f"CREATE ROLE {name} LOGIN")
-        made.append(name)
-        return name
-
-    yield make
-    if made:
-        _execute(pg, f"DROP OWNED BY {', '.join(made)} CASCADE")
-        for name in made:
-            postgres_server.execute(f"DROP ROLE IF EXISTS {name}")
 
 
 def _pgvector_in(dsn: str, schema: str) -> None:
