@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime as dt
 import enum
 import json
 import logging
@@ -39,7 +40,6 @@ from transforms.layout import (
     VECTORS_DIR,
     is_local,
     join_path,
-    new_run_id,
     open_output_file,
     parquet_rows,
     relative_to,
@@ -135,7 +135,8 @@ class _CommitFn(beam.DoFn):
         if current is not None and current.run_id == self._run_id:
             return self._published_summary()
         if current is not None and current.run_id > self._run_id:
-            ahead = (run_id_time(current.run_id) - run_id_time(new_run_id())).total_seconds()
+            ahead = (run_id_time(current.run_id)
+                     - dt.datetime.now(dt.timezone.utc)).total_seconds()
             if ahead > FUTURE_RUN_SKEW_S:
                 raise RunFromTheFuture(
                     f"{self._output}: its manifest names run {current.run_id} "
