@@ -128,8 +128,8 @@ def embed_and_write(payloads, config: Config, run_id: str,
     done = [parsed.dead_letter, prepared.dead_letter, embedded.embedded, embedded.dead_letter]
     if config.incremental.previous_outputs:
         done.append(skipped[UNCHANGED])
-    for i, articles in enumerate(done):
-        articles | f"Progress{i}" >> CountDone()  # articles done: a progress bar, Dataflow metrics
+    # Articles done, for the progress bar and Dataflow's metrics.
+    _ = tuple(done) | "CollectDone" >> beam.Flatten() | "CountDone" >> CountDone()
     tallies += [tally(unique.duplicates, Tally.DUPLICATES, lambda n: n),
                 tally(unique.docs, Tally.ROWS),
                 tally(unique.docs, Tally.TRUNCATED, lambda row: int(row.truncated)),

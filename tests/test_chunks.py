@@ -33,7 +33,7 @@ from pipeline.run import run_batch
 from tests.conftest import bbc_file, make_config
 from tests.fakes import POISON, FakeEngine
 from transforms.chunking import Chunker, ChunkingSettings, ChunkSpan, chunk_id
-from transforms.embed import EmbedWithVLLM, VLLMEmbeddingHandler
+from transforms.embed import Embedder, EmbedWithVLLM
 from transforms.engine import EngineHandle
 from transforms.schema import NewsEvent, PreparedDoc, Reason, chunk_schema
 from transforms.text import compose_text
@@ -258,8 +258,8 @@ def test_chunks_are_batched_by_the_token_budget(tokenizer):
     calls = []
     real = engine.embed
     engine.embed = lambda prompts: calls.append(sum(map(len, prompts))) or real(prompts)
-    handler = VLLMEmbeddingHandler(settings, doc_vector="mean")
-    results = handler.run_inference(docs, engine)
+    handler = Embedder(settings, doc_vector="mean")
+    results = handler.embed_batch(docs, engine)
     assert [len(r.inference) for r in results] == [len(d.chunks) for d in docs]
     assert max(calls) <= 256 and len(calls) > 2
 

@@ -18,7 +18,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from tests.conftest import make_config
 from tests.fakes import NAN, POISON, FakeEngine
-from transforms.embed import EmbedFailure, EmbedWithVLLM, ModelBrokenError, VLLMEmbeddingHandler
+from transforms.embed import Embedder, EmbedFailure, EmbedWithVLLM, ModelBrokenError
 from transforms.engine import Engine, EngineFailedError, EngineHandle, load_engine
 from transforms.schema import NewsEvent, PreparedDoc, Reason
 
@@ -31,14 +31,14 @@ def doc(i: int, poison=False, ids=None) -> PreparedDoc:
                        token_ids=tuple(ids), truncated=False)
 
 
-def handler(**changes) -> VLLMEmbeddingHandler:
-    return VLLMEmbeddingHandler(SETTINGS.model_copy(update=changes))
+def handler(**changes) -> Embedder:
+    return Embedder(SETTINGS.model_copy(update=changes))
 
 
 def test_bisection_dead_letters_only_the_failing_inputs():
     model = EngineHandle(SETTINGS, FakeEngine)
     batch = [doc(i, poison=i in (3, 11)) for i in range(16)]
-    results = list(handler().run_inference(batch, model))
+    results = list(handler().embed_batch(batch, model))
     failed = [r.example.event.id for r in results if isinstance(r.inference, EmbedFailure)]
     assert failed == ["d3", "d11"]
     good = {r.example.event.id: int(np.argmax(r.inference[0])) for r in results
@@ -56,7 +56,7 @@ class FailsEveryInput(FakeEngine):
 
 def test_a_model_failing_for_every_input_stops_the_job():
     with pytest.raises(ModelBrokenError, match="in a row"):
-        handler(max_consecutive_failures=8).run_inference(
+        handler(max_consecutive_failures=8).embed_batch(
             [doc(i) for i in range(10)], EngineHandle(SETTINGS, FailsEveryInput))
 
 
@@ -103,13 +103,13 @@ def test_a_broken_engine_blames_no_input_and_the_same_handle_gets_a_fresh_one():
     model = EngineHandle(SETTINGS, Breaks)
     first = model._engine
     h = handler()
-    assert all(isinstance(r.inference[0], np.ndarray) for r in h.run_inference([doc(0)], model))
+    assert all(isinstance(r.inference[0], np.ndarray) for r in h.embed_batch([doc(0)], model))
     with pytest.raises(EngineFailedError, match="illegal memory access"):
-        h.run_inference([doc(i) for i in range(8)], model)
+        h.embed_batch([doc(i) for i in range(8)], model)
     assert first.broken_calls == 1, "no bisection: no input is to blame"
     assert first.closed, "the broken engine is closed (its GPU memory freed)"
     # The handle the embedding step keeps serves the retried bundle with a new engine.
-    results = h.run_inference([doc(i) for i in range(8)], model)
+    results = h.embed_batch([doc(i) for i in range(8)], model)
     assert Breaks.loads == 2 and all(isinstance(r.inference[0], np.ndarray) for r in results)
 
 
@@ -124,7 +124,7 @@ def test_engine_dead_error_is_an_engine_failure():
 
     model = EngineHandle(SETTINGS, Dead)
     with pytest.raises(EngineFailedError):
-        handler().run_inference([doc(i) for i in range(8)], model)
+        handler().embed_batch([doc(i) for i in range(8)], model)
 
 
 # ---- the real vLLM engine (float32, loaded once per session) ----
@@ -270,12 +270,12 @@ def test_a_reload_that_fails_is_an_engine_failure_not_an_input_failure():
     LoadFailsAfterBreak.loads = 0
     model = EngineHandle(SETTINGS, LoadFailsAfterBreak)
     h = handler()
-    assert h.run_inference([doc(0)], model)  # the first call works
+    assert h.embed_batch([doc(0)], model)  # the first call works
     with pytest.raises(EngineFailedError, match="illegal memory access"):
-        h.run_inference([doc(i) for i in range(4)], model)
+        h.embed_batch([doc(i) for i in range(4)], model)
     for _ in range(2):  # each retry of the bundle: the load fails, and no input is blamed
         with pytest.raises(EngineFailedError, match="could not be loaded.*out of memory"):
-            h.run_inference([doc(i) for i in range(4)], model)
+            h.embed_batch([doc(i) for i in range(4)], model)
     assert LoadFailsAfterBreak.loads == 3
 
 
@@ -334,13 +334,13 @@ def test_the_count_of_failures_in_a_row_outlives_the_handler_copy():
 
     h = handler(max_consecutive_failures=5)
     model = EngineHandle(SETTINGS, FailsEveryInput)
-    pickle.loads(pickle.dumps(h)).run_inference([doc(i) for i in range(3)], model)
+    pickle.loads(pickle.dumps(h)).embed_batch([doc(i) for i in range(3)], model)
     with pytest.raises(ModelBrokenError, match="5 documents in a row"):
-        pickle.loads(pickle.dumps(h)).run_inference([doc(i) for i in range(3)], model)
+        pickle.loads(pickle.dumps(h)).embed_batch([doc(i) for i in range(3)], model)
     with pytest.raises(ModelBrokenError, match="6 documents in a row"):  # the retried bundle
-        pickle.loads(pickle.dumps(h)).run_inference([doc(i) for i in range(3)], model)
+        pickle.loads(pickle.dumps(h)).embed_batch([doc(i) for i in range(3)], model)
     other = handler(max_consecutive_failures=5)  # another pipeline's step counts on its own
-    assert len(other.run_inference([doc(i) for i in range(3)], model)) == 3
+    assert len(other.embed_batch([doc(i) for i in range(3)], model)) == 3
 
 
 def test_streaming_micro_batches_of_a_broken_model_stop_the_job(tmp_path):
@@ -397,7 +397,7 @@ class NanEngine(FakeEngine):
 def test_non_finite_vectors_count_toward_the_broken_model_stop():
     # A model that returns NaN for every input while its canary passes is a broken model.
     with pytest.raises(ModelBrokenError, match="non-finite"):
-        handler(max_consecutive_failures=3).run_inference(
+        handler(max_consecutive_failures=3).embed_batch(
             [doc(i, ids=(101, NAN, 102 + i)) for i in range(4)], EngineHandle(SETTINGS, NanEngine))
 
 
@@ -412,5 +412,5 @@ def test_non_finite_vectors_with_a_failing_canary_are_an_engine_failure():
     model = EngineHandle(SETTINGS, NanAndBroken)
     engine = model._engine
     with pytest.raises(EngineFailedError, match="non-finite"):
-        handler().run_inference([doc(i, ids=(101, NAN, 102 + i)) for i in range(4)], model)
+        handler().embed_batch([doc(i, ids=(101, NAN, 102 + i)) for i in range(4)], model)
     assert engine.closed, "no document is blamed; the engine is closed, the next call loads anew"

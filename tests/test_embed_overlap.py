@@ -14,7 +14,7 @@ from apache_beam.utils.timestamp import MIN_TIMESTAMP
 from tests.conftest import make_config
 from tests.fakes import FakeEngine
 from tests.test_embed_failures import doc
-from transforms.embed import VLLMEmbeddingHandler, _EmbedBatchesFn
+from transforms.embed import Embedder, _EmbedBatchesFn
 from transforms.engine import EngineFailedError
 
 SETTINGS = make_config().model
@@ -41,7 +41,7 @@ class Gated(FakeEngine):
 def step():
     Gated.gate.clear(), Gated.started.clear()
     Gated.fail = False
-    fn = _EmbedBatchesFn(VLLMEmbeddingHandler(SETTINGS, Gated))
+    fn = _EmbedBatchesFn(Embedder(SETTINGS, Gated))
     fn.setup()
     fn.start_bundle()
     return fn

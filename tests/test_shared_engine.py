@@ -40,7 +40,7 @@ from tests.fakes import (
     reach_engine,
 )
 from tests.test_embed_failures import Breaks, doc
-from transforms.embed import EmbedFailure, VLLMEmbeddingHandler
+from transforms.embed import Embedder, EmbedFailure
 from transforms.engine import EngineFailedError
 from transforms.model import ModelSettings
 from transforms.shared_engine import SharedEngineClient, _process_state
@@ -70,14 +70,14 @@ def test_two_worker_processes_share_one_engine_in_a_process_of_its_own(tmp_path,
 def test_an_engine_failure_crosses_the_proxy_as_itself_and_ends_that_engine():
     settings = make_config().model
     client = SharedEngineClient(settings, Breaks, tag=f"newsvec-test-{uuid.uuid4().hex}")
-    handler = VLLMEmbeddingHandler(settings)
+    handler = Embedder(settings)
     first = client._process
 
-    assert handler.run_inference([doc(0)], client)  # the first call works
+    assert handler.embed_batch([doc(0)], client)  # the first call works
     with pytest.raises(EngineFailedError):
-        handler.run_inference([doc(i) for i in range(4)], client)
+        handler.embed_batch([doc(i) for i in range(4)], client)
     assert _process_state(first) != "alive", "the failed engine's process is ended"
-    assert handler.run_inference([doc(0)], client), "the next call spawns a fresh engine"
+    assert handler.embed_batch([doc(0)], client), "the next call spawns a fresh engine"
     assert client._process != first
 
 
@@ -325,8 +325,8 @@ def test_an_input_that_hangs_the_shared_engine_is_dead_lettered_alone(tmp_path, 
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
     settings = make_config().model.model_copy(update={"call_timeout_s": 1.0})
     client = SharedEngineClient(settings, PoisonEngine, tag=f"newsvec-test-{uuid.uuid4().hex}")
-    handler = VLLMEmbeddingHandler(settings)
-    results = handler.run_inference([doc(0), doc(1, ids=(101, HANG, 102)), doc(2)], client)
+    handler = Embedder(settings)
+    results = handler.embed_batch([doc(0), doc(1, ids=(101, HANG, 102)), doc(2)], client)
     failed = {r.example.event.id: r.inference.error for r in results
               if isinstance(r.inference, EmbedFailure)}
     assert list(failed) == ["d1"] and "call_timeout_s" in failed["d1"], failed
@@ -347,7 +347,7 @@ def test_an_engine_that_ends_in_every_call_and_its_canary_still_fails_the_bundle
     settings = make_config().model
     client = SharedEngineClient(settings, BrokenEngine, tag=f"newsvec-test-{uuid.uuid4().hex}")
     with pytest.raises(EngineFailedError):
-        VLLMEmbeddingHandler(settings).run_inference([doc(i) for i in range(4)], client)
+        Embedder(settings).embed_batch([doc(i) for i in range(4)], client)
 
 
 def test_a_temp_dir_that_cannot_be_written_is_an_engine_failure_not_the_inputs(monkeypatch):
@@ -509,8 +509,8 @@ def test_a_busy_file_that_cannot_be_written_fails_the_call_instead_of_leaving_it
             break
         except (FileNotFoundError, FileExistsError):
             continue
-    handler = VLLMEmbeddingHandler(settings)
-    outcome, error = _in_thread(handler.run_inference,
+    handler = Embedder(settings)
+    outcome, error = _in_thread(handler.embed_batch,
                                 [doc(0), doc(1, ids=(101, HANG, 102))], client)
     for pid in _hung_pids(tmp_path):
         os.kill(pid, signal.SIGKILL)
@@ -687,7 +687,7 @@ def test_an_engine_killed_from_outside_in_a_call_retries_it_instead_of_blaming_i
         monkeypatch.setenv("NEWSVEC_TEST_OOM_EVENTS", str(cgroup / "memory.events"))
     settings = make_config().model
     client = SharedEngineClient(settings, KilledInCalls, f"newsvec-test-{uuid.uuid4().hex}")
-    (result,) = VLLMEmbeddingHandler(settings).run_inference([doc(0)], client)
+    (result,) = Embedder(settings).embed_batch([doc(0)], client)
     assert not isinstance(result.inference, EmbedFailure), result.inference
     lines = (tmp_path / "engine.log").read_text().split()
     assert lines.count("killed") == 2
@@ -703,7 +703,7 @@ def test_an_engine_killed_from_outside_in_every_try_fails_the_bundle_and_blames_
     settings = make_config().model
     client = SharedEngineClient(settings, KilledInCalls, f"newsvec-test-{uuid.uuid4().hex}")
     with pytest.raises(EngineFailedError, match="not of the call's doing"):
-        VLLMEmbeddingHandler(settings).run_inference([doc(0)], client)
+        Embedder(settings).embed_batch([doc(0)], client)
 
 
 # ---- reaching the engine: one attempt per process ----
@@ -716,10 +716,10 @@ def test_the_threads_of_a_process_share_one_attempt_to_reach_the_engine(tmp_path
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
     settings = make_config().model.model_copy(update={"share_across_processes": True,
                                                       "load_timeout_s": 2.0})
-    handler = VLLMEmbeddingHandler(settings, engine_factory=HangsOnLoad)
+    handler = Embedder(settings, engine_factory=HangsOnLoad)
     outcomes: list = [None] * 4
     threads = [threading.Thread(target=lambda k=k: outcomes.__setitem__(
-        k, _in_thread(handler.load_model, timeout=60))) for k in range(4)]
+        k, _in_thread(handler.load_engine, timeout=60))) for k in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -727,7 +727,7 @@ def test_the_threads_of_a_process_share_one_attempt_to_reach_the_engine(tmp_path
     assert all(o[0] == "raised" and isinstance(o[1], EngineFailedError) for o in outcomes), \
         outcomes
     assert len(_engine_pids(log)) == 1, "one attempt, one engine spawned for the four threads"
-    fifth = _in_thread(handler.load_model, timeout=60)
+    fifth = _in_thread(handler.load_engine, timeout=60)
     assert fifth[0] == "raised" and "load_timeout_s" in str(fifth[1]), fifth
     assert len(_engine_pids(log)) == 1, "the failure was remembered: no second attempt"
 
@@ -746,7 +746,7 @@ def test_an_engine_that_ends_in_every_real_call_fails_the_bundle_after_a_few(
     settings = make_config().model
     client = SharedEngineClient(settings, EndsInRealCalls, f"newsvec-test-{uuid.uuid4().hex}")
     with pytest.raises(EngineFailedError, match="calls in a row"):
-        VLLMEmbeddingHandler(settings).run_inference([doc(i) for i in range(4)], client)
+        Embedder(settings).embed_batch([doc(i) for i in range(4)], client)
     assert len(_engine_pids(log)) <= deaths_allowed(4) + 2, "engines started"
 
 
@@ -758,9 +758,9 @@ def test_inputs_that_end_the_engine_side_by_side_are_still_dead_lettered_alone(
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
     settings = make_config().model
     client = SharedEngineClient(settings, PoisonEngine, f"newsvec-test-{uuid.uuid4().hex}")
-    handler = VLLMEmbeddingHandler(settings)
-    assert not isinstance(handler.run_inference([doc(0)], client)[0].inference, EmbedFailure)
-    results = handler.run_inference(
+    handler = Embedder(settings)
+    assert not isinstance(handler.embed_batch([doc(0)], client)[0].inference, EmbedFailure)
+    results = handler.embed_batch(
         [doc(1, ids=(101, EXIT, 102)), doc(2, ids=(101, EXIT, 103)), doc(3)], client)
     assert [isinstance(r.inference, EmbedFailure) for r in results] == [True, True, False]
 

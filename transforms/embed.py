@@ -1,10 +1,10 @@
 """Embed: PreparedDoc -> EmbeddedDoc (with its chunk rows in chunks mode) with the engine of
 ``transforms.engine``, or a dead letter.
 
-A Beam ModelHandler, and the Beam steps that drive it with an engine call in flight (RunInference
-waits for each call, and the bundle's core idles meanwhile: see docs/performance.md, Keeping the
-GPU busy):
-- ``VLLMEmbeddingHandler`` embeds documents: it loads the engine (one per worker process, or one per
+The ``Embedder``, and the Beam steps that drive it with an engine call in flight. Not Beam's
+RunInference: it waits for each call, and the bundle's core idles meanwhile (a duty cycle of 0.51
+against 0.99: see docs/design.md and docs/performance.md, Keeping the GPU busy):
+- ``Embedder`` embeds documents: it loads the engine (one per worker process, or one per
   machine shared by every process; in setup, never per bundle), sizes batches by a token budget, not
   a count (BatchElements), and embeds a batch;
 - batch jobs (``EmbedWithVLLM``) drive it with ``_EmbedBatchesFn``, which sends a batch to the
@@ -44,7 +44,7 @@ from typing import Iterable, Optional, Sequence, cast
 import apache_beam as beam
 import numpy as np
 from apache_beam import pvalue
-from apache_beam.ml.inference.base import ModelHandler, PredictionResult
+from apache_beam.ml.inference.base import PredictionResult
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import BagStateSpec, TimerSpec, on_timer
 from apache_beam.transforms.window import TimestampedValue
@@ -122,10 +122,10 @@ class FailureRun:
     canary passed, and bisection blamed them) by one embedding step in this process, across its
     bundles, threads and DoFn instances; a document that embeds ends the run.
 
-    Beam makes a new DoFn instance, with a fresh copy of the handler, for each thread and after
-    each failed bundle: a count kept on the handler would restart there, and a retried micro-batch
+    Beam makes a new DoFn instance, with a fresh copy of the embedder, for each thread and after
+    each failed bundle: a count kept on the embedder would restart there, and a retried micro-batch
     of a broken model would be committed as dead letters. The count is kept per process (one
-    ``FailureRun`` per step, found by the handler's id), so a bundle retried after a
+    ``FailureRun`` per step, found by the embedder's id), so a bundle retried after a
     ``ModelBrokenError`` fails again at its first failing document. Other processes keep their own
     count: each dead-letters at most ``max_consecutive_failures - 1`` documents before it stops."""
 
@@ -211,18 +211,19 @@ class EngineStats:
             BATCH_TOKENS.update(tokens)
 
 
-class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, ModelHandle]):
-    """RunInference ModelHandler: PreparedDoc -> its vectors (one per ``model_inputs``: the head, or
-    its chunks), or an ``EmbedFailure``. Engine calls hold at most ``model.token_budget`` tokens of
-    inputs, documents and chunks alike. ``engine_factory`` replaces vLLM (tests, benchmarks)."""
+class Embedder:
+    """PreparedDoc -> its vectors (one per ``model_inputs``: the head, or its chunks), or an
+    ``EmbedFailure``, through an engine: vLLM, or what ``engine_factory`` makes (tests,
+    benchmarks). Engine calls hold at most ``model.token_budget`` tokens of inputs, documents and
+    chunks alike. A plain class, driven by ``_EmbedBatchesFn`` and ``_EmbedInFlightFn`` (not
+    RunInference, which would wait for each call)."""
 
     def __init__(self, settings: ModelSettings, engine_factory: Optional[EngineFactory] = None,
                  doc_vector: str = "head"):
-        super().__init__()
         self._settings = settings
         self._engine_factory = engine_factory
         self._doc_vector = doc_vector
-        # Pickled with the handler, so every copy of it (each DoFn instance, each worker process)
+        # Pickled with the embedder, so every copy of it (each DoFn instance, each worker process)
         # finds the same count of consecutive failures and the same shared engine, and no other
         # pipeline's.
         self._step_id = uuid.uuid4().hex
@@ -242,7 +243,7 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, ModelHand
                 "max_batch_size": self._settings.token_budget,
                 "element_size_fn": lambda doc: sum(map(len, model_inputs(doc, doc_vector)))}
 
-    def load_model(self) -> ModelHandle:
+    def load_engine(self) -> ModelHandle:
         if self._settings.share_across_processes:
             return shared_engine(self._settings, self._engine_factory, self._shared_tag)
         return process_engine(self._settings, self._engine_factory)
@@ -321,19 +322,14 @@ class VLLMEmbeddingHandler(ModelHandler[PreparedDoc, PredictionResult, ModelHand
                 failures.embedded()
         return out
 
-    def run_inference(self, batch: Sequence[PreparedDoc], model: ModelHandle,
-                      inference_args: Optional[dict] = None,
-                      stats: Optional[EngineStats] = None) -> list[PredictionResult]:
+    def embed_batch(self, batch: Sequence[PreparedDoc], model: ModelHandle,
+                    stats: Optional[EngineStats] = None) -> list[PredictionResult]:
+        """``embed_docs``, each document's result with its document and the model's label (as
+        Beam's ``PredictionResult``, the type a RunInference step would give)."""
         label = model.label()
         results = self.embed_docs(model, batch, stats)
         return [PredictionResult(example=doc, inference=result, model_id=label)
                 for doc, result in zip(batch, results, strict=True)]
-
-    def get_metrics_namespace(self) -> str:
-        return "newsvec.RunInference"
-
-    def get_num_bytes(self, batch: Sequence[PreparedDoc]) -> int:
-        return sum(len(d.text.encode("utf-8")) for d in batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,7 +374,7 @@ class _RouteFn(beam.DoFn):
         self._rows = rows
 
     def process(self, result: PredictionResult):
-        # Beam types PredictionResult's fields with free type variables; our handler sets them.
+        # Beam types PredictionResult's fields with free type variables; the Embedder sets them.
         out = self._rows(cast(PreparedDoc, result.example), result.inference,
                          cast(str, result.model_id))
         yield pvalue.TaggedOutput(DEAD_LETTER, out) if isinstance(out, DeadLetter) else out
@@ -399,14 +395,14 @@ class _EmbedBatchesFn(beam.DoFn):
     the next call waiting. Failures surface in the bundle's thread (the bundle fails and is
     retried), metrics are recorded there."""
 
-    def __init__(self, handler: VLLMEmbeddingHandler, in_flight: int = 2):
-        self._handler, self._in_flight = handler, in_flight
+    def __init__(self, embedder: Embedder, in_flight: int = 2):
+        self._embedder, self._in_flight = embedder, in_flight
         self._model: Optional[ModelHandle] = None
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._pending: collections.deque = collections.deque()
 
     def setup(self):
-        self._model = self._handler.load_model()
+        self._model = self._embedder.load_engine()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="newsvec-embed")
 
     def start_bundle(self):
@@ -415,7 +411,7 @@ class _EmbedBatchesFn(beam.DoFn):
     def _submit(self, batch):
         stats = EngineStats()
         assert self._pool is not None and self._model is not None, "setup() makes them"
-        future = self._pool.submit(self._handler.run_inference, batch, self._model, None, stats)
+        future = self._pool.submit(self._embedder.embed_batch, batch, self._model, stats)
         return future, stats
 
     def process(self, batch, window=beam.DoFn.WindowParam, timestamp=beam.DoFn.TimestampParam):
@@ -449,13 +445,13 @@ class EmbedWithVLLM(beam.PTransform):
                  store_chunk_text: bool = False, dead_letter_payload_bytes: int = 4096,
                  engine_factory: Optional[EngineFactory] = None):
         super().__init__()
-        self._handler = VLLMEmbeddingHandler(settings, engine_factory, chunking.doc_vector)
+        self._embedder = Embedder(settings, engine_factory, chunking.doc_vector)
         self._rows = _row_maker(settings, chunking, store_chunk_text, dead_letter_payload_bytes)
 
     def expand(self, docs):
         return (docs
-                | "Batch" >> beam.BatchElements(**self._handler.batch_elements_kwargs())
-                | "Embed" >> beam.ParDo(_EmbedBatchesFn(self._handler))
+                | "Batch" >> beam.BatchElements(**self._embedder.batch_elements_kwargs())
+                | "Embed" >> beam.ParDo(_EmbedBatchesFn(self._embedder))
                 | "Route" >> beam.ParDo(_RouteFn(self._rows)).with_outputs(
                     DEAD_LETTER, main="embedded"))
 
@@ -521,17 +517,17 @@ class _EmbedInFlightFn(beam.DoFn):
     POLL = TimerSpec("poll", TimeDomain.REAL_TIME)
     DONE = TimerSpec("done", TimeDomain.WATERMARK)
 
-    def __init__(self, handler: VLLMEmbeddingHandler, rows: RowMaker):
-        self._handler, self._rows = handler, rows
+    def __init__(self, embedder: Embedder, rows: RowMaker):
+        self._embedder, self._rows = embedder, rows
         self._step = uuid.uuid4().hex  # pickled: the same in every copy of this DoFn
         self._model: Optional[ModelHandle] = None
 
     def setup(self):
-        self._model = self._handler.load_model()  # once per process (transforms.engine)
+        self._model = self._embedder.load_engine()  # once per process (transforms.engine)
 
     def _embed(self, batch: MicroBatch, stats: EngineStats) -> tuple[str, list]:
         assert self._model is not None, "setup() loads the engine"
-        return self._model.label(), self._handler.embed_docs(self._model, batch.docs, stats)
+        return self._model.label(), self._embedder.embed_docs(self._model, batch.docs, stats)
 
     def _local(self, batch_id: BatchId) -> Optional[_Call]:
         with _IN_FLIGHT_LOCK:
@@ -620,9 +616,9 @@ class EmbedMicroBatches(beam.PTransform):
                  store_chunk_text: bool = False, dead_letter_payload_bytes: int = 4096,
                  engine_factory: Optional[EngineFactory] = None):
         super().__init__()
-        handler = VLLMEmbeddingHandler(settings, engine_factory, chunking.doc_vector)
-        self.shared_engine_tag = handler.shared_engine_tag
-        self._fn = _EmbedInFlightFn(handler, _row_maker(settings, chunking, store_chunk_text,
+        embedder = Embedder(settings, engine_factory, chunking.doc_vector)
+        self.shared_engine_tag = embedder.shared_engine_tag
+        self._fn = _EmbedInFlightFn(embedder, _row_maker(settings, chunking, store_chunk_text,
                                                         dead_letter_payload_bytes))
 
     def expand(self, batches):
