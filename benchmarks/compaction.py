@@ -5,7 +5,7 @@ Writes a streaming output of ``--messages`` messages with the real streaming wri
 (``WriteMicroBatches`` on Beam's local runner) from micro-batches of one-minute windows over
 ``--hours`` hours and ``--shards`` shards (every third window with a late pane; one message in 20 a
 dead letter, one in 25 a duplicate), with FAKE embeddings (random unit vectors: no engine runs;
-``tests/streaming_output.py``). That is the output today's code leaves. Then, on copies of it:
+``tools/streaming_output.py``). That is the output today's code leaves. Then, on copies of it:
   - files under the output, before and after ``newsvec compact`` of its hours;
   - DuckDB over ``vectors/**/*.parquet``: ``count(*)``, and the 10 nearest rows to a query vector
     by ``array_cosine_similarity`` (median of ``--runs``, a new connection each run);
@@ -31,7 +31,7 @@ import numpy as np
 from benchmarks import write_results
 from pipeline import compact, ledger
 from pipeline.config import REPO_ROOT
-from tests import streaming_output
+from tools import streaming_output
 from transforms.compaction import current_key_files
 
 

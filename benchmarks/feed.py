@@ -3,7 +3,7 @@
 On the BBC articles in ../shared/data/bbc-news (repeated ``--repeat`` times, each copy its own ids),
 in one run of this command:
   1. CPU-side cost per article of each stage, one thread, CPU time: parse, prepare (normalize) and
-     tokenize, now and as before the fast paths (tests/reference_prepare.py);
+     tokenize, now and as before the fast paths (tools/reference_prepare.py);
   2. the batch graph (FnApiRunner, ``--workers`` SDK worker processes, the engine shared across
      them in a process of its own) with a FREE engine that costs nothing, on one core and on two
      (CPU affinity, inherited by every process of the run), and the ratio;
@@ -16,7 +16,7 @@ state (the middle 80% of that span, without the SDK workers' start-up and the ta
 bundles, which a job of a day's news amortizes) and over the whole span. Medians of ``--runs``.
 Writes ``bench-results/feed-<time>.json``.
 
-``--language ja`` measures Japanese instead: as many generated articles (``benchmarks/japanese.py``,
+``--language ja`` measures Japanese instead: as many generated articles (``tools/japanese_text.py``,
 about 2,200 characters each, no spaces) as there are BBC ones. ``--stages-only``: step 1 alone (no
 graph, no engine; seconds).
 """
@@ -105,7 +105,7 @@ def engine_log(path: Path, trim: float = 0.0) -> tuple[float, float, float, floa
 
 def stage_costs(texts: list[str], config) -> dict:
     """µs of CPU per article of each stage, one thread, now and before the fast paths."""
-    from tests import reference_prepare as reference
+    from tools import reference_prepare as reference
     from transforms.parse import parse_event
     from transforms.text import HeadTokenizer, compose_text
 
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     config = load(args.config)
     texts = bbc_texts(None)
     if args.language == "ja":
-        from benchmarks import japanese
+        from tools import japanese_text as japanese
 
         texts = [f"{title}\n{body}" for title, body in japanese.articles(len(texts))]
     work = Path(tempfile.mkdtemp(prefix="newsvec-feed-"))

@@ -29,28 +29,10 @@ from benchmarks.batch import bbc_texts, write_events
 from pipeline import ledger
 from pipeline.config import REPO_ROOT, load
 from tools.emulators import emulated_streaming_job as streaming_job
+from tools.engine_calls import CALLS_ENV, calls, record
 from transforms.engine import load_engine
 
 SUBSCRIPTION = "projects/newsvec-bench/subscriptions/news"
-
-
-CALLS_ENV = "NEWSVEC_BENCH_ENGINE_CALLS"  # the file each engine call appends "<docs> <tokens>" to
-
-
-def _record(prompts) -> None:
-    """Append this call's documents and tokens to the file named by $NEWSVEC_BENCH_ENGINE_CALLS.
-    A file, not a list in this module: with ``model.share_across_processes`` the engine runs in a
-    process of its own (spawned, so it inherits the environment, not this module's state)."""
-    path = os.environ.get(CALLS_ENV)
-    if path:
-        with open(path, "a", encoding="utf-8") as f:  # one short line per call: an atomic append
-            f.write(f"{len(prompts)} {sum(len(p) for p in prompts)}\n")
-
-
-def _calls(path: Path) -> tuple[list[int], list[int]]:
-    """(documents, tokens) of each engine call recorded in ``path``."""
-    lines = [line.split() for line in path.read_text().splitlines() if line.strip()]
-    return [int(d) for d, _ in lines], [int(t) for _, t in lines]
 
 
 class RecordingEngine:
@@ -63,7 +45,7 @@ class RecordingEngine:
         self.label = self._handle.label()
 
     def embed(self, prompts):
-        _record(prompts)
+        record(prompts)
         return self._handle.embed(prompts)
 
     def healthy(self) -> bool:
@@ -84,7 +66,7 @@ class FakeFreeEngine(RecordingEngine):
         self._vector = np.eye(1, settings.output_dim, dtype=np.float32)[0]
 
     def embed(self, prompts):
-        _record(prompts)
+        record(prompts)
         return [self._vector] * len(prompts)
 
 
@@ -182,7 +164,7 @@ def main(argv=None) -> int:
         _wait_for(work / "out", "sat-", len(texts), timeout=1800)
         sat_s = time.perf_counter() - started
         saturation = len(texts) / sat_s
-        batch_docs, batch_tokens = _calls(calls_file)
+        batch_docs, batch_tokens = calls(calls_file)
         if not batch_docs:
             raise RuntimeError(f"no engine call was recorded in {calls_file}: is the engine "
                                f"{engine.__name__}, and does its process see ${CALLS_ENV}?")

@@ -28,8 +28,8 @@ from pipeline import config as config_lib
 from pipeline.current import current_vectors
 from pipeline.run import run_batch
 from pipeline.search import search
-from tests import streaming_output as so
 from tests.conftest import SAMPLE_EVENTS, make_config
+from tools import streaming_output as so
 from transforms import compaction, engine
 from transforms.model import Matryoshka, truncation
 from transforms.schema import (

@@ -5,7 +5,7 @@ readers that follow the manifest (never a row twice or not at all) and a rerun f
 micro-batch that lands while it runs is kept and counted, and merged by the next run.
 
 The output is written by the real streaming writer (WriteMicroBatches on the local runner) from
-micro-batches with FAKE embeddings (tests/streaming_output.py).
+micro-batches with FAKE embeddings (tools/streaming_output.py).
 """
 import datetime as dt
 import json
@@ -20,7 +20,7 @@ import pytest
 from apache_beam.io.filesystems import FileSystems
 
 from pipeline import cli, compact, ledger
-from tests import streaming_output as so
+from tools import streaming_output as so
 from transforms import compaction
 from transforms.lease import PublishLease
 

@@ -182,7 +182,7 @@ def test_a_micro_batch_reads_the_same_state_whatever_the_number_of_keys_held():
     # Through the benchmark's modeled state store (each cell encoded bytes): the state a
     # micro-batch reads and writes, in cells and bytes, is the same with 100 or 10,000 keys held.
     # The same helper shows the design before growing with the keys held.
-    from benchmarks.dedup import DESIGNS, measure
+    from tools.dedup_state_model import DESIGNS, measure
 
     now = {r["keys_held"]: r for r in measure(DESIGNS["PerKeyState (now)"], [100, 10_000],
                                               batches=3, docs=20)}

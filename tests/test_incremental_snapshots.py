@@ -208,9 +208,9 @@ def test_a_micro_batch_redone_without_an_article_fails_the_run_that_skipped_it(r
     micro-batch key file it read by its checksum: a redo with the same outcome (the same bytes)
     changes nothing, one that withdraws a key fails the run."""
     from pipeline.graph import signature_of
-    from tests import streaming_output
     from tests.fakes import FakeEngine
     from tests.test_sinks_streaming import letter, micro_batch
+    from tools import streaming_output
     from transforms.model import model_label, resolve_model_path
     from transforms.schema import NewsEvent
     from transforms.text import compose_text
@@ -278,9 +278,9 @@ def test_a_micro_batch_not_finished_yet_is_never_skipped_against(tmp_path):
     import os
 
     from pipeline.graph import signature_of
-    from tests import streaming_output
     from tests.fakes import FakeEngine
     from tests.test_sinks_streaming import letter, micro_batch
+    from tools import streaming_output
     from transforms import compaction
     from transforms.model import model_label, resolve_model_path
     from transforms.schema import NewsEvent
@@ -318,7 +318,7 @@ def test_a_streaming_snapshot_takes_only_micro_batches_settled_for_the_margin(tm
     import os
     import time
 
-    from tests import streaming_output
+    from tools import streaming_output
     from transforms.incremental import STREAMING_SETTLE_S, streaming_snapshot
 
     stream = str(tmp_path / "stream")

@@ -18,7 +18,7 @@ import pytest
 from apache_beam.io.filesystems import FileSystems
 
 from pipeline import cleanup
-from tests import streaming_output as so
+from tools import streaming_output as so
 from transforms import compaction, manifest
 from transforms.layout import PartFileName, UnsafePath
 from transforms.lease import PublishLease

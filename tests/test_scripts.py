@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from benchmarks import japanese
+from tools import japanese_text as japanese
 from transforms.chunking import Chunker, ChunkingSettings, special_tokens_around
 
 ZH_ACTORS = ["北京市政府", "国务院", "专家", "记者", "央行", "上海的企业", "研究人员", "消费者"]
@@ -79,7 +79,7 @@ RARE = ["鬱", "鰻", "麒麟", "🎉", "𠮷"]
 
 
 def cjk_texts() -> list[str]:
-    """Japanese articles (benchmarks/japanese.py), Chinese paragraphs, and both with rare
+    """Japanese articles (tools/japanese_text.py), Chinese paragraphs, and both with rare
     characters, English and numbers in them: no spaces but between paragraphs."""
     rng = random.Random(2)
     texts = [title + "\n" + body for title, body in japanese.articles(6, seed=2)]

@@ -501,8 +501,8 @@ def test_the_title_limit_and_the_budget_are_settings():
 def test_long_ascii_texts_with_few_spaces_tokenize_as_the_whole_text(tokenizer, value):
     """Past 8,192 characters an ASCII text with fewer spaces than the head has words (markup
     left as text, code) is cut after its punctuation to tokenize its head: the same head as
-    tokenizing all of it (tests/reference_prepare.py)."""
-    from tests import reference_prepare as reference
+    tokenizing all of it (tools/reference_prepare.py)."""
+    from tools import reference_prepare as reference
 
     assert tokenizer.batch([value]) == reference.head_tokens(tokenizer._tok, [value],
                                                              tokenizer.max_tokens)
@@ -511,7 +511,7 @@ def test_long_ascii_texts_with_few_spaces_tokenize_as_the_whole_text(tokenizer, 
 def test_markup_left_as_text_is_cut_to_its_head_before_tokenizing(tokenizer):
     """200,000 characters of '<a' (what a field of tags that never close comes out as) are cut
     after the head's punctuation, not tokenized whole: same head."""
-    from tests import reference_prepare as reference
+    from tools import reference_prepare as reference
 
     value = "<a" * 100_000
     assert 0 < tokenizer._head_end(value) < 1000
@@ -593,7 +593,7 @@ def test_the_head_of_a_long_text_of_long_words_is_tokenized_from_a_short_prefix(
     """20,000 characters (NFKC makes the katakana six times as many): the head's tokens (and the
     unknown-token count, on the head's span only) come from tokenizing a prefix of a few thousand
     characters, and are the head of the whole text's tokens."""
-    from tests import reference_prepare as reference
+    from tools import reference_prepare as reference
 
     counted, prepare = tokenized
     unit, form = LONG_WORDS[name]
@@ -703,7 +703,7 @@ def test_texts_of_words_of_few_tokens_tokenize_as_the_whole_text(tokenizer, unit
     """Words that give few tokens (over 100 characters: one unknown token; combining marks alone:
     none) make the head's first cut too short: the prefix is tokenized further, more than once,
     and the head is still the whole text's."""
-    from tests import reference_prepare as reference
+    from tools import reference_prepare as reference
 
     text = (unit * (chars // len(unit) + 1))[:chars]
     assert tokenizer.batch([text]) == reference.head_tokens(tokenizer._tok, [text],

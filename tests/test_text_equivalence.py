@@ -1,5 +1,5 @@
 """The fast paths of PrepareText (transforms/text.py) give exactly what doing every step on every
-text gave (tests/reference_prepare.py, PrepareText as of 2026-12-02): the same prepared text, so the
+text gave (tools/reference_prepare.py, PrepareText as of 2026-12-02): the same prepared text, so the
 same text_sha256, the same token ids and the same truncation flag, on
 - the 2,225 BBC articles ($NEWSVEC_BBC_DIR, by default ../shared/data/bbc-news), 29% of which
   carry real mojibake ("Â£");
@@ -12,7 +12,7 @@ same text_sha256, the same token ids and the same truncation flag, on
   punctuation or nothing between them, up to past 32 characters per allowed token (the old bound),
   with words that normalize to nothing (combining marks alone) and runs that WordPiece makes one
   [UNK] (over 100 characters). The reference tokenizes every text whole
-  (tests/reference_prepare.py)."""
+  (tools/reference_prepare.py)."""
 from __future__ import annotations
 
 import datetime as dt
@@ -24,9 +24,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests import reference_prepare as reference
 from tests.adversarial import ALL_CASES
 from tests.conftest import bbc_file
+from tools import reference_prepare as reference
 from transforms import text
 from transforms.parse import ParseError, parse_event
 from transforms.schema import NewsEvent

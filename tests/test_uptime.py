@@ -126,9 +126,9 @@ def test_the_trim_gives_the_heap_s_free_pages_back_to_the_system():
 
 
 def _record_in_a_spawned_process() -> None:
-    from benchmarks import streaming
+    from tools import engine_calls
 
-    streaming._record([[101, 7, 102], [101, 102]])
+    engine_calls.record([[101, 7, 102], [101, 102]])
 
 
 def test_the_streaming_benchmark_sees_the_calls_of_an_engine_in_another_process(tmp_path,
@@ -137,13 +137,13 @@ def test_the_streaming_benchmark_sees_the_calls_of_an_engine_in_another_process(
     must reach the benchmark's process (module lists did not, and the benchmark crashed)."""
     import multiprocessing
 
-    from benchmarks import streaming
+    from tools import engine_calls
 
     calls = tmp_path / "calls.txt"
     calls.touch()
-    monkeypatch.setenv(streaming.CALLS_ENV, str(calls))  # the spawned process inherits it
+    monkeypatch.setenv(engine_calls.CALLS_ENV, str(calls))  # the spawned process inherits it
     process = multiprocessing.get_context("spawn").Process(target=_record_in_a_spawned_process)
     process.start()
     process.join(120)
     assert process.exitcode == 0
-    assert streaming._calls(calls) == ([2], [5])
+    assert engine_calls.calls(calls) == ([2], [5])
