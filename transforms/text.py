@@ -15,7 +15,7 @@ vLLM as they are. (vLLM's ``truncate_prompt_tokens`` would keep the tail, the wr
 ``model.document_prefix`` goes before the text and counts in its tokens. In chunks mode
 (``transforms.chunking``) the whole text is tokenized, and cut into chunks as well.
 
-Two fast paths give exactly the output of doing every step on every text (tests/reference_prepare.py
+Two fast paths give exactly the output of doing every step on every text (tools/reference_prepare.py
 and tests/test_text_equivalence.py, on the BBC articles and the adversarial corpus):
 - ftfy runs only on text it could change (``ftfy_may_change``): every one of its fixers is a
   no-op on the characters present, the text is NFC, and no window around a non-ASCII character
@@ -639,7 +639,7 @@ class HeadTokenizer:
     """The model's tokenizer, truncating on the right (keeping the head) to ``max_tokens``.
 
     The head of a text is the first ``room`` tokens of the whole text (``room``: ``max_tokens``
-    less the special tokens), and it was cut if there are more (tests/reference_prepare.py
+    less the special tokens), and it was cut if there are more (tools/reference_prepare.py
     tokenizes every text whole). Tokenizing only a prefix ``text[:c]`` gives exactly that when
       (1) the prefix's tokens are the first tokens of the text's, and
       (2) the prefix has more than ``room`` tokens (its encoding overflows): the text, having those
