@@ -49,4 +49,4 @@ soak: setup
 	$(PY) -m benchmarks.soak
 
 clean:
-	rm -rf out bench-results
+	rm -rf out bench-results/*.png  # the runs kept in bench-results/*.json stay

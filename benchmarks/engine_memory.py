@@ -22,6 +22,7 @@ import random
 import statistics
 import time
 
+from benchmarks import record
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 
@@ -99,6 +100,7 @@ def main(argv=None) -> int:
             "rss_kib_per_call_after_minute_1": round(
                 1024 * (rows[-1]["rss_mib"] - rows[0]["rss_mib"])
                 / max(1, rows[-1]["calls"] - rows[0]["calls"]), 1)}))
+    print(f"results: {record('engine_memory', {'shapes': args.shapes, 'minutes': rows}, argv)}")
     return 0
 
 

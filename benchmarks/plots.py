@@ -94,6 +94,7 @@ def _save(fig, path: Path) -> Path:
 def plot(json_path: Path) -> Path:
     """The plot of a results file, by its name (batch-, streaming-, soak-)."""
     results = json.loads(Path(json_path).read_text())
+    results = results.get("figures", results)  # a run kept by benchmarks.record
     kind = Path(json_path).name.split("-", 1)[0]
     return {"batch": batch, "streaming": streaming, "soak": soak}[kind](results, Path(json_path))
 

@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks import record
 from benchmarks.batch import bbc_texts
 
 
@@ -67,10 +68,11 @@ def main(argv=None) -> int:
         after = rss_mb()
         publisher.stop()
     growth = (peak[0] - before) * 1024 / max(1, summary["published"])
-    print(json.dumps({"messages": args.messages, "publish": summary,
-                      "rss_before_mib": round(before), "rss_peak_mib": round(peak[0]),
-                      "rss_after_mib": round(after),
-                      "peak_growth_kib_per_message": round(growth, 2)}))
+    figures = {"messages": args.messages, "publish": summary,
+               "rss_before_mib": round(before), "rss_peak_mib": round(peak[0]),
+               "rss_after_mib": round(after), "peak_growth_kib_per_message": round(growth, 2)}
+    print(json.dumps(figures))
+    print(f"results: {record('publisher', figures, argv)}")
     return 0
 
 

@@ -22,6 +22,7 @@ import time
 
 from apache_beam.coders import PickleCoder
 
+from benchmarks import record
 from transforms.chunking import ChunkSpan
 from transforms.schema import (
     DeadLetter,
@@ -109,6 +110,7 @@ def main(argv=None) -> int:
     _header()
     figures = measure({"PickleCoder": PickleCoder(), "MicroBatchCoder": MicroBatchCoder()},
                       batch, args.repeat)
+    kept = {"micro_batch": figures}
     for name, m in figures.items():
         _print(name, m)
     rng = random.Random(1)
@@ -120,6 +122,7 @@ def main(argv=None) -> int:
                       max(1, args.repeat // 10))
     for name, m in figures.items():
         _print(name, m)
+    print(f"results: {record('state_coders', {**kept, 'seen_keys': figures}, argv)}")
     return 0
 
 
