@@ -24,8 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import plots, write_results
+from benchmarks import plots
 from pipeline.config import REPO_ROOT, load
+from tools.bench_results import write_results
 from transforms.model import resolve_model_path
 
 BBC = Path(os.environ.get("NEWSVEC_BBC_DIR") or REPO_ROOT.parent / "shared" / "data" / "bbc-news")

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import write_results
 from pipeline import compact, ledger
 from pipeline.config import REPO_ROOT
 from tools import streaming_output
+from tools.bench_results import write_results
 from transforms.compaction import current_key_files
 
 

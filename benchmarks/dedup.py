@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks import write_results
 from pipeline.config import REPO_ROOT
+from tools.bench_results import write_results
 from tools.dedup_state_model import DESIGNS, MODEL_NOTE, measure
 
 

@@ -27,11 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import write_results
 from benchmarks.batch import bbc_texts
 from benchmarks.feed import ModeledEngineFactory
 from benchmarks.streaming import _events, _wait_for
 from pipeline.config import REPO_ROOT, load
+from tools.bench_results import write_results
 from tools.emulators import emulated_streaming_job
 
 SUBSCRIPTION = "projects/newsvec-duty/subscriptions/news"

@@ -22,9 +22,9 @@ import random
 import statistics
 import time
 
-from benchmarks import record
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
+from tools.bench_results import record
 
 
 def memory_mib() -> dict:

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import write_results
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
+from tools.bench_results import write_results
 
 # What the MODELED engine's rates stand for (assumptions, printed with the figures):
 L4_BERT_BASE_TOKENS_PER_S = 500 * 405  # ~500 articles/s of bge-base at a 512-token cap

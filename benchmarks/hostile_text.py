@@ -41,8 +41,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import write_results
 from pipeline.config import REPO_ROOT
+from tools.bench_results import write_results
 
 BBC = Path(os.environ.get("NEWSVEC_BBC_DIR") or REPO_ROOT.parent / "shared" / "data" / "bbc-news")
 MARKS = "\u0301\u0316"  # combining acute (class 230) and grave below (220): alternating classes

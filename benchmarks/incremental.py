@@ -46,9 +46,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from benchmarks import tree_rss, write_results
+from benchmarks import tree_rss
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, IncrementalSettings, fill_date, fill_model, load
+from tools.bench_results import write_results
 
 
 def _write(path: Path, rows: list[dict]) -> None:

@@ -18,8 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import record
 from benchmarks.batch import bbc_texts
+from tools.bench_results import record
 
 
 def rss_mb() -> float:

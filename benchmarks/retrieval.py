@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from benchmarks import write_results
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
+from tools.bench_results import write_results
 from transforms.chunking import ChunkingSettings
 from transforms.schema import vector_matrix
 

@@ -32,11 +32,12 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 
-from benchmarks import plots, tree_rss, write_results
+from benchmarks import plots, tree_rss
 from benchmarks.batch import bbc_texts
 from benchmarks.streaming import _events, _rows, _wait_for, percentile, streaming_job, warm_up
 from pipeline import ledger
 from pipeline.config import REPO_ROOT, load
+from tools.bench_results import write_results
 
 SUBSCRIPTION = "projects/newsvec-soak/subscriptions/news"
 MALFORMED_EVERY, DUPLICATE_EVERY, DUPLICATE_LAG = 50, 100, 10

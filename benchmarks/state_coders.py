@@ -22,7 +22,7 @@ import time
 
 from apache_beam.coders import PickleCoder
 
-from benchmarks import record
+from tools.bench_results import record
 from transforms.chunking import ChunkSpan
 from transforms.schema import (
     DeadLetter,

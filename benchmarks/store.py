@@ -36,9 +36,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from benchmarks import write_results
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
+from tools.bench_results import write_results
 from tools.emulators import postgres_server
 from transforms.schema import vector_schema
 from transforms.store import LoadRows, Store, StoreSettings, pgvector_schema

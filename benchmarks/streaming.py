@@ -24,10 +24,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from benchmarks import plots, write_results
+from benchmarks import plots
 from benchmarks.batch import bbc_texts, write_events
 from pipeline import ledger
 from pipeline.config import REPO_ROOT, load
+from tools.bench_results import write_results
 from tools.emulators import emulated_streaming_job as streaming_job
 from tools.engine_calls import CALLS_ENV, calls, record
 from transforms.engine import load_engine

@@ -26,10 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import write_results
 from benchmarks.batch import bbc_texts
 from benchmarks.soak import rss_mb
 from pipeline.config import REPO_ROOT, load
+from tools.bench_results import write_results
 
 
 class _LogRecord:

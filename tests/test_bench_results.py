@@ -1,5 +1,5 @@
 """docs/benchmarks.md's table of current figures and the runs kept in bench-results/ agree, and
-``benchmarks.record`` keeps a run with what made it.
+``bench_results.record`` keeps a run with what made it.
 
 - Every row of the table (benchmark, figure) has a record in ``bench-results/`` whose ``name`` is
   that benchmark and which holds that figure with the same value and date; where several records
@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-import benchmarks
+from tools import bench_results
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "benchmarks.md"
@@ -86,7 +86,7 @@ def test_a_changed_value_in_the_table_is_caught(tmp_path):
 
 
 def test_record_keeps_the_figures_the_command_and_the_machine(tmp_path):
-    path = benchmarks.record("probe", {"docs_per_s": 41.8}, ["--runs", "3"], tmp_path)
+    path = bench_results.record("probe", {"docs_per_s": 41.8}, ["--runs", "3"], tmp_path)
     assert re.fullmatch(r"probe-\d{8}T\d{6}Z\.json", path.name)
     kept = json.loads(path.read_text())
     assert kept["name"] == "probe"
