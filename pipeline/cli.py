@@ -30,7 +30,7 @@ import yaml
 
 from pipeline import config as config_lib
 from pipeline import logs_to_stderr
-from transforms.store import StoreError
+from transforms.stores.base import StoreError
 
 _DELEGATED = {  # sub-command -> (module, what it does): each parses its own options
     "run": ("pipeline.run", "run the pipeline: batch, or streaming when a subscription is set"),

@@ -30,7 +30,7 @@ from transforms.model import (
     resolve_model_path,
 )
 from transforms.schema import VectorDtype
-from transforms.store import StoreSettings
+from transforms.stores import Settings as StoreSettings
 from transforms.text import DEFAULT_MAX_TITLE_CHARS, DEFAULT_PREPARE_BUDGET_S, UnicodeForm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

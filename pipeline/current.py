@@ -10,7 +10,7 @@ its producer sends a later ``updated_at`` (docs/input.md), or, without one, when
 later day's input. Ordered by the article's own times and then by day, not by ``embedded_at``, so
 that a rerun of an older day, or the slower of two workers that embedded two versions, does not
 make older text current again. Articles are never deleted by it (there are no tombstones in the
-input contract). The store's upsert (``transforms.store``) keeps the same version.
+input contract). The store's upsert (``transforms.stores.pgvector``) keeps the same version.
 
 DuckDB (``CURRENT_VECTORS_SQL``, docs/incremental.md shows it; ``{files}`` is a glob or a list of
 globs of vector files under ``dt=`` folders):

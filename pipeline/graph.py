@@ -4,8 +4,8 @@ transforms/.
 Batch:      files -> ReadJsonLines (fans out its lines) -> Parse -> PrepareText
               -> SkipUnchanged (with incremental.previous_outputs: ReadKeys) -> EmbedWithVLLM
               -> DropDuplicates -> WriteVectors, WriteKeys, WriteChunks (chunks mode),
-              WriteDeadLetters (into the run's staging folder) -> CommitRun; then, with the
-              store on, the launcher loads the committed run (pipeline/load.py)
+              WriteDeadLetters (into the run's staging folder) -> CommitRun
+              -> LoadCommittedRun (with the store on: the published run into the store)
 Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> GroupMicroBatches (with every
               dead letter so far) -> DropDuplicatesStreaming -> EmbedMicroBatches
               -> WriteMicroBatches (vectors, keys, dead letters, the store with it on, and a ledger
@@ -44,6 +44,7 @@ from transforms.sinks import (
     WriteMicroBatches,
     WriteVectors,
 )
+from transforms.stores.batch import LoadCommittedRun, load_key
 from transforms.text import PrepareText
 from transforms.windowing import WindowByEventTime
 
@@ -93,8 +94,8 @@ def summary_base(config: Config) -> dict:
 def embed_and_write(payloads, config: Config, run_id: str,
                     engine_factory: Optional[EngineFactory] = None):
     """Batch: raw payloads (bytes) -> Parquet vectors (and chunks), the key index and JSON Lines
-    dead letters, staged, then checked and published by CommitRun. Returns the summary (a
-    PCollection of one dict)."""
+    dead letters, staged, then checked and published by CommitRun, and with the store on loaded
+    into it by LoadCommittedRun. Returns the summary (a PCollection of one dict)."""
     parsed = _parse(payloads, config)
     prepared = _prepare(parsed.events, config)
     signature = signature_of(config)
@@ -134,9 +135,15 @@ def embed_and_write(payloads, config: Config, run_id: str,
                 tally(unique.docs, Tally.ROWS),
                 tally(unique.docs, Tally.TRUNCATED, lambda row: int(row.truncated)),
                 tally(chunk_rows, Tally.CHUNKS)]
-    return payloads.pipeline | "CommitRun" >> CommitRun(
-        config.output, run_id, summary_base(config), files=files, tallies=tallies,
+    summary = summary_base(config)
+    if config.store.enabled:  # the key the store holds the run under once LoadCommittedRun ran
+        summary["store"] = {"kind": config.store.kind, "load_key": load_key(run_id)}
+    committed = payloads.pipeline | "CommitRun" >> CommitRun(
+        config.output, run_id, summary, files=files, tallies=tallies,
         skipped_from=skipped_from, lease_s=config.sink.commit_lease_s)
+    if config.store.enabled:
+        committed | "LoadCommittedRun" >> LoadCommittedRun(config.output, run_id, config.store)
+    return committed
 
 
 def build_batch(pipeline: beam.Pipeline, config: Config, run_id: str,

@@ -59,7 +59,9 @@ from transforms.layout import (
     partitions_between,
 )
 from transforms.schema import VERSION_ORDER, Counts, version_key
-from transforms.store import StoreSettings
+from transforms.stores import Settings as StoreSettings
+from transforms.stores import store_for
+from transforms.stores.base import printable as _printable
 
 
 @dataclasses.dataclass
@@ -324,32 +326,6 @@ def _letter_ids(output: str, holders: set[str]) -> set[str]:
     return letters
 
 
-class _StoredRows:
-    """The store's rows of given articles (id, ``text_sha256``, the ``VERSION_ORDER`` columns,
-    ``load_key``), read ``_CHUNK`` ids at a time through the primary key."""
-
-    NAMES = ["id", "text_sha256", *VERSION_ORDER, "load_key"]
-
-    def __init__(self, conn, settings: StoreSettings, there: set[str]):
-        from psycopg import sql
-
-        self._conn = conn
-        self._query = sql.SQL("SELECT {} FROM {} WHERE id = ANY(%s)").format(
-            sql.SQL(", ").join(sql.Identifier(n) if n in there else sql.SQL("NULL")
-                               for n in self.NAMES),
-            sql.Identifier(settings.schema_name, settings.table))
-
-    def of(self, ids) -> dict[str, dict]:
-        # text cannot hold NUL: such an id is never stored
-        sendable = sorted({i for i in ids if isinstance(i, str) and "\x00" not in i})
-        found: dict[str, dict] = {}
-        for start in range(0, len(sendable), _CHUNK):
-            for values in self._conn.execute(self._query,
-                                             (sendable[start:start + _CHUNK],)).fetchall():
-                found[values[0]] = dict(zip(self.NAMES, values, strict=True))
-        return found
-
-
 def _check_store(output: str, records: list, settings: StoreSettings, verify: bool,
                  holders: dict[str, set[str]]) -> tuple[list[str], dict]:
     """The store against the records (``newsvec ledger --store``): each record with rows was loaded
@@ -360,11 +336,8 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
     missing from the files (a message that micro-batch dead-lettered, an earlier attempt's row);
     and no article a micro-batch withdrew (``store_withdrawn``: a redo with another outcome) is
     without a row while a vectors file of the output holds it. The files are read one at a time,
-    only the columns compared (never the embeddings), and the store ``_CHUNK`` ids at a time."""
-    from psycopg import sql
-
-    from transforms.store import _printable, store_of
-
+    only the columns compared (never the embeddings), ``_CHUNK`` rows at a time. The store is
+    read through its contract (``transforms.stores.base.StoreReader``)."""
     problems = []
     prefix = output.rstrip("/") + "/"
     keys = {}
@@ -391,27 +364,17 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
                 problems.append(f"{where}: {r.store_rows} rows stored and "
                                 f"{len(r.store_rejected)} refused by the store, of "
                                 f"{r.rows_written} rows")
-    store = store_of(settings)
+    store = store_for(settings)
     missing, older = [], []
     named: set[str] = set()  # articles already named: each once
     matched: set[str] = set()  # articles whose stored row a file holds
     suspects: dict[str, str] = {}  # article -> its row's load key: a micro-batch's, no file's yet
     found: set[str] = set()  # articles of the files that the store holds
     held_by: dict[str, str] = {}  # withdrawn article with no row -> a vectors file that holds it
-    with store.connect() as conn:
-        def columns(table: str) -> set[str]:  # a table created by an earlier release lacks some
-            return {name for (name,) in conn.execute(
-                "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
-                "AND NOT attisdropped", (f'"{settings.schema_name}"."{table}"',)).fetchall()}
-
-        loads_table = sql.Identifier(settings.schema_name, f"{settings.table}_loads")
-        refused_column = (sql.Identifier("rejected") if "rejected" in columns(
-            f"{settings.table}_loads") else sql.SQL("NULL"))
-        loads: dict = {key: (rows, len(refused or [])) for key, rows, refused in conn.execute(
-            sql.SQL("SELECT load_key, rows, {} FROM {} WHERE load_key = ANY(%s)").format(
-                refused_column, loads_table), (list(keys),)).fetchall()}
-        stored = _StoredRows(conn, settings, columns(settings.table))
-        gone = set(withdrawn) - set(stored.of(withdrawn))  # withdrawn, and no row now
+    with store.reader() as stored:
+        loads: dict = {key: (load.rows, len(load.rejected))
+                       for key, load in stored.loads(list(keys)).items()}
+        gone = set(withdrawn) - set(stored.rows(list(withdrawn)))  # withdrawn, and no row now
         for holder in sorted(holders["vectors"]) if verify else ():
             table = _file_columns(output, prefix + holder, _FILE_COLUMNS)
             if table is None:
@@ -427,7 +390,7 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
                 held_by.setdefault(doc_id, holder)
             for start in range(0, table.num_rows, _CHUNK):
                 end = min(start + _CHUNK, table.num_rows)
-                rows_held = stored.of(values["id"][start:end])
+                rows_held = stored.rows(values["id"][start:end])
                 for i in range(start, end):
                     doc_id, sha = values["id"][i], values["text_sha256"][i]
                     held = rows_held.get(doc_id)
@@ -451,7 +414,8 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
                                      f"{held['text_sha256']})")
                         named.add(doc_id)
         if verify:
-            for doc_id, held in stored.of(_letter_ids(output, holders["dead letter"])).items():
+            letters = sorted(_letter_ids(output, holders["dead letter"]))
+            for doc_id, held in stored.rows(letters).items():
                 if held["load_key"] in batch_keys:
                     suspects.setdefault(doc_id, held["load_key"])
     for key, (where, rows, refused) in sorted(keys.items()):

@@ -27,7 +27,9 @@ from transforms.engine import EngineFactory
 from transforms.layout import SUMMARY_FILE, join_path, new_run_id
 from transforms.manifest import SummaryUnavailable, published_summary, read_manifest
 from transforms.read import count_lines
-from transforms.store import StoreLoad, StoreLoadFailed
+from transforms.stores import store_for
+from transforms.stores.base import StoreError, StoreLoadFailed, loaded
+from transforms.stores.batch import load_key
 
 _LOG = logging.getLogger("newsvec")
 
@@ -120,7 +122,7 @@ def run_batch(config: config_lib.Config, options: PipelineOptions,
         _LOG.info("run %s committed: %s", run_id, join_path(config.output, SUMMARY_FILE))
     store: dict = {}
     if config.store.enabled and summary["run_id"] == run_id and summary.get("published", True):
-        store = {"store": _load_into_store(config, run_id).to_json()}
+        store = {"store": {**summary.get("store", {}), **_store_record(config, run_id)}}
     return {**summary, **store, **job_statistics(result, config.model.token_budget, {
         "startup_s": run_started - started,
         "run_s": finished - run_started,
@@ -128,24 +130,23 @@ def run_batch(config: config_lib.Config, options: PipelineOptions,
     })}
 
 
-def _load_into_store(config: config_lib.Config, run_id: str) -> StoreLoad:
-    """The committed run into the store (``store:``): what the load did (``StoreLoad``: the
-    summary's ``store``; the rows the store refused, with their reasons, in its ``rejected``). A
-    failure leaves the Parquet committed and raises ``StoreLoadFailed`` (a run that cannot be read
-    because a newer one replaced it included); ``newsvec load --run-id`` then loads the run
-    alone."""
-    from pipeline.load import load_run
-
+def _store_record(config: config_lib.Config, run_id: str) -> dict:
+    """The store's record of the run's load, which the job's LoadCommittedRun step made (a job
+    whose load failed has failed before this): what the summary's ``store`` shows here. Read
+    only; a store this process cannot read is said, never a failure of the run."""
+    key = load_key(run_id)
+    failure = None
     try:
-        result = load_run(config, run_id)
-    except StoreLoadFailed as exc:
-        _LOG.error("run %s is committed in %s, but its store load failed: %s. Load it alone with: "
-                   "newsvec load --config CONFIG --run-id %s", run_id, config.output, exc, run_id)
-        raise
-    for item in result.rejected:
-        _LOG.warning("run %s: the store refused article %s (%s: %s); its Parquet row stands",
-                     run_id, item["id"], item["reason"], item["detail"])
-    return result
+        record = loaded(store_for(config.store), key)
+    except StoreError as exc:
+        failure = str(exc)
+    if failure is not None:
+        _LOG.warning("run %s: cannot read the store's record of its load %s: %s", run_id, key,
+                     failure)
+        return {"load_key": key, "unread": failure}
+    if record is None:  # loaded by a newer run of the output, or not at all
+        return {"load_key": key, "loaded": False}
+    return record.to_json()
 
 
 def _progress(config: config_lib.Config, options: PipelineOptions):

@@ -89,6 +89,6 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None) -
 def search_store(config: Config, query: str, k: int = 10) -> list[dict]:
     """``search`` over the store (``store:``; ``newsvec search --store``): the HNSW index of
     PostgreSQL + pgvector instead of the Parquet files, the same results' form."""
-    from transforms.store import store_of
+    from transforms.stores import store_for
 
-    return store_of(config.store).search(embed_query(config, query), k)
+    return store_for(config.store).search(embed_query(config, query), k)

@@ -134,7 +134,7 @@ STORE_DSN_ENV = "NEWSVEC_TEST_STORE_DSN"
 @pytest.fixture
 def store_settings(pg, monkeypatch):
     """``store:`` settings turned on, their connection string (``pg``) in the environment."""
-    from transforms.store import StoreSettings
+    from transforms.stores.pgvector import StoreSettings
 
     monkeypatch.setenv(STORE_DSN_ENV, pg)
     return StoreSettings(enabled=True, dsn_env=STORE_DSN_ENV, retry_s=5)

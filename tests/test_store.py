@@ -1,4 +1,4 @@
-"""The store (PostgreSQL + pgvector, transforms/store.py) on a real server (``postgres_server``):
+"""The store (PostgreSQL + pgvector, transforms/stores/) on a real server (``postgres_server``):
 loads, their idempotence, the current-vector rule, the HNSW index, the connection string kept out
 of every message, and a real batch run whose load fails and is redone with ``newsvec load``."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline import config as config_lib
 from tests.conftest import SAMPLE_EVENTS, STORE_DSN_ENV, make_config
 from transforms.schema import chunk_schema, vector_schema
-from transforms.store import (
+from transforms.stores.pgvector import (
     LoadRows,
     Store,
     StoreLoadFailed,

@@ -1,4 +1,4 @@
-"""The store never stalls and never refuses a whole load for one row (transforms/store.py), on the
+"""The store never stalls and never refuses a whole load for one row (transforms/stores/), on the
 test PostgreSQL (``pg``, ``store_settings``):
 
 - rows the store cannot take (a NUL character, a non-finite vector, a timestamp outside years
@@ -30,7 +30,7 @@ import pytest
 
 from tests.conftest import STORE_DSN_ENV
 from transforms.schema import chunk_schema, vector_schema
-from transforms.store import LoadRows, Store, StoreLoadFailed, StoreSettings, scrub
+from transforms.stores.pgvector import LoadRows, Store, StoreLoadFailed, StoreSettings, scrub
 
 DIM = 8
 T0 = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.timezone.utc)
@@ -226,7 +226,7 @@ def test_a_connection_lost_under_the_client_is_retried(store_settings, pg, monke
 def test_which_server_errors_are_transient(sqlstate, transient):
     from psycopg import errors
 
-    from transforms import store
+    from transforms.stores import pgvector as store
 
     exc = errors.lookup(sqlstate)("x")
     assert store.is_transient(exc) is transient
@@ -441,7 +441,7 @@ def test_a_dsn_libpq_cannot_parse_never_appears_in_a_message(monkeypatch, caplog
     settings = StoreSettings(enabled=True, dsn_env=STORE_DSN_ENV, retry_s=0.1)
     caplog.set_level(logging.DEBUG)
     with pytest.raises(StoreLoadFailed) as failed:
-        from transforms.store import store_of
+        from transforms.stores.pgvector import store_of
 
         store_of(settings).load(LoadRows(rows(["a"]), None, DAY), "run:x")
     text = str(failed.value) + caplog.text
@@ -467,7 +467,7 @@ def test_scrub_removes_every_secret_bearing_part(dsn, secrets):
 
 
 def test_a_dsn_file_others_can_read_is_warned_of(tmp_path, caplog):
-    from transforms.store import resolve_dsn
+    from transforms.stores.pgvector import resolve_dsn
 
     secret = tmp_path / "dsn"
     secret.write_text("host=db password=pw\n")
@@ -488,8 +488,9 @@ def test_a_batch_load_that_races_a_newer_publish_says_what_to_run(tmp_path, stor
                                                                   monkeypatch, capsys):
     """The output holds run A committed; while ``newsvec load`` reads A's files, run B publishes
     (A's files deleted, B's manifest written). Before: a FileNotFoundError traceback."""
-    from pipeline import load as load_module
+    from pipeline.load import main as load_main
     from transforms.manifest import COMMITTED, Manifest, write_manifest
+    from transforms.stores import batch as load_module
 
     out = tmp_path / "out"
     (out / "vectors").mkdir(parents=True)
@@ -524,7 +525,7 @@ def test_a_batch_load_that_races_a_newer_publish_says_what_to_run(tmp_path, stor
     config = tmp_path / "config.yaml"
     config.write_text(json.dumps(make_config(output=str(out), store=store_settings)
                                  .model_dump(mode="json")))
-    assert load_module.main(["--config", str(config), "--run-id", run_a]) == 1
+    assert load_main(["--config", str(config), "--run-id", run_a]) == 1
     err = capsys.readouterr().err
     assert err.startswith("newsvec load: cannot read run") and "Traceback" not in err
 
@@ -591,7 +592,7 @@ def test_finding_the_rows_the_server_refuses_has_a_deadline(store_settings, pg, 
     """The halving's total time is bounded by ``statement_timeout_s`` (here a clock that jumps
     20 minutes at each look, and 2 refused rows of 64: under the cap on refusals). Before,
     nothing bounded it (81 s for 8,000 rows, growing with the refusals)."""
-    from transforms import store as store_module
+    from transforms.stores import pgvector as store_module
 
     store = Store(store_settings)
     store.load(LoadRows(rows(["first"]), None, DAY), "run:0")
@@ -765,7 +766,7 @@ def test_a_load_waits_for_nothing_a_vacuum_holds(store_settings, pg):
         store.load(LoadRows(rows(["a", "b"], text="v2", embedded_at=later, chunk_count=[1, 1]),
                             chunks({("a", "v2"): 1, ("b", "v2"): 1}, later), DAY), "mb:2",
                    ids=["a", "b"])
-        from transforms.store import BatchOutput
+        from transforms.stores.pgvector import BatchOutput
 
         store.load(LoadRows(rows(["a"], text="v3", updated_at=later, chunk_count=[1]),
                             chunks({("a", "v3"): 1}), DAY), "run:R",
@@ -811,7 +812,7 @@ def test_a_first_large_load_leaves_its_tables_with_planner_statistics(store_sett
     minute later, or never while it is off): without statistics, the planner of the next load's
     joins on ``id`` takes every id for a match of the whole table, and scans it. Before,
     ``reltuples`` stayed -1 (never analyzed)."""
-    from transforms.store import StoreSettings, _create_statements
+    from transforms.stores.pgvector import StoreSettings, _create_statements
 
     with psycopg.connect(pg, autocommit=True) as conn:
         for statement in _create_statements(StoreSettings(), DIM):

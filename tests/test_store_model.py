@@ -1,4 +1,4 @@
-"""The store against a model of the files (transforms/store.py, docs/store.md), on the test
+"""The store against a model of the files (transforms/stores/, docs/store.md), on the test
 PostgreSQL (``pg``, ``store_settings``): hypothesis draws sequences of loads, and after each one
 the store must hold, for every article, the current version (``schema.VERSION_ORDER``) of what
 the files then hold, with that version's chunks, and nothing else. The files are:
@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from transforms.schema import chunk_schema, vector_schema
-from transforms.store import (
+from transforms.stores.pgvector import (
     BatchOutput,
     LoadRows,
     Store,

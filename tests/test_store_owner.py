@@ -14,7 +14,7 @@ import pytest
 
 from tests.test_store import DIM
 from tests.test_store_search_path import _execute, _rows
-from transforms.store import (
+from transforms.stores.pgvector import (
     Store,
     StoreError,
     StoreLoadFailed,
@@ -51,7 +51,7 @@ def _precreate(dsn: str, mallory: str, settings: StoreSettings) -> list[str]:
                 conn.execute(statement)
             except psycopg.errors.InsufficientPrivilege:  # the schema: there already
                 pass
-        from transforms.store import _index_statement
+        from transforms.stores.pgvector import _index_statement
 
         for table in _tables(settings):
             conn.execute(_index_statement(settings, table, "vector", "public"))

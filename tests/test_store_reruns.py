@@ -1,4 +1,4 @@
-"""A rerun replaces its output in the store as in the Parquet (transforms/store.py, ``BatchOutput``;
+"""A rerun replaces its output in the store as in the Parquet (transforms/stores/, ``BatchOutput``;
 docs/store.md, "A rerun of a batch output"), on the test PostgreSQL (``pg``, ``store_settings``):
 
 - a rerun whose output no longer holds an article (dead-lettered this time, or gone from the
@@ -24,7 +24,13 @@ import yaml
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from tests.test_store_faults import DAY, chunks, rows, stored
-from transforms.store import BatchOutput, LoadRows, Store, StoreLoadFailed, _create_statements
+from transforms.stores.pgvector import (
+    BatchOutput,
+    LoadRows,
+    Store,
+    StoreLoadFailed,
+    _create_statements,
+)
 
 T0 = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.timezone.utc)
 DAY_1 = "gs://b/vectors/dt=2026-12-01"

@@ -25,7 +25,7 @@ from tests.test_store import vectors
 from tools.emulators import local_streaming_job
 from tools.publish import publish_file
 from transforms.schema import LedgerRecord
-from transforms.store import LoadRows, Store, StoreSettings
+from transforms.stores.pgvector import LoadRows, Store, StoreSettings
 
 PROJECT = "newsvec-store-test"
 TOPIC, SUBSCRIPTION = f"projects/{PROJECT}/topics/news", f"projects/{PROJECT}/subscriptions/news"

@@ -494,7 +494,7 @@ VERSION_ORDER = ("updated_at", "published_at", "dt", "pubsub_publish_time", "emb
 this order, a null lower than any value (``dt``: the row's day, the ``dt=`` partition). The
 article's own order first (``updated_at``, then ``published_at``), then the day it was delivered
 (the batch run's day, the streaming window's), then its Pub/Sub publish time; the embedding time
-only breaks a tie. The store's upsert (``transforms.store``), ``pipeline.current`` and the SQL in
+only breaks a tie. The store's upsert (``transforms.stores``), ``pipeline.current`` and the SQL in
 docs/incremental.md, docs/dataflow.md and docs/bigquery.md all order by it."""
 NULLABLE_IN_ORDER = frozenset({"updated_at", "published_at", "pubsub_publish_time"})
 _LOWEST = -(1 << 80)  # below any microsecond or day count: where a null stands in version_key
@@ -765,10 +765,10 @@ class LedgerRecord:
     digest: Optional[str] = None  # of the micro-batch's messages: in its files' names
     # {language: {reason: n}} (Counts.by_language); None in records written before it was kept
     dead_lettered_by_language: Optional[dict] = None
-    # The store (transforms.store): rows loaded, under this load key; 0 and None with it off
+    # The store (transforms.stores): rows loaded, under this load key; 0 and None with it off
     store_rows: int = 0
     store_load_key: Optional[str] = None
-    # The rows the store refused (transforms.store, StoreLoad.rejected): one
+    # The rows the store refused (transforms.stores, StoreLoad.rejected): one
     # {"id", "text_sha256", "reason", "detail"} each; store_rows + these = rows_written
     store_rejected: list = dataclasses.field(default_factory=list)
     # The articles an earlier attempt at this micro-batch stored and this one does not hold: their

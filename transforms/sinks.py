@@ -66,7 +66,9 @@ from transforms.schema import (
     key_schema,
     vector_schema,
 )
-from transforms.store import LoadRows, Store, StoreSettings, store_of
+from transforms.stores import Settings as StoreSettings
+from transforms.stores import store_for
+from transforms.stores.base import LoadRows, VectorStore
 
 
 def _column(rows, field: pa.Field, schema: pa.Schema) -> pa.Array:
@@ -308,11 +310,11 @@ class _WriteMicroBatchFn(beam.DoFn):
         self._row_group_rows = row_group_rows
         self._keys = KeysTable(signature) if signature is not None else None
         self._store_settings = store if store is not None and store.enabled else None
-        self._store: Optional[Store] = None
+        self._store: Optional[VectorStore] = None
 
     def setup(self):
         if self._store_settings is not None:
-            self._store = store_of(self._store_settings)
+            self._store = store_for(self._store_settings)
 
     def _load(self, batch: MicroBatch, digest: str, rows: list, chunk_rows: list
               ) -> tuple[int, Optional[str], list, list]:
@@ -421,7 +423,7 @@ class WriteMicroBatches(beam.PTransform):
     ``ledger/``, and with ``signature`` (``transforms.incremental.embedding_signature``) the keys
     of its rows under ``keys/``, each in ``dt=YYYY-MM-DD/hour=HH/`` of the window start, named by
     ``layout.PartFileName``; with ``store`` enabled, each micro-batch's rows also into the store
-    (``transforms.store``). Returns the ledger records."""
+    (``transforms.stores``). Returns the ledger records."""
 
     def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384,
                  signature: Optional[str] = None, vector_dtype: VectorDtype = "float32",

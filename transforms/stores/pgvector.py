@@ -51,10 +51,10 @@ from psycopg's own log records).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import datetime as dt
 import functools
-import hashlib
 import logging
 import math
 import os
@@ -63,7 +63,7 @@ import struct
 import threading
 import time
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -78,6 +78,16 @@ from transforms.schema import (
     Column,
     VectorDtype,
 )
+from transforms.stores.base import (  # noqa: F401  # the contract's values, also named from here
+    REJECTED_FIELDS,
+    ROW_FIELDS,
+    BatchOutput,
+    LoadRows,
+    StoreError,
+    StoreLoad,
+    StoreLoadFailed,
+)
+from transforms.stores.base import printable as _printable
 
 if TYPE_CHECKING:
     import psycopg
@@ -112,14 +122,6 @@ CLIENT_CHECK_INTERVAL_MS = 5000
 SEARCH_PATH = "pg_catalog, pg_temp"
 
 
-class StoreError(RuntimeError):
-    """A store failure, its message scrubbed of the connection string."""
-
-
-class StoreLoadFailed(StoreError):
-    """A load into the store failed; the Parquet it was loading from stays as committed."""
-
-
 REFUSED_SHARE, REFUSED_AT_LEAST = 0.10, 3
 """A load the server refuses more than ``max(REFUSED_AT_LEAST, REFUSED_SHARE x its rows)`` rows of
 fails (``StoreLoadFailed``): so many refusals are the table's or the database's problem (a
@@ -139,6 +141,9 @@ class StoreSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    kind: Literal["pgvector"] = Field(
+        "pgvector", description="the store's backend (`transforms/stores/`): `pgvector`, "
+                                "PostgreSQL with pgvector")
     enabled: bool = Field(False, description="load every committed batch run and every streaming "
                                              "micro-batch into PostgreSQL + pgvector "
                                              "(docs/store.md)")
@@ -844,40 +849,6 @@ def _latest_first():
 
 # --- rows ----------------------------------------------------------------------------------------
 
-@dataclasses.dataclass
-class LoadRows:
-    """What one load writes: Arrow tables of ``vectors/`` and ``chunks/`` rows (any subset of
-    their columns that holds the keys, ``embedded_at`` and ``embedding``), and their day."""
-
-    vectors: pa.Table
-    chunks: Optional[pa.Table]
-    dt: dt.date
-
-    @property
-    def dim(self) -> int:
-        return self.vectors.schema.field("embedding").type.list_size
-
-    @property
-    def vector_dtype(self) -> VectorDtype:
-        value_type = self.vectors.schema.field("embedding").type.value_type
-        return "float16" if pa.types.is_float16(value_type) else "float32"
-
-    def outcome(self) -> str:
-        """A digest of the article versions of the load (id, ``text_sha256``, ``embedded_at``):
-        the same for every try of one load; another for a micro-batch redone with another
-        result."""
-        table = self.vectors
-        lines = sorted(f"{i}\0{t}\0{e}" for i, t, e in zip(
-            table.column("id").to_pylist(), table.column("text_sha256").to_pylist(),
-            table.column("embedded_at").cast(pa.int64()).to_pylist(), strict=True))
-        return hashlib.sha256("\n".join(lines).encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-REJECTED_FIELDS = ("id", "text_sha256", "reason", "detail")
-"""A row the store refused: ``StoreLoad.rejected``, ``LedgerRecord.store_rejected``, the
-``rejected`` column of ``<table>_loads``, each one a dict of these."""
-
-
 class Refusal:
     """Why a row cannot be stored (``reason`` of a rejected row): stable codes."""
 
@@ -886,14 +857,6 @@ class Refusal:
     TIMESTAMP = "timestamp_out_of_range"  # outside years 1-9999 UTC
     MISSING = "missing_value"  # null where the table needs a value
     REFUSED = "refused_by_store"  # the server refused it: detail holds its SQLSTATE and message
-
-
-def _printable(text: Any) -> Any:
-    """``text`` with control characters written as ``\\xNN``: ids in a rejection are shown and
-    stored (jsonb cannot hold U+0000) in this form."""
-    if not isinstance(text, str):
-        return text
-    return re.sub(r"[\x00-\x1f\x7f]", lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def rejection(doc_id: Any, text_sha256: Any, reason: str, detail: str) -> dict:
@@ -1021,50 +984,6 @@ def _chunk_groups(rows: LoadRows) -> dict[tuple, list[int]]:
     for i, key in enumerate(keys):
         groups.setdefault(key, []).append(i)
     return groups
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreLoad:
-    """What a load did: ``already_loaded`` when its key was in ``<table>_loads`` with the same
-    outcome (nothing changed); ``rows``: the articles' rows it stored (the rows given, less
-    ``rejected``); ``articles_current``: the articles whose stored row it wrote (the others
-    already had a later version); ``rejected``: the rows the store cannot take, each a dict of
-    ``REJECTED_FIELDS``; ``withdrawn``: the articles whose rows an earlier try of the same load
-    (a micro-batch redone with another outcome) or the load this one replaces (``replaces``: the
-    previous run of the same batch output) stored and this one does not hold, whose rows were
-    withdrawn (and the version each had replaced brought back where one was kept);
-    ``not_restored``: those of ``withdrawn`` with no row now (no earlier version was kept)."""
-
-    load_key: str
-    rows: int
-    chunk_rows: int
-    articles_current: int
-    already_loaded: bool
-    seconds: float
-    rejected: tuple = ()
-    withdrawn: tuple = ()
-    not_restored: tuple = ()
-    replaces: Optional[str] = None
-
-    def to_json(self) -> dict:
-        out = dataclasses.asdict(self)
-        for name in ("rejected", "withdrawn", "not_restored"):
-            out[name] = list(getattr(self, name))
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchOutput:
-    """The output a batch run's load is of: ``prefix``, the output prefix (``{date}`` filled: each
-    day's prefix is an output of its own), and the run's ``run_id``. Run ids begin with the launch
-    time, and an output only ever goes from a run to a newer one (a run that finds the output
-    held by a newer run publishes nothing: ``transforms.commit``), so of two runs of one output
-    the greater id is the one the output holds, or held last. A run's load replaces the previous
-    run's load of the same output (``Store._previous_load``), as its files replaced that run's
-    files."""
-
-    prefix: str
-    run_id: str
 
 
 # --- loading -------------------------------------------------------------------------------------
@@ -1909,6 +1828,13 @@ class Store:
                 f"halfvec (pgvector is in the schema {_printable(pgvector)})")
         return name, oid, dims
 
+    @contextlib.contextmanager
+    def reader(self) -> Iterator["_Reader"]:
+        """A read of the store for ``newsvec ledger --store`` (``base.StoreReader``), on one
+        connection (``connect``: the catalog checked first)."""
+        with self.connect() as conn:
+            yield _Reader(conn, self.settings)
+
     def search(self, vector, k: int) -> list[dict]:
         """The ``k`` nearest articles to ``vector`` through the HNSW index (``hnsw.ef_search`` from
         the settings): by their best chunk when the store holds chunks, else by their own row.
@@ -1956,6 +1882,71 @@ class Store:
         ranked = sorted(best.items(), key=lambda item: -item[1][1])[:k]
         return [{"id": doc_id, "title": title, "score": round(float(score), 4),
                  "chunk_index": chunk_index} for doc_id, (title, score, chunk_index) in ranked]
+
+
+class _Reader:
+    """``base.StoreReader`` on a connection: ``<table>_loads`` by load key, the articles' table by
+    id (its primary key), ``READ_CHUNK`` keys or ids per query. A table created by an earlier
+    release lacks some columns: they read as None (``rejected``: none)."""
+
+    READ_CHUNK = 5000
+
+    def __init__(self, conn, settings: StoreSettings):
+        from psycopg import sql
+
+        self._conn = conn
+        schema = settings.schema_name
+        loads_name = f"{settings.table}_loads"
+        there = self._columns(schema, loads_name)
+        fields = ("load_key", "rows", "chunk_rows", "articles_current", "rejected", "withdrawn",
+                  "output", "run_id")
+        self._loads = sql.SQL("SELECT {} FROM {} WHERE load_key = ANY(%s)").format(
+            sql.SQL(", ").join(sql.Identifier(n) if n in there else sql.SQL("NULL")
+                               for n in fields), _ident(schema, loads_name))
+        # The load a batch run's load replaced: the output's previous run's (``_previous_load``).
+        self._replaced = sql.SQL(
+            "SELECT load_key FROM {} WHERE output = %s AND load_key <> %s AND run_id < %s "
+            "ORDER BY run_id DESC LIMIT 1").format(_ident(schema, loads_name))
+        self._without_row = sql.SQL(
+            "SELECT w.id FROM unnest(%s::text[]) AS w(id) WHERE NOT EXISTS "
+            "(SELECT 1 FROM {} v WHERE v.id = w.id) ORDER BY 1").format(
+                _ident(schema, settings.table))
+        there = self._columns(schema, settings.table)
+        self._rows = sql.SQL("SELECT {} FROM {} WHERE id = ANY(%s)").format(
+            sql.SQL(", ").join(sql.Identifier(n) if n in there else sql.SQL("NULL")
+                               for n in ROW_FIELDS), _ident(schema, settings.table))
+
+    def _columns(self, schema: str, table: str) -> set[str]:
+        return {name for (name,) in self._conn.execute(
+            "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
+            "AND NOT attisdropped", (f'"{schema}"."{table}"',)).fetchall()}
+
+    def loads(self, keys: Sequence[str]) -> dict[str, StoreLoad]:
+        found: dict[str, StoreLoad] = {}
+        keys = sorted(set(keys))
+        for start in range(0, len(keys), self.READ_CHUNK):
+            for (key, rows, chunk_rows, current, rejected, withdrawn, output,
+                 run_id) in self._conn.execute(
+                    self._loads, (keys[start:start + self.READ_CHUNK],)).fetchall():
+                withdrawn = tuple(withdrawn or ())
+                not_restored = tuple(r[0] for r in self._conn.execute(
+                    self._without_row, (list(withdrawn),)).fetchall()) if withdrawn else ()
+                replaced = self._conn.execute(self._replaced, (output, key, run_id)).fetchone() \
+                    if output is not None and run_id is not None else None
+                found[key] = StoreLoad(key, rows, chunk_rows or 0, current or 0, True, 0.0,
+                                       tuple(rejected or ()), withdrawn, not_restored,
+                                       replaced[0] if replaced else None)
+        return found
+
+    def rows(self, ids: Sequence[Any]) -> dict[str, dict]:
+        # text cannot hold NUL: such an id is never stored
+        sendable = sorted({i for i in ids if isinstance(i, str) and "\x00" not in i})
+        found: dict[str, dict] = {}
+        for start in range(0, len(sendable), self.READ_CHUNK):
+            for values in self._conn.execute(
+                    self._rows, (sendable[start:start + self.READ_CHUNK],)).fetchall():
+                found[values[0]] = dict(zip(ROW_FIELDS, values, strict=True))
+        return found
 
 
 def _n(table: Optional[pa.Table]) -> int:

@@ -1,0 +1,194 @@
+"""A committed batch run into the store: ``LoadCommittedRun``, the batch graph's step after
+``CommitRun``, and the reading of a run's rows that it shares with ``newsvec load``.
+
+The step loads the run that CommitRun published, from the files its manifest names, once, under
+the run's load key ``run:<run_id>`` (the key ``newsvec load`` uses), so a Flex Template or
+scheduled job loads the store with nothing run after it, and:
+- a retried bundle, a rerun of the step or a later ``newsvec load`` of the run changes nothing:
+  a load is one transaction with its record under the key (``base``), so a bundle retried after a
+  try that failed midway finds nothing of it stored, and one retried after a try whose commit
+  succeeded (its response lost) finds the key loaded;
+- a run that published nothing (a newer run holds the output: CommitRun's ``published: false``),
+  or that a newer run replaced before its load (the store holds the newer run's load, or the
+  output's manifest names the newer run), loads nothing: the newer run's own load stores the
+  output, and an older run's rows never replace it;
+- a load that fails otherwise (the store cannot be reached within ``retry_s``, it refuses too
+  many rows) fails the step, so the job fails (on Dataflow, after its retries of the bundle)
+  with the Parquet committed and published: ``_summary.json`` names the load key the store lacks,
+  and ``newsvec load --config C --run-id R`` loads the run alone.
+
+The connection string is read where the step runs (``setup``: on Dataflow, the worker, from
+``store.dsn_secret``), never carried in the graph.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import re
+from typing import Any, Optional
+
+import apache_beam as beam
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from transforms.layout import join_path, open_output_file
+from transforms.manifest import COMMITTED, read_manifest
+from transforms.stores.base import (
+    BatchOutput,
+    LoadRows,
+    StoreLoad,
+    StoreLoadFailed,
+    VectorStore,
+)
+
+_LOG = logging.getLogger("newsvec")
+_DAY_IN_PATH = re.compile(r"(?:^|/)dt=([0-9]{4}-[0-9]{2}-[0-9]{2})(?:/|$)")
+
+
+def run_day(output: str, run_id: str) -> dt.date:
+    """The day a batch run's rows stand for, the first order of the current-vector rule: the
+    ``dt=YYYY-MM-DD`` folder of the output prefix (``output: .../dt={date}``, as
+    ``pipeline.current`` reads it), else the run's launch day (its id begins with it)."""
+    found = _DAY_IN_PATH.findall(output.rstrip("/"))
+    if found:
+        return dt.date.fromisoformat(found[-1])
+    return dt.datetime.strptime(run_id[:8], "%Y%m%d").date()
+
+
+def load_key(run_id: str) -> str:
+    """A batch run's load key: the same for the graph's step and ``newsvec load``."""
+    return f"run:{run_id}"
+
+
+def _read(output: str, relative: list[str]) -> Optional[pa.Table]:
+    """The files the manifest names, each a regular file of the output (``open_output_file``: a
+    symlink or FIFO in place of one is an ``UnsafePath`` naming it, never read or waited on)."""
+    tables = []
+    for path in relative:
+        with open_output_file(output, join_path(output, path)) as f:
+            tables.append(pq.read_table(f))
+    return pa.concat_tables(tables) if tables else None
+
+
+def _holds(output: str, run_id: str):
+    """The output's manifest, which must hold ``run_id`` committed."""
+    manifest = read_manifest(output)
+    if manifest is None or manifest.run_id != run_id or manifest.state != COMMITTED:
+        held = "nothing" if manifest is None else f"run {manifest.run_id} ({manifest.state})"
+        raise StoreLoadFailed(f"{output} does not hold run {run_id} committed (it holds {held}): "
+                              "only the run an output holds can be loaded")
+    return manifest
+
+
+def batch_output(output: str, run_id: str) -> BatchOutput:
+    """What the store records of the output a run's load is of: its prefix (``{date}`` filled),
+    and the run."""
+    return BatchOutput(prefix=output.rstrip("/"), run_id=run_id)
+
+
+def run_rows(output: str, run_id: str) -> LoadRows:
+    """The rows of ``run_id`` in ``output``, which must hold it committed from before the read
+    to after it. A newer run may publish into the output meanwhile and delete these files: the
+    manifest is read again after the files, and a read that failed or raced such a publish is a
+    ``StoreLoadFailed`` that says what to run, never a storage error of its own."""
+    retry = (f"load it alone once it can be read: newsvec load --config CONFIG --run-id {run_id}")
+    failure: Optional[StoreLoadFailed] = None
+    try:
+        manifest = _holds(output, run_id)
+        vectors = _read(output, manifest.vectors)
+        chunks = _read(output, manifest.chunks)
+        after = read_manifest(output)
+    except StoreLoadFailed:
+        raise
+    except Exception as exc:  # pylint: disable=broad-except  # any storage or Parquet error
+        failure = StoreLoadFailed(f"cannot read run {run_id} from {output} "
+                                  f"({type(exc).__name__}: {exc}); {retry}")
+    if failure is not None:
+        try:
+            _holds(output, run_id)  # a newer run published meanwhile: say so instead
+        except StoreLoadFailed as newer:
+            failure = StoreLoadFailed(f"{newer} (a run published into it while this one was "
+                                      "read: that run's own load stores it)")
+        except Exception:  # pylint: disable=broad-except  # the first failure says enough
+            pass
+        raise failure
+    if after != manifest:
+        held = "nothing" if after is None else f"run {after.run_id} ({after.state})"
+        raise StoreLoadFailed(f"{output} changed while run {run_id} was read (it now holds "
+                              f"{held}): nothing was loaded; if it still holds the run, {retry}")
+    if vectors is None:
+        raise StoreLoadFailed(f"run {run_id} wrote no vector files")
+    return LoadRows(vectors=vectors, chunks=chunks, dt=run_day(output, run_id))
+
+
+def load_run(store: VectorStore, output: str, run_id: str, rows: LoadRows,
+             reload: bool = False) -> StoreLoad:
+    """``rows``, run ``run_id``'s of ``output``, into ``store`` under the run's load key,
+    replacing the previous run's load of the output; what it did is logged."""
+    result = store.load(rows, load_key(run_id), output=batch_output(output, run_id),
+                        reload=reload)
+    _LOG.info("store: run %s %s (%d rows, %d chunk rows, %d articles current, %d rows refused, "
+              "%d articles of %s withdrawn) in %.2f s", run_id,
+              "was loaded already" if result.already_loaded else "loaded", result.rows,
+              result.chunk_rows, result.articles_current, len(result.rejected),
+              len(result.withdrawn), result.replaces or "no earlier run", result.seconds)
+    for item in () if result.already_loaded else result.rejected:
+        _LOG.warning("run %s: the store refused article %s (%s: %s); its Parquet row stands",
+                     run_id, item["id"], item["reason"], item["detail"])
+    if result.rejected and result.already_loaded:
+        _LOG.warning("store: run %s was loaded with %d rows refused; once the table takes them, "
+                     "store them with: newsvec load --config CONFIG --run-id %s --reload",
+                     run_id, len(result.rejected), run_id)
+    return result
+
+
+def _newer_run(output: str, run_id: str) -> Optional[str]:
+    """The run the output holds now, where it is newer than ``run_id``."""
+    manifest = read_manifest(output)
+    return manifest.run_id if manifest is not None and manifest.run_id > run_id else None
+
+
+class _LoadCommittedRunFn(beam.DoFn):
+    def __init__(self, output: str, run_id: str, settings: Any):
+        self._output, self._run_id, self._settings = output, run_id, settings
+        self._store: Optional[VectorStore] = None
+
+    def setup(self):
+        from transforms.stores import store_for
+
+        self._store = store_for(self._settings)  # the connection string read here, never pickled
+
+    def process(self, summary: dict):
+        assert self._store is not None
+        newer = summary.get("superseded_by")
+        if summary.get("run_id") == self._run_id and summary.get("published", True):
+            try:
+                rows = run_rows(self._output, self._run_id)
+                yield load_run(self._store, self._output, self._run_id, rows).to_json()
+                return
+            except StoreLoadFailed as exc:
+                newer = _newer_run(self._output, self._run_id)
+                if newer is None:
+                    _LOG.error("run %s is committed in %s, but its store load failed: %s. Load "
+                               "it alone with: newsvec load --config CONFIG --run-id %s",
+                               self._run_id, self._output, exc, self._run_id)
+                    raise
+        beam.metrics.Metrics.counter("newsvec", "store_loads_skipped").inc()
+        _LOG.warning("run %s: not loaded into the store: the newer run %s holds %s, and its own "
+                     "load stores it", self._run_id, newer, self._output)
+        yield {"load_key": load_key(self._run_id), "skipped": True, "superseded_by": newer}
+
+
+class LoadCommittedRun(beam.PTransform):
+    """The batch job's store load (see the module docstring), applied to CommitRun's output (the
+    run's summary). ``settings``: the config's ``store:`` section. Output: what the load did
+    (``StoreLoad.to_json()``), or ``skipped`` with the newer run that holds the output."""
+
+    def __init__(self, output: str, run_id: str, settings: Any):
+        super().__init__()
+        self._fn = _LoadCommittedRunFn(output, run_id, settings)
+
+    def expand(self, summaries):
+        # A fusion break: a retried load never runs the commit again.
+        return (summaries | "AfterCommit" >> beam.Reshuffle()
+                | "Load" >> beam.ParDo(self._fn))
