@@ -48,7 +48,8 @@ import pyarrow.parquet as pq
 
 from benchmarks import tree_rss, write_results
 from benchmarks.batch import bbc_texts
-from pipeline.config import REPO_ROOT, IncrementalSettings, fill_date, fill_model, load
+from pipeline.config import REPO_ROOT, fill_date, fill_model, load
+from transforms.settings import IncrementalSettings
 
 
 def _write(path: Path, rows: list[dict]) -> None:
@@ -280,7 +281,7 @@ def _skip_cost(files: list[str], present: list[str], texts: list[str]) -> dict:
 
 def previous_keys(args) -> int:
     from benchmarks.batch import write_events
-    from pipeline.config import IncrementalSettings
+    from transforms.settings import IncrementalSettings
 
     work = Path(args.work or tempfile.mkdtemp(prefix="newsvec-keys-"))
     work.mkdir(parents=True, exist_ok=True)

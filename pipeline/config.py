@@ -17,21 +17,25 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from transforms.chunking import ChunkingSettings
-from transforms.dedup import DedupKey
-from transforms.lease import require_lease_s
 from transforms.model import (
     PYPACKAGE,
-    ModelSettings,
     check_dimensions,
     check_without_running_code,
     resolve_model_path,
 )
-from transforms.schema import VectorDtype
+from transforms.settings import (
+    ChunkingSettings,
+    DedupSettings,
+    IncrementalSettings,
+    ModelSettings,
+    ParseSettings,
+    SinkSettings,
+    StreamingSettings,
+    TextSettings,
+)
 from transforms.store import StoreSettings
-from transforms.text import DEFAULT_MAX_TITLE_CHARS, DEFAULT_PREPARE_BUDGET_S, UnicodeForm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local.yaml"
@@ -49,96 +53,13 @@ class ConfigError(ValueError):
     """A config that cannot run. The message names the file and the key."""
 
 
-class _Section(BaseModel):
+class Config(BaseModel):
+    """A whole config: ``input``, ``output``, ``beam:`` and one section each from
+    ``transforms/settings.py`` (``store:``: ``transforms/store.py``)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ParseSettings(_Section):
-    max_payload_bytes: int = Field(1 << 20, gt=0, description="larger payloads are dead-lettered")
-    max_future_skew_s: float = Field(
-        86400, ge=0, description="a `published_at` further ahead of now is dead-lettered")
-
-
-class TextSettings(_Section):
-    max_text_chars: int = Field(200_000, gt=0, description="longer title + body, as sent or once "
-                                                           "normalized, is dead-lettered")
-    max_title_chars: int = Field(
-        DEFAULT_MAX_TITLE_CHARS, gt=0,
-        description="a longer title is dead-lettered `text_too_long` (a news title is a line; "
-                    "thousands of characters there are a body in the wrong field, or an attack)")
-    prepare_budget_s: float = Field(
-        DEFAULT_PREPARE_BUDGET_S, gt=0,
-        description="CPU seconds one article's text preparation (normalization, tokenization, "
-                    "chunks) may take before it is dead-lettered `prepare_failed`: a backstop, as "
-                    "every step is linear in the text (a 200,000-character article takes well "
-                    "under a second)")
-    unicode_form: UnicodeForm = Field(
-        "NFC", description="`NFC` or `NFKC`: the Unicode form of the prepared text and title "
-                           "(NFKC also folds ①, ², ㎏, ㈱, ™...; which to choose for which model: "
-                           "docs/input.md)")
-    max_unknown_token_ratio: float = Field(
-        0.2, ge=0, le=1, description="an article with more of its head's tokens unknown to the "
-                                     "model's tokenizer (in chunks mode, of its whole text's) is "
-                                     "dead-lettered `unreadable_for_model`; 1: never")
-
-
-class DedupSettings(_Section):
-    key: DedupKey = Field(
-        "id", description="`id` or `text_sha256` (the same text under another id)")
-
-
-class SinkSettings(_Section):
-    row_group_rows: int = Field(16384, gt=0, description="rows per Parquet row group")
-    dead_letter_payload_bytes: int = Field(4096, gt=0,
-                                           description="raw payload kept per dead letter")
-    commit_lease_s: float = Field(
-        600, gt=0, description="batch: the output's publish lease: renewed every quarter of this "
-                               "while a run publishes; another run takes it over once it has "
-                               "stood unrenewed this long (its holder killed or stalled). At "
-                               "least 360: twice the longest one GCS request can take with "
-                               "retries, so that a change started just before its holder stops "
-                               "lands before a taker starts")
-    vector_dtype: VectorDtype = Field(
-        "float32", description="`float32` or `float16`: the element type of the `embedding` "
-                               "column of `vectors/` and `chunks/`; float16 about halves the "
-                               "file and kept recall@10 (docs/benchmarks.md), but BigQuery "
-                               "cannot read it (docs/bigquery.md)")
-    store_chunk_text: bool = Field(
-        False, description="chunks mode: write each chunk's text (`chunk_text`), for "
-                           "retrieval-augmented generation")
-
-    @field_validator("commit_lease_s")
-    @classmethod
-    def _lease_floor(cls, value: float) -> float:
-        return require_lease_s(value, "sink.commit_lease_s")
-
-
-class IncrementalSettings(_Section):
-    previous_outputs: list[str] = Field(
-        default_factory=list,
-        description="batch: globs of output prefixes (may hold `{model}`) whose key index "
-                    "(`keys/`) this run consults: an article already embedded there with the same "
-                    "text, model and settings is counted `unchanged`, not embedded; the run's own "
-                    "output is never consulted")
-
-
-class StreamingSettings(_Section):
-    subscription: Optional[str] = Field(
-        None, pattern=r"^projects/[^/]+/subscriptions/[^/]+$",
-        description="`projects/P/subscriptions/S`; set, the job streams (`--subscription`)")
-    window_s: float = Field(60, gt=0, description="fixed event-time window")
-    allowed_lateness_s: float = Field(
-        600, ge=0, description="`published_at` up to this before the publish time keeps its "
-                               "window (late pane); older is windowed by publish time")
-    max_wait_s: int = Field(5, gt=0, description="longest a micro-batch waits when traffic is "
-                                                 "light (whole seconds)")
-    dedup_horizon_s: float = Field(3600, gt=0, description="how long a dedup key is remembered")
-    batch_shards: int = Field(4, gt=0, description="keys micro-batches are grouped, embedded and "
-                                                   "written over (2 x `max_num_workers` x GPUs a "
-                                                   "worker)")
-
-
-class Config(_Section):
     input: Optional[str] = Field(None, description="JSON Lines glob, local or `gs://`, `.gz` "
                                                    "allowed (`--input`); may hold `{date}`, "
                                                    "`{model}`")

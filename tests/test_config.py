@@ -116,11 +116,11 @@ def test_missing_or_malformed_config_file_is_a_config_error(tmp_path):
 
 
 def test_native_dtype_is_bfloat16_only_where_the_hardware_computes_it(monkeypatch):
-    from transforms import model
+    from transforms import settings as settings_lib
 
     settings = make_config().model.model_copy(update={"dtype": "native"})
     for hardware, expected in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(model, "_computes_bfloat16", lambda h=hardware: h)
+        monkeypatch.setattr(settings_lib, "_computes_bfloat16", lambda h=hardware: h)
         assert settings.resolved_dtype() == expected
     assert settings.model_copy(update={"dtype": "float16"}).resolved_dtype() == "float16"
 

@@ -35,6 +35,7 @@ from pipeline import config as config_lib
 from pipeline.options import NewsvecOptions
 from pipeline.run import main, resolve, run
 from tests.emulators import gcs_emulator
+from transforms.settings import StreamingSettings
 
 CONFIGS = Path(config_lib.REPO_ROOT) / "configs"
 METADATA = CONFIGS / "flex-template-metadata.json"
@@ -286,7 +287,7 @@ def test_date_field_mistakes_are_config_errors():
         config_lib.fill_date(dated("gs://b/news/{dt}/*.jsonl"), "2026-11-30", NOW)
     with pytest.raises(config_lib.ConfigError, match="neither input nor output holds a {date}"):
         config_lib.fill_date(dated("gs://b/news/*.jsonl", "out"), "2026-11-30", NOW)
-    streaming = dated("in", "gs://b/stream/{date}", streaming=config_lib.StreamingSettings(
+    streaming = dated("in", "gs://b/stream/{date}", streaming=StreamingSettings(
         subscription="projects/p/subscriptions/s"))
     with pytest.raises(config_lib.ConfigError, match="streaming"):
         config_lib.fill_date(streaming, None, NOW)
@@ -371,7 +372,7 @@ def regex(name: str) -> str:
 
 
 def test_template_regexes_agree_with_what_newsvec_accepts():
-    assert regex("subscription") == config_lib.StreamingSettings.model_fields[
+    assert regex("subscription") == StreamingSettings.model_fields[
         "subscription"].metadata[0].pattern
     for value in ["2026-11-30", "today", "yesterday", "2026-02-30", "2026-1-5", "tomorrow", "",
                   "Today", "2026-11-30T00:00"]:
