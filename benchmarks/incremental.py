@@ -48,7 +48,7 @@ import pyarrow.parquet as pq
 
 from benchmarks import tree_rss, write_results
 from benchmarks.batch import bbc_texts
-from pipeline.config import REPO_ROOT, fill_date, fill_model, load
+from pipeline.config import REPO_ROOT, fill, load
 from transforms.settings import IncrementalSettings
 
 
@@ -99,7 +99,6 @@ def main(argv=None) -> int:
         "input": str(work / "in" / "dt={date}" / "news.jsonl"),
         "output": str(work / "{model}" / "dt={date}"),
         "incremental": IncrementalSettings(previous_outputs=[str(work / "{model}" / "dt=*")])})
-    daily = fill_model(daily)
     options = PipelineOptions(["--runner=FnApiRunner"])
     _write(work / "warm.jsonl", day_1[:32])
     run_batch(base.model_copy(update={"input": str(work / "warm.jsonl"),
@@ -107,7 +106,7 @@ def main(argv=None) -> int:
 
     def run(day: str, rows: list[dict]) -> dict:
         _write(work / "in" / f"dt={day}" / "news.jsonl", rows)
-        summary = run_batch(fill_date(daily, day), options)
+        summary = run_batch(fill(daily, day), options)
         return {"counts": summary["counts"], "embed_s": summary["timings"]["embed_s"],
                 "run_s": summary["timings"]["run_s"], "output": summary["output"]}
 

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.config:
-            config = config_lib.load(args.config, output=args.output)
+            config = config_lib.load_for_command(args.config, output=args.output)
             output, sink, streaming = config.output, config.sink, config.streaming
         elif args.output:
             output = args.output

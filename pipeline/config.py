@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import posixpath
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -228,22 +229,106 @@ def _parse(text: str) -> Any:
         loader.dispose()
 
 
-def load(path: str | Path, subscription: Optional[str] = None,
-         **overrides: Optional[str]) -> Config:
-    """Read and validate a config file (local or gs://); ``overrides`` (input=..., output=...) and
-    ``subscription`` win when not None."""
-    path = str(path)
+EXTENDS = "extends"
+"""A config's top-level key naming the config it is written against (``extends: local.yaml``)."""
+
+
+def _parent_path(path: str, parent: str) -> str:
+    """``parent`` (``extends:``) relative to the folder of the config at ``path``; an absolute path
+    or a ``gs://`` one as it is."""
+    if parent.startswith("gs://") or Path(parent).is_absolute():
+        return parent
+    if path.startswith("gs://"):
+        bucket, _, key = path[len("gs://"):].partition("/")
+        joined = posixpath.normpath(posixpath.join(posixpath.dirname(key), parent))
+        if joined.startswith(".."):
+            raise ConfigError(f"{path}: {EXTENDS}: {parent} is outside the bucket")
+        return f"gs://{bucket}/{joined}"
+    return str(Path(path).parent / parent)
+
+
+def _merged(parent: dict, child: dict) -> dict:
+    """``child`` over ``parent``: mappings merged key by key, at every depth; anything else
+    (lists included) the child's."""
+    out = dict(parent)
+    for key, value in child.items():
+        below = out.get(key)
+        out[key] = (_merged(below, value) if isinstance(value, dict) and isinstance(below, dict)
+                    else value)
+    return out
+
+
+def _identity(path: str) -> str:
+    return path if path.startswith("gs://") else str(Path(path).resolve())
+
+
+def _read_raw(path: str, chain: tuple[str, ...] = ()) -> Any:
+    """The YAML of the config at ``path``, with the configs it ``extends:`` merged under it
+    (``_merged``); a cycle or a parent that cannot be read is a ConfigError naming the chain."""
+    text = _read_text(path)  # its errors name the file
     try:
-        raw = _parse(_read_text(path))
+        raw = _parse(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    if not isinstance(raw, dict) or EXTENDS not in raw:
+        return raw
+    parent = raw.pop(EXTENDS)
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError(f"{path}: {EXTENDS}: give a file name (the config this one changes), "
+                          f"got {parent!r}")
+    parent_path = _parent_path(path, parent)
+    chain = (*chain, _identity(path))
+    if _identity(parent_path) in chain:
+        raise ConfigError(f"{path}: {EXTENDS}: a cycle: "
+                          f"{' -> '.join((*chain, _identity(parent_path)))}")
+    try:
+        base = _read_raw(parent_path, chain)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {EXTENDS}: {exc}") from None
+    if not isinstance(base, dict):
+        raise ConfigError(f"{path}: {EXTENDS}: {parent_path}: the config must be a YAML mapping, "
+                          f"got {type(base).__name__}")
+    return _merged(base, raw)
+
+
+def load(path: str | Path, subscription: Optional[str] = None,
+         **overrides: Optional[str]) -> Config:
+    """Read and validate a config file (local or gs://) and the files it ``extends:``;
+    ``overrides`` (input=..., output=...) and ``subscription`` win when not None. Fills no field:
+    a command loads its config with ``load_for_command``."""
+    path = str(path)
+    raw = _read_raw(path)
     if isinstance(raw, dict):
         raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
         if subscription is not None:
             raw["streaming"] = {**(raw.get("streaming") or {}), "subscription": subscription}
     return validate(raw, str(path))
+
+
+def load_for_command(path: str | Path, *, input: Optional[str] = None,
+                     output: Optional[str] = None, subscription: Optional[str] = None,
+                     input_date: Optional[str] = None, run_model_code: bool = False,
+                     each_day: bool = False, now: Optional[dt.datetime] = None) -> Config:
+    """The config of a command, the one way every sub-command and tool loads it, in this order:
+    read the file and the files it ``extends:``; apply the command line's overrides (``input``,
+    ``output``, ``subscription``); validate; with ``run_model_code`` (the commands that run the
+    pipeline), what validation left to the run (``check_model``: a ``pypackage:`` model
+    imported); fill ``{model}`` and ``{date}`` (``fill``: from ``input_date``, default yesterday).
+    ``each_day``: ``{date}`` is left for the caller, which fills it once per day (backfill)."""
+    config = load(path, subscription=subscription, input=input, output=output)
+    if run_model_code:
+        check_model(config, str(path))
+    if each_day:
+        return fill_model(config)
+    return fill(config, input_date, now)
+
+
+def fill(config: Config, input_date: Optional[str] = None,
+         now: Optional[dt.datetime] = None) -> Config:
+    """``{model}`` (``fill_model``), then ``{date}`` (``fill_date``) in the config's paths."""
+    return fill_date(fill_model(config), input_date, now)
 
 
 def parse_input_date(value: Optional[str], now: Optional[dt.datetime] = None) -> dt.date:
