@@ -51,7 +51,7 @@ def _config_command(argv: Sequence[str]) -> int:
     parser.add_argument("--explain", action="store_true",
                         help="list every config key, its default and its meaning")
     parser.add_argument("--markdown", action="store_true",
-                        help="with --explain: as the Markdown table README.md holds")
+                        help="with --explain: as the Markdown table of docs/configuration.md")
     args = parser.parse_args(argv)
     if args.explain:
         if args.markdown:

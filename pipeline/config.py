@@ -427,7 +427,7 @@ def _default_text(field) -> str:
 def explain(model: Optional[type[BaseModel]] = None,
             prefix: str = "") -> list[tuple[str, str, str]]:
     """(key, default, meaning) of every config key, from the schema itself: the one source of
-    README.md's config table and of ``newsvec config --explain``."""
+    the config table of docs/configuration.md and of ``newsvec config --explain``."""
     rows = []
     for name, field in (model or Config).model_fields.items():
         key = prefix + name
@@ -440,7 +440,7 @@ def explain(model: Optional[type[BaseModel]] = None,
 
 
 def explain_markdown() -> str:
-    """The config table of README.md (between its config-table markers), generated."""
+    """The config table of docs/configuration.md (between its config-table markers), generated."""
     lines = ["| key | default | meaning |", "|---|---|---|"]
     lines += [f"| `{key}` | {default} | {meaning} |" for key, default, meaning in explain()]
     return "\n".join(lines)

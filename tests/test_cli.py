@@ -156,6 +156,7 @@ def test_the_streaming_demo_runs_end_to_end(tmp_path, capsys):
     # The demo's config at float32 and with its engine in this process, so that it shares the
     # session's engine (configs/local-streaming.yaml spawns one of its own).
     raw = yaml.safe_load((REPO / "configs" / "local-streaming.yaml").read_text())
+    raw["extends"] = str(REPO / "configs" / raw["extends"])  # the copy is elsewhere
     raw["model"].update(dtype="float32", share_across_processes=False)
     config = tmp_path / "streaming.yaml"
     config.write_text(yaml.safe_dump(raw))

@@ -58,8 +58,13 @@ def fill(text: str) -> str:
 
 
 def filled_config(name: str, tmp_path: Path) -> Path:
+    """A filled copy of a shipped config, beside a filled copy of the config it extends."""
     path = tmp_path / name
-    path.write_text(fill((CONFIGS / name).read_text()))
+    text = (CONFIGS / name).read_text()
+    path.write_text(fill(text))
+    parent = yaml.safe_load(text).get(config_lib.EXTENDS)
+    if parent:
+        filled_config(parent, tmp_path)
     return path
 
 
