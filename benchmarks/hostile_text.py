@@ -128,8 +128,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from pipeline.config import load
-    from transforms.chunking import ChunkingSettings
     from transforms.schema import NewsEvent
+    from transforms.settings import ChunkingSettings
     from transforms.text import _PrepareTextFn, normalize_text
 
     if not BBC.is_dir():

@@ -48,8 +48,9 @@ import pyarrow.parquet as pq
 
 from benchmarks import tree_rss
 from benchmarks.batch import bbc_texts
-from pipeline.config import REPO_ROOT, IncrementalSettings, fill_date, fill_model, load
+from pipeline.config import REPO_ROOT, fill, load
 from tools.bench_results import write_results
+from transforms.settings import IncrementalSettings
 
 
 def _write(path: Path, rows: list[dict]) -> None:
@@ -99,7 +100,6 @@ def main(argv=None) -> int:
         "input": str(work / "in" / "dt={date}" / "news.jsonl"),
         "output": str(work / "{model}" / "dt={date}"),
         "incremental": IncrementalSettings(previous_outputs=[str(work / "{model}" / "dt=*")])})
-    daily = fill_model(daily)
     options = PipelineOptions(["--runner=FnApiRunner"])
     _write(work / "warm.jsonl", day_1[:32])
     run_batch(base.model_copy(update={"input": str(work / "warm.jsonl"),
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
 
     def run(day: str, rows: list[dict]) -> dict:
         _write(work / "in" / f"dt={day}" / "news.jsonl", rows)
-        summary = run_batch(fill_date(daily, day), options)
+        summary = run_batch(fill(daily, day), options)
         return {"counts": summary["counts"], "embed_s": summary["timings"]["embed_s"],
                 "run_s": summary["timings"]["run_s"], "output": summary["output"]}
 
@@ -281,7 +281,7 @@ def _skip_cost(files: list[str], present: list[str], texts: list[str]) -> dict:
 
 def previous_keys(args) -> int:
     from benchmarks.batch import write_events
-    from pipeline.config import IncrementalSettings
+    from transforms.settings import IncrementalSettings
 
     work = Path(args.work or tempfile.mkdtemp(prefix="newsvec-keys-"))
     work.mkdir(parents=True, exist_ok=True)

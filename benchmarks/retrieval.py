@@ -34,8 +34,8 @@ import pyarrow.parquet as pq
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 from tools.bench_results import write_results
-from transforms.chunking import ChunkingSettings
 from transforms.schema import vector_matrix
+from transforms.settings import ChunkingSettings
 
 _SENTENCE = re.compile(r"[^.!?]+[.!?]+[\"'”’)]*")
 MIN_QUERY_WORDS = 6

@@ -64,8 +64,7 @@ def backfill(config: config_lib.Config, start: dt.date, end: dt.date, options: P
 
     if not config.input:
         raise config_lib.ConfigError("a backfill needs an input (with {date})")
-    config = config_lib.fill_model(config)
-    plan = [(day, config_lib.fill_date(config, day.isoformat())) for day in days(start, end)]
+    plan = [(day, config_lib.fill(config, day.isoformat())) for day in days(start, end)]
     sizes = {day: count_lines(day_config.input) for day, day_config in plan if day_config.input}
     total = sum(sizes.values())
     totals = Counts()
@@ -110,8 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="run days that are already embedded again")
     args, beam_args = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    config = config_lib.load(args.config)
-    config_lib.check_model(config, args.config)  # what the load left to the run
+    config = config_lib.load_for_command(args.config, run_model_code=True, each_day=True)
     if "{date" not in (config.input or "") or "{date" not in config.output:
         raise config_lib.ConfigError(
             f"{args.config}: a backfill needs {{date}} in input and output")

@@ -51,7 +51,7 @@ def _config_command(argv: Sequence[str]) -> int:
     parser.add_argument("--explain", action="store_true",
                         help="list every config key, its default and its meaning")
     parser.add_argument("--markdown", action="store_true",
-                        help="with --explain: as the Markdown table README.md holds")
+                        help="with --explain: as the Markdown table of docs/configuration.md")
     args = parser.parse_args(argv)
     if args.explain:
         if args.markdown:
@@ -77,6 +77,8 @@ def _search_command(argv: Sequence[str]) -> int:
                         help="the config whose model and output to use")
     parser.add_argument("--k", type=int, default=10, help="how many articles (default 10)")
     parser.add_argument("--output", help="search this output prefix instead of the config's")
+    parser.add_argument("--input_date", help="fills {date} in the config's output, as the run "
+                        "(default yesterday)")
     parser.add_argument("--store", action="store_true", help="search the store (the config's "
                         "store: section, its HNSW index) instead of the Parquet output")
     parser.add_argument("--json", action="store_true", help="print JSON lines (UTF-8, "
@@ -84,7 +86,8 @@ def _search_command(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     from pipeline.search import search, search_store
 
-    config = config_lib.fill_model(config_lib.load(args.config))
+    config = config_lib.load_for_command(args.config, output=args.output,
+                                         input_date=args.input_date)
     query = _query_text(args.query)
     hits = (search_store(config, query, args.k) if args.store
             else search(config, query, args.k, args.output))

@@ -34,6 +34,7 @@ from pipeline.cleanup import checked_argument
 from transforms.compaction import CompactionResult, Hook, compact_partition
 from transforms.layout import new_run_id, partitions_between
 from transforms.lease import LeaseLost, PublishLease, require_lease_s
+from transforms.settings import SinkSettings, StreamingSettings
 from transforms.windowing import GROUPING_GRACE_S
 
 CLOSED_MARGIN_S = 300
@@ -118,11 +119,11 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         if args.config:
-            config = config_lib.load(args.config, output=args.output)
+            config = config_lib.load_for_command(args.config, output=args.output)
             output, sink, streaming = config.output, config.sink, config.streaming
         elif args.output:
             output = args.output
-            sink, streaming = config_lib.SinkSettings(), config_lib.StreamingSettings()
+            sink, streaming = SinkSettings(), StreamingSettings()
         else:
             raise config_lib.ConfigError("give --config or --output")
         if args.end and not args.start:

@@ -12,26 +12,31 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import posixpath
 import re
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from transforms.chunking import ChunkingSettings
-from transforms.dedup import DedupKey
-from transforms.lease import require_lease_s
 from transforms.model import (
     PYPACKAGE,
-    ModelSettings,
     check_dimensions,
     check_without_running_code,
     resolve_model_path,
 )
-from transforms.schema import VectorDtype
+from transforms.settings import (
+    ChunkingSettings,
+    DedupSettings,
+    IncrementalSettings,
+    ModelSettings,
+    ParseSettings,
+    SinkSettings,
+    StreamingSettings,
+    TextSettings,
+)
 from transforms.stores import Settings as StoreSettings
-from transforms.text import DEFAULT_MAX_TITLE_CHARS, DEFAULT_PREPARE_BUDGET_S, UnicodeForm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local.yaml"
@@ -49,96 +54,14 @@ class ConfigError(ValueError):
     """A config that cannot run. The message names the file and the key."""
 
 
-class _Section(BaseModel):
+class Config(BaseModel):
+    """A whole config: ``input``, ``output``, ``beam:`` and one section each from
+    ``transforms/settings.py``; ``store:`` is its backend's own settings (``store.kind``: the
+    registry in ``transforms/stores/__init__.py``)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ParseSettings(_Section):
-    max_payload_bytes: int = Field(1 << 20, gt=0, description="larger payloads are dead-lettered")
-    max_future_skew_s: float = Field(
-        86400, ge=0, description="a `published_at` further ahead of now is dead-lettered")
-
-
-class TextSettings(_Section):
-    max_text_chars: int = Field(200_000, gt=0, description="longer title + body, as sent or once "
-                                                           "normalized, is dead-lettered")
-    max_title_chars: int = Field(
-        DEFAULT_MAX_TITLE_CHARS, gt=0,
-        description="a longer title is dead-lettered `text_too_long` (a news title is a line; "
-                    "thousands of characters there are a body in the wrong field, or an attack)")
-    prepare_budget_s: float = Field(
-        DEFAULT_PREPARE_BUDGET_S, gt=0,
-        description="CPU seconds one article's text preparation (normalization, tokenization, "
-                    "chunks) may take before it is dead-lettered `prepare_failed`: a backstop, as "
-                    "every step is linear in the text (a 200,000-character article takes well "
-                    "under a second)")
-    unicode_form: UnicodeForm = Field(
-        "NFC", description="`NFC` or `NFKC`: the Unicode form of the prepared text and title "
-                           "(NFKC also folds ①, ², ㎏, ㈱, ™...; which to choose for which model: "
-                           "docs/input.md)")
-    max_unknown_token_ratio: float = Field(
-        0.2, ge=0, le=1, description="an article with more of its head's tokens unknown to the "
-                                     "model's tokenizer (in chunks mode, of its whole text's) is "
-                                     "dead-lettered `unreadable_for_model`; 1: never")
-
-
-class DedupSettings(_Section):
-    key: DedupKey = Field(
-        "id", description="`id` or `text_sha256` (the same text under another id)")
-
-
-class SinkSettings(_Section):
-    row_group_rows: int = Field(16384, gt=0, description="rows per Parquet row group")
-    dead_letter_payload_bytes: int = Field(4096, gt=0,
-                                           description="raw payload kept per dead letter")
-    commit_lease_s: float = Field(
-        600, gt=0, description="batch: the output's publish lease: renewed every quarter of this "
-                               "while a run publishes; another run takes it over once it has "
-                               "stood unrenewed this long (its holder killed or stalled). At "
-                               "least 360: twice the longest one GCS request can take with "
-                               "retries, so that a change started just before its holder stops "
-                               "lands before a taker starts")
-    vector_dtype: VectorDtype = Field(
-        "float32", description="`float32` or `float16`: the element type of the `embedding` "
-                               "column of `vectors/` and `chunks/`; float16 about halves the "
-                               "file and kept recall@10 (docs/benchmarks.md), but BigQuery "
-                               "cannot read it (docs/bigquery.md)")
-    store_chunk_text: bool = Field(
-        False, description="chunks mode: write each chunk's text (`chunk_text`), for "
-                           "retrieval-augmented generation")
-
-    @field_validator("commit_lease_s")
-    @classmethod
-    def _lease_floor(cls, value: float) -> float:
-        return require_lease_s(value, "sink.commit_lease_s")
-
-
-class IncrementalSettings(_Section):
-    previous_outputs: list[str] = Field(
-        default_factory=list,
-        description="batch: globs of output prefixes (may hold `{model}`) whose key index "
-                    "(`keys/`) this run consults: an article already embedded there with the same "
-                    "text, model and settings is counted `unchanged`, not embedded; the run's own "
-                    "output is never consulted")
-
-
-class StreamingSettings(_Section):
-    subscription: Optional[str] = Field(
-        None, pattern=r"^projects/[^/]+/subscriptions/[^/]+$",
-        description="`projects/P/subscriptions/S`; set, the job streams (`--subscription`)")
-    window_s: float = Field(60, gt=0, description="fixed event-time window")
-    allowed_lateness_s: float = Field(
-        600, ge=0, description="`published_at` up to this before the publish time keeps its "
-                               "window (late pane); older is windowed by publish time")
-    max_wait_s: int = Field(5, gt=0, description="longest a micro-batch waits when traffic is "
-                                                 "light (whole seconds)")
-    dedup_horizon_s: float = Field(3600, gt=0, description="how long a dedup key is remembered")
-    batch_shards: int = Field(4, gt=0, description="keys micro-batches are grouped, embedded and "
-                                                   "written over (2 x `max_num_workers` x GPUs a "
-                                                   "worker)")
-
-
-class Config(_Section):
     input: Optional[str] = Field(None, description="JSON Lines glob, local or `gs://`, `.gz` "
                                                    "allowed (`--input`); may hold `{date}`, "
                                                    "`{model}`")
@@ -307,22 +230,106 @@ def _parse(text: str) -> Any:
         loader.dispose()
 
 
-def load(path: str | Path, subscription: Optional[str] = None,
-         **overrides: Optional[str]) -> Config:
-    """Read and validate a config file (local or gs://); ``overrides`` (input=..., output=...) and
-    ``subscription`` win when not None."""
-    path = str(path)
+EXTENDS = "extends"
+"""A config's top-level key naming the config it is written against (``extends: local.yaml``)."""
+
+
+def _parent_path(path: str, parent: str) -> str:
+    """``parent`` (``extends:``) relative to the folder of the config at ``path``; an absolute path
+    or a ``gs://`` one as it is."""
+    if parent.startswith("gs://") or Path(parent).is_absolute():
+        return parent
+    if path.startswith("gs://"):
+        bucket, _, key = path[len("gs://"):].partition("/")
+        joined = posixpath.normpath(posixpath.join(posixpath.dirname(key), parent))
+        if joined.startswith(".."):
+            raise ConfigError(f"{path}: {EXTENDS}: {parent} is outside the bucket")
+        return f"gs://{bucket}/{joined}"
+    return str(Path(path).parent / parent)
+
+
+def _merged(parent: dict, child: dict) -> dict:
+    """``child`` over ``parent``: mappings merged key by key, at every depth; anything else
+    (lists included) the child's."""
+    out = dict(parent)
+    for key, value in child.items():
+        below = out.get(key)
+        out[key] = (_merged(below, value) if isinstance(value, dict) and isinstance(below, dict)
+                    else value)
+    return out
+
+
+def _identity(path: str) -> str:
+    return path if path.startswith("gs://") else str(Path(path).resolve())
+
+
+def _read_raw(path: str, chain: tuple[str, ...] = ()) -> Any:
+    """The YAML of the config at ``path``, with the configs it ``extends:`` merged under it
+    (``_merged``); a cycle or a parent that cannot be read is a ConfigError naming the chain."""
+    text = _read_text(path)  # its errors name the file
     try:
-        raw = _parse(_read_text(path))
+        raw = _parse(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    if not isinstance(raw, dict) or EXTENDS not in raw:
+        return raw
+    parent = raw.pop(EXTENDS)
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError(f"{path}: {EXTENDS}: give a file name (the config this one changes), "
+                          f"got {parent!r}")
+    parent_path = _parent_path(path, parent)
+    chain = (*chain, _identity(path))
+    if _identity(parent_path) in chain:
+        raise ConfigError(f"{path}: {EXTENDS}: a cycle: "
+                          f"{' -> '.join((*chain, _identity(parent_path)))}")
+    try:
+        base = _read_raw(parent_path, chain)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {EXTENDS}: {exc}") from None
+    if not isinstance(base, dict):
+        raise ConfigError(f"{path}: {EXTENDS}: {parent_path}: the config must be a YAML mapping, "
+                          f"got {type(base).__name__}")
+    return _merged(base, raw)
+
+
+def load(path: str | Path, subscription: Optional[str] = None,
+         **overrides: Optional[str]) -> Config:
+    """Read and validate a config file (local or gs://) and the files it ``extends:``;
+    ``overrides`` (input=..., output=...) and ``subscription`` win when not None. Fills no field:
+    a command loads its config with ``load_for_command``."""
+    path = str(path)
+    raw = _read_raw(path)
     if isinstance(raw, dict):
         raw = {**raw, **{k: v for k, v in overrides.items() if v is not None}}
         if subscription is not None:
             raw["streaming"] = {**(raw.get("streaming") or {}), "subscription": subscription}
     return validate(raw, str(path))
+
+
+def load_for_command(path: str | Path, *, input: Optional[str] = None,
+                     output: Optional[str] = None, subscription: Optional[str] = None,
+                     input_date: Optional[str] = None, run_model_code: bool = False,
+                     each_day: bool = False, now: Optional[dt.datetime] = None) -> Config:
+    """The config of a command, the one way every sub-command and tool loads it, in this order:
+    read the file and the files it ``extends:``; apply the command line's overrides (``input``,
+    ``output``, ``subscription``); validate; with ``run_model_code`` (the commands that run the
+    pipeline), what validation left to the run (``check_model``: a ``pypackage:`` model
+    imported); fill ``{model}`` and ``{date}`` (``fill``: from ``input_date``, default yesterday).
+    ``each_day``: ``{date}`` is left for the caller, which fills it once per day (backfill)."""
+    config = load(path, subscription=subscription, input=input, output=output)
+    if run_model_code:
+        check_model(config, str(path))
+    if each_day:
+        return fill_model(config)
+    return fill(config, input_date, now)
+
+
+def fill(config: Config, input_date: Optional[str] = None,
+         now: Optional[dt.datetime] = None) -> Config:
+    """``{model}`` (``fill_model``), then ``{date}`` (``fill_date``) in the config's paths."""
+    return fill_date(fill_model(config), input_date, now)
 
 
 def parse_input_date(value: Optional[str], now: Optional[dt.datetime] = None) -> dt.date:
@@ -421,7 +428,7 @@ def _default_text(field) -> str:
 def explain(model: Optional[type[BaseModel]] = None,
             prefix: str = "") -> list[tuple[str, str, str]]:
     """(key, default, meaning) of every config key, from the schema itself: the one source of
-    README.md's config table and of ``newsvec config --explain``."""
+    the config table of docs/configuration.md and of ``newsvec config --explain``."""
     rows = []
     for name, field in (model or Config).model_fields.items():
         key = prefix + name
@@ -434,7 +441,7 @@ def explain(model: Optional[type[BaseModel]] = None,
 
 
 def explain_markdown() -> str:
-    """The config table of README.md (between its config-table markers), generated."""
+    """The config table of docs/configuration.md (between its config-table markers), generated."""
     lines = ["| key | default | meaning |", "|---|---|---|"]
     lines += [f"| `{key}` | {default} | {meaning} |" for key, default, meaning in explain()]
     return "\n".join(lines)

@@ -486,7 +486,7 @@ def main(argv=None) -> int:
     if args.config:
         from pipeline import config as config_lib
 
-        config = config_lib.fill_model(config_lib.load(args.config))
+        config = config_lib.load_for_command(args.config)
     if args.store and config is None:
         parser.error("--store needs --config (its store: section)")
     output = args.output or (config.output if config else None)

@@ -50,8 +50,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_lib.fill_date(config_lib.fill_model(config_lib.load(
-        args.config, output=args.output)), args.input_date)
+    config = config_lib.load_for_command(args.config, output=args.output,
+                                         input_date=args.input_date)
     try:
         result = load_run(config, args.run_id, reload=args.reload)
     except StoreLoadFailed as exc:

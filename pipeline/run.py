@@ -41,10 +41,9 @@ def resolve(argv: Optional[Sequence[str]] = None) -> tuple[config_lib.Config, Pi
     argv = list(argv or [])
     ours = NewsvecOptions(argv)
     path = ours.config or str(config_lib.DEFAULT_CONFIG)
-    config = config_lib.load(path, subscription=ours.subscription, input=ours.input,
-                             output=ours.output)
-    config_lib.check_model(config, path)  # what the load left to the run: runs the model's code
-    config = config_lib.fill_date(config_lib.fill_model(config), ours.input_date)
+    config = config_lib.load_for_command(
+        path, input=ours.input, output=ours.output, subscription=ours.subscription,
+        input_date=ours.input_date, run_model_code=True)
     # Flags after the config's beam: section win, as argparse keeps the last value.
     options = PipelineOptions(config.beam_flags() + argv)
     unknown = sorted(set(options.get_all_options(retain_unknown_options=True))

@@ -240,7 +240,7 @@ def _sdk_process_main(settings_json: str, factory_name: str, tag: str) -> None:
     import signal
     import sys
 
-    from transforms.model import ModelSettings
+    from transforms.settings import ModelSettings
     from transforms.shared_engine import SharedEngineClient
 
     module, name = factory_name.split(":")

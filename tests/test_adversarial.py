@@ -17,7 +17,6 @@ import pytest
 from apache_beam import pvalue
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from pipeline.config import ParseSettings, SinkSettings, TextSettings
 from tests.adversarial import (
     ALL_CASES,
     BY_NAME,
@@ -34,6 +33,7 @@ from tests.adversarial import (
 from tests.conftest import make_config
 from transforms.parse import ParseError, parse_event
 from transforms.schema import PreparedDoc, Reason
+from transforms.settings import ParseSettings, SinkSettings, TextSettings
 from transforms.text import normalize_text
 
 # docs/input.md's dead-letter table: the step that gives each reason.

@@ -27,15 +27,16 @@ from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Timestamp
 
 from pipeline import ledger
-from pipeline.config import ConfigError, StreamingSettings, validate
+from pipeline.config import ConfigError, validate
 from pipeline.graph import embed_and_write_streaming
 from pipeline.run import run_batch
 from tests.conftest import bbc_file, make_config
 from tests.fakes import POISON, FakeEngine
-from transforms.chunking import Chunker, ChunkingSettings, ChunkSpan, chunk_id
+from transforms.chunking import Chunker, ChunkSpan, chunk_id
 from transforms.embed import Embedder, EmbedWithVLLM
 from transforms.engine import EngineHandle
 from transforms.schema import NewsEvent, PreparedDoc, Reason, chunk_schema
+from transforms.settings import ChunkingSettings, StreamingSettings
 from transforms.text import compose_text
 
 SHORT = {"id": "short-1", "title": "Markets calm", "body": "Shares were flat on Monday."}

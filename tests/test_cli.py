@@ -20,7 +20,7 @@ from pipeline import config as config_lib
 from pipeline.run import run_batch
 from pipeline.search import search
 from tests.conftest import REPO, SAMPLE_EVENTS, make_config
-from transforms.chunking import ChunkingSettings
+from transforms.settings import ChunkingSettings
 
 BATTERY_QUERY = "a factory for solid-state batteries is being built where a steelworks used to be"
 
@@ -156,6 +156,7 @@ def test_the_streaming_demo_runs_end_to_end(tmp_path, capsys):
     # The demo's config at float32 and with its engine in this process, so that it shares the
     # session's engine (configs/local-streaming.yaml spawns one of its own).
     raw = yaml.safe_load((REPO / "configs" / "local-streaming.yaml").read_text())
+    raw["extends"] = str(REPO / "configs" / raw["extends"])  # the copy is elsewhere
     raw["model"].update(dtype="float32", share_across_processes=False)
     config = tmp_path / "streaming.yaml"
     config.write_text(yaml.safe_dump(raw))

@@ -65,14 +65,14 @@ def test_unfilled_placeholders_fail_at_start_and_are_listed():
 @pytest.mark.parametrize("name, gpus", [("dataflow-batch.yaml", 1), ("dataflow-batch-2xl4.yaml", 2),
                                         ("dataflow-streaming.yaml", 1)])
 def test_dataflow_configs_are_valid_once_filled(tmp_path, name, gpus):
-    text = (CONFIGS / name).read_text().replace("<SUBSCRIPTION>", "news")
-    for key, value in {"<BUCKET>": "b", "<PROJECT_ID>": "p", "<REGION>": "europe-west4",
-                       "<MODEL_NAME>": "m", "<MODEL_DIR>": "m", "<MODEL_REVISION>": "r1",
-                       "<IMAGE_TAG>": "v1"}.items():
-        text = text.replace(key, value)
-    path = tmp_path / "filled.yaml"
-    path.write_text(text)
-    config = config_lib.load(path)
+    for each in {name, "dataflow-batch.yaml"}:  # a filled copy beside the one it extends
+        text = (CONFIGS / each).read_text().replace("<SUBSCRIPTION>", "news")
+        for key, value in {"<BUCKET>": "b", "<PROJECT_ID>": "p", "<REGION>": "europe-west4",
+                           "<MODEL_NAME>": "m", "<MODEL_DIR>": "m", "<MODEL_REVISION>": "r1",
+                           "<IMAGE_TAG>": "v1"}.items():
+            text = text.replace(key, value)
+        (tmp_path / each).write_text(text)
+    config = config_lib.load(tmp_path / name)
     assert config.beam["runner"] == "DataflowRunner"
     assert bool(config.streaming.subscription) == (name == "dataflow-streaming.yaml")
     flags = config.beam_flags()
@@ -116,11 +116,11 @@ def test_missing_or_malformed_config_file_is_a_config_error(tmp_path):
 
 
 def test_native_dtype_is_bfloat16_only_where_the_hardware_computes_it(monkeypatch):
-    from transforms import model
+    from transforms import settings as settings_lib
 
     settings = make_config().model.model_copy(update={"dtype": "native"})
     for hardware, expected in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(model, "_computes_bfloat16", lambda h=hardware: h)
+        monkeypatch.setattr(settings_lib, "_computes_bfloat16", lambda h=hardware: h)
         assert settings.resolved_dtype() == expected
     assert settings.model_copy(update={"dtype": "float16"}).resolved_dtype() == "float16"
 

@@ -35,6 +35,7 @@ from pipeline import config as config_lib
 from pipeline.options import NewsvecOptions
 from pipeline.run import main, resolve, run
 from tests.emulators import gcs_emulator
+from transforms.settings import StreamingSettings
 
 CONFIGS = Path(config_lib.REPO_ROOT) / "configs"
 METADATA = CONFIGS / "flex-template-metadata.json"
@@ -57,8 +58,13 @@ def fill(text: str) -> str:
 
 
 def filled_config(name: str, tmp_path: Path) -> Path:
+    """A filled copy of a shipped config, beside a filled copy of the config it extends."""
     path = tmp_path / name
-    path.write_text(fill((CONFIGS / name).read_text()))
+    text = (CONFIGS / name).read_text()
+    path.write_text(fill(text))
+    parent = yaml.safe_load(text).get(config_lib.EXTENDS)
+    if parent:
+        filled_config(parent, tmp_path)
     return path
 
 
@@ -286,7 +292,7 @@ def test_date_field_mistakes_are_config_errors():
         config_lib.fill_date(dated("gs://b/news/{dt}/*.jsonl"), "2026-11-30", NOW)
     with pytest.raises(config_lib.ConfigError, match="neither input nor output holds a {date}"):
         config_lib.fill_date(dated("gs://b/news/*.jsonl", "out"), "2026-11-30", NOW)
-    streaming = dated("in", "gs://b/stream/{date}", streaming=config_lib.StreamingSettings(
+    streaming = dated("in", "gs://b/stream/{date}", streaming=StreamingSettings(
         subscription="projects/p/subscriptions/s"))
     with pytest.raises(config_lib.ConfigError, match="streaming"):
         config_lib.fill_date(streaming, None, NOW)
@@ -371,7 +377,7 @@ def regex(name: str) -> str:
 
 
 def test_template_regexes_agree_with_what_newsvec_accepts():
-    assert regex("subscription") == config_lib.StreamingSettings.model_fields[
+    assert regex("subscription") == StreamingSettings.model_fields[
         "subscription"].metadata[0].pattern
     for value in ["2026-11-30", "today", "yesterday", "2026-02-30", "2026-1-5", "tomorrow", "",
                   "Today", "2026-11-30T00:00"]:

@@ -20,7 +20,7 @@ from tests.conftest import make_config
 from tests.fakes import FakeEngine
 from transforms import devices
 from transforms.devices import DeviceSlots, engine_devices, visible_gpus
-from transforms.model import ModelSettings
+from transforms.settings import ModelSettings
 
 
 def settings(gpus="auto", share=True) -> ModelSettings:

@@ -303,9 +303,9 @@ def test_streaming_with_an_engine_that_cannot_be_reloaded_fails_and_commits_no_d
     # The whole streaming graph on a TestStream: the first micro-batch embeds, the engine breaks
     # on the second and cannot be loaded again. No micro-batch may be committed with its articles
     # as embedding_failed dead letters: the bundle fails, and the job stops naming the engine.
-    from pipeline.config import StreamingSettings
     from pipeline.graph import embed_and_write_streaming
     from tests.test_late_data import T0, message
+    from transforms.settings import StreamingSettings
 
     LoadFailsAfterBreak.loads = 0
     config = make_config(output=str(tmp_path / "out"), streaming=StreamingSettings(
@@ -347,9 +347,9 @@ def test_streaming_micro_batches_of_a_broken_model_stop_the_job(tmp_path):
     # Micro-batches of 3 documents, max_consecutive_failures 4, a model that fails every input
     # while its canary passes: the first micro-batch is dead-lettered (3 in a row), the second
     # trips the stop, and its retries (new DoFn instances) must trip it again, not start over.
-    from pipeline.config import StreamingSettings
     from pipeline.graph import embed_and_write_streaming
     from tests.test_late_data import T0, message
+    from transforms.settings import StreamingSettings
 
     config = make_config(output=str(tmp_path / "out"), streaming=StreamingSettings(
         window_s=60, allowed_lateness_s=600, max_wait_s=5, batch_shards=1))

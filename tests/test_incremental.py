@@ -26,7 +26,6 @@ from apache_beam.utils.timestamp import Timestamp
 
 from pipeline import backfill as backfill_lib
 from pipeline import config as config_lib
-from pipeline.config import IncrementalSettings, StreamingSettings
 from pipeline.current import CURRENT_VECTORS_SQL, current_vectors
 from pipeline.graph import embed_and_write_streaming
 from pipeline.run import run_batch
@@ -35,6 +34,7 @@ from tests.fakes import FakeEngine
 from tests.test_reruns import listing, rows_of, write_input
 from transforms.model import safe_model_label
 from transforms.schema import NewsEvent, key_schema
+from transforms.settings import IncrementalSettings, StreamingSettings
 from transforms.text import compose_text
 
 OPTIONS = PipelineOptions(["--runner=FnApiRunner"])

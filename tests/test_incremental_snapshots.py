@@ -20,7 +20,6 @@ import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline import cleanup
-from pipeline.config import IncrementalSettings
 from pipeline.graph import build_batch
 from pipeline.run import run_batch
 from tests.conftest import make_config
@@ -30,6 +29,7 @@ from transforms import commit
 from transforms.incremental import SnapshotChanged
 from transforms.layout import new_run_id
 from transforms.manifest import read_manifest
+from transforms.settings import IncrementalSettings
 
 
 def events(ids) -> list[dict]:

@@ -20,14 +20,14 @@ from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Timestamp
 
 from pipeline import ledger
-from pipeline.config import ConfigError, StreamingSettings, TextSettings, validate
+from pipeline.config import ConfigError, validate
 from pipeline.run import run_batch
 from tests.conftest import bbc_file, make_config
 from tests.fakes import FakeEngine
-from transforms.chunking import ChunkingSettings
 from transforms.dedup import dedup_key_function
 from transforms.incremental import embedding_key, embedding_signature
 from transforms.schema import DeadLetter, NewsEvent, PreparedDoc
+from transforms.settings import ChunkingSettings, StreamingSettings, TextSettings
 from transforms.text import _PrepareTextFn, normalize_text
 
 UNREADABLE = "unreadable_for_model"

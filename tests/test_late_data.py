@@ -28,10 +28,10 @@ from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Timestamp
 
 from pipeline import graph, ledger
-from pipeline.config import StreamingSettings
 from pipeline.graph import embed_and_write_streaming
 from tests.conftest import make_config
 from tests.fakes import FakeEngine
+from transforms.settings import StreamingSettings
 from transforms.windowing import GROUPING_GRACE_S
 
 WINDOW_S, LATENESS_S = 60, 600

@@ -139,7 +139,7 @@ def partition_of(t: Timestamp) -> str:
 
 @pytest.fixture(scope="module")
 def streaming_run(tmp_path_factory):
-    from pipeline.config import StreamingSettings
+    from transforms.settings import StreamingSettings
 
     root = tmp_path_factory.mktemp("streaming")
     out = root / "a" / "b" / "out"

@@ -27,11 +27,11 @@ from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Timestamp
 
 from pipeline import ledger
-from pipeline.config import StreamingSettings
 from pipeline.graph import embed_and_write_streaming
 from tests.adversarial import NOW, ev
 from tests.conftest import make_config
 from tests.fakes import FakeEngine
+from transforms.settings import StreamingSettings
 
 RUN_ID = "20261201T000000Z-00c0ffee"
 T0 = Timestamp.from_utc_datetime(NOW.replace(second=0))

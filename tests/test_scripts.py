@@ -18,7 +18,8 @@ import random
 import pytest
 
 from tools import japanese_text as japanese
-from transforms.chunking import Chunker, ChunkingSettings, special_tokens_around
+from transforms.chunking import Chunker, special_tokens_around
+from transforms.settings import ChunkingSettings
 
 ZH_ACTORS = ["北京市政府", "国务院", "专家", "记者", "央行", "上海的企业", "研究人员", "消费者"]
 ZH_TOPICS = ["新的交通计划", "明年的预算", "经济增长", "房地产市场", "人工智能", "出口数据",

@@ -74,6 +74,7 @@ def test_the_multilingual_config_needs_its_local_model_folder_and_loads_once_fil
     folder.mkdir()
     filled = tmp_path / "e5.yaml"
     filled.write_text(text.replace(E5_PLACEHOLDER, str(folder)), encoding="utf-8")
+    (tmp_path / "local.yaml").write_text((REPO / "configs" / "local.yaml").read_text())  # extended
     config = config_lib.load(filled)
     model = config.model
     assert (model.name, model.path, model.dim, model.max_tokens) == (

@@ -42,7 +42,7 @@ from tests.fakes import (
 from tests.test_embed_failures import Breaks, doc
 from transforms.embed import Embedder, EmbedFailure
 from transforms.engine import EngineFailedError
-from transforms.model import ModelSettings
+from transforms.settings import ModelSettings
 from transforms.shared_engine import SharedEngineClient, _process_state
 
 

@@ -478,9 +478,9 @@ def test_the_cpu_budget_is_checked_inside_ftfys_mojibake_repair(monkeypatch):
 
 
 def test_the_title_limit_and_the_budget_are_settings():
-    from pipeline.config import TextSettings
     from pipeline.graph import _prepare
     from tests.conftest import make_config
+    from transforms.settings import TextSettings
 
     config = make_config(text=TextSettings(max_title_chars=5, prepare_budget_s=1e-9))
     events = [NewsEvent(id="long-title", title="123456", body="b"),
@@ -553,7 +553,7 @@ def tokenized(monkeypatch):
     """Counts what every tokenizer of PrepareText (the head's, the chunker's, the unknown-token
     counter's) is given to encode; returns (counts, a function that prepares one body)."""
     from tests.conftest import make_config
-    from transforms.chunking import ChunkingSettings
+    from transforms.settings import ChunkingSettings
     from transforms.text import text_tools
 
     counted: dict = {"chars": 0, "lengths": []}
@@ -619,7 +619,7 @@ def test_a_long_text_with_nowhere_to_cut_its_head_is_tokenized_once(tokenized):
 def test_chunks_mode_tokenizes_the_whole_text_once(tokenized):
     """The unknown-token count reads the chunker's tokens of the text, not a second
     tokenization; the chunks' own re-tokenizations are each at most a chunk's text."""
-    from transforms.chunking import ChunkingSettings
+    from transforms.settings import ChunkingSettings
 
     counted, prepare = tokenized
     body = _repeat("あ" * 100 + "\u055d", 20_000)
@@ -647,7 +647,7 @@ def test_the_cpu_budget_covers_tokenization(mode, monkeypatch):
     unknown tokens are looked at."""
     import transforms.text
     from tests.conftest import make_config
-    from transforms.chunking import ChunkingSettings
+    from transforms.settings import ChunkingSettings
     from transforms.text import text_tools
 
     clock = _SettableClock()
@@ -673,7 +673,7 @@ def test_the_cpu_budget_covers_tokenization(mode, monkeypatch):
 def test_special_tokens_written_in_a_text_are_read_as_text(mode, tokenizer):
     """The model's input holds special tokens only where newsvec puts them ([CLS] first, [SEP]
     last, in the head and in every chunk); "[UNK]" in a text is not an unknown word."""
-    from transforms.chunking import ChunkingSettings
+    from transforms.settings import ChunkingSettings
 
     specials = {t.content: i for i, t in tokenizer._tok.get_added_tokens_decoder().items()}
     assert set(specials) == {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"}

@@ -15,7 +15,6 @@ from apache_beam.testing.test_stream import TestStream
 from apache_beam.transforms.window import FixedWindows, TimestampedValue
 from apache_beam.utils.timestamp import Timestamp
 
-from pipeline.config import StreamingSettings
 from pipeline.graph import embed_and_write_streaming
 from tests.conftest import make_config
 from tests.fakes import FakeEngine
@@ -23,6 +22,7 @@ from transforms import engine as engines
 from transforms import text
 from transforms.engine import FreedMemory
 from transforms.schema import NewsEvent
+from transforms.settings import StreamingSettings
 from transforms.text import PrepareText
 
 T0 = Timestamp.from_utc_datetime(dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc))

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from pipeline import ledger
-from pipeline.config import REPO_ROOT, fill_model, load
+from pipeline.config import REPO_ROOT, load_for_command
 from tools.emulators import EmulatorMissing, emulated_streaming_job
 from tools.publish import publish_file
 
@@ -32,7 +32,7 @@ SAMPLE = REPO_ROOT / "pipeline" / "sample_data" / "news-events.jsonl"
 def run_demo(config_path: str, events: Path, output: str | None, rate: float, timeout_s: float,
              log=print) -> dict:
     """Runs the demo; returns the ledger's totals with what was published."""
-    config = fill_model(load(config_path, output=output))
+    config = load_for_command(config_path, output=output)
     out = Path(config.output)
     if out.exists():
         shutil.rmtree(out)

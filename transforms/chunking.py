@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import re
-from typing import Callable, Iterator, Literal, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+
+from transforms.settings import ChunkingSettings
 
 # Sentence ends: ASCII's; the ideographic full stop (and its halfwidth form) and the fullwidth
 # ! ? . of Chinese and Japanese (ftfy makes the fullwidth forms ASCII in a prepared text; a
@@ -41,38 +41,6 @@ _CLOSERS_TEXT = "".join(_CLOSERS)
 _UNSPACED = re.compile("[\u0e00-\u0fff\u1000-\u109f\u1780-\u17ff\u19e0-\u19ff\u3000-\u30ff"
                        "\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef"
                        "\U00020000-\U0003ffff]")
-
-
-class ChunkingSettings(BaseModel):
-    """The ``chunking:`` section of a config."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    mode: Literal["head", "chunks"] = Field(
-        "head", description="`head`: one vector per article, of its first `model.max_tokens` "
-                            "tokens; `chunks`: also a row per chunk in `chunks/`")
-    chunk_tokens: Optional[int] = Field(
-        None, gt=2, description="tokens per chunk, special tokens and `model.document_prefix` "
-                                "included, at most `model.max_tokens` (null: "
-                                "`model.max_tokens`)")
-    overlap_tokens: int = Field(
-        32, ge=0, description="tokens a chunk shares with the one before (at least: a chunk "
-                              "starts at a word)")
-    sentence_end_slack_tokens: int = Field(
-        0, ge=0, description="end a chunk at a sentence end within this many tokens before the "
-                             "cut (0: at the last word that fits)")
-    doc_vector: Literal["head", "mean"] = Field(
-        "head", description="the article's row in `vectors/` in chunks mode: `head` (as in head "
-                            "mode) or `mean` (of its chunk vectors, token-weighted, "
-                            "L2-normalized)")
-
-    def chunk_recipe(self, max_tokens: int, document_prefix: str) -> str:
-        """Every setting that decides the chunks' ids and text, as a string: part of every chunk id
-        and of the embedding signature (``transforms.incremental.embedding_signature``)."""
-        return json.dumps({"chunk_tokens": self.chunk_tokens or max_tokens,
-                           "overlap_tokens": self.overlap_tokens,
-                           "sentence_end_slack_tokens": self.sentence_end_slack_tokens,
-                           "document_prefix": document_prefix}, sort_keys=True)
 
 
 @dataclasses.dataclass(frozen=True)

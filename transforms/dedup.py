@@ -32,9 +32,9 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 
 from transforms.metrics import DUPLICATES
 from transforms.schema import BatchId, MicroBatch
+from transforms.settings import DedupKey
 from transforms.state_coders import MicroBatchCoder, SeenKeysCoder
 
-DedupKey = Literal["id", "text_sha256"]  # the config's ``dedup.key``
 # Documents (PreparedDoc, streaming) and vector rows (EmbeddedDoc, batch) both have these.
 DEDUP_KEY_FUNCTIONS: dict[str, Callable] = {
     "id": lambda doc: doc.id,

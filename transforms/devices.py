@@ -30,8 +30,8 @@ import shutil
 import subprocess
 from typing import Callable, Optional
 
-from transforms.model import ModelSettings
 from transforms.private_files import ensure_private_file, read_private, write_private
+from transforms.settings import ModelSettings
 
 _LOG = logging.getLogger(__name__)
 # Where Dataflow's install-nvidia-driver puts the driver's tools in the SDK container.

@@ -51,7 +51,7 @@ from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
 from apache_beam.utils.windowed_value import WindowedValue
 
-from transforms.chunking import ChunkingSettings, chunk_id, mean_vector
+from transforms.chunking import chunk_id, mean_vector
 from transforms.engine import (
     EngineFactory,
     EngineFailedError,
@@ -60,7 +60,6 @@ from transforms.engine import (
     process_engine,
 )
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
-from transforms.model import ModelSettings
 from transforms.schema import (
     DEAD_LETTER,
     BatchId,
@@ -72,6 +71,7 @@ from transforms.schema import (
     Reason,
     Step,
 )
+from transforms.settings import ChunkingSettings, ModelSettings
 from transforms.shared_engine import EngineEndedInCall, deaths_allowed, shared_engine
 from transforms.state_coders import MicroBatchCoder, PendingIdCoder
 

@@ -37,11 +37,11 @@ import numpy as np
 
 from transforms.model import (
     Matryoshka,
-    ModelSettings,
     model_label,
     resolve_model_path,
     truncation,
 )
+from transforms.settings import ModelSettings
 
 _LOG = logging.getLogger(__name__)
 CANARY_TEXT = "newsvec engine check"

@@ -31,7 +31,6 @@ import pyarrow as pa
 from apache_beam import pvalue
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.chunking import ChunkingSettings
 from transforms.compaction import current_key_files, is_compacted
 from transforms.key_index import KeyIndex, MissingKeyFile, ProcessCache
 from transforms.layout import (
@@ -50,8 +49,8 @@ from transforms.layout import (
 from transforms.lease import gcs_bucket_and_name, unsafe_test_timings
 from transforms.manifest import COMMITTED, read_manifest
 from transforms.metrics import KEY_INDEX_LOAD_MS, KEY_INDEX_WAIT_MS, SKIP_LOOKUPS, SKIP_NS
-from transforms.model import ModelSettings
 from transforms.schema import EmbeddedDoc, PreparedDoc
+from transforms.settings import ChunkingSettings, ModelSettings
 
 UNCHANGED = "unchanged"
 SKIPPED_FROM = "skipped_from"

@@ -12,8 +12,8 @@
 - ``Counts``: where the articles of a run or a micro-batch went, and whether that balances.
 - ``Step``, ``Reason``: where and why an input was dead-lettered.
 - ``vector_schema(dim, vector_dtype)``, ``chunk_schema(dim, vector_dtype)``, ``key_schema()``: the
-  Parquet schemas of ``vectors/``, ``chunks/`` and ``keys/``; ``VectorDtype``, the element type of
-  their ``embedding`` column (``sink.vector_dtype``).
+  Parquet schemas of ``vectors/``, ``chunks/`` and ``keys/``, whose ``embedding`` column's element
+  type is ``transforms.settings.VectorDtype`` (``sink.vector_dtype``).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import enum
 import json
 import re
 from collections.abc import Callable
-from typing import Annotated, Any, Iterable, Literal, Mapping, Optional, get_args
+from typing import Annotated, Any, Iterable, Mapping, Optional, get_args
 
 import pyarrow as pa
 from pydantic import (
@@ -38,6 +38,8 @@ from pydantic import (
     StringConstraints,
     field_validator,
 )
+
+from transforms.settings import VectorDtype
 
 MAX_ID_CHARS = 256
 _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
@@ -302,10 +304,6 @@ def truncate_payload(raw: bytes, limit: int) -> str:
     return raw[:limit].decode("utf-8", errors="backslashreplace")
 
 
-VectorDtype = Literal["float32", "float16"]
-"""The element type of the ``embedding`` column (``sink.vector_dtype``): float16 halves the file
-(about 780 bytes a 384-dimension row instead of 1,734, zstd) and loses nothing measurable in
-recall (docs/benchmarks.md); BigQuery cannot read float16 (docs/bigquery.md)."""
 VECTOR_DTYPES: tuple[str, ...] = get_args(VectorDtype)
 _ARROW_FLOATS = {"float32": pa.float32(), "float16": pa.float16()}
 

@@ -78,7 +78,6 @@ from transforms.engine import (
     all_finite,
     process_engine,
 )
-from transforms.model import ModelSettings
 from transforms.private_files import (
     UnsafeFolderError,
     check_private_folder,
@@ -89,6 +88,7 @@ from transforms.private_files import (
     refusal,
     write_private,
 )
+from transforms.settings import ModelSettings
 
 _LOG = logging.getLogger(__name__)
 

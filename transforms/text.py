@@ -55,7 +55,7 @@ import sys
 import threading
 import time
 import unicodedata
-from typing import Generator, Iterator, Literal, NamedTuple, Optional
+from typing import Generator, Iterator, NamedTuple, Optional
 
 import apache_beam as beam
 import ftfy
@@ -68,15 +68,18 @@ try:  # Python >= 3.11; typeshed has no stub for the private re._parser
 except ImportError:  # pragma: no cover
     import sre_parse
 
-from transforms.chunking import Chunker, ChunkingSettings, bert_style, copy_tokenizer
-from transforms.model import ModelSettings, resolve_model_path
+from transforms.chunking import Chunker, bert_style, copy_tokenizer
+from transforms.model import resolve_model_path
 from transforms.schema import DEAD_LETTER, DeadLetter, NewsEvent, PreparedDoc, Reason, Step
+from transforms.settings import (
+    DEFAULT_MAX_TITLE_CHARS,
+    DEFAULT_PREPARE_BUDGET_S,
+    ChunkingSettings,
+    ModelSettings,
+    UnicodeForm,
+)
 
 _TOKENIZE_BATCH = 128
-DEFAULT_MAX_TITLE_CHARS = 2_000
-DEFAULT_PREPARE_BUDGET_S = 10.0
-
-
 class PrepareTimeout(Exception):
     """A document used more than its budget of CPU time (``Deadline``)."""
 
@@ -540,12 +543,6 @@ def strip_markup_linear(text: str, deadline: Optional[Deadline] = None) -> str:
             _check(deadline, "the markup stripper")
     data(len(text))
     return "".join(parts)
-
-
-UnicodeForm = Literal["NFC", "NFKC"]
-"""``text.unicode_form``. ftfy (``fix_text``) already folds full-width ASCII, half-width
-katakana and Latin ligatures; NFKC also folds the other compatibility characters (①, ², ㎏, ㈱,
-™, ½...)."""
 
 
 class TextTooLong(Exception):
