@@ -2,7 +2,7 @@
 ``python -m benchmarks.compaction [--messages 20000] [--hours 2] [--shards 4] [--runs 5]``.
 
 Writes a streaming output of ``--messages`` messages with the real streaming writer
-(``WriteMicroBatches`` on Beam's local runner) from micro-batches of one-minute windows over
+(``WriteStreaming`` on Beam's local runner) from micro-batches of one-minute windows over
 ``--hours`` hours and ``--shards`` shards (every third window with a late pane; one message in 20 a
 dead letter, one in 25 a duplicate), with FAKE embeddings (random unit vectors: no engine runs;
 ``tools/streaming_output.py``). That is the output today's code leaves. Then, on copies of it:

@@ -2,7 +2,7 @@
 micro-batch in flight, and of a shard's dedup keys. ``python -m benchmarks.state_coders
 [--docs 64] [--tokens 256] [--chars 2500] [--chunks 0] [--seen-keys 100000] [--repeat 200]``.
 
-A micro-batch is written to state when it reaches ``EmbedMicroBatches`` (and the regroup of
+A micro-batch is written to state when it reaches ``EmbedStreaming`` (and the regroup of
 ``DropDuplicatesStreaming``) and read back when a timer emits it; the figures are one write and one
 read of the state value, nothing of a runner's. The micro-batch is synthetic: ``--docs`` documents,
 each with a Pub/Sub lineage (three attributes), a text of ``--chars`` characters and ``--tokens``

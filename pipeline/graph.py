@@ -2,13 +2,13 @@
 transforms/.
 
 Batch:      files -> ReadJsonLines (fans out its lines) -> Parse -> PrepareText
-              -> SkipUnchanged (with incremental.previous_outputs: ReadKeys) -> EmbedWithVLLM
+              -> SkipUnchanged (with incremental.previous_outputs: ReadKeys) -> Embed
               -> DropDuplicates -> WriteVectors, WriteKeys, WriteChunks (chunks mode),
               WriteDeadLetters (into the run's staging folder) -> CommitRun
               -> LoadCommittedRun (with the store on: the published run into the store)
 Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> GroupMicroBatches (with every
-              dead letter so far) -> DropDuplicatesStreaming -> EmbedMicroBatches
-              -> WriteMicroBatches (vectors, keys, dead letters, the store with it on, and a ledger
+              dead letter so far) -> DropDuplicatesStreaming -> EmbedStreaming
+              -> WriteStreaming (vectors, keys, dead letters, the store with it on, and a ledger
               record per micro-batch)
 
 Each step is labelled with the name of its class, so the job graph on Dataflow reads like this.
@@ -22,7 +22,7 @@ import apache_beam as beam
 from pipeline.config import Config
 from transforms.commit import CommitRun, Tally, tally
 from transforms.dedup import DropDuplicates, DropDuplicatesStreaming, state_layout_for
-from transforms.embed import EmbedMicroBatches, EmbedWithVLLM
+from transforms.embed import Embed, EmbedStreaming
 from transforms.engine import EngineFactory
 from transforms.incremental import (
     SKIPPED_FROM,
@@ -41,7 +41,7 @@ from transforms.sinks import (
     WriteChunks,
     WriteDeadLetters,
     WriteKeys,
-    WriteMicroBatches,
+    WriteStreaming,
     WriteVectors,
 )
 from transforms.stores.batch import LoadCommittedRun, load_key
@@ -110,7 +110,7 @@ def embed_and_write(payloads, config: Config, run_id: str,
         tallies.append(tally(skipped[UNCHANGED], Tally.UNCHANGED))
     # No grouping between preparing and embedding: in a batch job it would be a barrier, every
     # article prepared before the first is embedded. Duplicates are dropped from the vector rows.
-    embedded = docs | "EmbedWithVLLM" >> EmbedWithVLLM(
+    embedded = docs | "Embed" >> Embed(
         config.model, **_embed_settings(config, engine_factory))
     unique = embedded.embedded | "DropDuplicates" >> DropDuplicates(config.dedup.key)
     staging = staging_prefix(config.output, run_id)
@@ -178,9 +178,12 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
                | "DropDuplicatesStreaming" >> DropDuplicatesStreaming(
                    config.dedup.key, s.dedup_horizon_s,
                    state=state_layout_for(messages.pipeline.runner)))
-    embedded = batches | "EmbedMicroBatches" >> EmbedMicroBatches(
+    embedded = batches | "EmbedStreaming" >> EmbedStreaming(
         config.model, **_embed_settings(config, engine_factory))
-    return embedded | "WriteMicroBatches" >> WriteMicroBatches(
+    # The step's name says when it loads the store too (docs/dataflow.md: an --update that turns the
+    # store on or off maps one name to the other).
+    writer = "WriteAndLoadStreaming" if config.store.enabled else "WriteStreaming"
+    return embedded | writer >> WriteStreaming(
         config.output, run_id, config.model.output_dim, config.sink.row_group_rows,
         signature=signature_of(config), vector_dtype=config.sink.vector_dtype,
         store=config.store)

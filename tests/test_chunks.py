@@ -33,7 +33,7 @@ from pipeline.run import run_batch
 from tests.conftest import bbc_file, make_config
 from tests.fakes import POISON, FakeEngine
 from transforms.chunking import Chunker, ChunkSpan, chunk_id
-from transforms.embed import Embedder, EmbedWithVLLM
+from transforms.embed import Embed, Embedder
 from transforms.engine import EngineHandle
 from transforms.schema import NewsEvent, PreparedDoc, Reason, chunk_schema
 from transforms.settings import ChunkingSettings, StreamingSettings
@@ -239,7 +239,7 @@ def test_a_failing_chunk_dead_letters_its_whole_article_and_no_other(tokenizer):
             for i in range(3)]
     assert all(len(d.chunks) >= 4 for d in docs)
     with TestPipeline(runner="FnApiRunner") as p:
-        out = p | beam.Create(docs) | EmbedWithVLLM(
+        out = p | beam.Create(docs) | Embed(
             settings, chunking=ChunkingSettings(mode="chunks", chunk_tokens=64, overlap_tokens=8,
                                                 doc_vector="mean"),
             engine_factory=FakeEngine)
@@ -296,7 +296,7 @@ def test_chunk_ids_are_the_same_after_a_retried_bundle(tokenizer):
                 for d in docs for k in range(len(d.chunks))]
     BreaksOnce.made = 0
     p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions())
-    out = p | beam.Create(docs) | EmbedWithVLLM(settings, chunking=chunking,
+    out = p | beam.Create(docs) | Embed(settings, chunking=chunking,
                                                  engine_factory=BreaksOnce)
     assert_that(out.embedded | beam.FlatMap(lambda e: [(c.id, c.chunk_index, c.chunk_id)
                                                        for c in e.chunks]),

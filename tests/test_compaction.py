@@ -4,7 +4,7 @@ a rerun changes nothing; a run killed between any two steps leaves the old or th
 readers that follow the manifest (never a row twice or not at all) and a rerun finishes it; a
 micro-batch that lands while it runs is kept and counted, and merged by the next run.
 
-The output is written by the real streaming writer (WriteMicroBatches on the local runner) from
+The output is written by the real streaming writer (WriteStreaming on the local runner) from
 micro-batches with FAKE embeddings (tools/streaming_output.py).
 """
 import datetime as dt

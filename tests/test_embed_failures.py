@@ -4,7 +4,7 @@ model that fails every input stops the job.
 
 Failures are injected into the engine the real handler calls: a FAKE engine (tests/fakes.py) for the
 unit cases, and the real vLLM engine, wrapped, for the runs through the batch embedding step
-(EmbedWithVLLM)."""
+(Embed)."""
 import json
 import threading
 
@@ -18,7 +18,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from tests.conftest import make_config
 from tests.fakes import NAN, POISON, FakeEngine
-from transforms.embed import Embedder, EmbedFailure, EmbedWithVLLM, ModelBrokenError
+from transforms.embed import Embed, Embedder, EmbedFailure, ModelBrokenError
 from transforms.engine import Engine, EngineFailedError, EngineHandle, load_engine
 from transforms.schema import NewsEvent, PreparedDoc, Reason
 
@@ -68,7 +68,7 @@ def test_token_budget_drives_batching():
 def test_embed_transform_routes_failures_to_dead_letters_and_keeps_the_rest():
     docs = [doc(i, poison=(i == 2)) for i in range(6)]
     with TestPipeline(runner="FnApiRunner") as p:
-        out = p | beam.Create(docs) | EmbedWithVLLM(SETTINGS, engine_factory=FakeEngine)
+        out = p | beam.Create(docs) | Embed(SETTINGS, engine_factory=FakeEngine)
         assert_that(out.embedded | beam.Map(lambda e: (e.id, e.model)),
                     equal_to([(f"d{i}", "fake@0") for i in (0, 1, 3, 4, 5)]), label="rows")
         assert_that(out.dead_letter | beam.Map(lambda d: (d.event_id, d.step, d.reason,
@@ -180,7 +180,7 @@ def test_real_engine_breaking_mid_job_is_retried_and_dead_letters_nothing(tokeni
                         strict=True))
     p = TestPipeline(runner="BundleBasedDirectRunner", options=PipelineOptions())
     out = (p | beam.Create(docs)
-           | EmbedWithVLLM(settings, engine_factory=BreaksOnceReal))
+           | Embed(settings, engine_factory=BreaksOnceReal))
     assert_that(out.embedded | beam.Map(lambda e: (e.id, round(float(
         np.dot(e.embedding, expected[e.id])), 4))),
         equal_to([(d.event.id, 1.0) for d in docs]), label="every row, once, its own vector")
@@ -193,7 +193,7 @@ def test_real_engine_input_failure_dead_letters_that_input_alone(tokenizer, real
     docs = _real_docs(tokenizer, 6)
     bad = doc(99, ids=(101, 10**7, 102))  # a token id the model does not have: vLLM rejects it
     with TestPipeline(runner="FnApiRunner") as p:
-        out = p | beam.Create(docs + [bad]) | EmbedWithVLLM(SETTINGS)
+        out = p | beam.Create(docs + [bad]) | Embed(SETTINGS)
         assert_that(out.embedded | beam.Map(lambda e: e.id),
                     equal_to([d.event.id for d in docs]), label="rows")
         assert_that(out.dead_letter | beam.Map(lambda d: (d.event_id, d.reason)),
@@ -290,7 +290,7 @@ def test_batch_with_an_engine_that_cannot_be_reloaded_fails_and_dead_letters_not
     letters, rows = tmp_path / "dead", tmp_path / "rows"
     p = TestPipeline(runner=runner, options=PipelineOptions())
     out = (p | beam.Create([doc(i) for i in range(12)])
-           | EmbedWithVLLM(settings, engine_factory=LoadFailsAfterBreak))
+           | Embed(settings, engine_factory=LoadFailsAfterBreak))
     _ = out.dead_letter | "Letters" >> beam.Map(lambda d: _append(letters, d.event_id))
     _ = out.embedded | "Rows" >> beam.Map(lambda e: _append(rows, e.id))
     error = _failure_of(p)
@@ -375,7 +375,7 @@ def test_streaming_micro_batches_of_a_broken_model_stop_the_job(tmp_path):
 def test_a_non_finite_vector_is_that_documents_dead_letter_never_a_row():
     docs = [doc(i, ids=(101, NAN, 102) if i == 2 else None) for i in range(6)]
     with TestPipeline(runner="FnApiRunner") as p:
-        out = p | beam.Create(docs) | EmbedWithVLLM(SETTINGS, engine_factory=NanEngine)
+        out = p | beam.Create(docs) | Embed(SETTINGS, engine_factory=NanEngine)
         assert_that(out.embedded | beam.Map(lambda e: (e.id, bool(np.isfinite(e.embedding).all()))),
                     equal_to([(f"d{i}", True) for i in (0, 1, 3, 4, 5)]), label="rows")
         assert_that(out.dead_letter | beam.Map(lambda d: (d.event_id, d.reason, d.detail)),

@@ -13,7 +13,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from tests.conftest import make_config
 from tests.fakes import FakeEngine
 from transforms import embed
-from transforms.embed import EmbedMicroBatches
+from transforms.embed import EmbedStreaming
 from transforms.schema import MicroBatch, NewsEvent, PreparedDoc
 
 _SEEN_TWO_IN_FLIGHT = threading.Event()
@@ -52,7 +52,7 @@ def test_the_next_micro_batch_reaches_the_engine_while_one_is_embedded():
     config = make_config()
     p = beam.Pipeline(runner="BundleBasedDirectRunner", options=PipelineOptions(streaming=True))
     embedded = (p | beam.Create([_batch(0), _batch(1)])
-                | EmbedMicroBatches(config.model, engine_factory=WaitsForASecondCall))
+                | EmbedStreaming(config.model, engine_factory=WaitsForASecondCall))
     embedded | beam.Map(_record)
     p.run().wait_until_finish()
     assert _SEEN_TWO_IN_FLIGHT.is_set()
@@ -89,7 +89,7 @@ def test_a_timer_in_another_process_starts_no_call_and_the_done_timer_embeds_onc
     that has no call for a micro-batch must not start one (each would embed it again), and the
     DONE timer embeds it there, once. Two processes are two ``_IN_FLIGHT`` tables here."""
     config = make_config()
-    step = EmbedMicroBatches(config.model, engine_factory=FakeEngine)
+    step = EmbedStreaming(config.model, engine_factory=FakeEngine)
     fn = step._fn  # pylint: disable=protected-access
     fn.setup()
     pending, ids, poll, done = _Bag(), _Bag(), _Timer(), _Timer()

@@ -6,7 +6,7 @@ prefix, under vectors/, dead_letter/ or keys/ (or is the summary), every path co
 
 (a) the batch pipeline: the run tests/test_adversarial.py makes (shared, real vLLM);
 (b) the streaming graph (Parse -> WindowByEventTime -> PrepareText -> DropDuplicatesStreaming ->
-    GroupMicroBatches -> Embed -> WriteMicroBatches) on a TestStream of Pub/Sub messages, with a
+    GroupMicroBatches -> Embed -> WriteStreaming) on a TestStream of Pub/Sub messages, with a
     FAKE embedding model (paths do not depend on vectors), on BundleBasedDirectRunner.
 """
 from __future__ import annotations

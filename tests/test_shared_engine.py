@@ -214,13 +214,13 @@ def test_streaming_recovers_when_the_process_that_spawned_the_engine_dies(tmp_pa
     from apache_beam.testing.test_pipeline import TestPipeline
     from apache_beam.testing.test_stream import TestStream
 
-    from transforms.embed import EmbedMicroBatches
+    from transforms.embed import EmbedStreaming
     from transforms.schema import MicroBatch
 
     log = tmp_path / "engine.log"
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
     settings = make_config().model.model_copy(update={"share_across_processes": True})
-    embed = EmbedMicroBatches(settings, engine_factory=StopsWithItsSpawner)
+    embed = EmbedStreaming(settings, engine_factory=StopsWithItsSpawner)
     helper = multiprocessing.get_context("spawn").Process(
         target=_spawn_engine_and_wait, args=(settings, embed.shared_engine_tag))
     helper.start()
@@ -421,19 +421,19 @@ def test_an_engine_left_loading_by_a_killed_spawner_is_ended_before_the_next_sta
 
 def test_streaming_an_input_that_ends_the_shared_engine_is_dead_lettered_alone(
         tmp_path, monkeypatch):
-    # TestStream through EmbedMicroBatches with the engine shared: the second micro-batch holds a
+    # TestStream through EmbedStreaming with the engine shared: the second micro-batch holds a
     # document on which the engine's process exits. Each micro-batch comes out once, that document
     # as its one dead letter, instead of a bundle retried without end that ends the machine's
     # engine each time.
     from apache_beam.testing.test_pipeline import TestPipeline
     from apache_beam.testing.test_stream import TestStream
 
-    from transforms.embed import EmbedMicroBatches
+    from transforms.embed import EmbedStreaming
     from transforms.schema import MicroBatch
 
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
     settings = make_config().model.model_copy(update={"share_across_processes": True})
-    embed = EmbedMicroBatches(settings, engine_factory=PoisonEngine)
+    embed = EmbedStreaming(settings, engine_factory=PoisonEngine)
     docs = [[doc(0), doc(1), doc(2)], [doc(10), doc(11, ids=(101, EXIT, 102)), doc(12)]]
     stream = TestStream()
     for k, batch_docs in enumerate(docs):

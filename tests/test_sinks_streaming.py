@@ -1,4 +1,4 @@
-"""The streaming sink (WriteMicroBatches): each micro-batch becomes its vectors file, its
+"""The streaming sink (WriteStreaming): each micro-batch becomes its vectors file, its
 dead-letter file and its ledger record, under dt=/hour= of the window start, with safe names fixed
 by window, pane and shard (a late pane never overwrites the on-time file, a retry rewrites the same
 names), and nothing half-written or temporary is left where readers look.
@@ -35,7 +35,7 @@ from transforms.schema import (
     PreparedDoc,
     vector_schema,
 )
-from transforms.sinks import WriteMicroBatches, to_table
+from transforms.sinks import WriteStreaming, to_table
 
 RUN_ID = "20261201T093000Z-1a2b3c4d"
 T0 = dt.datetime(2026, 12, 1, 9, 59, tzinfo=dt.timezone.utc)  # start of the first window
@@ -82,7 +82,7 @@ BATCHES = [  # window 09:59: an on-time pane and a late one; 10:00 one pane on a
 def write(tmp_path, batches=BATCHES, row_group_rows=16384, run_id=RUN_ID, signature=None):
     p = TestPipeline(runner="BundleBasedDirectRunner")
     _ = (p | beam.Create(batches)
-         | WriteMicroBatches(str(tmp_path), run_id, dim=384, row_group_rows=row_group_rows,
+         | WriteStreaming(str(tmp_path), run_id, dim=384, row_group_rows=row_group_rows,
                              signature=signature))
     result = p.run()
     result.wait_until_finish()
@@ -151,7 +151,7 @@ def test_a_file_name_parses_back_to_its_parts():
 
 def test_unsafe_run_id_fails_at_construction():
     with pytest.raises(ValueError, match="run_id"):
-        WriteMicroBatches("out", "a b[0]", dim=384)
+        WriteStreaming("out", "a b[0]", dim=384)
 
 
 def test_each_micro_batch_is_one_set_of_files_under_its_window_hour(tmp_path):

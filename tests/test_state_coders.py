@@ -1,6 +1,6 @@
 """Streaming state survives a release (transforms/state_coders.py).
 
-State in flight (EmbedMicroBatches' micro-batches, DropDuplicatesStreaming's regroup header and
+State in flight (EmbedStreaming' micro-batches, DropDuplicatesStreaming's regroup header and
 per-shard keys) is read back by whatever release runs next (``--update``). These tests hold the
 bytes each state version wrote (``tests/data/state-v<N>.json``): every later release must still
 read them to the same values. They also show what pickled state did when a class changed: the
@@ -385,3 +385,41 @@ def test_state_of_a_newer_release_or_pickled_is_refused_with_the_way_out():
 
 if __name__ == "__main__":
     print(f"wrote {write_fixture()}")
+
+
+# ---- elements in flight between steps ----------------------------------------------------------
+
+IN_FLIGHT = FIXTURES / "in-flight-0.2.json"
+
+
+def _in_flight_values() -> dict:
+    """name -> value of elements a 0.2 streaming job holds between its steps (shuffled, or in
+    timers' and GroupByKey's buffers): Beam encodes them with the coder it infers for their
+    PCollection (``FastPrimitivesCoder``), which pickles a dataclass by its module and name."""
+    batch = _micro_batch_now()
+    return {"micro_batch": batch, "keyed_micro_batch": (3, batch),
+            "prepared_doc": batch.docs[0], "dead_letter": batch.dead_letters[0],
+            "embedded_doc": batch.rows[0]}
+
+
+def write_in_flight_fixture() -> Path:
+    """Run once by the version that wrote it (0.2); never rewritten."""
+    if IN_FLIGHT.exists():
+        raise SystemExit(f"{IN_FLIGHT} exists: a released version's bytes are never rewritten")
+    coder = beam.coders.registry.get_coder(MicroBatch)
+    values = {name: base64.b64encode(coder.encode(value)).decode("ascii")
+              for name, value in _in_flight_values().items()}
+    IN_FLIGHT.write_text(json.dumps({"written_by": "0.2", "values": values}, indent=1) + "\n")
+    return IN_FLIGHT
+
+
+def test_elements_in_flight_written_by_0_2_are_read_after_the_types_moved():
+    """An ``--update`` from 0.2 hands the new job the elements in flight, pickled by 0.2 under its
+    types' module (``transforms.schema``): today's code reads them to the same values (the types
+    moved to ``transforms.types``; ``transforms.schema`` stays as their old name)."""
+    stored = json.loads(IN_FLIGHT.read_text())
+    coder = beam.coders.registry.get_coder(MicroBatch)
+    values = _in_flight_values()
+    assert stored["values"].keys() == values.keys()
+    for name, want in values.items():
+        assert_same(coder.decode(base64.b64decode(stored["values"][name])), want, name)

@@ -1,4 +1,4 @@
-"""A streaming output written by the real streaming writer (``WriteMicroBatches`` on Beam's local
+"""A streaming output written by the real streaming writer (``WriteStreaming`` on Beam's local
 runner) from micro-batches made here, as GroupMicroBatches and the embedding would make them, but
 with FAKE embeddings (random unit vectors: no engine runs). For tests and benchmarks of what reads
 or rewrites a streaming output (the ledger, compaction), not of the embedding."""
@@ -22,7 +22,7 @@ from transforms.schema import (
     NewsEvent,
     PreparedDoc,
 )
-from transforms.sinks import WriteMicroBatches
+from transforms.sinks import WriteStreaming
 
 RUN_ID = "20261201T093000Z-5eed0000"
 MODEL = "fake@0"
@@ -82,7 +82,7 @@ def write(output: str, batches: Iterable[MicroBatch], row_group_rows: int = 1638
     """Write the micro-batches through the real streaming writer, on Beam's local runner."""
     p = TestPipeline(runner="BundleBasedDirectRunner")
     _ = (p | beam.Create(list(batches))
-         | WriteMicroBatches(output, run_id, dim=dim, row_group_rows=row_group_rows,
+         | WriteStreaming(output, run_id, dim=dim, row_group_rows=row_group_rows,
                              signature=signature))
     p.run().wait_until_finish()
 

@@ -1,7 +1,7 @@
 """Compaction of a streaming output: a closed hour's micro-batch files rewritten, one file a kind.
 
 A streaming job writes up to five small files per micro-batch (``transforms.sinks``,
-``WriteMicroBatches``): hundreds of thousands a day, which slow every reader that lists them.
+``WriteStreaming``): hundreds of thousands a day, which slow every reader that lists them.
 ``compact_partition`` rewrites one partition (``dt=YYYY-MM-DD/hour=HH``) into one file per kind::
 
     vectors/<partition>/compacted-<id>.parquet       row groups of ``sink.row_group_rows``

@@ -7,9 +7,9 @@ against 0.99: see docs/design.md and docs/performance.md, Keeping the GPU busy):
 - ``Embedder`` embeds documents: it loads the engine (one per worker process, or one per
   machine shared by every process; in setup, never per bundle), sizes batches by a token budget, not
   a count (BatchElements), and embeds a batch;
-- batch jobs (``EmbedWithVLLM``) drive it with ``_EmbedBatchesFn``, which sends a batch to the
+- batch jobs (``Embed``) drive it with ``_EmbedBatchesFn``, which sends a batch to the
   engine and goes on preparing the next one in the same bundle;
-- streaming (``EmbedMicroBatches``) embeds each ``MicroBatch`` (a window's firing) as a unit with
+- streaming (``EmbedStreaming``) embeds each ``MicroBatch`` (a window's firing) as a unit with
   ``_EmbedInFlightFn``, which keeps it in state while the engine computes and lets the runner go on
   with other work: preparing the next micro-batch, writing the last one.
 In chunks mode a document is embedded as several inputs (its chunks, and its head if that is the
@@ -437,7 +437,7 @@ class _EmbedBatchesFn(beam.DoFn):
             self._pool.shutdown(wait=True)
 
 
-class EmbedWithVLLM(beam.PTransform):
+class Embed(beam.PTransform):
     """PreparedDoc -> EmbeddedDoc (main output, with its chunk rows in chunks mode) and DeadLetter
     (``dead_letter`` output)."""
 
@@ -451,7 +451,7 @@ class EmbedWithVLLM(beam.PTransform):
     def expand(self, docs):
         return (docs
                 | "Batch" >> beam.BatchElements(**self._embedder.batch_elements_kwargs())
-                | "Embed" >> beam.ParDo(_EmbedBatchesFn(self._embedder))
+                | "EmbedBatches" >> beam.ParDo(_EmbedBatchesFn(self._embedder))
                 | "Route" >> beam.ParDo(_RouteFn(self._rows)).with_outputs(
                     DEAD_LETTER, main="embedded"))
 
@@ -607,7 +607,7 @@ def _timestamp(batch: MicroBatch) -> Timestamp:
     return Timestamp(micros=batch.window_end_us) - Duration(micros=1)
 
 
-class EmbedMicroBatches(beam.PTransform):
+class EmbedStreaming(beam.PTransform):
     """Streaming: MicroBatch -> the same MicroBatch with its rows (and any embedding dead letters),
     the engine computing one micro-batch while the runner prepares the next and writes the last
     (``_EmbedInFlightFn``)."""

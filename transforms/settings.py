@@ -36,7 +36,7 @@ class _Section(BaseModel):
 
 
 class ModelSettings(BaseModel):
-    """Every model setting newsvec uses, read by PrepareText (tokenizer) and EmbedWithVLLM
+    """Every model setting newsvec uses, read by PrepareText (tokenizer) and Embed
     (engine)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -8,7 +8,7 @@ into the folder they are given (the run's staging folder), named by run id and s
 temporary folder there and renames them on success. ``CommitRun`` (``transforms.commit``) then
 publishes them.
 
-Streaming: ``WriteMicroBatches`` writes each ``MicroBatch`` as one set of files under
+Streaming: ``WriteStreaming`` writes each ``MicroBatch`` as one set of files under
 ``dt=YYYY-MM-DD/hour=HH/`` of its window start: its vectors, its chunks, its keys, its dead letters,
 then its ledger record (``ledger/``), each written whole (``layout.write_whole``). It does not use
 ``fileio.WriteToFiles``: on windowed input with late panes it loses files (see ``write_file``).
@@ -291,7 +291,7 @@ def micro_batch_load_key(batch: MicroBatch, digest: str) -> str:
                     digest)
 
 
-class _WriteMicroBatchFn(beam.DoFn):
+class _WriteStreamingFn(beam.DoFn):
     """MicroBatch -> its vectors, chunks, keys and dead-letter files, then its ledger record, which
     names them: a record implies that its files are complete.
 
@@ -417,7 +417,7 @@ def _rfc3339(t: Timestamp) -> str:
     return t.to_utc_datetime(has_tz=True).isoformat().replace("+00:00", "Z")
 
 
-class WriteMicroBatches(beam.PTransform):
+class WriteStreaming(beam.PTransform):
     """Streaming: MicroBatch -> zstd Parquet vectors (and chunks), JSON Lines dead letters and a
     JSON ledger record per micro-batch, under ``vectors/`` (``chunks/``), ``dead_letter/`` and
     ``ledger/``, and with ``signature`` (``transforms.incremental.embedding_signature``) the keys
@@ -432,7 +432,7 @@ class WriteMicroBatches(beam.PTransform):
         require_safe_run_id(run_id)
         if row_group_rows < 1:
             raise ValueError("row_group_rows must be >= 1")
-        self._fn = _WriteMicroBatchFn(output, run_id, dim, row_group_rows, signature,
+        self._fn = _WriteStreamingFn(output, run_id, dim, row_group_rows, signature,
                                       vector_dtype, store)
 
     def expand(self, batches):

@@ -12,7 +12,7 @@ Every value starts with two bytes: its kind (an ASCII letter) and the version of
 127; a pickle starts with 0x80, so state pickled by a release before these coders is told apart
 and refused with a message).
 
-- ``MicroBatchCoder`` (``M``): a ``MicroBatch`` (``EmbedMicroBatches``' micro-batches in flight,
+- ``MicroBatchCoder`` (``M``): a ``MicroBatch`` (``EmbedStreaming``' micro-batches in flight,
   ``DropDuplicatesStreaming``'s regroup header). Version 1, after the two bytes, four sections,
   each but the last behind its size in bytes (uint32): ``n | JSON | t | token ids | x | texts |
   vector values``. The JSON and the texts are UTF-8 (a lone surrogate as its three bytes); the
