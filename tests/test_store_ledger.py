@@ -1,5 +1,5 @@
 """The store stays equal to the streaming output's files and ledger records, and ``newsvec ledger
---store`` can tell when it is not: the streaming writer (``_WriteMicroBatchFn``, called directly
+--store`` can tell when it is not: the streaming writer (``_WriteStreamingFn``, called directly
 with the store on) against the test PostgreSQL (``pg``, ``store_settings``).
 
 - a micro-batch redone with another outcome (a row in one attempt, a dead letter in the next, or
@@ -33,7 +33,7 @@ from transforms.schema import (
     NewsEvent,
     PreparedDoc,
 )
-from transforms.sinks import _WriteMicroBatchFn
+from transforms.sinks import _WriteStreamingFn
 
 DIM = 8
 RUN_ID = "20261201T090000Z-0000abcd"
@@ -65,7 +65,7 @@ def micro_batch(rows=(), letters=(), start=T0) -> MicroBatch:
 
 
 def write(out, settings, batch: MicroBatch):
-    fn = _WriteMicroBatchFn(str(out), RUN_ID, DIM, 16, None, "float32", settings)
+    fn = _WriteStreamingFn(str(out), RUN_ID, DIM, 16, None, "float32", settings)
     fn.setup()
     (record,) = list(fn.process(batch))
     return record
