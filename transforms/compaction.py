@@ -62,6 +62,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
+from transforms import layout  # the confined file operations: layout.*_inside
 from transforms.layout import (
     CHUNKS_DIR,
     COMPACTED_PREFIX,
@@ -73,17 +74,12 @@ from transforms.layout import (
     RUN_ID_FORMAT,
     VECTORS_DIR,
     InvalidManifest,
-    create_inside,
     is_local,
     join_path,
     list_files,
     new_run_id,
     open_output_file,
-    read_inside,
     relative_to,
-    remove_inside,
-    rename_inside,
-    require_inside,
     require_run_id,
     safe_relative,
     temp_path,
@@ -185,7 +181,7 @@ def read_compaction(output: str, partition: str, lease: Optional[PublishLease] =
         return None if data is None else _parse(path, data, partition)
     if is_local(path):  # a regular file, through no symlink, without waiting on a FIFO
         try:
-            return _parse(path, read_inside(output, path), partition)
+            return _parse(path, layout.read_inside(output, path), partition)
         except FileNotFoundError:
             return None
     if not FileSystems.exists(path):
@@ -386,14 +382,14 @@ def _write_compacted(output: str, target: str, write: Callable, lease: PublishLe
                 write(handle)
             copy_fenced(output, temp, target, lease)
         else:  # made and moved through no symlink below the output (``layout.rename_inside``)
-            with create_inside(output, temp) as handle:
+            with layout.create_inside(output, temp) as handle:
                 write(handle)
-            require_inside(output, target)
-            lease.change(rename_inside, output, temp, target)
+            layout.require_inside(output, target)
+            lease.change(layout.rename_inside, output, temp, target)
     finally:
         try:
             if is_local(temp):
-                remove_inside(output, temp, missing_ok=True)
+                layout.remove_inside(output, temp, missing_ok=True)
             else:
                 FileSystems.delete([temp])
         except (IOError, ValueError):
@@ -482,7 +478,7 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
         return [join_path(output, p) for p in paths]
 
     # A partition folder linked elsewhere is refused before it is listed: its files are not ours.
-    require_inside(output, *(join_path(output, kind, partition) for kind in KINDS),
+    layout.require_inside(output, *(join_path(output, kind, partition) for kind in KINDS),
                    join_path(output, COMPACTION_DIR, partition))
     old = read_compaction(output, partition, lease)  # on GCS its generation, for the write
     replaced = old.replaced() if old else {}

@@ -742,34 +742,30 @@ class PublishLease:
         still at the generation this holder last read or wrote (``generations``, read now if
         this holder never did), so that a write delayed past a takeover is refused by GCS; on
         local disk by ``write_local()`` under the lock (``change``)."""
+        self._fenced(path, write_local, lambda generation: gcs_write(path, data, generation))
+
+    def remove(self, path: str, remove_local: Callable[[], Any]) -> None:
+        """Delete a small object of the output (the manifest), fenced as ``put``."""
+        self._fenced(path, remove_local,
+                     lambda generation: 0 if gcs_delete(path, generation) else None)
+
+    def _fenced(self, path: str, local: Callable[[], Any],
+                on_gcs: Callable[[int], Optional[int]]) -> None:
+        """``local()`` under the lock, or on GCS ``on_gcs(generation this holder last saw)``,
+        which gives the object's new generation (0: deleted), or None where GCS refused it: the
+        object was changed by another holder, the lease taken over."""
         if not path.startswith("gs://"):
-            self.change(write_local)
+            self.change(local)
             return
         if path not in self.generations:
             self.read_object(path)
 
         def conditional() -> None:
-            generation = gcs_write(path, data, self.generations[path])
+            generation = on_gcs(self.generations[path])
             if generation is None:
                 raise LeaseLost(f"{self.holder}: {path} was changed by another holder of the "
                                 f"publish lease on {self._output}: it was taken over")
             self.generations[path] = generation
-
-        self.change(conditional)
-
-    def remove(self, path: str, remove_local: Callable[[], Any]) -> None:
-        """Delete a small object of the output (the manifest), fenced as ``put``."""
-        if not path.startswith("gs://"):
-            self.change(remove_local)
-            return
-        if path not in self.generations:
-            self.read_object(path)
-
-        def conditional() -> None:
-            if not gcs_delete(path, self.generations[path]):
-                raise LeaseLost(f"{self.holder}: {path} was changed by another holder of the "
-                                f"publish lease on {self._output}: it was taken over")
-            self.generations[path] = 0
 
         self.change(conditional)
 

@@ -1497,6 +1497,17 @@ class Store:
                 kept=names[table], main=names["vectors" if kind == "" else "chunks"],
                 cols=cols(columns), s_cols=cols(columns, "s."), **extra), params)
 
+        def set_aside_for(pairs: tuple[list, list]) -> None:
+            """Keep, set aside for each (id, holder) of ``pairs``, the versions this load set
+            aside that are not the holder's own, so that they come back when the holder is
+            withdrawn in turn."""
+            for kind in ("", "chunks"):
+                each("INSERT INTO {kept} ({cols}, withdrawn_with) SELECT {s_cols}, h.holder "
+                     "FROM {kept} s JOIN unnest(%s::text[], %s::text[]) AS h(id, holder) "
+                     "ON s.id = h.id AND s.load_key <> h.holder "
+                     "WHERE s.withdrawn_with = %s ON CONFLICT DO NOTHING", kind,
+                     (*pairs, load_key))
+
         mine = sorted(r[0] for r in conn.execute(sql.SQL(
             "DELETE FROM {} v USING unnest(%s::text[]) AS w(id) WHERE v.id = w.id "
             "AND v.load_key = %s RETURNING v.id").format(names["vectors"]),
@@ -1516,11 +1527,7 @@ class Store:
                          "JOIN unnest(%s::text[], %s::text[]) AS b(id, load_key) "
                          "ON s.id = b.id AND s.load_key = b.load_key "
                          "WHERE s.withdrawn_with = %s", kind, (*back, load_key))
-                    each("INSERT INTO {kept} ({cols}, withdrawn_with) SELECT {s_cols}, b.load_key "
-                         "FROM {kept} s JOIN unnest(%s::text[], %s::text[]) AS b(id, load_key) "
-                         "ON s.id = b.id AND s.load_key <> b.load_key "
-                         "WHERE s.withdrawn_with = %s ON CONFLICT DO NOTHING", kind,
-                         (*back, load_key))
+                set_aside_for(back)
         others = sorted(set(ids) - set(mine))
         if others:
             held = conn.execute(sql.SQL(
@@ -1529,13 +1536,7 @@ class Store:
                 "ORDER BY s.id, s.saved_at DESC").format(names["sup"]),
                 (others, load_key)).fetchall()
             if held:
-                under = ([h[0] for h in held], [h[1] for h in held])
-                for kind in ("", "chunks"):
-                    each("INSERT INTO {kept} ({cols}, withdrawn_with) SELECT {s_cols}, h.holder "
-                         "FROM {kept} s JOIN unnest(%s::text[], %s::text[]) AS h(id, holder) "
-                         "ON s.id = h.id AND s.load_key <> h.holder "
-                         "WHERE s.withdrawn_with = %s ON CONFLICT DO NOTHING",
-                         kind, (*under, load_key))
+                set_aside_for(([h[0] for h in held], [h[1] for h in held]))
         for kind in ("", "chunks"):
             each("DELETE FROM {kept} k USING unnest(%s::text[]) AS w(id) WHERE k.id = w.id "
                  "AND (k.withdrawn_with = %s OR k.load_key = %s)", kind,
