@@ -13,6 +13,8 @@ type and outputs written either way are searched together.
 """
 from __future__ import annotations
 
+import sys
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
@@ -33,12 +35,28 @@ def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
 
 
 def embed_query(config: Config, query: str):
-    """The query's vector, as the engine embeds an article of the same text."""
-    from transforms.engine import load_engine
-    from transforms.text import HeadTokenizer, normalize_text
+    """The query's vector, as the engine embeds an article of the same text: computed without
+    starting vLLM (``transforms.query_embedder``) where the model allows it exactly, else by the
+    engine (a note on standard error says why)."""
+    from transforms.query_embedder import QueryEmbedder, Unsupported
+    from transforms.text import normalize_text
 
-    text = normalize_text(query, config.text.unicode_form)
-    ids, _ = HeadTokenizer(config.model)(config.model.query_prefix + text)
+    text = config.model.query_prefix + normalize_text(query, config.text.unicode_form)
+    try:
+        embedder = QueryEmbedder(config.model)
+    except Unsupported as exc:
+        print(f"newsvec search: the query is embedded by the engine (vLLM: slower to start), "
+              f"as {config.model.name} is not one it embeds without it: {exc}", file=sys.stderr)
+        return embed_query_with_engine(config, text)
+    return embedder.embed(embedder.ids(text))
+
+
+def embed_query_with_engine(config: Config, text: str):
+    """The vector of a prepared query text (prefix and all) from the engine itself."""
+    from transforms.engine import load_engine
+    from transforms.text import HeadTokenizer
+
+    ids, _ = HeadTokenizer(config.model)(text)
     (vector,) = load_engine(config.model).embed([ids])
     return vector
 
