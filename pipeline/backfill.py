@@ -98,16 +98,41 @@ def backfill(config: config_lib.Config, start: dt.date, end: dt.date, options: P
             "output": config.output}
 
 
+HELP = """\
+Embed an archive of daily inputs, one batch run per day, resumable.
+
+The config is a daily batch config: its input and output hold {date} (and the output usually
+{model}, so that a new model's vectors go to a place of their own). Each day from --from to
+--until runs as its own batch job and commits on its own, so an interrupted backfill loses at
+most the day it was in:
+  - a day whose output already holds a committed run with the same model and embedding settings
+    is skipped (--force runs it again);
+  - with incremental.previous_outputs (e.g. out/{model}/dt=*), an article that another day
+    already embedded with the same text, model and settings is counted as unchanged, not
+    embedded again.
+Progress (days and articles done, articles/s, ETA) goes to standard error after each day; the
+summary is printed as JSON at the end. Beam flags may follow: with --runner=DataflowRunner each
+day is a Dataflow job, waited for before the next."""
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.backfill",
-                                     description=__doc__.split("\n\n")[1])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--from", dest="start", required=True, type=dt.date.fromisoformat)
+    from pipeline import VERBOSE_HELP, command_logging
+
+    parser = argparse.ArgumentParser(prog="newsvec backfill", description=HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True,
+                        help="a daily batch config whose input and output hold {date}")
+    parser.add_argument("--from", dest="start", required=True, type=dt.date.fromisoformat,
+                        metavar="DAY",
+                        help="first day, YYYY-MM-DD")
     parser.add_argument("--until", dest="end", required=True, type=dt.date.fromisoformat,
-                        help="last day, inclusive")
+                        metavar="DAY",
+                        help="last day, YYYY-MM-DD, inclusive")
     parser.add_argument("--force", action="store_true",
                         help="run days that are already embedded again")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args, beam_args = parser.parse_known_args(argv)
+    command_logging(args.verbose)
     logging.basicConfig(level=logging.WARNING)
     config = config_lib.load_for_command(args.config, run_model_code=True, each_day=True)
     if "{date" not in (config.input or "") or "{date" not in config.output:
@@ -115,7 +140,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"{args.config}: a backfill needs {{date}} in input and output")
     options = PipelineOptions(config.beam_flags() + beam_args)
     summary = backfill(config, args.start, args.end, options, force=args.force,
-                       log=lambda line: print(line, flush=True))
+                       log=lambda line: print(line, file=sys.stderr, flush=True))
     print(json.dumps(summary, indent=2))
     return 0
 

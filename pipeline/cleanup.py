@@ -59,9 +59,26 @@ def checked_argument(check):
     return parse
 
 
+HELP = """\
+Clean a newsvec output (local or gs://) after killed workers and runs, under its publish lease:
+  1. finish a batch publish that was killed midway, so readers see the whole run again (or, for
+     an incremental run whose earlier outputs changed since, withdraw it: exit status 1, rerun
+     that run);
+  2. delete files in the published folders that the committed manifest does not name;
+  3. delete temporary files and staged runs older than --older-than-s (published data is never
+     touched);
+  4. name every file the committed manifest lists that is missing (exit status 1: rerun that
+     output's run).
+Prints what it did as JSON. A manifest or folder that points outside the output is refused before
+anything is changed (exit status 1). On GCS a lifecycle rule can do step 3 without this command
+(configs/gcs-lifecycle.json, docs/dataflow.md)."""
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.cleanup",
-                                     description=__doc__.split("\n\n")[0])
+    from pipeline import VERBOSE_HELP, command_logging
+
+    parser = argparse.ArgumentParser(prog="newsvec cleanup", description=HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", required=True, help="a newsvec output prefix, local or gs://")
     parser.add_argument("--older-than-s", type=checked_argument(require_stale_age),
                         default=86400,
@@ -71,7 +88,9 @@ def main(argv=None) -> int:
                         help="the output's publish lease (sink.commit_lease_s): a run that holds "
                              "it is waited for, one killed while publishing for this long on GCS "
                              "(at least 360)")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = parser.parse_args(argv)
+    command_logging(args.verbose)
     withdrawn = refused = repaired = None
     strays: list[str] = []
     deleted: list[str] = []

@@ -1,19 +1,7 @@
-"""The ``newsvec`` command (a console script of ``setup.py``): the pipeline and what operators run
-beside it, one sub-command each. ``newsvec SUBCOMMAND --help`` lists a sub-command's options.
-
-  newsvec run      [--config C] [--input GLOB] [--output PREFIX] [--subscription S]
-                   [--input_date D] [Beam flags]          the pipeline (as ``python -m pipeline``)
-  newsvec config   [--config C] [--explain]               check a config, or list every key
-  newsvec search   --config C "query text" [--k 10]       the nearest articles in the output
-                   [--store]                              (or in the store, its HNSW index)
-  newsvec load     --config C --run-id R [--reload]       load a committed batch run into the
-                                                          store (after a failed load; again)
-  newsvec ledger   --output PREFIX [--from T --until T]   check a streaming output's ledger
-                   [--store --config C]                   (and the store against it)
-  newsvec cleanup  --output PREFIX                        what killed workers and runs left
-  newsvec compact  --config C [--day D | --hour H]        rewrite closed streaming hours into
-                                                          few large files
-  newsvec backfill --config C --from D --until D          embed an archive, one day at a time
+"""The ``newsvec`` command: the pipeline and what operators run beside it, one sub-command each
+(``_DELEGATED``: a module's own ``main``; ``config`` and ``search`` here). ``HELP`` is what
+``newsvec --help`` shows. Every sub-command takes ``--verbose`` (``pipeline.command_logging``)
+and writes its result alone on standard output, its logs on standard error.
 
 Demos, the publisher and the benchmarks are not part of the installed runtime: run them from the
 repository (``make run-streaming``, ``python -m tools.publish``, ``make benchmark``...).
@@ -28,18 +16,56 @@ from typing import Optional, Sequence
 
 import yaml
 
+from pipeline import VERBOSE_HELP, command_logging, logs_to_stderr
 from pipeline import config as config_lib
-from pipeline import logs_to_stderr
 from transforms.stores.base import StoreError
 
-_DELEGATED = {  # sub-command -> (module, what it does): each parses its own options
-    "run": ("pipeline.run", "run the pipeline: batch, or streaming when a subscription is set"),
-    "load": ("pipeline.load", "load a committed batch run into the store (store: section)"),
-    "ledger": ("pipeline.ledger", "check a streaming output against its ledger"),
-    "cleanup": ("pipeline.cleanup", "clean what killed workers and runs left in an output"),
-    "compact": ("pipeline.compact", "rewrite a streaming output's closed hours into few files"),
-    "backfill": ("pipeline.backfill", "embed an archive of daily inputs, one run per day"),
+_DELEGATED = {  # sub-command -> its module, whose main parses its own options
+    "run": "pipeline.run",
+    "load": "pipeline.load",
+    "ledger": "pipeline.ledger",
+    "cleanup": "pipeline.cleanup",
+    "compact": "pipeline.compact",
+    "backfill": "pipeline.backfill",
 }
+
+
+HELP = """\
+usage: newsvec [--version] [--verbose] SUB-COMMAND [options]
+
+newsvec turns news articles into embedding vectors (Parquet files, and optionally a pgvector
+store), in batch or streaming, and checks and searches what it wrote.
+
+sub-commands:
+  run       run the pipeline: batch, or streaming when a subscription is set
+  config    check a config, or list every key (--explain)
+  search    the nearest articles of an output (or of the store) to a query
+  load      load a committed batch run into the store (after a failed load; again)
+  ledger    check a streaming output against its ledger (and the store against it)
+  cleanup   clean what killed workers and runs left in an output
+  compact   rewrite a streaming output's closed hours into few large files
+  backfill  embed an archive of daily inputs, one run per day
+
+Each sub-command prints its result on standard output (JSON where it is data) and its logs on
+standard error; the INFO logs of vLLM, torch and Beam only with --verbose.
+
+options:
+  -h, --help   show this help and exit
+  --version    print newsvec's version and exit
+  --verbose    also show the INFO logs of vLLM, torch and Beam (any sub-command takes it)
+
+`newsvec SUB-COMMAND --help` lists a sub-command's options."""
+
+
+def version() -> str:
+    """The installed package's version (setup.py's, from its metadata)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("newsvec")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed: pip install -e .)"
 
 
 def _config_command(argv: Sequence[str]) -> int:
@@ -51,8 +77,11 @@ def _config_command(argv: Sequence[str]) -> int:
     parser.add_argument("--explain", action="store_true",
                         help="list every config key, its default and its meaning")
     parser.add_argument("--markdown", action="store_true",
-                        help="with --explain: as the Markdown table of docs/configuration.md")
+                        help="with --explain: as a Markdown table (the one in "
+                        "docs/configuration.md)")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = parser.parse_args(argv)
+    command_logging(args.verbose)
     if args.explain:
         if args.markdown:
             print(config_lib.explain_markdown())
@@ -69,8 +98,9 @@ def _config_command(argv: Sequence[str]) -> int:
 
 def _search_command(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="newsvec search", description="Embed a query with the config's model settings (and "
-        "model.query_prefix) and print the nearest articles of the output, best first.")
+        prog="newsvec search", description="Embed a query as the config's model embeds an "
+        "article (with model.query_prefix before it) and print the nearest articles of the "
+        "output, best first: score, id and title, one a line (or JSON lines with --json).")
     parser.add_argument("query", help="the query text, in any language the model reads; `-`: "
                         "read it from stdin (UTF-8)")
     parser.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG),
@@ -83,14 +113,16 @@ def _search_command(argv: Sequence[str]) -> int:
                         "store: section, its HNSW index) instead of the Parquet output")
     parser.add_argument("--json", action="store_true", help="print JSON lines (UTF-8, "
                         "non-ASCII text as it is, not as \\u escapes)")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = parser.parse_args(argv)
+    command_logging(args.verbose)
     from pipeline.search import search, search_store
 
     config = config_lib.load_for_command(args.config, output=args.output,
                                          input_date=args.input_date)
     query = _query_text(args.query)
     hits = (search_store(config, query, args.k) if args.store
-            else search(config, query, args.k, args.output))
+            else search(config, query, args.k))  # --output: filled by the loader
     for hit in hits:
         if args.json:  # a Japanese title as it reads; a control character as a \u escape
             _print_line(_json_escaped(json.dumps(hit, ensure_ascii=False)))
@@ -158,16 +190,19 @@ def _print_line(line: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logs_to_stderr()
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {**{name: what for name, (_, what) in _DELEGATED.items()},
-                "config": "check a config, or list every key (--explain)",
-                "search": "the nearest articles of an output to a query"}
+    commands = {"run", "config", "search", *_DELEGATED}
+    verbose = False
+    while argv and argv[0] in ("--verbose", "--version"):
+        if argv.pop(0) == "--version":
+            print(f"newsvec {version()}")
+            return 0
+        verbose = True
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print(__doc__.split("\n\n")[0] + "\n\nsub-commands:")
-        for name, what in commands.items():
-            print(f"  {name:9s} {what}")
-        print("\n`newsvec SUBCOMMAND --help` lists its options.")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"newsvec: no sub-command {argv[0]!r}", file=sys.stderr)
+        print(HELP, file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    command, rest = argv[0], argv[1:]
+    command, rest = argv[0], argv[1:] + (["--verbose"] if verbose else [])
     try:
         if command == "config":
             return _config_command(rest)
@@ -175,7 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _search_command(rest)
         import importlib
 
-        return importlib.import_module(_DELEGATED[command][0]).main(rest)
+        return importlib.import_module(_DELEGATED[command]).main(rest)
     except config_lib.ConfigError as exc:
         print(f"newsvec: bad config: {exc}", file=sys.stderr)
         return 2

@@ -94,8 +94,18 @@ def compact_range(output: str, start: dt.datetime, end: dt.datetime, row_group_r
     return out
 
 
+HELP = ("Rewrite a streaming output's closed hours into one file per kind (vectors, chunks, keys, "
+        "dead letters, ledger records), one hour at a time, under the output's publish lease. "
+        "Readers that follow the ledger see the hour either as it was or as it is after, "
+        "whenever the command is killed; running it again finishes the hour. Hours not closed "
+        "yet are skipped unless --closed-after-s 0. Prints one JSON line per hour; exits with "
+        "status 1 if an hour could not be compacted (its line says why).")
+
+
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="newsvec compact", description=__doc__.split("\n\n")[1])
+    from pipeline import VERBOSE_HELP
+
+    parser = argparse.ArgumentParser(prog="newsvec compact", description=HELP)
     parser.add_argument("--config", help="the streaming job's config (its output, "
                                          "sink.row_group_rows, sink.commit_lease_s, "
                                          "streaming.allowed_lateness_s), local or gs://")
@@ -103,20 +113,28 @@ def parser() -> argparse.ArgumentParser:
     when = parser.add_mutually_exclusive_group()
     when.add_argument("--day", help="YYYY-MM-DD, today or yesterday (UTC; default yesterday)")
     when.add_argument("--hour", help="one hour, YYYY-MM-DDTHH (UTC)")
-    when.add_argument("--from", dest="start", help="with --until: the hours of [from, until)")
-    parser.add_argument("--until", dest="end", help="end of the range (exclusive), RFC 3339")
-    parser.add_argument("--row-group-rows", type=int, help="default: the config's, or 16384")
+    when.add_argument("--from", dest="start", metavar="TIME",
+                      help="with --until: the hours of [from, until), RFC 3339")
+    parser.add_argument("--until", dest="end", metavar="TIME",
+                        help="end of the range (exclusive), RFC 3339")
+    parser.add_argument("--row-group-rows", type=int,
+                        help="rows per row group of the compacted files (default: the config's "
+                             "sink.row_group_rows, or 16384)")
     parser.add_argument("--lease-s", type=checked_argument(require_lease_s),
                         help="the output's publish lease (default: sink.commit_lease_s, 600; at "
                              "least 360)")
     parser.add_argument("--closed-after-s", type=float,
                         help="an hour is closed this long after its end (default: "
                              "allowed_lateness_s + 3600 s of grouping grace + 300 s)")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return parser
 
 
 def main(argv=None) -> int:
+    from pipeline import command_logging
+
     args = parser().parse_args(argv)
+    command_logging(args.verbose)
     try:
         if args.config:
             config = config_lib.load_for_command(args.config, output=args.output)

@@ -467,9 +467,30 @@ def _micros(value: Optional[dt.datetime]) -> Optional[int]:
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
 
 
+HELP = """\
+Check a streaming output against its ledger.
+
+Each micro-batch of a streaming job writes a ledger record after its data files. This sums the
+records whose window starts in [--from, --until) (both optional) and prints the totals as JSON.
+It exits with status 1, naming each window on standard error, when:
+  - a record does not balance (messages in = rows written + dead letters + duplicates), or its
+    dead letters by reason, or by language and reason, do not add up;
+  - a record names a file that is missing or (unless --no-verify) holds another number of rows
+    or dead letters than the record says;
+  - a record's keys do not match its rows;
+  - a data file has no record that names it;
+  - (unless --no-verify) one Pub/Sub message is held by two files;
+  - a compacted hour is unfinished (run newsvec compact again to finish it);
+  - with --store: a micro-batch with rows is not loaded into the store, or the store's rows do
+    not match its files.
+A window still being written can show a data file whose record is not written yet: check windows
+older than streaming.allowed_lateness_s plus a few minutes, or a drained job."""
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.ledger",
-                                     description=__doc__.split("\n\n")[1],
+    from pipeline import VERBOSE_HELP, command_logging
+
+    parser = argparse.ArgumentParser(prog="newsvec ledger", description=HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", help="the streaming job's output prefix (default: the "
                         "config's, with --config)")
@@ -477,11 +498,15 @@ def main(argv=None) -> int:
     parser.add_argument("--store", action="store_true",
                         help="also check the store (the config's store: section) against the "
                              "ledger: every micro-batch loaded, every article of its files there")
-    parser.add_argument("--from", dest="start", help="first window start, RFC 3339 (UTC)")
-    parser.add_argument("--until", dest="end", help="end of the range (exclusive), RFC 3339")
+    parser.add_argument("--from", dest="start", metavar="TIME",
+                        help="first window start, RFC 3339 (UTC)")
+    parser.add_argument("--until", dest="end", metavar="TIME",
+                        help="end of the range (exclusive), RFC 3339")
     parser.add_argument("--no-verify", action="store_true",
                         help="do not open data files to count their rows")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = parser.parse_args(argv)
+    command_logging(args.verbose)
     config = None
     if args.config:
         from pipeline import config as config_lib

@@ -17,6 +17,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
+from pipeline import VERBOSE_HELP, command_logging
 from pipeline import config as config_lib
 from transforms.stores import batch, store_for
 from transforms.stores.base import StoreLoad, StoreLoadFailed
@@ -38,16 +39,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prog="newsvec load", description="Load a committed batch run's vectors (and chunks) into "
         "the store of the config (store: section; the connection string from its dsn_secret, "
         "dsn_file or dsn_env). Loading a run twice changes nothing (unless --reload). The load "
-        "replaces the previous run's load of the same output.")
+        "replaces the previous run's load of the same output. Prints what it loaded as JSON.")
     parser.add_argument("--config", required=True, help="the config the run ran with")
     parser.add_argument("--run-id", required=True, help="the run (its _summary.json's run_id)")
     parser.add_argument("--output", help="the output prefix, if not the config's")
-    parser.add_argument("--input_date", help="fills {date} in the config's output, as the run")
+    parser.add_argument("--input_date", help="the date that fills {date} in the config's output, "
+                        "as the run's (YYYY-MM-DD, today or yesterday)")
     parser.add_argument("--reload", action="store_true",
                         help="load the run again although it was loaded: the rows the store "
                         "refused then (once the table is fixed) and the articles withdrawn since "
                         "are stored; the rest changes nothing")
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     args = parser.parse_args(argv)
+    command_logging(args.verbose)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_lib.load_for_command(args.config, output=args.output,

@@ -17,8 +17,8 @@ from apache_beam.options.pipeline_options import (
     TestOptions,
 )
 
+from pipeline import VERBOSE_HELP, command_logging
 from pipeline import config as config_lib
-from pipeline import logs_to_stderr
 from pipeline.graph import build_batch, build_streaming
 from pipeline.options import NewsvecOptions
 from pipeline.progress import ProgressReporter
@@ -219,20 +219,23 @@ def usage() -> str:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="newsvec run (or python -m pipeline)",
+        prog="newsvec run",
         description="Run the pipeline: batch over the config's input, or streaming when a "
                     "subscription is set. Flags override the config file. Any Beam pipeline "
                     "option may follow (--runner, --project, ...); one that neither newsvec nor "
-                    "Beam knows fails at start. Every config key: newsvec config --explain.")
+                    "Beam knows fails at start. Every config key: newsvec config --explain. "
+                    "Prints the run's counts as JSON (a launched job: its state).")
     NewsvecOptions._add_argparse_args(parser)
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     return parser.format_help()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import sys
 
-    logs_to_stderr()
     argv = sys.argv[1:] if argv is None else list(argv)
+    command_logging("--verbose" in argv)  # before vLLM is imported
+    argv = [arg for arg in argv if arg != "--verbose"]  # newsvec's, not a Beam option
     if "-h" in argv or "--help" in argv:
         print(usage())
         return 0

@@ -103,6 +103,9 @@ class RecordingFakeEngine(FakeEngine):
 def fake_engine(monkeypatch):
     engine = RecordingFakeEngine()
     monkeypatch.setattr("transforms.engine.load_engine", lambda settings: engine)
+    # newsvec search computes MiniLM's query vector without the engine: the FAKE is given its ids
+    monkeypatch.setattr("transforms.query_embedder.QueryEmbedder.embed",
+                        lambda self, ids: engine.embed([ids])[0])
     return engine
 
 

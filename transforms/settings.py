@@ -183,22 +183,24 @@ class ModelSettings(BaseModel):
 
 @functools.lru_cache(maxsize=1)
 def _computes_bfloat16() -> bool:
-    """A CUDA GPU with bfloat16, or a CPU with AVX512_BF16 or AMX-BF16 (Linux: /proc/cpuinfo).
-    Elsewhere bfloat16 is emulated: measured on an AMD EPYC without AVX-512, 2.2 articles/s at
-    bfloat16 against 13.9 at float32."""
-    try:
-        import torch
+    """A CUDA GPU with bfloat16 (torch is asked only where ``visible_gpus`` finds a GPU), or a CPU
+    with AVX512_BF16 or AMX-BF16 (Linux: /proc/cpuinfo). Elsewhere bfloat16 is emulated: measured
+    on an AMD EPYC without AVX-512, 2.2 articles/s at bfloat16 against 13.9 at float32."""
+    from transforms.devices import visible_gpus  # not at the top: devices imports this module
 
-        if torch.cuda.is_available():
-            return torch.cuda.is_bf16_supported()
-    except ImportError:
-        pass
+    if visible_gpus():  # torch only where a GPU may answer: importing it takes 1.5 s on a CPU
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.cuda.is_bf16_supported()
+        except ImportError:
+            pass
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
 
 
 class ChunkingSettings(BaseModel):

@@ -1,0 +1,140 @@
+"""``newsvec search`` embeds its query without starting vLLM (transforms/query_embedder.py): the
+same token ids and, within the engine's own rounding, the same vector as the engine gives the same
+text (real vLLM, at the configs' ``native`` dtype and at float32); a model it cannot compute
+exactly goes to the engine, saying so on standard error."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from pipeline import search as search_lib
+from tests.conftest import REPO, make_config
+from transforms.model import resolve_model_path
+from transforms.query_embedder import QueryEmbedder, Unsupported
+from transforms.text import HeadTokenizer, normalize_text
+
+QUERIES = [
+    "a factory for solid-state batteries is being built where a steelworks used to be",
+    "東京で新しい図書館が開館した",  # Japanese: the English MiniLM reads it as [UNK] runs
+    "Élection présidentielle: résultats du premier tour",
+    "[SEP] a query that writes [MASK] and [CLS] as text",
+    "rates " * 300,  # past max_tokens: the head is kept
+]
+
+
+@pytest.mark.parametrize("dtype, at_least", [("native", 0.999), ("float32", 0.99999)])
+def test_query_vectors_are_the_engines(dtype, at_least):
+    """Every query's token ids are HeadTokenizer's, and its vector's cosine with the engine's is at
+    least 0.999 at the configs' dtype (bfloat16 where the CPU computes it: measured 0.99996) and
+    0.99999 at float32 (measured 1.0)."""
+    base = make_config()
+    config = base.model_copy(update={"model": base.model.model_copy(
+        update={"dtype": dtype, "query_prefix": "query: "})})
+    fast = QueryEmbedder(config.model)
+    head = HeadTokenizer(config.model)
+    cosines = []
+    for query in QUERIES:
+        text = config.model.query_prefix + normalize_text(query, config.text.unicode_form)
+        ids = fast.ids(text)
+        assert tuple(ids) == head(text)[0], query
+        ours = search_lib.embed_query(config, query)
+        assert ours.dtype == np.float32 and ours.shape == (config.model.dim,)
+        engine = search_lib.embed_query_with_engine(config, text)
+        cosines.append(float(np.dot(ours, engine)))
+    assert min(cosines) >= at_least, cosines
+
+
+def _model_copy(tmp_path: Path, **config_changes) -> Path:
+    """The packaged MiniLM's folder, copied, with changes to its config.json."""
+    folder = tmp_path / "model"
+    shutil.copytree(resolve_model_path(make_config().model.path), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return folder
+
+
+@pytest.mark.parametrize("change", [
+    {"dtype": "float16"},
+    {"trust_remote_code": True},
+    {"dimensions": 128, "truncate_dimensions_knowingly": True},
+    {"path": "sentence-transformers/all-MiniLM-L6-v2"},  # a Hugging Face id: not a local folder
+])
+def test_settings_it_cannot_compute_exactly_are_unsupported(change):
+    settings = make_config().model.model_copy(update=change)
+    with pytest.raises(Unsupported):
+        QueryEmbedder(settings)
+
+
+@pytest.mark.parametrize("what", ["nothing", "architecture", "activation", "pooling",
+                                  "tokenizer"])
+def test_models_it_cannot_compute_exactly_are_unsupported(tmp_path, what):
+    """A copy of MiniLM is computed; with one change each, it is not."""
+    folder = _model_copy(tmp_path, **{"architecture": {"architectures": ["XLMRobertaModel"]},
+                                      "activation": {"hidden_act": "gelu_new"}}.get(what, {}))
+    if what == "pooling":
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"pooling_mode_max_tokens": True}))
+    if what == "tokenizer":  # transformers would rebuild the normalizer: cased
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {**tokenizer_config, "do_lower_case": False}))
+    settings = make_config().model.model_copy(update={"path": str(folder)})
+    if what == "nothing":
+        assert QueryEmbedder(settings).pooling == "mean"
+        return
+    with pytest.raises(Unsupported):
+        QueryEmbedder(settings)
+
+
+def test_search_embeds_with_the_engine_what_it_cannot_compute_and_says_so(monkeypatch, capsys):
+    """A FAKE engine path: float16 is not computed without vLLM."""
+    config = make_config()
+    config = config.model_copy(update={"model": config.model.model_copy(
+        update={"dtype": "float16"})})
+    asked = []
+
+    def engine(cfg, text):
+        asked.append(text)
+        return np.ones(cfg.model.dim, dtype=np.float32)
+
+    monkeypatch.setattr(search_lib, "embed_query_with_engine", engine)
+    vector = search_lib.embed_query(config, "batteries")
+    assert asked == ["batteries"] and vector.shape == (384,)
+    err = capsys.readouterr().err
+    assert "embedded by the engine" in err and "dtype float16" in err
+
+
+def test_a_search_in_a_fresh_process_imports_neither_vllm_nor_torch(tmp_path):
+    """The query path of ``newsvec search`` (a model it computes) starts no engine: vLLM, torch
+    and transformers are never imported (importing them took about 3 s, starting vLLM 7 s more)."""
+    output = tmp_path / "out"
+    vectors = output / "vectors"
+    vectors.mkdir(parents=True)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    embedding = rng.standard_normal((3, 384)).astype(np.float32)
+    pq.write_table(pa.table({
+        "id": ["a", "b", "c"], "title": ["x", "y", "z"],
+        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(embedding.ravel()), 384)}),
+        vectors / "part-0.parquet")
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump(json.loads(make_config(
+        input="x", output=str(output)).model_dump_json())))
+    script = ("import sys; from pipeline import cli; code = cli.main(sys.argv[1:]); "
+              "print(sorted(m for m in ('vllm', 'torch', 'transformers') if m in sys.modules),"
+              " file=sys.stderr); sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", script, "search", "--config", str(config_file),
+                           "--k", "3", "--json", "batteries"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(json.loads(line)["id"] for line in done.stdout.splitlines()) == ["a", "b", "c"]
+    assert done.stderr.strip().splitlines()[-1] == "[]", done.stderr[-3000:]

@@ -1,0 +1,197 @@
+"""A query's vector without starting vLLM: ``newsvec search`` embeds one short text, and starting
+the engine (importing vLLM and torch, building the model) costs about 10 s of the 12 s such a
+search took; the forward pass of one query costs milliseconds.
+
+``QueryEmbedder`` runs a BERT encoder (``BertModel``: MiniLM, bge, e5...) in numpy on the model's
+own ``model.safetensors``, tokenized with the ``tokenizers`` library from its ``tokenizer.json``:
+the same token ids as ``transforms.text.HeadTokenizer`` (special tokens in a text read as text,
+truncated on the right to ``model.max_tokens``), the pooling its sentence-transformers modules
+declare (mean or CLS: what vLLM reads from them), L2-normalized when ``model.normalize``. At
+``bfloat16`` the weights and each layer's output are rounded to bfloat16, as the engine computes
+(tests/test_query_embedder.py checks the vectors against the engine's: cosine >= 0.999).
+
+Anything it cannot do exactly (another architecture or activation, a tokenizer whose config
+disagrees with its ``tokenizer.json``, ``dimensions``, ``float16``, remote code, a model that is not
+a local folder) is ``Unsupported``, and the caller embeds the query with the engine. Imports
+neither vLLM nor torch nor transformers."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from transforms.model import ModelSettings, resolve_model_path
+
+_ERFC_COEFFICIENTS = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806,
+                      0.09678418, 0.37409196, 1.00002368, -1.26551223)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """The error function, elementwise (Numerical Recipes' ``erfcc``: a relative error under
+    1.2e-7, float32's own; numpy has none and scipy costs 0.6 s to import)."""
+    z = np.abs(x.astype(np.float64))
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = np.zeros_like(z)
+    for c in _ERFC_COEFFICIENTS:
+        poly = poly * t + c
+    erfc = t * np.exp(-z * z + poly)
+    return (np.sign(x) * (1.0 - erfc)).astype(np.float32)
+
+
+class Unsupported(ValueError):
+    """The model or its settings are not ones ``QueryEmbedder`` computes exactly as the engine."""
+
+
+def _bfloat16(x: np.ndarray) -> np.ndarray:
+    """``x`` (float32) rounded to the nearest bfloat16 (ties to even), kept as float32."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) \
+        & np.uint32(0xFFFF0000)
+    return rounded.view(np.float32)
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise Unsupported(f"{path.name}: {exc}") from exc
+
+
+def _pooling(folder: Path) -> str:
+    """``mean`` or ``cls``, as the model's sentence-transformers modules declare it."""
+    modules = _json(folder / "modules.json") if (folder / "modules.json").is_file() else None
+    if not modules:
+        raise Unsupported("no sentence-transformers modules.json: the engine chooses the pooling")
+    pools = [m for m in modules if str(m.get("type", "")).endswith("models.Pooling")]
+    if len(pools) != 1:
+        raise Unsupported("modules.json declares no single Pooling module")
+    config = _json(folder / pools[0].get("path", "") / "config.json")
+    modes = sorted(key for key, on in config.items() if key.startswith("pooling_mode") and on)
+    known = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+    if len(modes) != 1 or modes[0] not in known:
+        raise Unsupported(f"pooling {modes}: only mean or CLS pooling alone")
+    return known[modes[0]]
+
+
+def _tokenizer(folder: Path, settings: ModelSettings):
+    """The model's fast tokenizer, set as ``HeadTokenizer`` sets it; ``Unsupported`` when its
+    ``tokenizer_config.json`` asks transformers for another normalizer than ``tokenizer.json``
+    holds (transformers would rebuild it)."""
+    from tokenizers import Tokenizer
+
+    if not (folder / "tokenizer.json").is_file():
+        raise Unsupported("no tokenizer.json")
+    wanted = _json(folder / "tokenizer_config.json") if (
+        folder / "tokenizer_config.json").is_file() else {}
+    if wanted.get("tokenizer_class") not in ("BertTokenizer", "BertTokenizerFast"):
+        raise Unsupported(f"tokenizer class {wanted.get('tokenizer_class')!r}, not BERT's")
+    normalizer = _json(folder / "tokenizer.json").get("normalizer") or {}
+    if normalizer.get("type") != "BertNormalizer":
+        raise Unsupported("tokenizer.json has no BertNormalizer")
+    for key, ours in (("do_lower_case", "lowercase"), ("strip_accents", "strip_accents"),
+                      ("tokenize_chinese_chars", "handle_chinese_chars")):
+        if key in wanted and wanted[key] != normalizer.get(ours):
+            raise Unsupported(f"tokenizer_config.json's {key} ({wanted[key]!r}) is not "
+                              f"tokenizer.json's {ours} ({normalizer.get(ours)!r})")
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.encode_special_tokens = True
+    tok.no_padding()
+    tok.enable_truncation(max_length=settings.max_tokens, direction="right")
+    return tok
+
+
+class QueryEmbedder:
+    """One short text's vector as the engine embeds it, computed in numpy (see the module)."""
+
+    def __init__(self, settings: ModelSettings):
+        if settings.trust_remote_code:
+            raise Unsupported("trust_remote_code: the model runs its own code")
+        if settings.dimensions is not None and settings.dimensions != settings.dim:
+            raise Unsupported("model.dimensions: the engine truncates")
+        self.dtype = settings.resolved_dtype()
+        if self.dtype not in ("float32", "bfloat16"):
+            raise Unsupported(f"dtype {self.dtype}")
+        folder = Path(resolve_model_path(settings.path))
+        if not folder.is_dir():
+            raise Unsupported(f"{settings.path} is not a local folder")
+        config = _json(folder / "config.json")
+        if (config.get("architectures") != ["BertModel"] or config.get("model_type") != "bert"
+                or config.get("hidden_act") != "gelu"
+                or config.get("position_embedding_type", "absolute") != "absolute"):
+            raise Unsupported(f"architecture {config.get('architectures')} "
+                              f"({config.get('hidden_act')}): only BertModel with gelu")
+        if config.get("hidden_size") != settings.dim:
+            raise Unsupported(f"hidden_size {config.get('hidden_size')} is not model.dim")
+        if settings.max_tokens > config.get("max_position_embeddings", 0):
+            raise Unsupported("max_tokens beyond the model's positions")
+        if not (folder / "model.safetensors").is_file():
+            raise Unsupported("no model.safetensors")
+        self.pooling = _pooling(folder)
+        self.tokenizer = _tokenizer(folder, settings)
+        self._normalize = settings.normalize
+        self._heads = int(config["num_attention_heads"])
+        self._layers = int(config["num_hidden_layers"])
+        self._eps = float(config.get("layer_norm_eps", 1e-12))
+        from safetensors.numpy import load_file
+
+        weights = load_file(str(folder / "model.safetensors"))
+        prefix = "bert." if "bert.embeddings.word_embeddings.weight" in weights else ""
+        self._round: Callable[[np.ndarray], np.ndarray] = (
+            _bfloat16 if self.dtype == "bfloat16" else (lambda x: x))
+        # The embedding tables are rounded row by row when used (the word embeddings are most of
+        # the model: rounding them whole costs more than a query).
+        tables = prefix + "embeddings."
+        self._w = {name[len(prefix):]: np.asarray(value, dtype=np.float32)
+                   if name.startswith(tables) and name.endswith("_embeddings.weight")
+                   else self._round(np.asarray(value, dtype=np.float32))
+                   for name, value in weights.items()
+                   if name.startswith(prefix) and value.dtype.kind == "f"}
+
+    def ids(self, text: str) -> list[int]:
+        """The token ids of ``text``'s head (the ones ``HeadTokenizer`` gives)."""
+        return list(self.tokenizer.encode(text).ids)
+
+    def embed(self, ids: list[int]) -> np.ndarray:
+        """The vector of one prompt of token ids (float32)."""
+        w, r = self._w, self._round
+        n = len(ids)
+        x = (r(w["embeddings.word_embeddings.weight"][ids])
+             + r(w["embeddings.position_embeddings.weight"][:n])
+             + r(w["embeddings.token_type_embeddings.weight"][0]))
+        x = r(self._layer_norm(x, "embeddings.LayerNorm"))
+        for i in range(self._layers):
+            p = f"encoder.layer.{i}."
+            attended = r(self._linear(r(self._attention(x, p)), p + "attention.output.dense"))
+            x = r(self._layer_norm(attended + x, p + "attention.output.LayerNorm"))
+            h = r(self._linear(x, p + "intermediate.dense"))
+            h = r((0.5 * h * (1.0 + _erf(h / math.sqrt(2.0)))))
+            out = r(self._linear(h, p + "output.dense"))
+            x = r(self._layer_norm(out + x, p + "output.LayerNorm"))
+        vector = (x.mean(axis=0) if self.pooling == "mean" else x[0]).astype(np.float32)
+        if self._normalize:
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+        return vector.astype(np.float32)
+
+    def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        return (x @ self._w[name + ".weight"].T + self._w[name + ".bias"]).astype(np.float32)
+
+    def _layer_norm(self, x: np.ndarray, name: str) -> np.ndarray:
+        mean = x.mean(axis=-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+        return ((x - mean) / np.sqrt(var + self._eps) * self._w[name + ".weight"]
+                + self._w[name + ".bias"]).astype(np.float32)
+
+    def _attention(self, x: np.ndarray, p: str) -> np.ndarray:
+        n, d = x.shape
+        head = d // self._heads
+        q, k, v = (self._round(self._linear(x, p + f"attention.self.{part}"))
+                   .reshape(n, self._heads, head).transpose(1, 0, 2)
+                   for part in ("query", "key", "value"))
+        scores = q @ k.transpose(0, 2, 1) / math.sqrt(head)
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        scores /= scores.sum(axis=-1, keepdims=True)
+        return (scores @ v).transpose(1, 0, 2).reshape(n, d).astype(np.float32)
+
