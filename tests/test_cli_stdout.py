@@ -18,8 +18,8 @@ import sys
 import pytest
 import yaml
 
-from tests import streaming_output as so
 from tests.conftest import REPO, SAMPLE_EVENTS, make_config
+from tools import streaming_output as so
 
 DAY = "2026-12-01"
 BATTERY_QUERY = "a factory for solid-state batteries is being built where a steelworks used to be"
