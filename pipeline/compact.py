@@ -32,17 +32,14 @@ import pyarrow as pa
 from pipeline import config as config_lib
 from pipeline.cleanup import checked_argument
 from transforms.compaction import CompactionResult, Hook, compact_partition
-from transforms.layout import new_run_id, partitions_between
+from transforms.layout import new_run_id, partition_hour, partitions_between
 from transforms.lease import LeaseLost, PublishLease, require_lease_s
+from transforms.schema import utc_time
 from transforms.settings import SinkSettings, StreamingSettings
 from transforms.windowing import GROUPING_GRACE_S
 
 CLOSED_MARGIN_S = 300
 _LOG = logging.getLogger(__name__)
-
-
-def _time(text: str) -> dt.datetime:
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(dt.timezone.utc)
 
 
 def hour_range(day: Optional[str], hour: Optional[str], start: Optional[str],
@@ -55,7 +52,7 @@ def hour_range(day: Optional[str], hour: Optional[str], start: Optional[str],
     if start is not None or end is not None:
         if start is None or end is None:
             raise config_lib.ConfigError("give both --from and --until, or neither")
-        return _time(start), _time(end)
+        return utc_time(start), utc_time(end)
     date = config_lib.parse_input_date(day or "yesterday", now)
     first = dt.datetime.combine(date, dt.time(), dt.timezone.utc)
     return first, first + dt.timedelta(days=1)
@@ -70,8 +67,7 @@ def compact_range(output: str, start: dt.datetime, end: dt.datetime, row_group_r
     out = []
     with PublishLease(output, f"compact-{new_run_id()}", lease_s) as lease:
         for partition in partitions_between(start, end):
-            hour = dt.datetime.strptime(partition, "dt=%Y-%m-%d/hour=%H").replace(
-                tzinfo=dt.timezone.utc)
+            hour = partition_hour(partition)
             if hour + dt.timedelta(hours=1, seconds=closed_after_s) > now:
                 out.append({"partition": partition, "skipped": "not closed yet"})
                 continue

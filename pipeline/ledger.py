@@ -58,7 +58,7 @@ from transforms.layout import (
     parquet_rows,
     partitions_between,
 )
-from transforms.schema import VERSION_ORDER, Counts, version_key
+from transforms.schema import VERSION_ORDER, Counts, utc_time, version_key
 from transforms.stores import Settings as StoreSettings
 from transforms.stores import store_for
 from transforms.stores.base import printable as _printable
@@ -72,12 +72,6 @@ class LedgerReport:
     @property
     def ok(self) -> bool:
         return not self.problems
-
-
-def _parse_time(text: Optional[str]) -> Optional[dt.datetime]:
-    if text is None:
-        return None
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(dt.timezone.utc)
 
 
 def _list(output: str, subdir: str, suffix: Union[str, tuple[str, ...]],
@@ -156,7 +150,7 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
         return views.get(partition_of(relative), not_compacted)
 
     prefix = output.rstrip("/") + "/"
-    records = [r for r in every if in_range(_parse_time(r.window_start))]
+    records = [r for r in every if in_range(utc_time(r.window_start))]
     problems = list(unreadable)
     named: collections.Counter[str] = collections.Counter()  # micro-batch file -> records
     expected: collections.Counter[str] = collections.Counter()  # file -> rows its records say
@@ -166,7 +160,7 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
     windows = set()
     for r in sorted(every, key=lambda r: (r.window_start, r.pane, r.shard)):
         where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
-        ours = in_range(_parse_time(r.window_start))
+        ours = in_range(utc_time(r.window_start))
         if ours:
             windows.add(r.window_start)
             if not r.counts.balances():
@@ -280,7 +274,7 @@ def _load_key(r) -> Optional[str]:
         return None
     from transforms.sinks import load_key
 
-    start = _parse_time(r.window_start)
+    start = utc_time(r.window_start)
     return None if start is None else load_key(start, r.pane, r.shard, r.digest)
 
 
@@ -517,7 +511,7 @@ def main(argv=None) -> int:
     output = args.output or (config.output if config else None)
     if output is None:
         parser.error("give --output (or --config)")
-    report = check(output, _parse_time(args.start), _parse_time(args.end),
+    report = check(output, utc_time(args.start), utc_time(args.end),
                    verify=not args.no_verify, store=config.store if args.store and config else None)
     print(json.dumps(report.totals, indent=2))
     for problem in report.problems:

@@ -354,13 +354,20 @@ def staging_prefix(output: str, run_id: str) -> str:
     return join_path(output, STAGING_DIR, run_id)
 
 
+_PARTITION = "dt=%Y-%m-%d/hour=%H"  # the one format of a partition's name: written and read here
+
+
 def partition_path(window: IntervalWindow) -> str:
     """``dt=YYYY-MM-DD/hour=HH`` of the window start (UTC). Never from an event's fields, which the
     publisher controls; digits by construction, so safe in any path."""
     if not isinstance(window, IntervalWindow):
         raise ValueError(f"an event-time window is needed to partition by, got {window!r}")
-    start = window.start.to_utc_datetime()
-    return f"dt={start:%Y-%m-%d}/hour={start:%H}"
+    return window.start.to_utc_datetime().strftime(_PARTITION)
+
+
+def partition_hour(partition: str) -> dt.datetime:
+    """The hour (UTC) a ``dt=YYYY-MM-DD/hour=HH`` partition holds: ``partition_path`` read back."""
+    return dt.datetime.strptime(partition, _PARTITION).replace(tzinfo=dt.timezone.utc)
 
 
 def partitions_between(start: dt.datetime, end: dt.datetime) -> list[str]:
@@ -368,7 +375,7 @@ def partitions_between(start: dt.datetime, end: dt.datetime) -> list[str]:
     hour = start.replace(minute=0, second=0, microsecond=0)
     out = []
     while hour < end:
-        out.append(f"dt={hour:%Y-%m-%d}/hour={hour:%H}")
+        out.append(hour.strftime(_PARTITION))
         hour += dt.timedelta(hours=1)
     return out
 

@@ -25,7 +25,7 @@ import enum
 import json
 import re
 from collections.abc import Callable
-from typing import Annotated, Any, Iterable, Mapping, Optional, get_args
+from typing import Annotated, Any, Iterable, Mapping, Optional, get_args, overload
 
 import pyarrow as pa
 from pydantic import (
@@ -297,6 +297,26 @@ class OversizedPayload:
 
     head: bytes
     size: int
+
+
+@overload
+def utc_time(text: str) -> dt.datetime: ...
+
+
+@overload
+def utc_time(text: None) -> None: ...
+
+
+@overload
+def utc_time(text: Optional[str]) -> Optional[dt.datetime]: ...
+
+
+
+def utc_time(text: Optional[str]) -> Optional[dt.datetime]:
+    """An RFC 3339 time (a ledger record's window, a command's ``--from``) as a UTC datetime."""
+    if text is None:
+        return None
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(dt.timezone.utc)
 
 
 def truncate_payload(raw: bytes, limit: int) -> str:
