@@ -232,6 +232,8 @@ def _parse(text: str) -> Any:
 
 EXTENDS = "extends"
 """A config's top-level key naming the config it is written against (``extends: local.yaml``)."""
+MAX_EXTENDS = 8
+"""How many configs an ``extends:`` chain may hold above the one loaded."""
 
 
 def _parent_path(path: str, parent: str) -> str:
@@ -259,13 +261,29 @@ def _merged(parent: dict, child: dict) -> dict:
     return out
 
 
+def _without_parent_dsn_sources(parent: dict, child: dict) -> dict:
+    """``parent`` without its ``store:`` DSN sources (``store.dsn_secret``, ``dsn_file``,
+    ``dsn_env``) where ``child`` names one: the child's source is then the one read, never a
+    parent's that would win over it (a staging config's loads going to the production
+    database)."""
+    store, below = child.get("store"), parent.get("store")
+    if not (isinstance(store, dict) and isinstance(below, dict)):
+        return parent
+    sources = StoreSettings.DSN_SOURCES
+    if not any(key in store for key in sources):
+        return parent
+    return {**parent, "store": {k: v for k, v in below.items() if k not in sources}}
+
+
 def _identity(path: str) -> str:
     return path if path.startswith("gs://") else str(Path(path).resolve())
 
 
 def _read_raw(path: str, chain: tuple[str, ...] = ()) -> Any:
     """The YAML of the config at ``path``, with the configs it ``extends:`` merged under it
-    (``_merged``); a cycle or a parent that cannot be read is a ConfigError naming the chain."""
+    (``_merged``; a child that names a DSN source replaces the parent's,
+    ``_without_parent_dsn_sources``); a cycle, a chain longer than ``MAX_EXTENDS`` or a parent
+    that cannot be read is a ConfigError naming the chain."""
     text = _read_text(path)  # its errors name the file
     try:
         raw = _parse(text)
@@ -284,6 +302,9 @@ def _read_raw(path: str, chain: tuple[str, ...] = ()) -> Any:
     if _identity(parent_path) in chain:
         raise ConfigError(f"{path}: {EXTENDS}: a cycle: "
                           f"{' -> '.join((*chain, _identity(parent_path)))}")
+    if len(chain) > MAX_EXTENDS:
+        raise ConfigError(f"{path}: {EXTENDS}: more than {MAX_EXTENDS} configs extended in a "
+                          f"chain: {' -> '.join(chain[:3])} -> ... -> {parent_path}")
     try:
         base = _read_raw(parent_path, chain)
     except ConfigError as exc:
@@ -291,7 +312,7 @@ def _read_raw(path: str, chain: tuple[str, ...] = ()) -> Any:
     if not isinstance(base, dict):
         raise ConfigError(f"{path}: {EXTENDS}: {parent_path}: the config must be a YAML mapping, "
                           f"got {type(base).__name__}")
-    return _merged(base, raw)
+    return _merged(_without_parent_dsn_sources(base, raw), raw)
 
 
 def load(path: str | Path, subscription: Optional[str] = None,

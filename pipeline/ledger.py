@@ -505,10 +505,10 @@ def main(argv=None) -> int:
     if args.config:
         from pipeline import config as config_lib
 
-        config = config_lib.load_for_command(args.config)
+        config = config_lib.load_for_command(args.config, output=args.output)
     if args.store and config is None:
         parser.error("--store needs --config (its store: section)")
-    output = args.output or (config.output if config else None)
+    output = config.output if config else args.output
     if output is None:
         parser.error("give --output (or --config)")
     report = check(output, utc_time(args.start), utc_time(args.end),

@@ -51,7 +51,23 @@ def resolve(argv: Optional[Sequence[str]] = None) -> tuple[config_lib.Config, Pi
     if unknown:
         raise config_lib.ConfigError(
             f"command line: --{unknown[0]} is not a newsvec or Beam option")
+    _check_dsn_reaches_the_workers(config, options)
     return config, options
+
+
+def _check_dsn_reaches_the_workers(config: config_lib.Config, options: PipelineOptions) -> None:
+    """A job on Dataflow loads its store on the workers (the batch run's ``LoadCommittedRun``
+    step, the streaming writer), which have neither the launcher's environment nor its files:
+    ``store.enabled`` needs ``store.dsn_secret`` there, refused at launch rather than after a
+    day's embedding, when every worker fails to open the store."""
+    if config.store.enabled and not config.store.dsn_secret and _runs_elsewhere(options):
+        raise config_lib.ConfigError(
+            "store.enabled on Dataflow needs store.dsn_secret: the workers load the store (a "
+            "batch run's load step, the streaming writer) and read the connection string there, "
+            f"where neither the environment variable store.dsn_env ({config.store.dsn_env}) nor "
+            "the file store.dsn_file of this machine exists. Set store.dsn_secret to a Secret "
+            "Manager secret version (projects/P/secrets/S/versions/latest) that the worker "
+            "service account may read (roles/secretmanager.secretAccessor): docs/store.md")
 
 
 def run(argv: Optional[Sequence[str]] = None, test_pipeline: Optional[beam.Pipeline] = None,

@@ -150,6 +150,23 @@ def test_every_command_resolves_one_config_to_the_same_output(command, tmp_path,
     assert seen == [str(tmp_path / label / f"dt={yesterday()}")]
 
 
+def test_ledger_output_flag_is_filled_as_the_run_fills_it(tmp_path, monkeypatch, label):
+    """``newsvec run --output gs://B/x/{model}/stream`` writes under the model's label (the loader
+    fills ``{model}`` in the override); ``newsvec ledger --config C --output`` the same string
+    checks that folder, as ``newsvec compact --output`` does, not a literal ``{model}``."""
+    config = write(tmp_path / "c.yaml", {**local_raw(), "input": None,
+                                         "output": str(tmp_path / "other")})
+    flag = str(tmp_path / "{model}" / "stream")
+    seen: list = []
+
+    class _Report:
+        ok, problems, totals = True, [], {}
+
+    monkeypatch.setattr(ledger, "check", lambda output, *a, **k: seen.append(output) or _Report())
+    assert ledger.main(["--config", str(config), "--output", flag]) == 0
+    assert seen == [str(tmp_path / label / "stream")]
+
+
 # --- extends: ---------------------------------------------------------------------------------
 
 def test_a_config_extends_another_its_mappings_merged_and_its_lists_replaced(tmp_path):
@@ -184,6 +201,50 @@ def test_extends_refuses_a_cycle_a_missing_parent_and_a_non_name(tmp_path):
     write(tmp_path / "d.yaml", {"extends": ["local.yaml"], "output": "x"})
     with pytest.raises(config_lib.ConfigError, match="extends: .*a file name"):
         config_lib.load(tmp_path / "d.yaml")
+
+
+def test_a_very_long_extends_chain_is_a_config_error_not_a_recursion_error(tmp_path):
+    """``extends:`` had no bound on the chain: about 1,000 tiny files (or a generator of them on
+    a bucket) ended in Python's ``RecursionError`` (a traceback, exit status 1, not the loader's
+    ``ConfigError`` and status 2), after one read per file. A chain of ``MAX_EXTENDS`` parents
+    loads; one more is refused, naming the bound."""
+    (tmp_path / "c0.yaml").write_text((CONFIGS / "local.yaml").read_text())
+    n = 1200
+    for i in range(1, n):
+        (tmp_path / f"c{i}.yaml").write_text(f"extends: c{i - 1}.yaml\n")
+    with pytest.raises(config_lib.ConfigError, match="more than"):
+        config_lib.load_for_command(str(tmp_path / f"c{n - 1}.yaml"))
+    assert config_lib.load(tmp_path / f"c{config_lib.MAX_EXTENDS}.yaml").output
+    with pytest.raises(config_lib.ConfigError, match=f"more than {config_lib.MAX_EXTENDS} "
+                                                     "configs extended"):
+        config_lib.load(tmp_path / f"c{config_lib.MAX_EXTENDS + 1}.yaml")
+
+
+def test_a_child_that_names_its_own_dsn_source_does_not_load_into_the_parents_database(
+        tmp_path, monkeypatch):
+    """A parent (the production config) reads its DSN from ``dsn_file``; a child written against
+    it (``extends:``, a staging copy) names its own source, ``dsn_env``. Before, the merge kept
+    the parent's ``dsn_file``, which wins over ``dsn_env``: the child's loads, searches and ledger
+    checks went to the parent's database with nothing said. A child that names a DSN source
+    replaces all of the parent's; one that names none keeps them."""
+    from transforms.stores.pgvector import resolve_dsn
+
+    prod = tmp_path / "prod-dsn"
+    prod.write_text("host=prod.example dbname=news user=newsvec")
+    prod.chmod(0o600)
+    secret = "projects/p/secrets/prod-dsn/versions/latest"
+    write(tmp_path / "prod.yaml", {**local_raw(), "store": {
+        "enabled": True, "dsn_file": str(prod), "dsn_secret": secret, "table": "prod_vectors"}})
+    write(tmp_path / "staging.yaml", {"extends": "prod.yaml", "output": str(tmp_path / "staging"),
+                                      "store": {"dsn_env": "STAGING_DSN"}})
+    monkeypatch.setenv("STAGING_DSN", "host=staging.example dbname=news user=newsvec")
+    config = config_lib.load_for_command(str(tmp_path / "staging.yaml"))
+    assert config.store.dsn_file is None and config.store.dsn_secret is None
+    assert config.store.table == "prod_vectors" and config.store.enabled  # the rest is merged
+    assert resolve_dsn(config.store) == "host=staging.example dbname=news user=newsvec"
+    write(tmp_path / "same-db.yaml", {"extends": "prod.yaml", "store": {"table": "other"}})
+    kept = config_lib.load(tmp_path / "same-db.yaml").store
+    assert (kept.dsn_file, kept.dsn_secret) == (str(prod), secret)
 
 
 def test_extends_on_gcs_reads_the_parent_beside_the_child(gcs):

@@ -8,10 +8,12 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import logging
 import pickle
 
 import apache_beam as beam
 import psycopg
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
@@ -24,10 +26,12 @@ from transforms.manifest import read_manifest, write_manifest
 from transforms.stores.pgvector import StoreLoadFailed, StoreSettings
 
 
-def _events(tmp_path, n: int = 5):
+def _events(tmp_path, n: int = 5, lines: tuple = ()):
+    """``n`` good events, or ``lines`` as they are."""
     events = tmp_path / "in.jsonl"
-    events.write_text("".join(json.dumps({"id": f"e{i}", "title": f"title {i}",
-                                          "body": f"body number {i}"}) + "\n" for i in range(n)))
+    events.write_text("".join(line + "\n" for line in lines or (
+        json.dumps({"id": f"e{i}", "title": f"title {i}", "body": f"body number {i}"})
+        for i in range(n))))
     return events
 
 
@@ -44,6 +48,14 @@ def _store(pg) -> tuple[list, list]:
     with psycopg.connect(pg) as conn:
         return (conn.execute("SELECT * FROM news_vectors ORDER BY id").fetchall(),
                 conn.execute("SELECT * FROM news_vectors_loads ORDER BY load_key").fetchall())
+
+
+def _ids(pg) -> list:
+    """The ids in the articles' table (none where it does not exist)."""
+    with psycopg.connect(pg) as conn:
+        if conn.execute("SELECT to_regclass('public.news_vectors')").fetchone() == (None,):
+            return []
+        return [r[0] for r in conn.execute("SELECT id FROM news_vectors ORDER BY id")]
 
 
 def _load_step(config, run_id: str, summary: dict) -> None:
@@ -135,3 +147,71 @@ def test_a_run_that_a_newer_run_replaced_loads_nothing(tmp_path, store_settings,
         table = conn.execute("SELECT to_regclass('public.news_vectors_loads')").fetchone()
         assert table == (None,) or conn.execute(
             "SELECT count(*) FROM news_vectors_loads").fetchone() == (0,)
+
+
+def test_a_run_whose_every_article_is_a_dead_letter_succeeds_with_the_store_on(
+        tmp_path, store_settings, pg):
+    """A day whose every event is malformed (or, incrementally, unchanged) commits a run with no
+    vector rows. With the store off that job succeeds; with it on, it must succeed too (there is
+    nothing to load, and the run replaces the previous run's load of the output)."""
+    out = tmp_path / "out"
+    config = make_config(input=str(_events(tmp_path, lines=("{not json", "[1, 2]"))),
+                         output=str(out), store=store_settings)
+    _launch(config, new_run_id())
+    manifest = read_manifest(str(out))
+    assert manifest is not None and manifest.state == "committed"
+    assert _ids(pg) == []
+
+
+def test_the_load_refuses_vector_files_that_hold_other_rows_than_the_run_committed(
+        tmp_path, store_settings, pg):
+    """Between CommitRun and the load step (a separate stage on Dataflow: minutes apart under
+    autoscaling, or days for ``newsvec load``), a writer of the output prefix replaces the
+    committed vectors file with rows of its own. The manifest records the run's counts
+    (``counts.written``); the load refuses files that hold another number of rows, naming the
+    run, the files and both counts (a replacement with as many rows is not caught: the manifest
+    holds no checksum). Before, the forged row was loaded as the run."""
+    from transforms.stores.batch import run_rows
+
+    out = tmp_path / "out"
+    config = make_config(input=str(_events(tmp_path)), output=str(out), store=store_settings)
+    run_id = new_run_id()
+    _launch(config.model_copy(update={"store": StoreSettings()}), run_id)  # committed, not loaded
+    manifest = read_manifest(str(out))
+    assert manifest.counts["written"] == 5
+    target = out / manifest.vectors[0]
+    table = pq.read_table(target)
+    forged = table.slice(0, 1).set_column(
+        table.schema.get_field_index("id"), "id", pa.array(["planted"]))
+    pq.write_table(forged, target)  # the same name, the same schema, another row
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    with pytest.raises(StoreLoadFailed):
+        _load_step(config, run_id, summary)
+    assert "planted" not in _ids(pg), f"the forged file was loaded as run {run_id}"
+    with pytest.raises(StoreLoadFailed) as refused:
+        run_rows(str(out), run_id)  # read as the run's rows: 1 row where 5 were committed
+    message = str(refused.value)
+    assert run_id in message and manifest.vectors[0] in message
+    assert "hold 1 rows" in message and "committed 5" in message
+
+
+def test_the_failed_load_names_a_recovery_command_that_finds_the_run(
+        tmp_path, monkeypatch, caplog):
+    """A daily config writes ``.../dt={date}``; its load fails (the store unreachable). The
+    command the job logs to load it alone must carry the run's output (``--output``): before, it
+    was ``newsvec load --config CONFIG --run-id R``, which fills ``{date}`` with yesterday of the
+    day it is typed, so run the next day it looked in another day's folder."""
+    from tools.emulators import free_port
+
+    day = tmp_path / "out" / "dt=2026-11-30"
+    monkeypatch.setenv(STORE_DSN_ENV, f"postgresql://u:pw@127.0.0.1:{free_port()}/db")
+    config = make_config(input=str(_events(tmp_path, 2)), output=str(day),
+                         store=StoreSettings(enabled=True, dsn_env=STORE_DSN_ENV, retry_s=0.2))
+    run_id = new_run_id()
+    caplog.set_level(logging.INFO, logger="newsvec")
+    with pytest.raises(StoreLoadFailed):
+        _launch(config, run_id)
+    hints = [r.getMessage() for r in caplog.records if "newsvec load" in r.getMessage()]
+    assert hints, "no recovery command logged"
+    commands = [h[h.index("newsvec load"):] for h in hints]
+    assert all(f"--output {day}" in c for c in commands), commands

@@ -188,3 +188,31 @@ def test_a_secret_that_cannot_be_read_says_why_and_never_quotes_the_body(monkeyp
     assert expected in str(failed.value) and SECRET in str(failed.value)
     assert "Pw-in-body" not in "".join(traceback.format_exception(failed.value))
     assert failed.value.__context__ is None and failed.value.__cause__ is None
+
+
+@pytest.mark.parametrize("job", ["batch", "streaming"])
+def test_a_dataflow_job_with_the_store_on_and_no_dsn_secret_is_refused_at_launch(tmp_path, job):
+    """On Dataflow the store is loaded on the workers (the batch load step, the streaming writer),
+    which have neither the launcher's environment variable (``store.dsn_env``) nor its file
+    (``store.dsn_file``). Before, such a batch job embedded the whole day and then failed on
+    every worker; the launch is refused instead, saying what to set (nothing is submitted: the
+    refusal comes first). With ``store.dsn_secret``, or on a local runner, it resolves."""
+    from pipeline import config as config_lib
+    from pipeline.run import resolve
+
+    raw = yaml.safe_load((config_lib.REPO_ROOT / "configs" / "local.yaml").read_text())
+    raw["store"] = {"enabled": True, "dsn_env": STORE_DSN_ENV}
+    if job == "streaming":
+        raw = {**raw, "input": None,
+               "streaming": {"subscription": "projects/p/subscriptions/news"}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    dataflow = ["--runner=DataflowRunner", "--project=p", "--region=europe-west4",
+                "--temp_location=gs://b/tmp"]
+    with pytest.raises(config_lib.ConfigError, match=r"store\.enabled on Dataflow needs "
+                                                     r"store\.dsn_secret"):
+        resolve(["--config", str(path), *dataflow])
+    assert resolve(["--config", str(path), "--runner=FnApiRunner"])[0].store.enabled
+    raw["store"]["dsn_secret"] = SECRET
+    path.write_text(yaml.safe_dump(raw))
+    assert resolve(["--config", str(path), *dataflow])[0].store.dsn_secret == SECRET

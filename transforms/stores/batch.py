@@ -15,7 +15,11 @@ scheduled job loads the store with nothing run after it, and:
 - a load that fails otherwise (the store cannot be reached within ``retry_s``, it refuses too
   many rows) fails the step, so the job fails (on Dataflow, after its retries of the bundle)
   with the Parquet committed and published: ``_summary.json`` names the load key the store lacks,
-  and ``newsvec load --config C --run-id R`` loads the run alone.
+  and ``newsvec load --config C --output O --run-id R`` (``O``: the run's output, its ``{date}``
+  filled) loads the run alone;
+- the rows read must be as many as the manifest committed (its ``counts``): vector files
+  replaced after the commit with another number of rows are refused, never loaded as the run (a
+  replacement with as many rows is not caught: the manifest holds no checksum of its files).
 
 The connection string is read where the step runs (``setup``: on Dataflow, the worker, from
 ``store.dsn_secret``), never carried in the graph.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import re
+import shlex
 from typing import Any, Optional
 
 import apache_beam as beam
@@ -70,6 +75,29 @@ def _read(output: str, relative: list[str]) -> Optional[pa.Table]:
     return pa.concat_tables(tables) if tables else None
 
 
+def load_command(output: str, run_id: str) -> str:
+    """The command that loads run ``run_id`` alone, whatever day it is typed: the run's output
+    named (its ``{date}`` filled), not left to the config."""
+    return f"newsvec load --config CONFIG --output {shlex.quote(output)} --run-id {run_id}"
+
+
+def _check_counts(output: str, run_id: str, manifest: Any, vectors: Optional[pa.Table],
+                  chunks: Optional[pa.Table]) -> None:
+    """The rows read are as many as the manifest committed (``counts.written``,
+    ``counts.chunks_written``): files replaced after the commit with another number of rows are
+    a ``StoreLoadFailed`` naming them, never loaded as the run."""
+    for what, files, table, key in (("vector", manifest.vectors, vectors, "written"),
+                                    ("chunk", manifest.chunks, chunks, "chunks_written")):
+        committed = manifest.counts.get(key)
+        read = 0 if table is None else table.num_rows
+        if committed is not None and read != committed:
+            raise StoreLoadFailed(
+                f"run {run_id} in {output}: its {what} files ({', '.join(files) or 'none'}) hold "
+                f"{read} rows, but the run committed {committed} (the manifest's counts.{key}): "
+                "they were changed after the commit; nothing was loaded. Rerun the day: a new "
+                "run publishes files of its own")
+
+
 def _holds(output: str, run_id: str):
     """The output's manifest, which must hold ``run_id`` committed."""
     manifest = read_manifest(output)
@@ -91,7 +119,7 @@ def run_rows(output: str, run_id: str) -> LoadRows:
     to after it. A newer run may publish into the output meanwhile and delete these files: the
     manifest is read again after the files, and a read that failed or raced such a publish is a
     ``StoreLoadFailed`` that says what to run, never a storage error of its own."""
-    retry = (f"load it alone once it can be read: newsvec load --config CONFIG --run-id {run_id}")
+    retry = f"load it alone once it can be read: {load_command(output, run_id)}"
     failure: Optional[StoreLoadFailed] = None
     try:
         manifest = _holds(output, run_id)
@@ -118,6 +146,7 @@ def run_rows(output: str, run_id: str) -> LoadRows:
                               f"{held}): nothing was loaded; if it still holds the run, {retry}")
     if vectors is None:
         raise StoreLoadFailed(f"run {run_id} wrote no vector files")
+    _check_counts(output, run_id, manifest, vectors, chunks)
     return LoadRows(vectors=vectors, chunks=chunks, dt=run_day(output, run_id))
 
 
@@ -137,8 +166,8 @@ def load_run(store: VectorStore, output: str, run_id: str, rows: LoadRows,
                      run_id, item["id"], item["reason"], item["detail"])
     if result.rejected and result.already_loaded:
         _LOG.warning("store: run %s was loaded with %d rows refused; once the table takes them, "
-                     "store them with: newsvec load --config CONFIG --run-id %s --reload",
-                     run_id, len(result.rejected), run_id)
+                     "store them with: %s --reload",
+                     run_id, len(result.rejected), load_command(output, run_id))
     return result
 
 
@@ -170,8 +199,8 @@ class _LoadCommittedRunFn(beam.DoFn):
                 newer = _newer_run(self._output, self._run_id)
                 if newer is None:
                     _LOG.error("run %s is committed in %s, but its store load failed: %s. Load "
-                               "it alone with: newsvec load --config CONFIG --run-id %s",
-                               self._run_id, self._output, exc, self._run_id)
+                               "it alone with: %s", self._run_id, self._output, exc,
+                               load_command(self._output, self._run_id))
                     raise
         beam.metrics.Metrics.counter("newsvec", "store_loads_skipped").inc()
         _LOG.warning("run %s: not loaded into the store: the newer run %s holds %s, and its own "

@@ -63,7 +63,17 @@ import struct
 import threading
 import time
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Optional, Sequence
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    ClassVar,
+    Iterable,
+    Iterator,
+    Literal,
+    Optional,
+    Sequence,
+)
 
 import numpy as np
 import pyarrow as pa
@@ -140,6 +150,9 @@ class StoreSettings(BaseModel):
     """The ``store:`` section of a config: where vectors are also loaded, and how."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    DSN_SOURCES: ClassVar[tuple[str, ...]] = ("dsn_secret", "dsn_file", "dsn_env")
+    """The keys that name where the connection string is read: a config that ``extends:``
+    another and names one of them replaces all of the parent's (``pipeline.config``)."""
 
     kind: Literal["pgvector"] = Field(
         "pgvector", description="the store's backend (`transforms/stores/`): `pgvector`, "
