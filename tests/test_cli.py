@@ -244,7 +244,8 @@ def test_search_prints_no_terminal_control_character_of_the_data(monkeypatch, ca
     values. Before: printed raw (and --json, with ensure_ascii off, kept C1 and U+202E raw)."""
     import pipeline.search
 
-    monkeypatch.setattr(pipeline.search, "search", lambda config, query, k, output=None: HOSTILE_HITS)
+    monkeypatch.setattr(pipeline.search, "search",
+                        lambda config, query, k, output=None: HOSTILE_HITS)
     argv = ["search", "--config", str(REPO / "configs" / "local.yaml"), "q"]
     assert cli.main(argv + (["--json"] if json_lines else [])) == 0
     out = capsys.readouterr().out
