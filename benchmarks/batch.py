@@ -27,7 +27,7 @@ from pathlib import Path
 from benchmarks import plots
 from pipeline.config import REPO_ROOT, load
 from tools.bench_results import write_results
-from transforms.model import resolve_model_path
+from transforms.engines.model import resolve_model_path
 
 BBC = Path(os.environ.get("NEWSVEC_BBC_DIR") or REPO_ROOT.parent / "shared" / "data" / "bbc-news")
 ST_BATCH_SIZES = (16, 32, 64, 128)
@@ -42,7 +42,7 @@ class OneEngine:
     engine = None
 
     def __call__(self, settings):
-        from transforms.engine import load_vllm
+        from transforms.engines.vllm import load_vllm
 
         if OneEngine.engine is None:
             OneEngine.engine = load_vllm(settings)
@@ -65,8 +65,8 @@ def write_events(texts: list[str], path: Path) -> None:
 
 
 def prepared_texts(texts: list[str]) -> list[str]:
-    from transforms.schema import NewsEvent
     from transforms.text import compose_text
+    from transforms.types import NewsEvent
 
     return [compose_text(NewsEvent(id=str(i), body=t)) for i, t in enumerate(texts)]
 

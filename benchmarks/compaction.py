@@ -32,7 +32,7 @@ from pipeline import compact, ledger
 from pipeline.config import REPO_ROOT
 from tools import streaming_output
 from tools.bench_results import write_results
-from transforms.compaction import current_key_files
+from transforms.output.compaction import current_key_files
 
 
 def _timed(fn, runs: int):

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
                         help="the engine does not give freed memory back (FreedMemory off)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from transforms import engine as engines
+    from transforms.engines import base as engines
     from transforms.text import text_tools
 
     settings = load(REPO_ROOT / "configs" / "local-streaming.yaml").model

@@ -128,9 +128,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from pipeline.config import load
-    from transforms.schema import NewsEvent
     from transforms.settings import ChunkingSettings
     from transforms.text import _PrepareTextFn, normalize_text
+    from transforms.types import NewsEvent
 
     if not BBC.is_dir():
         print(f"the BBC articles are not at {BBC}", file=sys.stderr)

@@ -10,8 +10,8 @@ once, by a warm-up run):
      ``--added`` new ones: only those are embedded, the rest are counted as unchanged;
   3. a full re-embed of day 2's articles into a separate output, without the key index.
 Reports the embedding time (inside ``LLM.embed``) and wall time of each run, day 2's over day 1's,
-and checks that the current vectors across days 1 and 2 (``pipeline.current``) are those of the full
-re-embed: the same ids and texts, cosine >= 0.9999. Writes
+and checks that the current vectors across days 1 and 2 (``transforms.output.current_vectors``) are
+those of the full re-embed: the same ids and texts, cosine >= 0.9999. Writes
 ``bench-results/incremental-<time>.json``.
 
 With ``--previous-keys N``: N synthetic keys in the real layout (a committed batch output whose
@@ -82,8 +82,8 @@ def main(argv=None) -> int:
 
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    from pipeline.current import current_vectors
     from pipeline.run import run_batch
+    from transforms.output.current_vectors import current_vectors
 
     work = Path(tempfile.mkdtemp(prefix="newsvec-incremental-"))
     texts = bbc_texts(None)
@@ -154,7 +154,7 @@ _HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 # call noted, and where the code has it, the key index's load.
 _CHILD = """
 import json, sys, time
-from transforms import engine
+from transforms.engines import base as engine
 marks = {}
 def noting(cls, name, first, last=None):
     original = getattr(cls, name)
@@ -169,7 +169,7 @@ def noting(cls, name, first, last=None):
 noting(engine.Engine, "embed", "first_engine_call")
 noting(engine.Engine, "__init__", "engine_ready")
 try:
-    from transforms import key_index
+    from transforms.output import key_index
     noting(key_index.KeyIndex, "build", "key_load_start", "key_load_end")
 except ImportError:
     pass
@@ -192,9 +192,9 @@ def _hex_strings(raw: np.ndarray) -> pa.Array:
 def synthetic_output(prefix: Path, n: int, per_file: int = 1_000_000) -> list[str]:
     """A committed batch output holding ``n`` random keys (``key_schema``) in the real layout;
     returns its key files. Kept for the next invocation if already there with ``n`` keys."""
-    from transforms.layout import new_run_id
-    from transforms.manifest import COMMITTED, Manifest, read_manifest, write_manifest
-    from transforms.schema import key_schema
+    from transforms.output.layout import new_run_id
+    from transforms.output.manifest import COMMITTED, Manifest, read_manifest, write_manifest
+    from transforms.output.parquet import key_schema
 
     existing = read_manifest(str(prefix)) if prefix.exists() else None
     if existing is not None and existing.counts.get("written") == n:
@@ -252,7 +252,7 @@ def _skip_cost(files: list[str], present: list[str], texts: list[str]) -> dict:
     """In this process: the index's load and size, and µs per article of the skip's work (the
     key, then the lookup) for articles absent from it and present in it."""
     try:
-        from transforms.key_index import KeyIndex
+        from transforms.output.key_index import KeyIndex
     except ImportError:  # the code before the change: a dict in a side input
         return {}
     from transforms.incremental import embedding_key

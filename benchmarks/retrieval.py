@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 from tools.bench_results import write_results
-from transforms.schema import vector_matrix
+from transforms.output.parquet import vector_matrix
 from transforms.settings import ChunkingSettings
 
 _SENTENCE = re.compile(r"[^.!?]+[.!?]+[\"'”’)]*")
@@ -84,7 +84,7 @@ def compact_runs(config, events: Path, work: Path, queries: list[str], targets: 
                  k: int, options) -> list[dict]:
     """``--compact``: per (vector_dtype, dimensions), the bytes per written row and the recalls."""
     from pipeline.run import run_batch
-    from transforms.engine import load_engine
+    from transforms.engines.base import load_engine
     from transforms.text import HeadTokenizer
 
     head = config.chunking.model_copy(update={"mode": "head"})
@@ -133,9 +133,9 @@ def main(argv=None) -> int:
     from apache_beam.options.pipeline_options import PipelineOptions
 
     from pipeline.run import run_batch
-    from transforms.engine import load_engine
-    from transforms.schema import NewsEvent
+    from transforms.engines.base import load_engine
     from transforms.text import HeadTokenizer, compose_text
+    from transforms.types import NewsEvent
 
     config = load(args.config)
     overrides = {key: value for key, value in (

@@ -24,16 +24,8 @@ from apache_beam.coders import PickleCoder
 
 from tools.bench_results import record
 from transforms.chunking import ChunkSpan
-from transforms.schema import (
-    DeadLetter,
-    Lineage,
-    MicroBatch,
-    NewsEvent,
-    PreparedDoc,
-    Reason,
-    Step,
-)
 from transforms.state_coders import MicroBatchCoder, SeenKeysCoder
+from transforms.types import DeadLetter, Lineage, MicroBatch, NewsEvent, PreparedDoc, Reason, Step
 
 _UTC = dt.timezone.utc
 

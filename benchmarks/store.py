@@ -40,7 +40,7 @@ from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 from tools.bench_results import write_results
 from tools.emulators import postgres_server
-from transforms.schema import vector_schema
+from transforms.output.parquet import vector_schema
 from transforms.stores.pgvector import LoadRows, Store, StoreSettings, pgvector_schema
 
 DSN_ENV = "NEWSVEC_BENCH_STORE_DSN"
@@ -156,9 +156,9 @@ def bbc(work: Path, config_path: str, k: int, limit: int | None) -> dict:
     from benchmarks.retrieval import _vectors, tail_query
     from pipeline.load import load_run
     from pipeline.run import run_batch
-    from transforms.engine import load_engine
-    from transforms.schema import NewsEvent
+    from transforms.engines.base import load_engine
     from transforms.text import HeadTokenizer, compose_text
+    from transforms.types import NewsEvent
 
     base = load(config_path)
     texts = bbc_texts(limit)

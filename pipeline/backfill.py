@@ -28,11 +28,11 @@ from typing import Optional, Sequence
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline import config as config_lib
+from transforms.engines.model import model_label, resolve_model_path
 from transforms.incremental import embedding_signature
-from transforms.manifest import SummaryUnavailable, published_summary
-from transforms.model import model_label, resolve_model_path
+from transforms.output.manifest import SummaryUnavailable, published_summary
 from transforms.read import count_lines
-from transforms.schema import Counts
+from transforms.types import Counts
 
 _LOG = logging.getLogger("newsvec.backfill")
 

@@ -11,8 +11,8 @@ PREFIX [--older-than-s 86400]``.
 3. Files under ``_temp/`` (a streaming file a killed worker was writing) last written more than
    ``--older-than-s`` ago, and the staging folders ``_staging/<run_id>/`` (a batch run killed
    before it committed) whose newest file is that old, are deleted; ``--older-than-s`` is at least
-   an hour (``transforms.manifest.MIN_STALE_AGE_S``): younger files may be a live run's. Ages on
-   GCS are counted on GCS's clock. Published data is never touched.
+   an hour (``transforms.output.manifest.MIN_STALE_AGE_S``): younger files may be a live run's. Ages
+   on GCS are counted on GCS's clock. Published data is never touched.
 4. Every file the committed manifest names (and the summary) must be there: any that is not is
    named (``missing``), logged as an error, and the command exits with status 1; rerun that
    output's run.
@@ -35,9 +35,9 @@ import logging
 import sys
 
 from transforms.incremental import SnapshotChanged
-from transforms.layout import InvalidManifest, UnsafePath
-from transforms.lease import PublishLease, require_lease_s
-from transforms.manifest import (
+from transforms.output.layout import InvalidManifest, UnsafePath
+from transforms.output.lease import PublishLease, require_lease_s
+from transforms.output.manifest import (
     clean_stale,
     missing_files,
     remove_strays,

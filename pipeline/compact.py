@@ -2,15 +2,15 @@
 [--day D | --hour H | --from T --until T]``.
 
 Rewrites each hour's micro-batch files (vectors, chunks, keys, dead letters, ledger records) into
-one file per kind, row groups of ``sink.row_group_rows`` (``transforms/compaction.py``), under the
-output's publish lease, one hour at a time, every change fenced by it (a run whose lease is taken
-over stops, its line says ``LeaseLost``, and the taker or the next run finishes its hour). Readers
-that follow the ledger or the compaction manifest (``newsvec ledger``, the nightly incremental
-job's key listing) see either the hour before or the hour after, whenever it is killed; a rerun
-finishes it; an hour with nothing new is left as it is. Hours that are not closed yet (their end
-plus ``streaming.allowed_lateness_s`` plus the grouping's grace plus 5 minutes is after now) are
-skipped unless ``--closed-after-s 0``: compacting one is safe (a micro-batch written later stays
-and is merged by the next run) but wastes a rewrite.
+one file per kind, row groups of ``sink.row_group_rows`` (``transforms/output/compaction.py``),
+under the output's publish lease, one hour at a time, every change fenced by it (a run whose lease
+is taken over stops, its line says ``LeaseLost``, and the taker or the next run finishes its hour).
+Readers that follow the ledger or the compaction manifest (``newsvec ledger``, the nightly
+incremental job's key listing) see either the hour before or the hour after, whenever it is killed;
+a rerun finishes it; an hour with nothing new is left as it is. Hours that are not closed yet (their
+end plus ``streaming.allowed_lateness_s`` plus the grouping's grace plus 5 minutes is after now) are
+skipped unless ``--closed-after-s 0``: compacting one is safe (a micro-batch written later stays and
+is merged by the next run) but wastes a rewrite.
 
 Plain Python (pyarrow over Beam's FileSystems, local or gs://), no Beam pipeline: an hour of output
 is read once and written once, streaming row groups, so it needs one CPU and memory for about two
@@ -31,11 +31,11 @@ import pyarrow as pa
 
 from pipeline import config as config_lib
 from pipeline.cleanup import checked_argument
-from transforms.compaction import CompactionResult, Hook, compact_partition
-from transforms.layout import new_run_id, partition_hour, partitions_between
-from transforms.lease import LeaseLost, PublishLease, require_lease_s
-from transforms.schema import utc_time
+from transforms.output.compaction import CompactionResult, Hook, compact_partition
+from transforms.output.layout import new_run_id, partition_hour, partitions_between
+from transforms.output.lease import LeaseLost, PublishLease, require_lease_s
 from transforms.settings import SinkSettings, StreamingSettings
+from transforms.types import utc_time
 from transforms.windowing import GROUPING_GRACE_S
 
 CLOSED_MARGIN_S = 300

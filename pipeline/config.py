@@ -20,7 +20,7 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from transforms.model import (
+from transforms.engines.model import (
     PYPACKAGE,
     check_dimensions,
     check_without_running_code,
@@ -377,12 +377,12 @@ _MODEL_FIELD = "{model}"
 
 def fill_model(config: Config) -> Config:
     """Fill ``{model}`` in ``input``, ``output`` and ``incremental.previous_outputs`` with the
-    model's safe label (``transforms.model.safe_model_label``): two models' outputs then live side
-    by side, and neither replaces the other's."""
+    model's safe label (``transforms.engines.model.safe_model_label``): two models' outputs then
+    live side by side, and neither replaces the other's."""
     fields = [config.input or "", config.output, *config.incremental.previous_outputs]
     if not any(_MODEL_FIELD in f for f in fields):
         return config
-    from transforms.model import safe_model_label
+    from transforms.engines.model import safe_model_label
 
     label = safe_model_label(config.model)
     incremental = config.incremental.model_copy(update={"previous_outputs": [

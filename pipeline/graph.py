@@ -23,7 +23,8 @@ from pipeline.config import Config
 from transforms.commit import CommitRun, Tally, tally
 from transforms.dedup import DropDuplicates, DropDuplicatesStreaming, state_layout_for
 from transforms.embed import Embed, EmbedStreaming
-from transforms.engine import EngineFactory
+from transforms.engines.base import EngineFactory
+from transforms.engines.model import model_content_hash, model_label, resolve_model_path
 from transforms.incremental import (
     SKIPPED_FROM,
     UNCHANGED,
@@ -31,10 +32,15 @@ from transforms.incremental import (
     SkipUnchanged,
     embedding_signature,
 )
-from transforms.layout import CHUNKS_DIR, DEAD_LETTER_DIR, KEYS_DIR, VECTORS_DIR, staging_prefix
 from transforms.metrics import CountDone
 from transforms.microbatch import GroupMicroBatches
-from transforms.model import model_content_hash, model_label, resolve_model_path
+from transforms.output.layout import (
+    CHUNKS_DIR,
+    DEAD_LETTER_DIR,
+    KEYS_DIR,
+    VECTORS_DIR,
+    staging_prefix,
+)
 from transforms.parse import ParseEvents
 from transforms.read import ReadJsonLines
 from transforms.sinks import (

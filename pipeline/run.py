@@ -23,9 +23,9 @@ from pipeline.graph import build_batch, build_streaming
 from pipeline.options import NewsvecOptions
 from pipeline.progress import ProgressReporter
 from pipeline.summary import job_statistics
-from transforms.engine import EngineFactory
-from transforms.layout import SUMMARY_FILE, join_path, new_run_id
-from transforms.manifest import SummaryUnavailable, published_summary, read_manifest
+from transforms.engines.base import EngineFactory
+from transforms.output.layout import SUMMARY_FILE, join_path, new_run_id
+from transforms.output.manifest import SummaryUnavailable, published_summary, read_manifest
 from transforms.read import count_lines
 from transforms.stores import store_for
 from transforms.stores.base import StoreError, StoreLoadFailed, loaded

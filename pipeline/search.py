@@ -2,7 +2,7 @@
 
 The query is prepared like an article's text (``normalize_text``, in ``text.unicode_form``),
 prefixed with ``model.query_prefix``, tokenized and embedded with the config's model settings:
-without starting vLLM where ``transforms.query_embedder`` computes the model exactly (a BERT
+without starting vLLM where ``transforms.engines.query`` computes the model exactly (a BERT
 encoder: a search then takes under 2 s instead of about 13 s, most of it imports), else by the
 engine. The nearest articles in the output's Parquet files are found with DuckDB's
 ``array_cosine_similarity``: by the article's best chunk when the output has ``chunks/``, else by
@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from pipeline.config import Config
-from transforms.layout import CHUNKS_DIR, VECTORS_DIR, join_path, open_output_file
-from transforms.schema import float32_embeddings
+from transforms.output.layout import CHUNKS_DIR, VECTORS_DIR, join_path, open_output_file
+from transforms.output.parquet import float32_embeddings
 
 
 def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
@@ -38,9 +38,9 @@ def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
 
 def embed_query(config: Config, query: str):
     """The query's vector, as the engine embeds an article of the same text: computed without
-    starting vLLM (``transforms.query_embedder``) where the model allows it exactly, else by the
+    starting vLLM (``transforms.engines.query``) where the model allows it exactly, else by the
     engine (a note on standard error says why)."""
-    from transforms.query_embedder import QueryEmbedder, Unsupported
+    from transforms.engines.query import QueryEmbedder, Unsupported
     from transforms.text import normalize_text
 
     text = config.model.query_prefix + normalize_text(query, config.text.unicode_form)
@@ -55,7 +55,7 @@ def embed_query(config: Config, query: str):
 
 def embed_query_with_engine(config: Config, text: str):
     """The vector of a prepared query text (prefix and all) from the engine itself."""
-    from transforms.engine import load_engine
+    from transforms.engines.base import load_engine
     from transforms.text import HeadTokenizer
 
     ids, _ = HeadTokenizer(config.model)(text)

@@ -20,7 +20,7 @@ import datetime as dt
 import json
 from typing import Optional
 
-from transforms.schema import Reason
+from transforms.types import Reason
 
 ROW = "row"
 DUPLICATE = "duplicate"

@@ -1,4 +1,4 @@
-"""Shared fixtures. The vLLM engine is loaded once per test session (transforms.engine keeps
+"""Shared fixtures. The vLLM engine is loaded once per test session (transforms.engines.base keeps
 it)."""
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ _SESSION_TMP = (os.environ.get("NEWSVEC_TEST_SESSION_TMP")
                 or tempfile.mkdtemp(prefix="newsvec-tests-"))
 os.environ["NEWSVEC_TEST_SESSION_TMP"] = os.environ["TMPDIR"] = _SESSION_TMP
 tempfile.tempdir = None
-# Short publish leases and clean-up ages (below the floors users get: transforms/lease.py), for the
-# whole session and the processes it starts; tests of the floors themselves unset it.
+# Short publish leases and clean-up ages (below the floors users get: transforms/output/lease.py),
+# for the whole session and the processes it starts; tests of the floors themselves unset it.
 os.environ["NEWSVEC_UNSAFE_TEST_TIMINGS"] = "1"
 
 # Seconds the test process may take to exit once the session is over (engines ended, exit hooks

@@ -1,5 +1,5 @@
 """FAKE embedding engines for tests of something other than the model (paths, sinks, windowing,
-failure handling). They are ``transforms.engine.EmbeddingEngine``s: ``label``, ``embed``,
+failure handling). They are ``transforms.engines.base.EmbeddingEngine``s: ``label``, ``embed``,
 ``healthy``, ``close``. The real engine (vLLM) is tested in test_batch_pipeline.py and elsewhere.
 
 Also the stand-ins for an SDK process of a machine that the shared-engine tests spawn
@@ -183,7 +183,7 @@ class StartsAChild(LoggingEngine):
 def reach_engine(settings, factory, tag: str, out: str) -> None:
     """An SDK process that asks for the shared engine ``tag``; writes "ok" or its error to
     ``out``."""
-    from transforms.shared_engine import SharedEngineClient
+    from transforms.engines.shared import SharedEngineClient
 
     try:
         SharedEngineClient(settings, factory, tag)
@@ -240,8 +240,8 @@ def _sdk_process_main(settings_json: str, factory_name: str, tag: str) -> None:
     import signal
     import sys
 
+    from transforms.engines.shared import SharedEngineClient
     from transforms.settings import ModelSettings
-    from transforms.shared_engine import SharedEngineClient
 
     module, name = factory_name.split(":")
     factory = getattr(importlib.import_module(module), name)

@@ -45,7 +45,7 @@ def main() -> int:
     from pipeline.run import run_batch
     from tests.conftest import make_config
     from tests.fakes import FakeEngine
-    from transforms import manifest
+    from transforms.output import manifest
 
     if args.kill_at == "write":
         _kill_after_first(pq.ParquetWriter, "write_table")

@@ -32,9 +32,9 @@ from tests.adversarial import (
 )
 from tests.conftest import make_config
 from transforms.parse import ParseError, parse_event
-from transforms.schema import PreparedDoc, Reason
 from transforms.settings import ParseSettings, SinkSettings, TextSettings
 from transforms.text import normalize_text
+from transforms.types import PreparedDoc, Reason
 
 # docs/input.md's dead-letter table: the step that gives each reason.
 PARSE_REASONS = {Reason.PAYLOAD_TOO_LARGE, Reason.INVALID_UTF8, Reason.INVALID_JSON,

@@ -17,8 +17,9 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.run import run, run_batch
 from tests.conftest import SAMPLE_EVENTS, make_config
-from transforms.schema import NewsEvent, vector_schema
+from transforms.output.parquet import vector_schema
 from transforms.text import compose_text
+from transforms.types import NewsEvent
 
 # What the sample's deliberately bad lines must become (the sample file documents them).
 EXPECTED_DEAD = {"invalid_json": 1, "not_a_json_object": 1, "missing_id": 1, "invalid_id": 1,
@@ -96,7 +97,7 @@ def test_rows_types_and_files(batch_run):
 def test_vectors_equal_sentence_transformers(batch_run):
     from sentence_transformers import SentenceTransformer
 
-    from transforms.model import resolve_model_path
+    from transforms.engines.model import resolve_model_path
 
     _, out = batch_run
     table = read_vectors(out)
@@ -159,7 +160,7 @@ def test_command_line_with_gzip_input_and_overrides(tmp_path):
 
 
 def test_the_engine_is_loaded_once_per_process():
-    from transforms import engine
+    from transforms.engines import vllm as engine
 
     assert len(engine._LLMS) == 1, "every pipeline run of the session shared one vLLM LLM"
 

@@ -34,10 +34,11 @@ from tests.conftest import bbc_file, make_config
 from tests.fakes import POISON, FakeEngine
 from transforms.chunking import Chunker, ChunkSpan, chunk_id
 from transforms.embed import Embed, Embedder
-from transforms.engine import EngineHandle
-from transforms.schema import NewsEvent, PreparedDoc, Reason, chunk_schema
+from transforms.engines.base import EngineHandle
+from transforms.output.parquet import chunk_schema
 from transforms.settings import ChunkingSettings, StreamingSettings
 from transforms.text import compose_text
+from transforms.types import NewsEvent, PreparedDoc, Reason
 
 SHORT = {"id": "short-1", "title": "Markets calm", "body": "Shares were flat on Monday."}
 CHUNKING = ChunkingSettings(mode="chunks", overlap_tokens=32, sentence_end_slack_tokens=24,
@@ -152,7 +153,7 @@ def where_id(value: str):
 def test_chunk_vectors_equal_sentence_transformers(runs):
     from sentence_transformers import SentenceTransformer
 
-    from transforms.model import resolve_model_path
+    from transforms.engines.model import resolve_model_path
 
     _, out = runs
     chunks = table(out["a"], "chunks")

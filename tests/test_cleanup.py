@@ -14,8 +14,8 @@ import pytest
 
 from pipeline import cleanup
 from tests.conftest import REPO
-from transforms import manifest
-from transforms.lease import PublishLease
+from transforms.output import manifest
+from transforms.output.lease import PublishLease
 
 RUN_ID = "20261201T093000Z-1a2b3c4d"
 LIFECYCLE = REPO / "configs" / "gcs-lifecycle.json"
@@ -25,7 +25,7 @@ KILLED_WRITER = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
     from transforms import sinks
-    from transforms.schema import vector_schema
+    from transforms.output.parquet import vector_schema
     from tests.test_sinks_streaming import row
 
     schema = vector_schema(384)
@@ -102,9 +102,9 @@ def _stale(path, age_s: float) -> None:
 def test_cleanup_checks_the_lease_before_each_delete(tmp_path, monkeypatch):
     """A clean-up whose lease is taken over midway (it stalled; the next holder took over) stops
     before its next delete. Before, it checked once, then deleted everything in one go."""
-    from transforms import lease as lease_lib
-    from transforms import manifest as manifest_lib
-    from transforms.lease import LeaseLost, LocalLockStore
+    from transforms.output import lease as lease_lib
+    from transforms.output import manifest as manifest_lib
+    from transforms.output.lease import LeaseLost, LocalLockStore
 
     for i in range(150):
         _stale(tmp_path / "_temp" / f"{i:03d}.tmp", 7200)

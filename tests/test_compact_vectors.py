@@ -25,14 +25,15 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline import compact
 from pipeline import config as config_lib
-from pipeline.current import current_vectors
 from pipeline.run import run_batch
 from pipeline.search import search
 from tests.conftest import SAMPLE_EVENTS, make_config
 from tools import streaming_output as so
-from transforms import compaction, engine
-from transforms.model import Matryoshka, truncation
-from transforms.schema import (
+from transforms.engines import vllm as engine
+from transforms.engines.model import Matryoshka, truncation
+from transforms.output import compaction
+from transforms.output.current_vectors import current_vectors
+from transforms.output.parquet import (
     chunk_schema,
     common_schema,
     embedding_type,
@@ -184,7 +185,7 @@ def test_a_model_without_matryoshka_is_truncated_by_newsvec_only_knowingly(fake_
 @pytest.mark.parametrize("vector_dtype", ["float32", "float16"])
 def test_schemas_keep_the_not_null_elements_when_pickled(vector_dtype):
     """pyarrow 25 pickles a fixed_size_list as its value type and size only: without
-    transforms.schema's copyreg reducer the elements come back nullable (Beam pickles the schema
+    transforms.types's copyreg reducer the elements come back nullable (Beam pickles the schema
     to its workers)."""
     for schema in (vector_schema(384, vector_dtype), chunk_schema(128, vector_dtype)):
         for dumps, loads in ((pickle.dumps, pickle.loads),

@@ -1,5 +1,5 @@
-"""Compaction of a streaming output (``newsvec compact``, transforms/compaction.py): an hour of
-micro-batch files becomes one file per kind; ``newsvec ledger`` gives the same totals and passes;
+"""Compaction of a streaming output (``newsvec compact``, transforms/output/compaction.py): an hour
+of micro-batch files becomes one file per kind; ``newsvec ledger`` gives the same totals and passes;
 a rerun changes nothing; a run killed between any two steps leaves the old or the new state to
 readers that follow the manifest (never a row twice or not at all) and a rerun finishes it; a
 micro-batch that lands while it runs is kept and counted, and merged by the next run.
@@ -21,8 +21,8 @@ from apache_beam.io.filesystems import FileSystems
 
 from pipeline import cli, compact, ledger
 from tools import streaming_output as so
-from transforms import compaction
-from transforms.lease import PublishLease
+from transforms.output import compaction
+from transforms.output.lease import PublishLease
 
 HOURS = (so.START, so.START + dt.timedelta(hours=2))
 LATER = so.START + dt.timedelta(days=2)  # every hour closed
@@ -318,7 +318,7 @@ def _freeze_in_manifest_write(monkeypatch, frozen_thread: list, frozen: threadin
     """The first compaction-manifest write of the thread in ``frozen_thread`` stops its lease's
     renewals (``frozen_thread[1]``), says so, and waits for ``go``: locally inside
     ``write_whole`` (under the fence), on GCS inside the conditional upload (``gcs_write``)."""
-    from transforms import lease as lease_lib
+    from transforms.output import lease as lease_lib
 
     def freezing(real):
         def call(*args, **kwargs):
@@ -411,7 +411,7 @@ def test_on_gcs_a_compaction_frozen_in_its_manifest_write_is_refused(gcs, tmp_pa
     manifest before deleting A's unadopted files: A's write is refused (LeaseLost), B's stands."""
     from tests.conftest import GCS_BUCKET
     from tests.gcs_preconditions import enforced
-    from transforms.lease import LeaseLost
+    from transforms.output.lease import LeaseLost
 
     output = f"gs://{GCS_BUCKET}/{tmp_path.name}"
     so.write(output, BATCHES[:6], row_group_rows=ROW_GROUP)

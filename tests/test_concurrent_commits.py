@@ -1,6 +1,6 @@
-"""One publisher at a time per output, enforced by the storage (transforms/lease.py), and what
-that guarantees when runs, retried commit attempts and clean-ups meet in one output
-(transforms/commit.py, transforms/manifest.py):
+"""One publisher at a time per output, enforced by the storage (transforms/output/lease.py), and
+what that guarantees when runs, retried commit attempts and clean-ups meet in one output
+(transforms/commit.py, transforms/output/manifest.py):
 - the lease on local disk and on fake-gcs-server (which enforces GCS preconditions): a second
   holder waits; a lease renewed while its holder works is never taken over; one that stands
   unrenewed is taken over, and its stalled holder is fenced (it may not change one more file);
@@ -36,8 +36,9 @@ from tests.conftest import REPO, make_config
 from tests.emulators import fake_gcs_with_client
 from tests.fakes import FakeEngine
 from tests.test_reruns import DAY_1, DAY_2, check_is_run, listing, write_input
-from transforms import commit, manifest
-from transforms.lease import GcsLockStore, LeaseLost, LocalLockStore, PublishLease
+from transforms import commit
+from transforms.output import manifest
+from transforms.output.lease import GcsLockStore, LeaseLost, LocalLockStore, PublishLease
 
 BUCKET = "newsvec-leases"
 
@@ -202,7 +203,7 @@ def test_a_run_that_ends_while_a_newer_one_publishes_says_it_was_superseded(tmp_
     superseded, by which run. Before, it raised SummaryUnavailable, the job's work all done (this
     is how the racing test above failed on a loaded machine)."""
     import pipeline.run as run_module
-    from transforms.layout import STAGING_DIR, join_path, new_run_id
+    from transforms.output.layout import STAGING_DIR, join_path, new_run_id
 
     output = f"{tmp_path}/out"
     newer: list = []
@@ -248,7 +249,7 @@ def test_a_newer_run_launched_on_a_clock_a_little_ahead_still_wins(tmp_path):
     the newer run (ten minutes ahead) keeps the output and this run publishes nothing."""
     import datetime as _dt
 
-    from transforms.layout import new_run_id
+    from transforms.output.layout import new_run_id
 
     output = f"{tmp_path}/out"
     ahead = new_run_id(_dt.datetime.now(_dt.timezone.utc) + _dt.timedelta(minutes=10))
@@ -373,7 +374,7 @@ def embedded(event_id: str, text: str = None, model: str = "fake@0", sha: str = 
 
     import numpy as np
 
-    from transforms.schema import EmbeddedDoc, NewsEvent, PreparedDoc
+    from transforms.types import EmbeddedDoc, NewsEvent, PreparedDoc
 
     text = text if text is not None else f"text of {event_id}"
     event = NewsEvent(id=event_id, body=text)
@@ -391,7 +392,7 @@ def hand_staged_run(output: str, run_id: str, ids, unchanged: int = 0) -> tuple[
     from apache_beam.io.filesystems import FileSystems
 
     from transforms.incremental import KeysTable
-    from transforms.schema import key_schema, vector_schema
+    from transforms.output.parquet import key_schema, vector_schema
     from transforms.sinks import to_table
 
     rows = [embedded(i) for i in ids]
@@ -439,8 +440,8 @@ OLD_RUN, NEW_RUN = "20261201T000000Z-0000000a", "20261201T000001Z-0000000b"
 STALLED_PUBLISHER = textwrap.dedent("""
     import inspect, os, signal, sys, json
     from apache_beam.io.filesystems import FileSystems
-    from transforms import manifest
-    from transforms.lease import PublishLease
+    from transforms.output import manifest
+    from transforms.output.lease import PublishLease
 
     out, run_id = sys.argv[1], sys.argv[2]
     staged = json.loads(sys.argv[3])
@@ -454,7 +455,7 @@ STALLED_PUBLISHER = textwrap.dedent("""
         return real_rename(sources, targets, *args, **kwargs)
 
     FileSystems.rename = staticmethod(rename)
-    from transforms import layout
+    from transforms.output import layout
     real_rename_inside = getattr(layout, "rename_inside", None)
 
     def rename_inside(output, source, target):  # local renames, through no symlink
@@ -546,8 +547,8 @@ STALLED_GCS_WRITER = textwrap.dedent("""
     import os, signal, sys
     from google.cloud.storage import Blob
     from tests.emulators import _clients_pointed_at
-    from transforms import manifest
-    from transforms.lease import LeaseLost, PublishLease
+    from transforms.output import manifest
+    from transforms.output.lease import LeaseLost, PublishLease
 
     out, run_id, endpoint = sys.argv[1], sys.argv[2], sys.argv[3]
     real_upload = Blob.upload_from_string
@@ -594,7 +595,7 @@ def test_a_manifest_write_delayed_past_a_takeover_is_refused_by_gcs(fake_gcs, tm
             os.kill(holder.pid, signal.SIGCONT)
             holder.kill()
     assert holder.returncode == 3 and "refused" in out, err[-2000:]
-    from transforms.lease import gcs_read
+    from transforms.output.lease import gcs_read
 
     _, data = gcs_read(f"{output}/_manifest.json")
     final = json.loads(data)
@@ -649,7 +650,7 @@ def test_the_takers_clock_starts_after_the_read_that_saw_the_last_renewal(monkey
     """The holder's last renewal lands at t=10, during a read of the taker's that started at 8.5
     and took 2 s. Before, the taker counted the lease from the start of that read (8.5), and took
     over at 11.5, 1.5 s before the lease had stood unrenewed for its 3 s."""
-    from transforms import lease as lease_lib
+    from transforms.output import lease as lease_lib
 
     clock = [0.0]
     store = _ScriptedLock(clock, dies_at=10.0, slow=(8.5, 9.0), slow_s=2.0)
@@ -669,7 +670,7 @@ def test_a_holder_frozen_by_a_suspend_stops_when_it_wakes(store_factory, monkeyp
     elsewhere counts real time: before, a holder that woke from a suspend longer than its lease
     measured no staleness and went on writing. The lease's clock is CLOCK_BOOTTIME. The suspend is
     played by freezing ``time.monotonic`` in the holder."""
-    from transforms import lease as lease_lib
+    from transforms.output import lease as lease_lib
 
     holder = lease(store_factory, "20261201T000000Z-aaaaaaaa", lease_s=1.0)
     holder.acquire()
@@ -716,7 +717,7 @@ def test_a_lost_response_is_not_a_lost_lease(store_factory, monkeypatch):
     the lock never released; and a create answered 412 made the run wait a whole lease for its
     own lock. Now a refused change is followed by a read, and a lock with this holder's body is
     its own."""
-    from transforms import lease as lease_lib
+    from transforms.output import lease as lease_lib
 
     store = _LostResponses(store_factory())
     holder = PublishLease("out", "20261201T000000Z-aaaaaaaa", 0.8, poll_s=0.05, store=store)
@@ -768,7 +769,7 @@ def test_a_live_holder_in_another_pid_namespace_is_not_taken_for_dead(tmp_path):
     dead and taken over at once."""
     import socket
 
-    from transforms import lease as lease_lib
+    from transforms.output import lease as lease_lib
 
     store = LocalLockStore(str(tmp_path / "_publish.lock"))
     unused = 2 ** 22 + 12345  # above the default pid_max: no process has it here
@@ -793,7 +794,7 @@ MOUNTINFO = """\
 def test_a_local_output_on_a_filesystem_several_machines_mount_is_refused(tmp_path):
     """flock does not span machines on NFS (and gcsfuse has none): two machines could both hold
     the lock. Before, such an output was accepted."""
-    from transforms import lease as lease_lib
+    from transforms.output import lease as lease_lib
 
     mountinfo = tmp_path / "mountinfo"
     mountinfo.write_text(MOUNTINFO)
@@ -892,7 +893,7 @@ def test_run_ids_launched_in_one_second_sort_by_launch_time():
     """The newest run wins by run id. With the second and 8 random hex digits, two launches in one
     second (a test, a scheduler's retry) were ordered by chance: the later one was 'older' half the
     time and published nothing."""
-    from transforms.layout import new_run_id
+    from transforms.output.layout import new_run_id
 
     t = dt.datetime(2026, 12, 1, 9, 30, 0, 1000, tzinfo=dt.timezone.utc)
     for ms in range(0, 998, 3):
@@ -963,7 +964,7 @@ def test_a_late_copy_undone_never_deletes_the_file_its_other_attempt_published(g
     from apache_beam.io.filesystems import FileSystems
 
     from tests.gcs_preconditions import enforced
-    from transforms import lease as lease_lib
+    from transforms.output import lease as lease_lib
 
     output = _gcs_output(tmp_path)
     staged, tallies = hand_staged_run(output, NEW_RUN, ["a1", "a2"])
@@ -1019,7 +1020,7 @@ def test_a_stalled_older_runs_summary_never_replaces_or_removes_the_newer_runs(g
     from apache_beam.io.filesystems import FileSystems
 
     from tests.gcs_preconditions import enforced
-    from transforms import lease as lease_lib
+    from transforms.output import lease as lease_lib
 
     class Killed(BaseException):
         """The process dies here: nothing after it runs (no undo)."""
@@ -1084,7 +1085,7 @@ def test_the_local_lock_takes_only_local_filesystems_unless_told(tmp_path, monke
     (type ``fuse``), virtiofs and 9p passed, and so did an output whose type could not be read
     (no /proc: macOS). Now only local filesystems are taken; any other only when the user names
     its type in NEWSVEC_LOCAL_LOCK_FILESYSTEMS."""
-    from transforms import lease as lease_lib
+    from transforms.output import lease as lease_lib
 
     mountinfo = tmp_path / "mountinfo"
     mountinfo.write_text(UNTRUSTED_MOUNTINFO)
@@ -1128,7 +1129,7 @@ def test_who_waits_for_a_holder_frozen_inside_a_local_change_says_so(tmp_path, c
     thread, _ = _in_thread(frozen_change)
     assert inside.wait(30)
     waiter = PublishLease(str(tmp_path), "20261201T000001Z-bbbbbbbb", lease_s=1.0, poll_s=0.05)
-    caplog.set_level(logging.WARNING, logger="transforms.lease")
+    caplog.set_level(logging.WARNING, logger="transforms.output.lease")
     acquiring, _ = _in_thread(waiter.acquire)
     deadline = time.monotonic() + 30
     while "waiting" not in caplog.text and time.monotonic() < deadline:
@@ -1147,7 +1148,7 @@ def test_an_output_folder_every_user_may_write_is_refused_before_anything_is_pub
     ``_publish.lock.flock`` under its holder (the next process flocks a new file: two inside a
     change at once). Before, a world-writable output was taken as it was; now the lease refuses
     it, and the run fails saying how to fix it, with nothing published."""
-    from transforms.layout import UnsafePath
+    from transforms.output.layout import UnsafePath
 
     output = tmp_path / "out"
     output.mkdir()

@@ -16,8 +16,8 @@ from pipeline import config as config_lib
 from pipeline import load as load_cmd
 from pipeline.run import resolve
 from tests.conftest import GCS_BUCKET
-from transforms.model import safe_model_label
-from transforms.schema import Counts
+from transforms.engines.model import safe_model_label
+from transforms.types import Counts
 
 CONFIGS = Path(config_lib.REPO_ROOT) / "configs"
 

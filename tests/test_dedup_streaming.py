@@ -18,7 +18,7 @@ from apache_beam.transforms.window import FixedWindows, TimestampedValue
 
 from transforms.dedup import DropDuplicatesStreaming, state_layout_for
 from transforms.microbatch import GroupMicroBatches
-from transforms.schema import DeadLetter, MicroBatch, NewsEvent, PreparedDoc, Reason, Step
+from transforms.types import DeadLetter, MicroBatch, NewsEvent, PreparedDoc, Reason, Step
 
 
 def doc(id_: str, sha: str) -> PreparedDoc:

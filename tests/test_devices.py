@@ -1,5 +1,5 @@
 """Workers with several GPUs (``model.gpus_per_worker``): one shared engine per GPU, each pinned to
-its device, and the SDK processes spread evenly over them (``transforms.devices``).
+its device, and the SDK processes spread evenly over them (``transforms.engines.devices``).
 
 No GPU is needed: which device an engine is given is the ``CUDA_VISIBLE_DEVICES`` of its process,
 which a FAKE engine reads back. The end-to-end test starts four client processes, as four SDK
@@ -18,8 +18,8 @@ import pytest
 
 from tests.conftest import make_config
 from tests.fakes import FakeEngine
-from transforms import devices
-from transforms.devices import DeviceSlots, engine_devices, visible_gpus
+from transforms.engines import devices
+from transforms.engines.devices import DeviceSlots, engine_devices, visible_gpus
 from transforms.settings import ModelSettings
 
 
@@ -140,7 +140,7 @@ class DeviceEngine(FakeEngine):
 
 def _sdk_process(settings, tag, results) -> None:
     """One SDK process of the worker: reach its engine, embed once, say where, wait."""
-    from transforms.shared_engine import shared_engine
+    from transforms.engines.shared import shared_engine
 
     client = shared_engine(settings, DeviceEngine, tag)
     (vector,) = client.embed([[5, 7, 11]])

@@ -1,6 +1,6 @@
 """The docs hold what the code defines, and every link inside them leads somewhere.
 
-- The Parquet schema tables of docs/output.md are generated from ``transforms/schema.py`` (as the
+- The Parquet schema tables of docs/output.md are generated from ``transforms/types.py`` (as the
   config table of docs/configuration.md is from the config schema: tests/test_cli.py).
 - Every relative link in README.md and docs/**/*.md names a file that exists and, with an
   ``#anchor``, a heading of that file (GitHub's anchors).
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from transforms.schema import PARQUET_COLUMNS, schema_markdown
+from transforms.output.parquet import PARQUET_COLUMNS, schema_markdown
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -82,7 +82,7 @@ def test_output_docs_hold_the_generated_schema_table(folder):
     output = (REPO / "docs" / "output.md").read_text()
     assert schema_markdown(PARQUET_COLUMNS[folder]) in output, \
         f"docs/output.md's {folder}/ table is generated: paste " \
-        f"transforms.schema.schema_markdown(PARQUET_COLUMNS[{folder!r}]) between its markers"
+        f"transforms.types.schema_markdown(PARQUET_COLUMNS[{folder!r}]) between its markers"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(REPO)))

@@ -14,7 +14,7 @@ from tests.conftest import make_config
 from tests.fakes import FakeEngine
 from transforms import embed
 from transforms.embed import EmbedStreaming
-from transforms.schema import MicroBatch, NewsEvent, PreparedDoc
+from transforms.types import MicroBatch, NewsEvent, PreparedDoc
 
 _SEEN_TWO_IN_FLIGHT = threading.Event()
 _EMBEDDED: list = []  # what came out (the runner runs in this process)

@@ -15,7 +15,7 @@ from tests.conftest import make_config
 from tests.fakes import FakeEngine
 from tests.test_embed_failures import doc
 from transforms.embed import Embedder, _EmbedBatchesFn
-from transforms.engine import EngineFailedError
+from transforms.engines.base import EngineFailedError
 
 SETTINGS = make_config().model
 

@@ -38,11 +38,11 @@ import pytest
 
 from tests.conftest import make_config
 from tests.fakes import FakeEngine
-from transforms import shared_engine as module
-from transforms.devices import DeviceSlots
-from transforms.engine import EngineFailedError
+from transforms.engines import shared as module
+from transforms.engines.base import EngineFailedError
+from transforms.engines.devices import DeviceSlots
+from transforms.engines.shared import SharedEngineClient
 from transforms.private_files import write_private
-from transforms.shared_engine import SharedEngineClient
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="simulates another user by chown")

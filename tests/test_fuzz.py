@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import make_config
 from transforms.parse import ParseError, parse_event
-from transforms.schema import NewsEvent, Reason
 from transforms.text import _PrepareTextFn
+from transforms.types import NewsEvent, Reason
 
 KNOWN_REASONS = {v for k, v in vars(Reason).items() if k.isupper()}
 LIMITS = dict(max_payload_bytes=64 * 1024, max_future_skew=dt.timedelta(days=1))

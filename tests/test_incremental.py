@@ -26,16 +26,17 @@ from apache_beam.utils.timestamp import Timestamp
 
 from pipeline import backfill as backfill_lib
 from pipeline import config as config_lib
-from pipeline.current import CURRENT_VECTORS_SQL, current_vectors
 from pipeline.graph import embed_and_write_streaming
 from pipeline.run import run_batch
 from tests.conftest import REPO, make_config
 from tests.fakes import FakeEngine
 from tests.test_reruns import listing, rows_of, write_input
-from transforms.model import safe_model_label
-from transforms.schema import NewsEvent, key_schema
+from transforms.engines.model import safe_model_label
+from transforms.output.current_vectors import CURRENT_VECTORS_SQL, current_vectors
+from transforms.output.parquet import key_schema
 from transforms.settings import IncrementalSettings, StreamingSettings
 from transforms.text import compose_text
+from transforms.types import NewsEvent
 
 OPTIONS = PipelineOptions(["--runner=FnApiRunner"])
 

@@ -27,8 +27,8 @@ from tests.test_concurrent_commits import committed_manifest, embedded, hand_sta
 from tests.test_reruns import listing, rows_of, write_input
 from transforms import commit
 from transforms.incremental import SnapshotChanged
-from transforms.layout import new_run_id
-from transforms.manifest import read_manifest
+from transforms.output.layout import new_run_id
+from transforms.output.manifest import read_manifest
 from transforms.settings import IncrementalSettings
 
 
@@ -211,9 +211,9 @@ def test_a_micro_batch_redone_without_an_article_fails_the_run_that_skipped_it(r
     from tests.fakes import FakeEngine
     from tests.test_sinks_streaming import letter, micro_batch
     from tools import streaming_output
-    from transforms.model import model_label, resolve_model_path
-    from transforms.schema import NewsEvent
+    from transforms.engines.model import model_label, resolve_model_path
     from transforms.text import compose_text
+    from transforms.types import NewsEvent
 
     stream, out = f"{root}/stream", f"{root}/out"
     x, y, z = events(["x", "y", "z"])
@@ -281,10 +281,10 @@ def test_a_micro_batch_not_finished_yet_is_never_skipped_against(tmp_path):
     from tests.fakes import FakeEngine
     from tests.test_sinks_streaming import letter, micro_batch
     from tools import streaming_output
-    from transforms import compaction
-    from transforms.model import model_label, resolve_model_path
-    from transforms.schema import NewsEvent
+    from transforms.engines.model import model_label, resolve_model_path
+    from transforms.output import compaction
     from transforms.text import compose_text
+    from transforms.types import NewsEvent
 
     stream, out = f"{tmp_path}/stream", f"{tmp_path}/out"
     x, y, z = events(["x", "y", "z"])

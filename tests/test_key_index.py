@@ -1,4 +1,4 @@
-"""The previous outputs' keys in a worker process (transforms/key_index.py, and its use by
+"""The previous outputs' keys in a worker process (transforms/output/key_index.py, and its use by
 SkipUnchanged in transforms/incremental.py): exact lookups with no false positive on near keys,
 each key mapped to the output that holds it, a key file gone -> SnapshotChanged, and one load per
 process whatever the number of DoFn instances, bundles and threads. No engine: keys only."""
@@ -24,8 +24,9 @@ from transforms.incremental import (
     embedding_key,
     key_index,
 )
-from transforms.key_index import KeyIndex, ProcessCache, hex_key_to_words, hex_keys_to_words
-from transforms.schema import NewsEvent, PreparedDoc, key_schema
+from transforms.output.key_index import KeyIndex, ProcessCache, hex_key_to_words, hex_keys_to_words
+from transforms.output.parquet import key_schema
+from transforms.types import NewsEvent, PreparedDoc
 
 LABEL, SIGNATURE = "model@test", "{}"
 

@@ -26,9 +26,9 @@ from tests.conftest import bbc_file, make_config
 from tests.fakes import FakeEngine
 from transforms.dedup import dedup_key_function
 from transforms.incremental import embedding_key, embedding_signature
-from transforms.schema import DeadLetter, NewsEvent, PreparedDoc
 from transforms.settings import ChunkingSettings, StreamingSettings, TextSettings
 from transforms.text import _PrepareTextFn, normalize_text
+from transforms.types import DeadLetter, NewsEvent, PreparedDoc
 
 UNREADABLE = "unreadable_for_model"
 # A Japanese news paragraph with kanji: WordPiece knows some kanji, no run of kana (about 40%

@@ -118,6 +118,6 @@ def test_every_message_at_the_edges_of_the_lateness_is_written_in_its_window(tmp
 
 
 def _records(out: Path):
-    from transforms.schema import LedgerRecord
+    from transforms.types import LedgerRecord
 
     return [LedgerRecord.from_json(p.read_text()) for p in (out / "ledger").rglob("*.json")]

@@ -19,9 +19,9 @@ from apache_beam.io.filesystems import FileSystems
 
 from pipeline import cleanup
 from tools import streaming_output as so
-from transforms import compaction, manifest
-from transforms.layout import PartFileName, UnsafePath
-from transforms.lease import PublishLease
+from transforms.output import compaction, manifest
+from transforms.output.layout import PartFileName, UnsafePath
+from transforms.output.lease import PublishLease
 
 RUN = "20261201T093000Z-1a2b3c4d"
 SECRET = "AWS_SECRET_ACCESS_KEY=abc123"
@@ -911,7 +911,7 @@ def test_the_incremental_key_index_never_reads_a_key_file_swapped(committed_pair
     # run; a FIFO hung every worker's index load (and the run) for ever.
     from transforms import incremental
     from transforms.incremental import KeyFiles, Snapshot
-    from transforms.key_index import ProcessCache
+    from transforms.output.key_index import ProcessCache
 
     monkeypatch.setattr(incremental, "_INDEXES", ProcessCache())
     _, out, private = committed_pair
@@ -954,9 +954,9 @@ def test_newsvec_ledger_names_a_file_swapped_never_reads_or_waits(lettered, tmp_
 
 @pytest.mark.parametrize("entry", ["a symlink", "a fifo"])
 def test_the_current_vector_reader_never_reads_a_file_swapped(committed_pair, entry):
-    # pipeline.current read every dt=*/vectors/*.parquet with pyarrow's dataset: a symlink to
-    # another output's vectors made its articles (secret-0..2) current; a FIFO hung it.
-    from pipeline.current import current_vectors
+    # transforms.output.current_vectors read every dt=*/vectors/*.parquet with pyarrow's dataset: a
+    # symlink to another output's vectors made its articles (secret-0..2) current; a FIFO hung it.
+    from transforms.output.current_vectors import current_vectors
 
     root, out, private = committed_pair
     days = root / "days"

@@ -8,7 +8,7 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from transforms.parse import ParseError, ParseEvents, parse_event
-from transforms.schema import Reason
+from transforms.types import Reason
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
 LIMITS = dict(max_payload_bytes=1 << 20, max_future_skew=dt.timedelta(days=1), now=NOW)

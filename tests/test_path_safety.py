@@ -31,7 +31,7 @@ from pipeline.graph import embed_and_write_streaming
 from tests.adversarial import ALL_CASES, BY_NAME, DUPLICATE, NOW, ROW, Case, event_id
 from tests.fakes import FakeEngine
 from tests.test_adversarial import PREPARE_REASONS, corpus_batch_run, corpus_config
-from transforms.layout import PartFileName
+from transforms.output.layout import PartFileName
 from transforms.parse import ParseEvents
 
 SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9._=-]+$")
@@ -254,7 +254,7 @@ def test_streaming_survives_a_date_whose_utc_instant_is_year_0():
     it by its publish time instead of failing the job (on Dataflow: a bundle retried for ever)."""
     from apache_beam.testing.util import assert_that, equal_to
 
-    from transforms.schema import Lineage, NewsEvent
+    from transforms.types import Lineage, NewsEvent
     from transforms.windowing import WindowByEventTime
 
     case = BY_NAME["published_year_1_positive_offset"]

@@ -1,4 +1,4 @@
-"""``newsvec search`` embeds its query without starting vLLM (transforms/query_embedder.py): the
+"""``newsvec search`` embeds its query without starting vLLM (transforms/engines/query.py): the
 same token ids and, within the engine's own rounding, the same vector as the engine gives the same
 text (real vLLM, at the configs' ``native`` dtype and at float32); a model it cannot compute
 exactly goes to the engine, saying so on standard error."""
@@ -16,8 +16,8 @@ import yaml
 
 from pipeline import search as search_lib
 from tests.conftest import REPO, make_config
-from transforms.model import resolve_model_path
-from transforms.query_embedder import QueryEmbedder, Unsupported
+from transforms.engines.model import resolve_model_path
+from transforms.engines.query import QueryEmbedder, Unsupported
 from transforms.text import HeadTokenizer, normalize_text
 
 QUERIES = [

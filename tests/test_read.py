@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from transforms import read
 from transforms.read import ReadJsonLines, count_lines, iter_lines
-from transforms.schema import OversizedPayload
+from transforms.types import OversizedPayload
 
 
 def _reference(data: bytes) -> list[bytes]:

@@ -1,5 +1,5 @@
 """Batch reruns into one output replace, never append (transforms/commit.py,
-transforms/manifest.py), on local disk and on gcp-storage-emulator:
+transforms/output/manifest.py), on local disk and on gcp-storage-emulator:
 - the same day run twice, the second time with changed input: the rows are exactly the second run's;
 - a run killed (SIGKILL, no Python exception) while writing leaves the first run's output as it was;
 - a run killed while publishing never shows two runs' rows to a reader that globs ``vectors/``, the
@@ -29,11 +29,11 @@ from pipeline import cleanup
 from pipeline.run import run_batch
 from tests.conftest import REPO, make_config
 from tests.fakes import FakeEngine
-from transforms import manifest as manifest_lib
-from transforms.layout import PUBLISH_LOCK_FILE
-from transforms.lease import PublishLease
-from transforms.schema import NewsEvent
+from transforms.output import manifest as manifest_lib
+from transforms.output.layout import PUBLISH_LOCK_FILE
+from transforms.output.lease import PublishLease
 from transforms.text import compose_text
+from transforms.types import NewsEvent
 
 
 def events(ids, changed=()) -> list[dict]:
@@ -227,8 +227,8 @@ def test_backfill_judges_a_day_by_its_committed_runs_summary(tmp_path):
     """Before, a day whose ``_summary.json`` was another run's was judged by that run's model and
     settings: skipped as done though its committed run may have been made otherwise."""
     from pipeline import backfill
+    from transforms.engines.model import model_label, resolve_model_path
     from transforms.incremental import embedding_signature
-    from transforms.model import model_label, resolve_model_path
 
     config = make_config(output=str(tmp_path))
     label = model_label(config.model, resolve_model_path(config.model.path))

@@ -19,8 +19,8 @@ from pipeline import cli
 from pipeline import config as config_lib
 from tests.conftest import REPO, SAMPLE_EVENTS, make_config
 from tests.fakes import FakeEngine
-from transforms.schema import NewsEvent
 from transforms.text import compose_text, normalize_text
+from transforms.types import NewsEvent
 
 E5_CONFIG = REPO / "configs" / "multilingual-e5.yaml"
 E5_PLACEHOLDER = "<MULTILINGUAL_E5_DIR>"
@@ -102,9 +102,9 @@ class RecordingFakeEngine(FakeEngine):
 @pytest.fixture
 def fake_engine(monkeypatch):
     engine = RecordingFakeEngine()
-    monkeypatch.setattr("transforms.engine.load_engine", lambda settings: engine)
+    monkeypatch.setattr("transforms.engines.base.load_engine", lambda settings: engine)
     # newsvec search computes MiniLM's query vector without the engine: the FAKE is given its ids
-    monkeypatch.setattr("transforms.query_embedder.QueryEmbedder.embed",
+    monkeypatch.setattr("transforms.engines.query.QueryEmbedder.embed",
                         lambda self, ids: engine.embed([ids])[0])
     return engine
 

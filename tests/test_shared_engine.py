@@ -41,9 +41,9 @@ from tests.fakes import (
 )
 from tests.test_embed_failures import Breaks, doc
 from transforms.embed import Embedder, EmbedFailure
-from transforms.engine import EngineFailedError
+from transforms.engines.base import EngineFailedError
+from transforms.engines.shared import SharedEngineClient, _process_state
 from transforms.settings import ModelSettings
-from transforms.shared_engine import SharedEngineClient, _process_state
 
 
 def test_two_worker_processes_share_one_engine_in_a_process_of_its_own(tmp_path, monkeypatch):
@@ -215,7 +215,7 @@ def test_streaming_recovers_when_the_process_that_spawned_the_engine_dies(tmp_pa
     from apache_beam.testing.test_stream import TestStream
 
     from transforms.embed import EmbedStreaming
-    from transforms.schema import MicroBatch
+    from transforms.types import MicroBatch
 
     log = tmp_path / "engine.log"
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
@@ -353,7 +353,7 @@ def test_an_engine_that_ends_in_every_call_and_its_canary_still_fails_the_bundle
 def test_a_temp_dir_that_cannot_be_written_is_an_engine_failure_not_the_inputs(monkeypatch):
     # A guard: an error reaching the engine is never raised as something the handler would take
     # for the inputs' failure (and bisect, dead-lettering every document).
-    from transforms import shared_engine as module
+    from transforms.engines import shared as module
 
     def full(self, generation):
         raise OSError(28, "No space left on device")
@@ -429,7 +429,7 @@ def test_streaming_an_input_that_ends_the_shared_engine_is_dead_lettered_alone(
     from apache_beam.testing.test_stream import TestStream
 
     from transforms.embed import EmbedStreaming
-    from transforms.schema import MicroBatch
+    from transforms.types import MicroBatch
 
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
     settings = make_config().model.model_copy(update={"share_across_processes": True})
@@ -527,7 +527,7 @@ def test_an_engine_whose_heartbeat_stopped_is_taken_for_hung(monkeypatch):
     # An engine that is alive, not stopped, not in a call, but silent (its heartbeat, written every
     # second, is older than model.call_timeout_s: frozen, or stuck outside any call) does not
     # answer: the call that waits for it gives up on it (the client then ends it).
-    from transforms import shared_engine as module
+    from transforms.engines import shared as module
 
     settings = make_config().model.model_copy(update={"call_timeout_s": 1.0})
     client = SharedEngineClient(settings, LoggingEngine, f"newsvec-test-{uuid.uuid4().hex}",
@@ -551,7 +551,7 @@ def test_a_call_that_gets_no_answer_fails_at_its_ceiling(tmp_path, monkeypatch):
     # answer (lost on the way, or its answer lost): past its ceiling (its turn, then
     # model.call_timeout_s, then a margin) it is an EngineFailedError, and the engine, which serves
     # other processes, is left running.
-    from transforms import shared_engine as module
+    from transforms.engines import shared as module
 
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
     monkeypatch.setattr(module, "_CEILING_SLACK_S", 1.0, raising=False)
@@ -567,7 +567,7 @@ _ABANDONS_A_CALL = """
 import sys, threading, uuid
 from tests.conftest import make_config
 from tests.fakes import LoggingEngine
-from transforms import shared_engine as module
+from transforms.engines import shared as module
 module._CEILING_SLACK_S = 1.0
 settings = make_config().model.model_copy(update={"call_timeout_s": 1.0})
 client = module.SharedEngineClient(settings, LoggingEngine, f"newsvec-test-{uuid.uuid4().hex}")
@@ -597,7 +597,7 @@ def test_a_burst_of_calls_on_a_healthy_engine_all_get_their_answer(tmp_path, mon
     # a Dataflow process's threads at the start of a burst): the engine, healthy, serves them in
     # turn, each call within call_timeout_s. A call that first reads the engine's state as it was
     # written before the burst arrived must not take the calls queued then for its turn.
-    from transforms import shared_engine as module
+    from transforms.engines import shared as module
 
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
     monkeypatch.setenv("NEWSVEC_TEST_CALL_S", "1.5")
@@ -675,7 +675,7 @@ def test_an_engine_killed_from_outside_in_a_call_retries_it_instead_of_blaming_i
     # out-of-memory killer, which the engine's memory cgroup counts (simulated: an injected
     # cgroup root), or by a signal nobody in newsvec sent (the exit status its spawner saw). The
     # article is embedded on the third engine, not dead-lettered as poison.
-    from transforms import shared_engine as module
+    from transforms.engines import shared as module
 
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
     monkeypatch.setenv("NEWSVEC_TEST_KILLS", "2")
@@ -739,7 +739,7 @@ def test_an_engine_that_ends_in_every_real_call_fails_the_bundle_after_a_few(
     # Its canary passes, yet every real call ends its process: after more ends in a row than one
     # input that ends it can cause, the bundle fails (EngineFailedError) instead of starting an
     # engine per input and dead-lettering every article.
-    from transforms.shared_engine import deaths_allowed
+    from transforms.engines.shared import deaths_allowed
 
     log = tmp_path / "engine.log"
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
@@ -796,7 +796,7 @@ def test_a_load_that_fails_leaves_no_file_descriptors_behind(tmp_path, monkeypat
     # is released all the same.
     import gc
 
-    from transforms import shared_engine as module
+    from transforms.engines import shared as module
 
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
     monkeypatch.setattr(module, "_REMEMBER_FAILURE_S", 0.0, raising=False)

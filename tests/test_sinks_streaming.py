@@ -23,9 +23,11 @@ from apache_beam.utils.timestamp import Timestamp
 
 from pipeline import ledger
 from transforms import sinks
-from transforms.layout import PartFileName, partition_path
 from transforms.metrics import DEAD_LETTER_NAMESPACE, NAMESPACE
-from transforms.schema import (
+from transforms.output.layout import PartFileName, partition_path
+from transforms.output.parquet import vector_schema
+from transforms.sinks import WriteStreaming, to_table
+from transforms.types import (
     DeadLetter,
     EmbeddedDoc,
     LedgerRecord,
@@ -33,9 +35,7 @@ from transforms.schema import (
     MicroBatch,
     NewsEvent,
     PreparedDoc,
-    vector_schema,
 )
-from transforms.sinks import WriteStreaming, to_table
 
 RUN_ID = "20261201T093000Z-1a2b3c4d"
 T0 = dt.datetime(2026, 12, 1, 9, 59, tzinfo=dt.timezone.utc)  # start of the first window

@@ -31,11 +31,11 @@ from pydantic import field_validator
 
 import pipeline
 import transforms
-from transforms import schema
+from transforms import types as schema
 from transforms.chunking import ChunkSpan
 from transforms.dedup import _KeepFirstPerShard, _Regroup
 from transforms.embed import _EmbedInFlightFn
-from transforms.schema import (
+from transforms.types import (
     ChunkRow,
     DeadLetter,
     EmbeddedDoc,
@@ -298,9 +298,9 @@ def test_a_date_time_field_added_with_a_default_needs_no_coder_change(monkeypatc
 # ---- what pickled state did when a class changed ------------------------------------------------
 
 def _as_next_release(monkeypatch, new_class) -> None:
-    """Make ``new_class`` the class of its name in transforms.schema, as a new release's worker
+    """Make ``new_class`` the class of its name in transforms.types, as a new release's worker
     has it (pickle looks classes up there by name)."""
-    new_class.__module__ = "transforms.schema"
+    new_class.__module__ = "transforms.types"
     new_class.__qualname__ = new_class.__name__
     monkeypatch.setattr(schema, new_class.__name__, new_class)
 
@@ -416,7 +416,7 @@ def write_in_flight_fixture() -> Path:
 def test_elements_in_flight_written_by_0_2_are_read_after_the_types_moved():
     """An ``--update`` from 0.2 hands the new job the elements in flight, pickled by 0.2 under its
     types' module (``transforms.schema``): today's code reads them to the same values (the types
-    moved to ``transforms.types``; ``transforms.schema`` stays as their old name)."""
+    moved to ``transforms.types``; ``transforms/schema.py`` stays as their old name)."""
     stored = json.loads(IN_FLIGHT.read_text())
     coder = beam.coders.registry.get_coder(MicroBatch)
     values = _in_flight_values()

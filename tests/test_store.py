@@ -15,7 +15,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline import config as config_lib
 from tests.conftest import SAMPLE_EVENTS, STORE_DSN_ENV, make_config
-from transforms.schema import chunk_schema, vector_schema
+from transforms.output.parquet import chunk_schema, vector_schema
 from transforms.stores.pgvector import (
     LoadRows,
     Store,
@@ -205,7 +205,7 @@ def test_a_batch_run_whose_load_fails_stays_committed_and_newsvec_load_loads_it(
     from pipeline.cli import main as cli
     from pipeline.run import run_batch
     from tools.emulators import free_port
-    from transforms.manifest import read_manifest
+    from transforms.output.manifest import read_manifest
 
     out = tmp_path / "out"
     config = make_config(input=str(SAMPLE_EVENTS), output=str(out),

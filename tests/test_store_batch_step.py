@@ -21,8 +21,8 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline.graph import build_batch
 from tests.conftest import STORE_DSN_ENV, make_config
 from tests.fakes import FakeEngine
-from transforms.layout import SUMMARY_FILE, new_run_id
-from transforms.manifest import read_manifest, write_manifest
+from transforms.output.layout import SUMMARY_FILE, new_run_id
+from transforms.output.manifest import read_manifest, write_manifest
 from transforms.stores.pgvector import StoreLoadFailed, StoreSettings
 
 

@@ -10,7 +10,7 @@ test PostgreSQL (``pg``, ``store_settings``):
 - the ids a load wrote come from its upsert, not from reading the table;
 - two versions of one article in one load keep the chunks of the version kept;
 - the article's own order (``updated_at``, ``published_at``, the day, the publish time) decides
-  its current version, in the store and in ``pipeline.current``;
+  its current version, in the store and in ``transforms.output.current_vectors``;
 - the connection string never shows, even when libpq cannot parse it;
 - a batch load that races a newer publish says what to run.
 """
@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import STORE_DSN_ENV
-from transforms.schema import chunk_schema, vector_schema
+from transforms.output.parquet import chunk_schema, vector_schema
 from transforms.stores.pgvector import LoadRows, Store, StoreLoadFailed, StoreSettings, scrub
 
 DIM = 8
@@ -397,10 +397,11 @@ def test_a_table_created_before_updated_at_gets_the_column(store_settings, pg):
 
 
 def test_current_vectors_orders_by_the_articles_own_times(tmp_path):
-    """``pipeline.current`` (pyarrow and its DuckDB query) picks the version the store keeps: a
-    correction with a later ``updated_at`` wins over an original embedded later on a later day."""
+    """``transforms.output.current_vectors`` (pyarrow and its DuckDB query) picks the version the
+    store keeps: a correction with a later ``updated_at`` wins over an original embedded later on a
+    later day."""
     duckdb = pytest.importorskip("duckdb")
-    from pipeline.current import CURRENT_VECTORS_SQL, current_vectors
+    from transforms.output.current_vectors import CURRENT_VECTORS_SQL, current_vectors
 
     for day, table in (("2026-12-01", rows(["a", "b"], text="corrected",
                                           updated_at=T0 + dt.timedelta(hours=1))),
@@ -417,8 +418,8 @@ def test_current_vectors_orders_by_the_articles_own_times(tmp_path):
 
 
 def test_updated_at_is_read_as_rfc_3339_and_carried_to_the_row():
-    from transforms.schema import EmbeddedDoc, NewsEvent, PreparedDoc
     from transforms.sinks import to_table
+    from transforms.types import EmbeddedDoc, NewsEvent, PreparedDoc
 
     event = NewsEvent.model_validate_json(
         '{"id": "x", "body": "b", "updated_at": "2026-12-01T10:00:00+01:00"}')
@@ -489,7 +490,7 @@ def test_a_batch_load_that_races_a_newer_publish_says_what_to_run(tmp_path, stor
     """The output holds run A committed; while ``newsvec load`` reads A's files, run B publishes
     (A's files deleted, B's manifest written). Before: a FileNotFoundError traceback."""
     from pipeline.load import main as load_main
-    from transforms.manifest import COMMITTED, Manifest, write_manifest
+    from transforms.output.manifest import COMMITTED, Manifest, write_manifest
     from transforms.stores import batch as load_module
 
     out = tmp_path / "out"

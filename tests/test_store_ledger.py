@@ -25,15 +25,8 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.utils.timestamp import Timestamp
 
 from pipeline import compact, ledger
-from transforms.schema import (
-    DeadLetter,
-    EmbeddedDoc,
-    Lineage,
-    MicroBatch,
-    NewsEvent,
-    PreparedDoc,
-)
 from transforms.sinks import _WriteStreamingFn
+from transforms.types import DeadLetter, EmbeddedDoc, Lineage, MicroBatch, NewsEvent, PreparedDoc
 
 DIM = 8
 RUN_ID = "20261201T090000Z-0000abcd"
@@ -203,7 +196,7 @@ def test_a_batch_run_whose_load_meets_a_row_the_table_refuses_completes_and_name
     from pipeline.run import run_batch
     from tests.conftest import make_config
     from tests.fakes import FakeEngine
-    from transforms.schema import vector_schema
+    from transforms.output.parquet import vector_schema
     from transforms.sinks import to_table
     from transforms.stores.pgvector import LoadRows, Store
 

@@ -30,7 +30,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from transforms.schema import chunk_schema, vector_schema
+from transforms.output.parquet import chunk_schema, vector_schema
 from transforms.stores.pgvector import (
     BatchOutput,
     LoadRows,

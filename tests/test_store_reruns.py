@@ -59,7 +59,7 @@ def batch_run(config):
 
 
 def held(output) -> set[str]:
-    from transforms.manifest import read_manifest
+    from transforms.output.manifest import read_manifest
 
     manifest = read_manifest(str(output))
     return set(pq.read_table([str(output / f) for f in manifest.vectors])["id"].to_pylist())

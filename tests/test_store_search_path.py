@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 from tests.test_store import DIM, chunks, vectors
-from transforms.schema import chunk_schema, vector_schema
+from transforms.output.parquet import chunk_schema, vector_schema
 from transforms.stores.pgvector import LoadRows, Store, StoreSettings
 
 DAY = dt.date(2026, 12, 1)

@@ -24,8 +24,9 @@ from tests.conftest import SAMPLE_EVENTS, make_config
 from tests.emulators import gcs_emulator, pubsub_emulator
 from tools.emulators import local_streaming_job
 from tools.publish import publish_file
-from transforms.schema import NewsEvent, vector_schema
+from transforms.output.parquet import vector_schema
 from transforms.text import compose_text
+from transforms.types import NewsEvent
 
 PROJECT, BUCKET = "newsvec-test", "newsvec-stream"
 TOPIC, SUBSCRIPTION = f"projects/{PROJECT}/topics/news", f"projects/{PROJECT}/subscriptions/news"
@@ -188,7 +189,7 @@ def test_every_published_message_is_accounted_for(emulators, tmp_path):
 
     from sentence_transformers import SentenceTransformer
 
-    from transforms.model import resolve_model_path
+    from transforms.engines.model import resolve_model_path
 
     events = {}
     for line in lines + after:

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import bbc_file
-from transforms.schema import NewsEvent, Reason
 from transforms.text import PrepareText, compose_text, normalize_text
+from transforms.types import NewsEvent, Reason
 
 
 @pytest.mark.parametrize("raw, clean", [
@@ -97,7 +97,7 @@ def test_prepare_text_outputs_docs_and_dead_letters():
 
 
 def test_dead_letters_after_parsing_keep_the_message_id_of_streamed_events():
-    from transforms.schema import DeadLetter, Lineage
+    from transforms.types import DeadLetter, Lineage
 
     event = NewsEvent(id="s-1", body="<![foo]>").model_copy(
         update={"lineage": Lineage(message_id="777", publish_time=None)})

@@ -29,7 +29,7 @@ from tests.conftest import bbc_file
 from tools import reference_prepare as reference
 from transforms import text
 from transforms.parse import ParseError, parse_event
-from transforms.schema import NewsEvent
+from transforms.types import NewsEvent
 
 
 @pytest.fixture(scope="module")

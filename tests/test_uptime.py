@@ -18,12 +18,12 @@ from apache_beam.utils.timestamp import Timestamp
 from pipeline.graph import embed_and_write_streaming
 from tests.conftest import make_config
 from tests.fakes import FakeEngine
-from transforms import engine as engines
 from transforms import text
-from transforms.engine import FreedMemory
-from transforms.schema import NewsEvent
+from transforms.engines import base as engines
+from transforms.engines.base import FreedMemory
 from transforms.settings import StreamingSettings
 from transforms.text import PrepareText
+from transforms.types import NewsEvent
 
 T0 = Timestamp.from_utc_datetime(dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc))
 

@@ -12,7 +12,7 @@ from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Timestamp
 from apache_beam.utils.windowed_value import PaneInfoTiming
 
-from transforms.schema import NewsEvent
+from transforms.types import NewsEvent
 from transforms.windowing import WindowByEventTime, event_time
 
 T0 = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)

@@ -31,7 +31,7 @@ from transforms.dedup import (
     _Regroup,
     dedup_key_function,
 )
-from transforms.schema import MicroBatch, NewsEvent, PreparedDoc
+from transforms.types import MicroBatch, NewsEvent, PreparedDoc
 
 MODEL_NOTE = ("MODELED state store: each state cell is encoded bytes; a read decodes them with the "
               "state spec's coder, a write encodes (the least work any runner's state backend "

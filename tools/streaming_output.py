@@ -13,7 +13,8 @@ import numpy as np
 from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.utils.timestamp import Timestamp
 
-from transforms.schema import (
+from transforms.sinks import WriteStreaming
+from transforms.types import (
     ChunkRow,
     DeadLetter,
     EmbeddedDoc,
@@ -22,7 +23,6 @@ from transforms.schema import (
     NewsEvent,
     PreparedDoc,
 )
-from transforms.sinks import WriteStreaming
 
 RUN_ID = "20261201T093000Z-5eed0000"
 MODEL = "fake@0"

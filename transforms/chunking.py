@@ -11,7 +11,7 @@ between two characters, never inside one; its ids are the tokens of its text, re
 ``sentence_end_slack_tokens`` it ends at a sentence end (. ! ? 。！？ and others, closing quotes and
 brackets after them) when one lies that close before the cut.
 
-Each chunk becomes a row of ``chunks/`` (``transforms.schema.chunk_schema``), and the article keeps
+Each chunk becomes a row of ``chunks/`` (``transforms.types.chunk_schema``), and the article keeps
 one row in ``vectors/``: the vector of its head (``doc_vector: head``, as in head mode) or the
 token-weighted mean of its chunk vectors, L2-normalized (``doc_vector: mean``).
 """

@@ -7,16 +7,15 @@ letters by reason from the JSON Lines) and checks ``in = written + dead_lettered
 unchanged`` (``Counts``) against the job's own tallies (and one key in ``keys/`` per row). A run
 that does not balance fails here and publishes nothing: a run that fails or is killed before this
 step leaves the previous output as it was. Then it writes the run's ``_summary.json``, publishes
-the run under the output's manifest (``transforms.manifest``), and deletes what runs killed before
-they committed left in ``_staging/`` and ``_temp/`` more than ``STALE_AFTER_S`` ago.
+the run under the output's manifest (``transforms.output.manifest``), and deletes what runs killed
+before they committed left in ``_staging/`` and ``_temp/`` more than ``STALE_AFTER_S`` ago.
 
-All of it holds the output's publish lease (``transforms.lease``): one commit at a time per output.
-The newest run wins: run ids begin with their launch time (``layout.new_run_id``), and a run finds,
-under the lease, whether a run launched after it already holds the output; then it publishes
-nothing (its summary says ``published: false`` and ``superseded_by``). So a retried launch, a
-manual rerun or a backfill of a day replaces an older launch's output even if the older one
-finishes last, and a slow older launch never overwrites a newer one.
-"""
+All of it holds the output's publish lease (``transforms.output.lease``): one commit at a time per
+output. The newest run wins: run ids begin with their launch time (``layout.new_run_id``), and a run
+finds, under the lease, whether a run launched after it already holds the output; then it publishes
+nothing (its summary says ``published: false`` and ``superseded_by``). So a retried launch, a manual
+rerun or a backfill of a day replaces an older launch's output even if the older one finishes last,
+and a slow older launch never overwrites a newer one. """
 from __future__ import annotations
 
 import collections
@@ -31,7 +30,7 @@ from typing import Optional
 import apache_beam as beam
 
 from transforms.incremental import Snapshot, SnapshotChanged
-from transforms.layout import (
+from transforms.output.layout import (
     CHUNKS_DIR,
     DEAD_LETTER_DIR,
     KEYS_DIR,
@@ -47,8 +46,8 @@ from transforms.layout import (
     staging_prefix,
     write_whole,
 )
-from transforms.lease import PublishLease
-from transforms.manifest import (
+from transforms.output.lease import PublishLease
+from transforms.output.manifest import (
     PUBLISHING,
     STALE_AFTER_S,
     Manifest,

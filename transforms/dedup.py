@@ -31,9 +31,9 @@ from apache_beam.transforms.userstate import (
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 from transforms.metrics import DUPLICATES
-from transforms.schema import BatchId, MicroBatch
 from transforms.settings import DedupKey
 from transforms.state_coders import MicroBatchCoder, SeenKeysCoder
+from transforms.types import BatchId, MicroBatch
 
 # Documents (PreparedDoc, streaming) and vector rows (EmbeddedDoc, batch) both have these.
 DEDUP_KEY_FUNCTIONS: dict[str, Callable] = {

@@ -1,5 +1,5 @@
 """Embed: PreparedDoc -> EmbeddedDoc (with its chunk rows in chunks mode) with the engine of
-``transforms.engine``, or a dead letter.
+``transforms.engines.base``, or a dead letter.
 
 The ``Embedder``, and the Beam steps that drive it with an engine call in flight. Not Beam's
 RunInference: it waits for each call, and the bundle's core idles meanwhile (a duty cycle of 0.51
@@ -16,18 +16,17 @@ In chunks mode a document is embedded as several inputs (its chunks, and its hea
 document vector): they go to the engine mixed with other documents' inputs, in calls of at most
 ``model.token_budget`` tokens, and a document with a failing input is dead-lettered whole.
 
-A failed engine call is an INPUT failure or an ENGINE failure (``transforms.engine`` tells them
-apart with a canary input; for the shared engine, a call its process ended in is checked on the
-next engine the same way: ``transforms.shared_engine``). An input failure is split in halves and
+A failed engine call is an INPUT failure or an ENGINE failure (``transforms.engines.base`` tells
+them apart with a canary input; for the shared engine, a call its process ended in is checked on the
+next engine the same way: ``transforms.engines.shared``). An input failure is split in halves and
 retried (bisection) until the failing inputs stand alone; only those are dead-lettered
-(``embedding_failed``). An engine failure (``EngineFailedError``, also raised when the engine
-cannot be loaded) blames no input: it fails the bundle, which the runner retries on a fresh
-engine. Every vector is checked: one holding a NaN or an infinity is its document's dead letter,
-never a row. A model that fails for every input while its canary passes stops the job
-(``ModelBrokenError``, counted per process: ``FailureRun``); a shared engine that ends in more calls
-of one bisection in a row than one input can make it, and no longer embeds an input it embedded
-before, fails the bundle (``_EngineEnds``).
-"""
+(``embedding_failed``). An engine failure (``EngineFailedError``, also raised when the engine cannot
+be loaded) blames no input: it fails the bundle, which the runner retries on a fresh engine. Every
+vector is checked: one holding a NaN or an infinity is its document's dead letter, never a row. A
+model that fails for every input while its canary passes stops the job (``ModelBrokenError``,
+counted per process: ``FailureRun``); a shared engine that ends in more calls of one bisection in a
+row than one input can make it, and no longer embeds an input it embedded before, fails the bundle
+(``_EngineEnds``). """
 from __future__ import annotations
 
 import collections
@@ -52,15 +51,18 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 from apache_beam.utils.windowed_value import WindowedValue
 
 from transforms.chunking import chunk_id, mean_vector
-from transforms.engine import (
+from transforms.engines.base import (
     EngineFactory,
     EngineFailedError,
     ModelHandle,
     finite_rows,
     process_engine,
 )
+from transforms.engines.shared import EngineEndedInCall, deaths_allowed, shared_engine
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
-from transforms.schema import (
+from transforms.settings import ChunkingSettings, ModelSettings
+from transforms.state_coders import MicroBatchCoder, PendingIdCoder
+from transforms.types import (
     DEAD_LETTER,
     BatchId,
     ChunkRow,
@@ -71,9 +73,6 @@ from transforms.schema import (
     Reason,
     Step,
 )
-from transforms.settings import ChunkingSettings, ModelSettings
-from transforms.shared_engine import EngineEndedInCall, deaths_allowed, shared_engine
-from transforms.state_coders import MicroBatchCoder, PendingIdCoder
 
 _LOG = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ class EmbedFailure:
 class _EngineEnds:
     """The shared engine's ends in calls of one bisection (``EngineEndedInCall``), in a row with
     no call succeeding between them. One input that ends the engine makes at most ``allowed`` of
-    them (``transforms.shared_engine.deaths_allowed``: one per halving, and its retry); past
+    them (``transforms.engines.shared.deaths_allowed``: one per halving, and its retry); past
     that, the engine is asked to embed an input it embedded before: if it cannot (or there is
     none yet), the engine is what fails, and the bundle fails (``EngineFailedError``) instead of
     starting an engine per input and dead-lettering every article of the call; if it can, the
@@ -253,7 +252,7 @@ class Embedder:
         """A vector or an EmbedFailure per prompt: a failing call is retried in halves
         (bisection), and a single failing prompt once more before it is blamed. A vector with a
         NaN or an infinity is its prompt's EmbedFailure (not retried: the engine's canary passed,
-        ``transforms.engine``), never a row. A bisection in which the shared engine ends more
+        ``transforms.engines.base``), never a row. A bisection in which the shared engine ends more
         often in a row than one input that ends it can make it (``_EngineEnds``) stops with an
         ``EngineFailedError`` unless the engine still embeds an input it embedded before."""
         if not prompts:
@@ -523,7 +522,7 @@ class _EmbedInFlightFn(beam.DoFn):
         self._model: Optional[ModelHandle] = None
 
     def setup(self):
-        self._model = self._embedder.load_engine()  # once per process (transforms.engine)
+        self._model = self._embedder.load_engine()  # once per process (transforms.engines.base)
 
     def _embed(self, batch: MicroBatch, stats: EngineStats) -> tuple[str, list]:
         assert self._model is not None, "setup() loads the engine"

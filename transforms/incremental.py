@@ -10,12 +10,12 @@ chunking settings embed again, and a corrected text (another ``text_sha256``) do
 A batch run given ``incremental.previous_outputs`` (globs of output prefixes, its own output never
 among them) resolves them when it runs (``ReadKeys``: each batch output through its committed
 manifest, a ``Snapshot``) into the list of their key files (``KeyFiles``, a small side input);
-each worker process loads those keys once (``key_index``: a ``transforms.key_index.KeyIndex``,
-17 bytes a key), and ``SkipUnchanged`` counts the articles whose key is there as ``unchanged``
-instead of embedding them: ``in = written + dead_lettered + duplicates + unchanged``. It also says
-which snapshots it skipped articles for; the commit (``transforms.commit``) publishes only if each
-still holds the run that was read, so an article counted unchanged is always in a committed output.
-"""
+each worker process loads those keys once (``key_index``: a
+``transforms.output.key_index.KeyIndex``, 17 bytes a key), and ``SkipUnchanged`` counts the articles
+whose key is there as ``unchanged`` instead of embedding them: ``in = written + dead_lettered +
+duplicates + unchanged``. It also says which snapshots it skipped articles for; the commit
+(``transforms.commit``) publishes only if each still holds the run that was read, so an article
+counted unchanged is always in a committed output. """
 from __future__ import annotations
 
 import dataclasses
@@ -31,9 +31,10 @@ import pyarrow as pa
 from apache_beam import pvalue
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.compaction import current_key_files, is_compacted
-from transforms.key_index import KeyIndex, MissingKeyFile, ProcessCache
-from transforms.layout import (
+from transforms.metrics import KEY_INDEX_LOAD_MS, KEY_INDEX_WAIT_MS, SKIP_LOOKUPS, SKIP_NS
+from transforms.output.compaction import current_key_files, is_compacted
+from transforms.output.key_index import KeyIndex, MissingKeyFile, ProcessCache
+from transforms.output.layout import (
     COMPACTION_DIR,
     KEYS_DIR,
     LEDGER_DIR,
@@ -46,11 +47,10 @@ from transforms.layout import (
     open_inside,
     relative_to,
 )
-from transforms.lease import gcs_bucket_and_name, unsafe_test_timings
-from transforms.manifest import COMMITTED, read_manifest
-from transforms.metrics import KEY_INDEX_LOAD_MS, KEY_INDEX_WAIT_MS, SKIP_LOOKUPS, SKIP_NS
-from transforms.schema import EmbeddedDoc, PreparedDoc
+from transforms.output.lease import gcs_bucket_and_name, unsafe_test_timings
+from transforms.output.manifest import COMMITTED, read_manifest
 from transforms.settings import ChunkingSettings, ModelSettings
+from transforms.types import EmbeddedDoc, PreparedDoc
 
 UNCHANGED = "unchanged"
 SKIPPED_FROM = "skipped_from"
@@ -62,7 +62,7 @@ _LOG = logging.getLogger(__name__)
 # each attempt rewrites their files and records, at most ``store.retry_s`` (300 s by default) plus
 # the runner's retry delay apart. An hour is well past that, and costs a nightly job only the
 # articles the stream wrote in the hour before it reads (embedded again). 0 under the test
-# suite's override (``transforms.lease.UNSAFE_TEST_TIMINGS_ENV``).
+# suite's override (``transforms.output.lease.UNSAFE_TEST_TIMINGS_ENV``).
 STREAMING_SETTLE_S = 3600.0
 
 
@@ -139,7 +139,7 @@ class Snapshot:
                 else f"{self.prefix} (streaming, {len(self.pins)} micro-batch key files)")
 
     def to_dict(self) -> dict:
-        """As a ``publishing`` manifest records it (``transforms.manifest``)."""
+        """As a ``publishing`` manifest records it (``transforms.output.manifest``)."""
         out: dict = {"prefix": self.prefix, "run_id": self.run_id}
         if self.pins:
             out["pins"] = [list(pin) for pin in self.pins]
@@ -263,14 +263,15 @@ def output_prefixes(pattern: str, own_output: str) -> list[str]:
                 if streaming is not None:
                     found.add(streaming)
     # Local prefixes absolute and normalized, as a manifest records them (``skipped_from``:
-    # ``transforms.manifest.check_snapshot``), whatever the working folder of whoever checks them.
+    # ``transforms.output.manifest.check_snapshot``), whatever the working folder of whoever checks
+    # them.
     return sorted({_normal(p) for p in found} - {own})
 
 
 def streaming_key_files(prefix: str) -> list[str]:
     """The key files of a streaming output (no manifest): the compacted files of each compacted
-    partition and the micro-batch files not compacted yet (``transforms.compaction``). The one
-    place that lists them."""
+    partition and the micro-batch files not compacted yet (``transforms.output.compaction``). The
+    one place that lists them."""
     return current_key_files(prefix)
 
 

@@ -25,7 +25,7 @@ from apache_beam.transforms import window
 from apache_beam.utils.timestamp import Timestamp
 
 from transforms.dedup import DedupKey, dedup_key_function, shard_of
-from transforms.schema import DeadLetter, MicroBatch, PreparedDoc
+from transforms.types import DeadLetter, MicroBatch, PreparedDoc
 from transforms.windowing import windowed_by_publish_time
 
 

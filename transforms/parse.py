@@ -20,7 +20,7 @@ import pydantic_core
 from apache_beam import pvalue
 
 from transforms.metrics import EVENTS_IN
-from transforms.schema import (
+from transforms.types import (
     DEAD_LETTER,
     DeadLetter,
     Lineage,

@@ -24,7 +24,7 @@ from apache_beam.io import fileio
 from apache_beam.io.filesystem import CompressionTypes
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.schema import OversizedPayload
+from transforms.types import OversizedPayload
 
 CHUNK_BYTES = 1 << 16
 # Compressed input read at a time, and the most memory a decompressor may hold of its own: an xz

@@ -1,11 +1,10 @@
 """Every section of a config (``configs/*.yaml``), as pydantic models, and the small value types
 they name: the one home of the config's schema.
 
-This module is the ground floor: it imports nothing of ``pipeline/`` and only ``transforms.lease``
-(the lease floor) of ``transforms/``, so every stage may import its settings from here. The root
-``Config``, reading a file (``extends:``), the overrides and the ``{model}`` / ``{date}`` fields are
-``pipeline/config.py``'s.
-"""
+This module is the ground floor: it imports nothing of ``pipeline/`` and only
+``transforms.output.lease`` (the lease floor) of ``transforms/``, so every stage may import its
+settings from here. The root ``Config``, reading a file (``extends:``), the overrides and the
+``{model}`` / ``{date}`` fields are ``pipeline/config.py``'s. """
 from __future__ import annotations
 
 import functools
@@ -16,7 +15,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from transforms.lease import require_lease_s
+from transforms.output.lease import require_lease_s
 
 DedupKey = Literal["id", "text_sha256"]  # the config's ``dedup.key``
 UnicodeForm = Literal["NFC", "NFKC"]
@@ -186,7 +185,9 @@ def _computes_bfloat16() -> bool:
     """A CUDA GPU with bfloat16 (torch is asked only where ``visible_gpus`` finds a GPU), or a CPU
     with AVX512_BF16 or AMX-BF16 (Linux: /proc/cpuinfo). Elsewhere bfloat16 is emulated: measured
     on an AMD EPYC without AVX-512, 2.2 articles/s at bfloat16 against 13.9 at float32."""
-    from transforms.devices import visible_gpus  # not at the top: devices imports this module
+    from transforms.engines.devices import (
+        visible_gpus,  # not at the top: devices imports this module
+    )
 
     if visible_gpus():  # torch only where a GPU may answer: importing it takes 1.5 s on a CPU
         try:

@@ -1,6 +1,6 @@
 """Sinks: vector rows as Parquet under ``vectors/`` (and chunk rows under ``chunks/``, chunks mode;
 their keys under ``keys/``), dead letters as JSON Lines under ``dead_letter/``. Folder and file
-names come from ``transforms.layout``.
+names come from ``transforms.output.layout``.
 
 Batch: ``WriteVectors``, ``WriteChunks``, ``WriteKeys`` and ``WriteDeadLetters`` write a run's files
 into the folder they are given (the run's staging folder), named by run id and shard
@@ -31,7 +31,14 @@ from apache_beam.transforms.window import IntervalWindow
 from apache_beam.utils.timestamp import Timestamp
 
 from transforms.incremental import KeysTable
-from transforms.layout import (
+from transforms.metrics import (
+    DEAD_LETTERED,
+    END_TO_END_MS,
+    ROWS_WRITTEN,
+    TRUNCATED,
+    dead_letter_counter,
+)
+from transforms.output.layout import (
     CHUNKS_DIR,
     DEAD_LETTER_DIR,
     KEYS_DIR,
@@ -47,28 +54,12 @@ from transforms.layout import (
     require_safe_run_id,
     write_whole,
 )
-from transforms.metrics import (
-    DEAD_LETTERED,
-    END_TO_END_MS,
-    ROWS_WRITTEN,
-    TRUNCATED,
-    dead_letter_counter,
-)
-from transforms.schema import (
-    ChunkRow,
-    Counts,
-    DeadLetter,
-    EmbeddedDoc,
-    LedgerRecord,
-    MicroBatch,
-    VectorDtype,
-    chunk_schema,
-    key_schema,
-    vector_schema,
-)
+from transforms.output.parquet import chunk_schema, key_schema, vector_schema
+from transforms.settings import VectorDtype
 from transforms.stores import Settings as StoreSettings
 from transforms.stores import store_for
 from transforms.stores.base import LoadRows, VectorStore
+from transforms.types import ChunkRow, Counts, DeadLetter, EmbeddedDoc, LedgerRecord, MicroBatch
 
 
 def _column(rows, field: pa.Field, schema: pa.Schema) -> pa.Array:

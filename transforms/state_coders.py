@@ -59,7 +59,7 @@ import numpy as np
 from apache_beam.coders import Coder
 from pydantic import TypeAdapter
 
-from transforms import schema
+from transforms import types as schema
 from transforms.chunking import ChunkSpan
 
 _PICKLE_PROTOCOL_2_TO_5 = 0x80

@@ -69,8 +69,7 @@ except ImportError:  # pragma: no cover
     import sre_parse
 
 from transforms.chunking import Chunker, bert_style, copy_tokenizer
-from transforms.model import resolve_model_path
-from transforms.schema import DEAD_LETTER, DeadLetter, NewsEvent, PreparedDoc, Reason, Step
+from transforms.engines.model import resolve_model_path
 from transforms.settings import (
     DEFAULT_MAX_TITLE_CHARS,
     DEFAULT_PREPARE_BUDGET_S,
@@ -78,6 +77,7 @@ from transforms.settings import (
     ModelSettings,
     UnicodeForm,
 )
+from transforms.types import DEAD_LETTER, DeadLetter, NewsEvent, PreparedDoc, Reason, Step
 
 _TOKENIZE_BATCH = 128
 class PrepareTimeout(Exception):

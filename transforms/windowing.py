@@ -25,7 +25,7 @@ from apache_beam.transforms import trigger, window
 from apache_beam.utils.timestamp import Duration, Timestamp
 
 from transforms.metrics import LATE_REASSIGNED
-from transforms.schema import NewsEvent
+from transforms.types import NewsEvent
 
 _UNIX_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
 GROUPING_GRACE_S = 3600

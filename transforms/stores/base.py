@@ -28,7 +28,8 @@ from typing import Any, Optional, Protocol, Sequence
 
 import pyarrow as pa
 
-from transforms.schema import VERSION_ORDER, VectorDtype
+from transforms.output.parquet import VERSION_ORDER
+from transforms.settings import VectorDtype
 
 
 class StoreError(RuntimeError):

@@ -36,8 +36,8 @@ import apache_beam as beam
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from transforms.layout import join_path, open_output_file
-from transforms.manifest import COMMITTED, read_manifest
+from transforms.output.layout import join_path, open_output_file
+from transforms.output.manifest import COMMITTED, read_manifest
 from transforms.stores.base import (
     BatchOutput,
     LoadRows,
@@ -53,7 +53,8 @@ _DAY_IN_PATH = re.compile(r"(?:^|/)dt=([0-9]{4}-[0-9]{2}-[0-9]{2})(?:/|$)")
 def run_day(output: str, run_id: str) -> dt.date:
     """The day a batch run's rows stand for, the first order of the current-vector rule: the
     ``dt=YYYY-MM-DD`` folder of the output prefix (``output: .../dt={date}``, as
-    ``pipeline.current`` reads it), else the run's launch day (its id begins with it)."""
+    ``transforms.output.current_vectors`` reads it), else the run's launch day (its id begins with
+    it)."""
     found = _DAY_IN_PATH.findall(output.rstrip("/"))
     if found:
         return dt.date.fromisoformat(found[-1])

@@ -80,14 +80,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from transforms.schema import (
+from transforms.output.parquet import (
     CHUNK_COLUMNS,
     NULLABLE_IN_ORDER,
     VECTOR_COLUMNS,
     VERSION_ORDER,
     Column,
-    VectorDtype,
 )
+from transforms.settings import VectorDtype
 from transforms.stores.base import (  # noqa: F401  # the contract's values, also named from here
     REJECTED_FIELDS,
     ROW_FIELDS,

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from transforms.model import ModelSettings, resolve_model_path
+from transforms.engines.model import ModelSettings, resolve_model_path
 
 _ERFC_COEFFICIENTS = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806,
                       0.09678418, 0.37409196, 1.00002368, -1.26551223)

@@ -1,8 +1,8 @@
 """One publisher per output prefix at a time, enforced by the storage: a renewed, fenced lease.
 
-A batch run publishes into an output (``transforms.manifest.publish``) only while it holds the lease
-on ``<output>/_publish.lock``. The lock object is a small JSON body (who holds it, since when), and
-every change to it is conditional on the generation the changer last saw:
+A batch run publishes into an output (``transforms.output.manifest.publish``) only while it holds
+the lease on ``<output>/_publish.lock``. The lock object is a small JSON body (who holds it, since
+when), and every change to it is conditional on the generation the changer last saw:
 
 - on GCS, through google-cloud-storage's preconditions: ``if_generation_match=0`` creates it only if
   absent, ``if_generation_match=G`` replaces it only if nobody changed it since G. The storage
@@ -71,7 +71,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.layout import PUBLISH_LOCK_FILE, UnsafePath, join_path
+from transforms.output.layout import PUBLISH_LOCK_FILE, UnsafePath, join_path
 from transforms.private_files import open_private_file
 
 _LOG = logging.getLogger(__name__)
@@ -591,10 +591,12 @@ class PublishLease:
         # GCS generations of the small objects (the manifest) this holder read or wrote: its
         # writes of them are conditional on these (``put``, ``remove``).
         self.generations: dict[str, int] = {}
-        # GCS generations of the files this holder copied (``transforms.manifest.copy_fenced``).
+        # GCS generations of the files this holder copied
+        # (``transforms.output.manifest.copy_fenced``).
         self.copied: dict[str, int] = {}
-        # What this holder deleted (``transforms.manifest.delete_fenced``, ``delete_tree_fenced``:
-        # files, and local folders), in order: ``newsvec cleanup`` reports it.
+        # What this holder deleted (``transforms.output.manifest.delete_fenced``,
+        # ``delete_tree_fenced``: files, and local folders), in order: ``newsvec cleanup`` reports
+        # it.
         self.removed: list[str] = []
 
     @property

@@ -1,50 +1,42 @@
 """The embedding engine: what turns token ids into vectors, loaded once per worker process (or once
 per machine, in a process of its own), never per bundle.
 
-An engine (``EmbeddingEngine``) has four members: a ``label`` (the model and its content hash,
-written with every row), ``embed`` (a vector per prompt of token ids, in one call), ``healthy``
-(whether a fixed canary input still embeds) and ``close``. ``Engine`` is the real one, vLLM's
-``LLM(runner="pooling")``; a test's FAKE or a benchmark's MODELED engine stands in for it through an
-``EngineFactory``.
+An engine (``EmbeddingEngine``, this module) has four members: a ``label`` (the model and its
+content hash, written with every row), ``embed`` (a vector per prompt of token ids, in one call),
+``healthy`` (whether a fixed canary input still embeds) and ``close``. ``Engine`` is the real one,
+vLLM's ``LLM(runner="pooling")`` (``transforms.engines.vllm``); a test's FAKE or a benchmark's
+MODELED engine stands in for it through an ``EngineFactory``.
 
-``EngineHandle`` is what a ModelHandler holds as its model. A failed call is either an INPUT failure
-or an ENGINE failure, told apart by the canary:
+``EngineHandle`` is what the ``Embedder`` (``transforms.embed``) holds as its engine. A failed call
+is either an INPUT failure or an ENGINE failure, told apart by the canary:
 - the canary still embeds: the inputs are to blame; the engine's error is raised as is, and the
-  handler (``transforms.embed``) bisects the call to find them;
+  ``Embedder`` bisects the call to find them;
 - the canary fails too, or vLLM says its engine died (a CUDA error looks like this): no input is
   blamed. The engine is closed, ``EngineFailedError`` fails the bundle, and the runner retries it;
   the handle loads a fresh engine on its next use, so whatever still holds the handle (the
-  embedding step, RunInference's shared model, the retried bundle) gets a working one.
+  embedding step, the retried bundle) gets a working one.
 A load that fails (the first, or one after an engine failure) is an engine failure too:
 ``EngineFailedError``, raised before any input is tried, so no input is ever blamed for it. A call
 that returns a vector holding a NaN or an infinity is checked with the canary as well: a failing
 canary is an engine failure; a passing one leaves those documents to be dead-lettered.
 
 Where the engine lives: ``process_engine`` gives a handle in this process (``load_engine`` keeps one
-per process for given engine settings); ``transforms.shared_engine`` serves one engine per machine,
+per process for given engine settings); ``transforms.engines.shared`` serves one engine per machine,
 in a process of its own (``model.share_across_processes``).
 """
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import threading
 import time
-from typing import Any, Callable, Literal, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from transforms.model import (
-    Matryoshka,
-    model_label,
-    resolve_model_path,
-    truncation,
-)
 from transforms.settings import ModelSettings
 
 _LOG = logging.getLogger(__name__)
-CANARY_TEXT = "newsvec engine check"
 
 
 class EmbeddingEngine(Protocol):
@@ -68,67 +60,6 @@ EngineFactory = Callable[[ModelSettings], EmbeddingEngine]
 
 class EngineFailedError(RuntimeError):
     """The engine failed, not an input: the bundle fails (and is retried on a fresh engine)."""
-
-
-class Engine:
-    """``vllm.LLM(runner="pooling")`` behind the calls newsvec makes: embed token ids, check health,
-    close (an ``EmbeddingEngine``)."""
-
-    def __init__(self, llm, settings: ModelSettings, label: str,
-                 truncated_by: Literal["none", "vllm", "newsvec"] = "none"):
-        """``truncated_by`` (``transforms.model.truncation``): who cuts the vectors to
-        ``settings.dimensions``, vLLM (``PoolingParams(dimensions=...)``) or this class."""
-        self._llm, self._normalize, self.label = llm, settings.normalize, label
-        self._vllm_dimensions = settings.dimensions if truncated_by == "vllm" else None
-        self._own_dimensions = settings.dimensions if truncated_by == "newsvec" else None
-        self._canary = [list(llm.get_tokenizer().encode(CANARY_TEXT))]
-
-    @property
-    def llm(self):
-        """The vLLM ``LLM`` itself (the batch benchmark calls it raw, as a baseline)."""
-        return self._llm
-
-    def embed(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        from vllm import PoolingParams
-        from vllm.inputs import TokensPrompt
-
-        # vLLM aborts a failed call's requests itself (tests/test_embed_failures.py checks it), so
-        # none of them can finish in a later call and be returned with its outputs.
-        outputs = self._llm.embed(
-            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-            pooling_params=PoolingParams(use_activation=self._normalize,
-                                         dimensions=self._vllm_dimensions),
-            use_tqdm=False)
-        if len(outputs) != len(prompts):
-            raise RuntimeError(f"{len(outputs)} outputs for {len(prompts)} inputs")
-        for output, prompt in zip(outputs, prompts, strict=True):
-            if list(output.prompt_token_ids) != list(prompt):
-                raise RuntimeError("an output does not belong to its input")
-        vectors = [np.asarray(o.outputs.embedding, dtype=np.float32) for o in outputs]
-        FREED_MEMORY.after_call()
-        if self._own_dimensions is not None:
-            vectors = [truncate_vector(v, self._own_dimensions, self._normalize)
-                       for v in vectors]
-        return vectors
-
-    def healthy(self) -> bool:
-        """Whether the canary still embeds to a finite vector: an engine that fails it is broken,
-        whatever the inputs were."""
-        try:
-            (vector,) = self.embed(self._canary)
-            return bool(np.isfinite(vector).all())
-        except Exception:  # pylint: disable=broad-except  # any failure of the canary is the answer
-            return False
-
-    def close(self) -> None:
-        """Stop vLLM's engine core; a process that does not may abort at exit (rc 134). The LLM
-        may be shared with engines of other output dimensions (``_shared_llm``): they fail their
-        next call, and their handles load a fresh one."""
-        with _LLMS_LOCK:
-            for key, llm in list(_LLMS.items()):
-                if llm is self._llm:
-                    del _LLMS[key]
-        _shutdown(self._llm)
 
 
 class FreedMemory:
@@ -187,8 +118,8 @@ def truncate_vector(vector: np.ndarray, dimensions: int, normalize: bool) -> np.
 
 
 class ModelHandle(Protocol):
-    """What a ModelHandler holds as its model: an ``EngineHandle`` (the engine in this process) or
-    a ``SharedEngineClient`` (the machine's one engine, in a process of its own)."""
+    """What the ``Embedder`` holds as its engine: an ``EngineHandle`` (the engine in this process)
+    or a ``SharedEngineClient`` (the machine's one engine, in a process of its own)."""
 
     def label(self) -> str:
         """The model and its content hash."""
@@ -202,8 +133,8 @@ class ModelHandle(Protocol):
 
 
 class EngineHandle:
-    """What RunInference holds as its model: the engine for some settings, loaded at once, and
-    loaded again after an engine failure.
+    """What the ``Embedder`` holds as its engine in this process: the engine for some settings,
+    loaded at once, and loaded again after an engine failure.
 
     One handle serves every DoFn thread of a process; ``LLM.embed()`` collects every finished
     request, so concurrent calls could take each other's outputs: calls are serialized.
@@ -318,70 +249,9 @@ def _engine_is_dead(exc: BaseException) -> bool:
     return type(exc).__name__ == "EngineDeadError"
 
 
-_LLMS: dict[str, Any] = {}  # _llm_identity -> vllm.LLM
-_LLMS_LOCK = threading.Lock()
-
-
-def _llm_identity(settings: ModelSettings) -> str:
-    """What the vLLM ``LLM`` depends on: engines that differ only in output dimension share it."""
-    return json.dumps(settings.model_dump(include=set(_LLM_FIELDS)), sort_keys=True)
-
-
-def _shared_llm(s: ModelSettings):
-    """The process's vLLM ``LLM`` for these settings: loaded once, whatever
-    ``model.dimensions`` the engines on it write."""
-    identity = _llm_identity(s)
-    with _LLMS_LOCK:
-        if identity not in _LLMS:
-            llm = _LLMS[identity] = _new_llm(s)
-            atexit.register(_shutdown, llm)
-        return _LLMS[identity]
-
-
-def _shutdown(llm) -> None:
-    """Stop vLLM's engine core; a process that does not may abort at exit (rc 134)."""
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # pylint: disable=broad-except
-        pass
-
-
-def _new_llm(s: ModelSettings):
-    s.apply_engine_env()
-    from vllm import LLM  # imported on the worker, after the engine environment is set
-
-    path = resolve_model_path(s.path)
-    kwargs: dict[str, Any] = dict(
-        model=path, runner="pooling", dtype=s.resolved_dtype(), revision=s.revision,
-        max_model_len=s.max_tokens, trust_remote_code=s.trust_remote_code,
-        enforce_eager=s.enforce_eager, seed=0)
-    if s.gpu_memory_utilization is not None:
-        kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
-    if s.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = s.max_num_seqs
-    if s.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
-    _LOG.info("loading %s at %s", s.name, kwargs["dtype"])
-    return LLM(**kwargs)
-
-
-def load_vllm(s: ModelSettings) -> Engine:
-    """A real vLLM engine for these settings (the default ``EngineFactory``), on the process's
-    ``LLM`` for them (``_shared_llm``)."""
-    llm = _shared_llm(s)
-    model_config = llm.llm_engine.model_config
-    engine = Engine(llm, s, model_label(s, resolve_model_path(s.path)))
-    size = model_config.embedding_size  # the pooler's output size
-    if size != s.dim:
-        engine.close()
-        raise ValueError(f"model.dim is {s.dim} in the config but the model {s.path} "
-                         f"gives {size}-dimensional embeddings")
-    # Refused (a model that does not declare the size): the LLM stays for the process's others.
-    truncated_by = truncation(s, Matryoshka.of_hf_config(model_config.hf_config))
-    return Engine(llm, s, engine.label, truncated_by)
-
-
 _HANDLES: dict[str, EngineHandle] = {}
+
+
 _HANDLES_LOCK = threading.Lock()
 
 
@@ -401,17 +271,21 @@ def _engine_identity(settings: ModelSettings) -> str:
 def load_engine(settings: ModelSettings) -> EngineHandle:
     """The process's one vLLM engine handle for these settings, loaded on first use.
 
-    RunInference already keeps one model per DoFn; this cache also spans pipelines run one after
+    The embedding steps keep one handle per DoFn; this cache also spans pipelines run one after
     another in a process (tests, a retried bundle's new DoFn), so a worker never holds two engines.
     """
     identity = _engine_identity(settings)
     with _HANDLES_LOCK:
         if identity not in _HANDLES:
+            from transforms.engines.vllm import load_vllm  # it imports this module
+
             _HANDLES[identity] = EngineHandle(settings, load_vllm)
         return _HANDLES[identity]
 
 
 _FACTORY_HANDLES: dict[tuple[type, str], EngineHandle] = {}
+
+
 _FACTORY_HANDLES_LOCK = threading.RLock()  # a test's factory may itself call load_engine
 
 

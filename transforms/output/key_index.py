@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.layout import open_output_file, output_of
+from transforms.output.layout import open_output_file, output_of
 
 KEY_HEX_CHARS = 32
 _BATCH_ROWS = 1 << 20  # rows decoded at a time: about 100 MB of temporaries, whatever the file

@@ -27,7 +27,7 @@ each SDK process one ``SharedEngineClient`` per step, which:
   starts only once nothing of the last one runs.
 
 A worker with several GPUs runs one such engine per GPU (``model.gpus_per_worker``), each pinned
-to its device, and each SDK process is given one of them (``transforms.devices``).
+to its device, and each SDK process is given one of them (``transforms.engines.devices``).
 
 Only the job's user reaches the engine: it serves on a Unix socket (``_serve_privately``, in
 place of Beam's server function, which binds a TCP port on 127.0.0.1), 0600, in one private
@@ -70,14 +70,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from transforms.devices import DeviceSlots, engine_devices
-from transforms.engine import (
+from transforms.engines.base import (
     EngineFactory,
     EngineFailedError,
     EngineHandle,
     all_finite,
     process_engine,
 )
+from transforms.engines.devices import DeviceSlots, engine_devices
 from transforms.private_files import (
     UnsafeFolderError,
     check_private_folder,
@@ -1667,7 +1667,7 @@ def shared_engine(settings: ModelSettings, factory: Optional[EngineFactory],
 
     With several GPUs (``model.gpus_per_worker``) there is one engine per GPU, tagged
     ``{tag}-gpu{index}``, and this process is given the one with the fewest processes
-    (``transforms.devices.DeviceSlots``) for as long as it lives."""
+    (``transforms.engines.devices.DeviceSlots``) for as long as it lives."""
     with _CLIENTS_LOCK:
         if tag not in _CLIENTS:
             _CLIENTS[tag] = _new_client(settings, factory, tag)

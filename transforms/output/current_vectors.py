@@ -1,5 +1,5 @@
 """The current vector of every article, across daily outputs (and a streaming output): for each id,
-its current version (``transforms.schema.VERSION_ORDER``): the row with the latest ``updated_at``,
+its current version (``transforms.types.VERSION_ORDER``): the row with the latest ``updated_at``,
 then the latest ``published_at`` (the article's own order, which its producer gives), then the
 latest day (the ``dt=`` partition in its path), then the latest Pub/Sub publish time, the latest
 embedded only among rows equal in all of those; a null is lower than any value.
@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from transforms.layout import open_output_file
-from transforms.schema import NULLABLE_IN_ORDER, VERSION_ORDER, common_schema, conform
+from transforms.output.layout import open_output_file
+from transforms.output.parquet import NULLABLE_IN_ORDER, VERSION_ORDER, common_schema, conform
 
 LATEST_FIRST = ", ".join(f"{name} DESC NULLS LAST" if name in NULLABLE_IN_ORDER
                          else f"{name} DESC" for name in VERSION_ORDER)

@@ -21,7 +21,7 @@ A batch run writes into ``<output>/_staging/<run_id>/`` (``vectors/``, ``dead_le
    folder.
 
 Every step can run again (a retried bundle, ``repair``). Only the holder of the output's publish
-lease (``transforms.lease``) publishes, and every change it makes is fenced by it
+lease (``transforms.output.lease``) publishes, and every change it makes is fenced by it
 (``PublishLease.change``: the lock read again just before; on GCS the manifest and the summary
 written only if unchanged since this holder last saw them, a copy made only over the generation
 this holder listed and undone, by the generation it created, if the lease was lost during it): a
@@ -43,7 +43,7 @@ from typing import Any, Iterable, Optional
 from apache_beam.io.filesystem import BeamIOError
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.layout import (
+from transforms.output.layout import (
     KEYS_DIR,
     MANIFEST_FILE,
     PUBLISHED_DIRS,
@@ -73,7 +73,7 @@ from transforms.layout import (
     temp_path,
     write_whole,
 )
-from transforms.lease import (
+from transforms.output.lease import (
     LeaseLost,
     PublishLease,
     gcs_bucket_and_name,
@@ -82,7 +82,7 @@ from transforms.lease import (
     gcs_read_generation,
     unsafe_test_timings,
 )
-from transforms.schema import Counts
+from transforms.types import Counts
 
 _LOG = logging.getLogger(__name__)
 
@@ -92,10 +92,10 @@ STALE_AFTER_S = 2 * 86400  # older staged or temporary files than this are a dea
 # temporary file is younger (it is written within one bundle), and so is the newest staged file of
 # a batch job that still runs unless the job has been running for longer (the default of
 # ``newsvec cleanup`` is a day, of the commit's own clean-up two). Under the test override only
-# (``transforms.lease.UNSAFE_TEST_TIMINGS_ENV``) it may be less.
+# (``transforms.output.lease.UNSAFE_TEST_TIMINGS_ENV``) it may be less.
 MIN_STALE_AGE_S = 3600.0
 # Files in one fenced delete: on GCS one batch request (``delete_files``), as each fenced change
-# must be one request for the lease's floor to hold (``transforms.lease.MIN_LEASE_S``).
+# must be one request for the lease's floor to hold (``transforms.output.lease.MIN_LEASE_S``).
 _DELETES_PER_CHANGE = 100
 _COPY_ATTEMPTS = 3  # a GCS copy whose target another holder wrote since it was listed, tried again
 

@@ -9,7 +9,8 @@ An output prefix holds (docs/output.md)::
     _staging/<run_id>/                       batch: a run's files until it commits
     _temp/                                   files being written, renamed into place when whole
     _compaction/                             streaming: per partition, which micro-batch files its
-                                             compacted-<id> files replace (transforms.compaction)
+                                             compacted-<id> files replace
+                                             (transforms.output.compaction)
 
 Every writer (the sinks, the commit, the manifest) and every reader (the ledger, the clean-up, the
 incremental key lookup) takes its names from here, so a name is formatted and parsed in one place.
@@ -40,9 +41,9 @@ TEMP_DIR = "_temp"
 STAGING_DIR = "_staging"
 SUMMARY_FILE = "_summary.json"
 MANIFEST_FILE = "_manifest.json"
-PUBLISH_LOCK_FILE = "_publish.lock"  # the publish lease (transforms.lease)
-# Streaming compaction (transforms.compaction): a partition's manifest under _compaction/, and the
-# compacted files' names (compacted-<id>.parquet), which PartFileName never parses.
+PUBLISH_LOCK_FILE = "_publish.lock"  # the publish lease (transforms.output.lease)
+# Streaming compaction (transforms.output.compaction): a partition's manifest under _compaction/,
+# and the compacted files' names (compacted-<id>.parquet), which PartFileName never parses.
 COMPACTION_DIR = "_compaction"
 COMPACTED_PREFIX = "compacted-"
 # The folders a batch commit publishes (and a rerun replaces), in the order it replaces them.
@@ -464,7 +465,7 @@ def _delete_quietly(output: str, path: str) -> None:
 
 def temp_path(output: str, run_id: Optional[str] = None) -> str:
     """A fresh name under ``<output>/_temp/`` (``_temp/<run_id>/`` for a run's files), its folder
-    made. ``transforms.manifest.clean_stale`` deletes what a killed worker leaves there."""
+    made. ``transforms.output.manifest.clean_stale`` deletes what a killed worker leaves there."""
     folder = join_path(output, TEMP_DIR, run_id) if run_id else join_path(output, TEMP_DIR)
     require_inside(output, folder)
     if is_local(folder):

@@ -62,8 +62,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
-from transforms import layout  # the confined file operations: layout.*_inside
-from transforms.layout import (
+from transforms.output import layout
+from transforms.output.layout import (
     CHUNKS_DIR,
     COMPACTED_PREFIX,
     COMPACTION_DIR,
@@ -85,9 +85,10 @@ from transforms.layout import (
     temp_path,
     write_whole,
 )
-from transforms.lease import PublishLease
-from transforms.manifest import copy_fenced, delete_fenced
-from transforms.schema import LedgerRecord, common_schema, conform
+from transforms.output.lease import PublishLease
+from transforms.output.manifest import copy_fenced, delete_fenced
+from transforms.output.parquet import common_schema, conform
+from transforms.types import LedgerRecord
 
 MANIFEST_NAME = "manifest.json"
 _LOG = logging.getLogger(__name__)

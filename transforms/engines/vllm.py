@@ -1,0 +1,151 @@
+"""vLLM's engine (``Engine``: ``vllm.LLM(runner="pooling")`` behind the calls newsvec makes) and
+``load_vllm``, the default ``EngineFactory``: one ``LLM`` per process for given settings, shared by
+the engines of other output dimensions on it. The contract it meets, the handle that holds it and
+the failure model are in ``transforms.engines.base``."""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import threading
+from typing import Any, Literal, Sequence
+
+import numpy as np
+
+from transforms.engines.base import _LLM_FIELDS, FREED_MEMORY, truncate_vector
+from transforms.engines.model import (
+    Matryoshka,
+    model_label,
+    resolve_model_path,
+    truncation,
+)
+from transforms.settings import ModelSettings
+
+_LOG = logging.getLogger(__name__)
+CANARY_TEXT = "newsvec engine check"
+
+
+class Engine:
+    """``vllm.LLM(runner="pooling")`` behind the calls newsvec makes: embed token ids, check health,
+    close (an ``EmbeddingEngine``)."""
+
+    def __init__(self, llm, settings: ModelSettings, label: str,
+                 truncated_by: Literal["none", "vllm", "newsvec"] = "none"):
+        """``truncated_by`` (``transforms.engines.model.truncation``): who cuts the vectors to
+        ``settings.dimensions``, vLLM (``PoolingParams(dimensions=...)``) or this class."""
+        self._llm, self._normalize, self.label = llm, settings.normalize, label
+        self._vllm_dimensions = settings.dimensions if truncated_by == "vllm" else None
+        self._own_dimensions = settings.dimensions if truncated_by == "newsvec" else None
+        self._canary = [list(llm.get_tokenizer().encode(CANARY_TEXT))]
+
+    @property
+    def llm(self):
+        """The vLLM ``LLM`` itself (the batch benchmark calls it raw, as a baseline)."""
+        return self._llm
+
+    def embed(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        from vllm import PoolingParams
+        from vllm.inputs import TokensPrompt
+
+        # vLLM aborts a failed call's requests itself (tests/test_embed_failures.py checks it), so
+        # none of them can finish in a later call and be returned with its outputs.
+        outputs = self._llm.embed(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+            pooling_params=PoolingParams(use_activation=self._normalize,
+                                         dimensions=self._vllm_dimensions),
+            use_tqdm=False)
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"{len(outputs)} outputs for {len(prompts)} inputs")
+        for output, prompt in zip(outputs, prompts, strict=True):
+            if list(output.prompt_token_ids) != list(prompt):
+                raise RuntimeError("an output does not belong to its input")
+        vectors = [np.asarray(o.outputs.embedding, dtype=np.float32) for o in outputs]
+        FREED_MEMORY.after_call()
+        if self._own_dimensions is not None:
+            vectors = [truncate_vector(v, self._own_dimensions, self._normalize)
+                       for v in vectors]
+        return vectors
+
+    def healthy(self) -> bool:
+        """Whether the canary still embeds to a finite vector: an engine that fails it is broken,
+        whatever the inputs were."""
+        try:
+            (vector,) = self.embed(self._canary)
+            return bool(np.isfinite(vector).all())
+        except Exception:  # pylint: disable=broad-except  # any failure of the canary is the answer
+            return False
+
+    def close(self) -> None:
+        """Stop vLLM's engine core; a process that does not may abort at exit (rc 134). The LLM
+        may be shared with engines of other output dimensions (``_shared_llm``): they fail their
+        next call, and their handles load a fresh one."""
+        with _LLMS_LOCK:
+            for key, llm in list(_LLMS.items()):
+                if llm is self._llm:
+                    del _LLMS[key]
+        _shutdown(self._llm)
+
+
+_LLMS: dict[str, Any] = {}  # _llm_identity -> vllm.LLM
+
+
+_LLMS_LOCK = threading.Lock()
+
+
+def _llm_identity(settings: ModelSettings) -> str:
+    """What the vLLM ``LLM`` depends on: engines that differ only in output dimension share it."""
+    return json.dumps(settings.model_dump(include=set(_LLM_FIELDS)), sort_keys=True)
+
+
+def _shared_llm(s: ModelSettings):
+    """The process's vLLM ``LLM`` for these settings: loaded once, whatever
+    ``model.dimensions`` the engines on it write."""
+    identity = _llm_identity(s)
+    with _LLMS_LOCK:
+        if identity not in _LLMS:
+            llm = _LLMS[identity] = _new_llm(s)
+            atexit.register(_shutdown, llm)
+        return _LLMS[identity]
+
+
+def _shutdown(llm) -> None:
+    """Stop vLLM's engine core; a process that does not may abort at exit (rc 134)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # pylint: disable=broad-except
+        pass
+
+
+def _new_llm(s: ModelSettings):
+    s.apply_engine_env()
+    from vllm import LLM  # imported on the worker, after the engine environment is set
+
+    path = resolve_model_path(s.path)
+    kwargs: dict[str, Any] = dict(
+        model=path, runner="pooling", dtype=s.resolved_dtype(), revision=s.revision,
+        max_model_len=s.max_tokens, trust_remote_code=s.trust_remote_code,
+        enforce_eager=s.enforce_eager, seed=0)
+    if s.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
+    if s.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = s.max_num_seqs
+    if s.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
+    _LOG.info("loading %s at %s", s.name, kwargs["dtype"])
+    return LLM(**kwargs)
+
+
+def load_vllm(s: ModelSettings) -> Engine:
+    """A real vLLM engine for these settings (the default ``EngineFactory``), on the process's
+    ``LLM`` for them (``_shared_llm``)."""
+    llm = _shared_llm(s)
+    model_config = llm.llm_engine.model_config
+    engine = Engine(llm, s, model_label(s, resolve_model_path(s.path)))
+    size = model_config.embedding_size  # the pooler's output size
+    if size != s.dim:
+        engine.close()
+        raise ValueError(f"model.dim is {s.dim} in the config but the model {s.path} "
+                         f"gives {size}-dimensional embeddings")
+    # Refused (a model that does not declare the size): the LLM stays for the process's others.
+    truncated_by = truncation(s, Matryoshka.of_hf_config(model_config.hf_config))
+    return Engine(llm, s, engine.label, truncated_by)

@@ -1,0 +1,440 @@
+"""The streaming ledger check, from storage: ``check(output, start, end, verify, store)`` sums the
+ledger records of a streaming output and checks them against the files they name, the files no
+record names, the compacted hours' manifests and, with a store, the store's loads and rows
+(through the store contract, ``transforms.stores``). ``newsvec ledger`` (``pipeline/ledger.py``) is
+its command line; what each check refuses is listed there."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime as dt
+import json
+import re
+from typing import Any, Optional, Union
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from apache_beam.io.filesystems import FileSystems
+
+from transforms.output.compaction import PartitionView, is_compacted, ledger_records, partition_of
+from transforms.output.layout import (
+    CHUNKS_DIR,
+    DEAD_LETTER_DIR,
+    KEYS_DIR,
+    LEDGER_DIR,
+    VECTORS_DIR,
+    PartFileName,
+    UnsafePath,
+    join_path,
+    open_output_file,
+    parquet_rows,
+    partitions_between,
+)
+from transforms.output.parquet import VERSION_ORDER, version_key
+from transforms.stores import Settings as StoreSettings
+from transforms.stores import store_for
+from transforms.stores.base import printable as _printable
+from transforms.types import Counts, utc_time
+
+
+@dataclasses.dataclass
+class LedgerReport:
+    totals: dict
+    problems: list  # "window <start>: what is wrong"
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _list(output: str, subdir: str, suffix: Union[str, tuple[str, ...]],
+          partitions: Optional[list[str]]) -> list[str]:
+    patterns = ([join_path(output, subdir, "**")] if partitions is None
+                else [join_path(output, subdir, p, "*") for p in partitions])
+    return [m.path for result in FileSystems.match(patterns) for m in result.metadata_list
+            if m.path.endswith(suffix)]
+
+
+def _row_message_ids(output: str, path: str) -> list[Optional[str]]:
+    with open_output_file(output, path) as f:
+        return pq.read_table(f, columns=["pubsub_message_id"]).column(0).to_pylist()
+
+
+def _letter_message_id(line: bytes):
+    """A dead letter's Pub/Sub message id (None if it has none); ``...`` if the line is not one."""
+    try:
+        letter = json.loads(line)
+    except ValueError:
+        return ...
+    return letter.get("message_id") if isinstance(letter, dict) else ...
+
+
+def _written_twice(message_ids: list[Optional[str]], relative: str, written_in: dict[str, str]
+                   ) -> list[str]:
+    """A problem for each Pub/Sub message that this vectors or dead-letter file holds and another
+    file held already: a row in two files, a dead letter in two, or a row in one and a dead letter
+    in another. Each copy was counted in its record's ``messages_in``, so every record balances
+    while the message is counted twice (two launches that each wrote a micro-batch under names of
+    their own, as releases before the digest in file names did after an update; a message read
+    again after a snapshot restore or a subscription seek; see docs/streaming.md)."""
+    problems = []
+    for message_id in message_ids:
+        if not isinstance(message_id, str):
+            continue
+        if message_id in written_in:
+            problems.append(f"message {message_id} is written twice: in {written_in[message_id]} "
+                            f"and in {relative}")
+        written_in.setdefault(message_id, relative)
+    return problems
+
+
+def _read(output: str, path: str) -> bytes:
+    """A file of the output's bytes: a regular file only (``open_output_file``: a symlink or a
+    FIFO in its place is an ``UnsafePath`` naming it, never read or waited on)."""
+    with open_output_file(output, path) as f:
+        return f.read()
+
+
+def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.datetime] = None,
+          verify: bool = True, store: Optional[StoreSettings] = None) -> LedgerReport:
+    """The ledger of ``output`` over windows starting in ``[start, end)``. Compaction-aware: a
+    record's file that a compaction replaced is resolved through the partition's compaction
+    manifest (``transforms.output.compaction``), and a compacted file must hold the rows of every
+    record it replaced, together."""
+    partitions = None
+    if start is not None or end is not None:
+        if start is None or end is None:
+            raise ValueError("give both --from and --until, or neither")
+        partitions = partitions_between(start, end)
+
+    def in_range(t: Optional[dt.datetime]) -> bool:
+        if t is None:
+            return False
+        return start is None or end is None or start <= t < end
+
+    # Every record of the partitions read (a compacted file holds the rows of all of its hour's);
+    # the totals and the balance checks are of those in range. Their files are resolved through
+    # the compaction manifests the records were read by, not read again later.
+    unreadable: list[str] = []  # named as problems: one stray file does not stop the ledger
+    every, views = ledger_records(output, partitions, unreadable)
+    not_compacted = PartitionView(None, {}, set())
+
+    def view(relative: str) -> PartitionView:
+        return views.get(partition_of(relative), not_compacted)
+
+    prefix = output.rstrip("/") + "/"
+    records = [r for r in every if in_range(utc_time(r.window_start))]
+    problems = list(unreadable)
+    named: collections.Counter[str] = collections.Counter()  # micro-batch file -> records
+    expected: collections.Counter[str] = collections.Counter()  # file -> rows its records say
+    checked: dict[str, tuple[str, str, str]] = {}  # file -> (kind, first record, as named)
+    written_in: dict[str, str] = {}  # Pub/Sub message id -> the vectors file that holds its row
+    holders: dict[str, set[str]] = {"vectors": set(), "dead letter": set()}  # of in-range records
+    windows = set()
+    for r in sorted(every, key=lambda r: (r.window_start, r.pane, r.shard)):
+        where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
+        ours = in_range(utc_time(r.window_start))
+        if ours:
+            windows.add(r.window_start)
+            if not r.counts.balances():
+                problems.append(f"{where}: does not balance: messages_in {r.messages_in} != rows "
+                                f"{r.rows_written} + dead letters {r.dead_lettered} + duplicates "
+                                f"{r.duplicates}")
+            if not r.counts.reasons_add_up():
+                problems.append(f"{where}: dead letters by reason do not add up to "
+                                f"{r.dead_lettered}")
+            if not r.counts.languages_add_up():
+                problems.append(f"{where}: dead letters by language do not add up to those by "
+                                f"reason")
+            if r.keys_file is not None and r.keys_written != r.rows_written:
+                problems.append(f"{where}: {r.keys_written} keys for {r.rows_written} rows")
+        for kind, relative, count in (("vectors", r.vectors_file, r.rows_written),
+                                      ("chunks", r.chunks_file, r.chunks_written),
+                                      ("keys", r.keys_file, r.keys_written),
+                                      ("dead letter", r.dead_letter_file, r.dead_lettered)):
+            if relative is None:
+                if count and ours:
+                    problems.append(f"{where}: {count} {kind} rows but no {kind} file")
+                continue
+            holder = view(relative).replaced.get(relative, relative)  # its compacted file
+            expected[holder] += count
+            if holder == relative:
+                named[prefix + relative] += 1
+            if ours and holder not in checked:
+                checked[holder] = (kind, where, relative)
+            if ours and kind in holders:
+                holders[kind].add(holder)
+    for holder, (kind, where, relative) in sorted(checked.items()):
+        path = prefix + holder
+        compacted = is_compacted(holder)
+        if not FileSystems.exists(path):
+            problems.append(f"{where}: its {kind} file {relative} is missing" + (
+                f" (compacted into {holder})" if compacted else ""))
+        elif verify:
+            try:
+                if kind == "dead letter":
+                    lines = [line for line in _read(output, path).splitlines() if line]
+                    found, message_ids = len(lines), [_letter_message_id(line) for line in lines]
+                    if ... in message_ids:
+                        problems.append(f"{where}: {holder} holds a line that is not a dead "
+                                        f"letter")
+                else:
+                    found = parquet_rows([path], output)
+                    message_ids = _row_message_ids(output, path) if kind == "vectors" else []
+            except UnsafePath as exc:  # a symlink, a FIFO: named, never read or waited on
+                problems.append(f"{where}: its {kind} file {holder} is refused: {exc}")
+                continue
+            if found != expected[holder]:
+                says = (f"its ledger records say {expected[holder]}" if compacted
+                        else f"the record says {expected[holder]}")
+                problems.append(f"{where}: {holder} holds {found} rows, {says}")
+            problems += _written_twice(message_ids, holder, written_in)
+    for subdir, suffix in ((VECTORS_DIR, ".parquet"), (CHUNKS_DIR, ".parquet"),
+                           (KEYS_DIR, ".parquet"), (DEAD_LETTER_DIR, ".jsonl"),
+                           (LEDGER_DIR, (".json", ".jsonl"))):
+        for path in _list(output, subdir, suffix, partitions):
+            relative = path[len(prefix):]
+            partition = partition_of(relative)
+            if is_compacted(relative):
+                if not view(relative).visible(relative):
+                    problems.append(f"partition {partition}: {relative} is named by no compaction "
+                                    f"manifest (an unfinished compaction: run newsvec compact "
+                                    f"again)")
+                elif subdir != LEDGER_DIR and relative not in expected:
+                    problems.append(f"partition {partition}: {relative} replaces no ledger "
+                                    f"record's file")
+                continue
+            if not view(relative).visible(relative):
+                problems.append(f"partition {partition}: {relative} was compacted into "
+                                f"{view(relative).replaced[relative]} but is still there (an "
+                                f"unfinished compaction: run newsvec compact again)")
+                continue
+            if subdir == LEDGER_DIR:
+                continue
+            name = PartFileName.parse(path)
+            window = name.window_start if name else None
+            if not in_range(window) or (subdir == KEYS_DIR and name and name.digest is None):
+                continue  # out of range; or keys/ of a release whose records did not name them
+            if named[path] == 0:
+                problems.append(f"window {window:%Y-%m-%dT%H:%M:%SZ}: {path[len(prefix):]} has no "
+                                f"ledger record")
+            elif named[path] > 1:
+                problems.append(f"window {window:%Y-%m-%dT%H:%M:%SZ}: {path[len(prefix):]} is "
+                                f"named by {named[path]} ledger records")
+    store_totals: dict = {}
+    if store is not None:
+        store_problems, store_totals = _check_store(output, records, store, verify, holders)
+        problems += store_problems
+    total = Counts.total(r.counts for r in records)
+    totals = {"windows": len(windows), "records": len(records), "messages_in": total.articles_in,
+              "rows_written": total.written, "dead_lettered": total.dead_lettered,
+              "duplicates": total.duplicates,
+              "late_reassigned": sum(r.late_reassigned for r in records),
+              "chunks_written": total.chunks_written,
+              "dead_lettered_by_reason": dict(total.dead_lettered_by_reason),
+              "dead_lettered_by_language": {language: dict(by_reason) for language, by_reason
+                                            in total.dead_lettered_by_language.items()},
+              **store_totals, "balanced": not problems}
+    return LedgerReport(totals=totals, problems=problems)
+
+
+def _load_key(r) -> Optional[str]:
+    """The store load key a record's micro-batch loads under (``sinks.micro_batch_load_key``),
+    also when its record names none (it had no rows): None for records without a digest."""
+    if r.store_load_key:
+        return r.store_load_key
+    if r.digest is None:
+        return None
+    from transforms.sinks import load_key
+
+    start = utc_time(r.window_start)
+    return None if start is None else load_key(start, r.pane, r.shard, r.digest)
+
+
+_ORDER_COLUMNS = [c for c in VERSION_ORDER if c != "dt"]
+
+
+_FILE_COLUMNS = ("id", "text_sha256", *_ORDER_COLUMNS)
+
+
+_CHUNK = 5000  # article ids per query of the store, and file rows compared at a time
+
+
+_DAY = re.compile(r"/dt=([0-9]{4}-[0-9]{2}-[0-9]{2})/")
+
+
+def _file_columns(output: str, path: str, columns) -> Optional[pa.Table]:
+    """``columns`` of a Parquet file of the output, those it has (a file written before
+    ``updated_at`` lacks it), never the others (its embeddings); None if it is gone (named
+    missing by the file checks) or not a regular file of the output (a symlink, a FIFO: named
+    by the file checks, never read)."""
+    if not FileSystems.exists(path):
+        return None
+    try:
+        f = open_output_file(output, path)
+    except UnsafePath:
+        return None
+    with f:
+        parquet = pq.ParquetFile(f)
+        return parquet.read(columns=[c for c in columns if c in parquet.schema_arrow.names])
+
+
+def _letter_ids(output: str, holders: set[str]) -> set[str]:
+    """The article ids of the dead letters of the dead-letter files ``holders`` (a file that is
+    gone or not a regular file of the output: none, the file checks name it)."""
+    letters: set[str] = set()
+    for holder in sorted(holders):
+        path = join_path(output, holder)
+        if not FileSystems.exists(path):
+            continue
+        try:
+            data = _read(output, path)
+        except UnsafePath:
+            continue
+        for line in data.splitlines():
+            if line.strip():
+                event_id = json.loads(line).get("event_id")
+                if isinstance(event_id, str):
+                    letters.add(event_id)
+    return letters
+
+
+def _check_store(output: str, records: list, settings: StoreSettings, verify: bool,
+                 holders: dict[str, set[str]]) -> tuple[list[str], dict]:
+    """The store against the records (``newsvec ledger --store``): each record with rows was loaded
+    (its load key is in ``<table>_loads`` with its row count and its rejected rows), and its
+    stored rows and rejected rows add up to its rows; verifying, every article version of the
+    vectors files (read through the compaction manifests) is the stored row of its article or
+    older than it, except the rows the store refused; no row stored under a micro-batch's key is
+    missing from the files (a message that micro-batch dead-lettered, an earlier attempt's row);
+    and no article a micro-batch withdrew (``store_withdrawn``: a redo with another outcome) is
+    without a row while a vectors file of the output holds it. The files are read one at a time,
+    only the columns compared (never the embeddings), ``_CHUNK`` rows at a time. The store is
+    read through its contract (``transforms.stores.base.StoreReader``)."""
+    problems = []
+    prefix = output.rstrip("/") + "/"
+    keys = {}
+    batch_keys: dict[str, str] = {}  # every micro-batch's load key -> where
+    rejected: set[tuple] = set()
+    by_reason: collections.Counter[str] = collections.Counter()
+    withdrawn: dict[str, str] = {}  # article -> the first record that withdrew it
+    for r in records:
+        where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
+        key = _load_key(r)
+        if key is not None:
+            batch_keys[key] = where
+        for item in r.store_rejected:
+            rejected.add((item.get("id"), item.get("text_sha256")))
+            by_reason[str(item.get("reason"))] += 1
+        for doc_id in r.store_withdrawn:
+            withdrawn.setdefault(doc_id, where)
+        if r.rows_written and not r.store_load_key:
+            problems.append(f"{where}: {r.rows_written} rows but no store load in its record")
+            continue
+        if r.store_load_key:
+            keys[r.store_load_key] = (where, r.store_rows, len(r.store_rejected))
+            if r.store_rows + len(r.store_rejected) != r.rows_written:
+                problems.append(f"{where}: {r.store_rows} rows stored and "
+                                f"{len(r.store_rejected)} refused by the store, of "
+                                f"{r.rows_written} rows")
+    store = store_for(settings)
+    missing, older = [], []
+    named: set[str] = set()  # articles already named: each once
+    matched: set[str] = set()  # articles whose stored row a file holds
+    suspects: dict[str, str] = {}  # article -> its row's load key: a micro-batch's, no file's yet
+    found: set[str] = set()  # articles of the files that the store holds
+    held_by: dict[str, str] = {}  # withdrawn article with no row -> a vectors file that holds it
+    with store.reader() as stored:
+        loads: dict = {key: (load.rows, len(load.rejected))
+                       for key, load in stored.loads(list(keys)).items()}
+        gone = set(withdrawn) - set(stored.rows(list(withdrawn)))  # withdrawn, and no row now
+        for holder in sorted(holders["vectors"]) if verify else ():
+            table = _file_columns(output, prefix + holder, _FILE_COLUMNS)
+            if table is None:
+                continue
+            day = _DAY.search(holder)
+            day_value = dt.date.fromisoformat(day.group(1)) if day else None
+            values: dict[str, list[Any]] = {
+                name: ((table.column(name).cast(pa.int64()) if name in _ORDER_COLUMNS
+                        else table.column(name)).to_pylist()
+                       if name in table.column_names else [None] * table.num_rows)
+                for name in _FILE_COLUMNS}
+            for doc_id in gone.intersection(values["id"]):
+                held_by.setdefault(doc_id, holder)
+            for start in range(0, table.num_rows, _CHUNK):
+                end = min(start + _CHUNK, table.num_rows)
+                rows_held = stored.rows(values["id"][start:end])
+                for i in range(start, end):
+                    doc_id, sha = values["id"][i], values["text_sha256"][i]
+                    held = rows_held.get(doc_id)
+                    if held is not None:
+                        found.add(doc_id)
+                    same = held is not None and held["text_sha256"] == sha and \
+                        _micros(held["embedded_at"]) == values["embedded_at"][i]
+                    if same:
+                        matched.add(doc_id)
+                    elif held is not None and held["load_key"] in batch_keys:
+                        suspects.setdefault(doc_id, held["load_key"])
+                    if same or (_printable(doc_id), _printable(sha)) in rejected:
+                        continue
+                    if held is None:
+                        missing.append(doc_id)
+                        continue
+                    row = {name: values[name][i] for name in _ORDER_COLUMNS}
+                    row["dt"] = day_value
+                    if not version_key(held) > version_key(row):
+                        older.append(f"{doc_id} (the files' text {sha}, the store's "
+                                     f"{held['text_sha256']})")
+                        named.add(doc_id)
+        if verify:
+            letters = sorted(_letter_ids(output, holders["dead letter"]))
+            for doc_id, held in stored.rows(letters).items():
+                if held["load_key"] in batch_keys:
+                    suspects.setdefault(doc_id, held["load_key"])
+    for key, (where, rows, refused) in sorted(keys.items()):
+        if key not in loads:
+            problems.append(f"{where}: its store load {key} is not in the store")
+        elif loads[key] != (rows, refused):
+            problems.append(f"{where}: the store loaded {loads[key][0]} rows (refused "
+                            f"{loads[key][1]}) under {key}, the record says {rows} (refused "
+                            f"{refused})")
+    if missing:
+        problems.append(f"store: {len(missing)} articles of the vectors files are not in the store "
+                        f"(first: {_printable(sorted(missing)[0])})")
+    if older:
+        problems.append(f"store: {len(older)} articles are stored as an older version than the "
+                        f"vectors files hold (first: {_printable(sorted(older)[0])})")
+    strays = sorted(f"{doc_id} (under {key})" for doc_id, key in suspects.items()
+                    if doc_id not in matched and doc_id not in named)
+    if strays:
+        problems.append(f"store: {len(strays)} rows stored by a micro-batch are not in its files "
+                        f"(dead-lettered there, or an earlier attempt's; first: "
+                        f"{_printable(strays[0])})")
+    if gone - set(held_by):  # not in the files checked: any vectors file of the output
+        for path in _list(output, VECTORS_DIR, ".parquet", None):
+            holder = path[len(prefix):]
+            if holder in holders["vectors"]:
+                continue
+            table = _file_columns(output, path, ("id",))
+            if table is not None and "id" in table.column_names:
+                for doc_id in gone.intersection(table.column("id").to_pylist()):
+                    held_by.setdefault(doc_id, holder)
+    if held_by:
+        first = sorted(held_by)[0]
+        problems.append(f"store: {len(held_by)} articles that a redone micro-batch withdrew have "
+                        f"no row in the store although a vectors file holds them (first: "
+                        f"{_printable(first)}, withdrawn in {withdrawn[first]}, held by "
+                        f"{held_by[first]})")
+    return problems, {"store_loads": len(keys), "store_articles": len(found),
+                      "store_rejected": sum(by_reason.values()),
+                      "store_rejected_by_reason": dict(sorted(by_reason.items())),
+                      "store_withdrawn": len(withdrawn)}
+
+
+def _micros(value: Optional[dt.datetime]) -> Optional[int]:
+    if value is None:
+        return None
+    return (value - _EPOCH) // dt.timedelta(microseconds=1)
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
