@@ -195,7 +195,7 @@ def test_lines_fan_out_right_after_reading_and_nothing_groups_before_the_engine(
 
     is_grouping = {t.unique_name for t in transforms
                    if t.spec.urn == common_urns.primitives.GROUP_BY_KEY.urn}
-    (embed,) = [n for n in by_name if n.endswith("/Embed")]
+    (embed,) = [n for n in by_name if n.endswith("/EmbedBatches")]
     (parse,) = [n for n in by_name if n.startswith("Parse/")]
     read = "ReadJsonLines/ReadLines"
     assert not is_grouping & set(upstream_path(embed, parse)), \

@@ -598,7 +598,7 @@ def test_compaction_never_follows_a_partition_swapped_after_its_check(stream, tm
     for part in partition.glob("part-*.parquet"):
         _secret_parquet_like(part, victim / part.name)
     before = outside_hash(root, out)
-    _race(monkeypatch, compaction, lambda: _swap_for_symlink(partition, victim), at=2)
+    _race(monkeypatch, compaction.layout, lambda: _swap_for_symlink(partition, victim), at=2)
     with PublishLease(str(out), "compact", lease_s=30) as lease:
         with pytest.raises(ValueError, match="symlink"):
             compaction.compact_partition(str(out), H09, lease, 16)

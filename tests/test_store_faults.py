@@ -518,7 +518,8 @@ def test_a_batch_load_that_races_a_newer_publish_says_what_to_run(tmp_path, stor
     monkeypatch.setattr(load_module, "_read", real_read)
     write_manifest(str(out), manifest)
     (out / "vectors" / "part-a.parquet").write_bytes(b"not parquet")
-    with pytest.raises(StoreLoadFailed, match=f"newsvec load --config CONFIG --run-id {run_a}"):
+    with pytest.raises(StoreLoadFailed,
+                       match=f"newsvec load --config CONFIG --output .* --run-id {run_a}"):
         load_module.run_rows(str(out), run_a)
     # Through the command: exit 1 and the message, no traceback.
     from tests.conftest import make_config

@@ -12,7 +12,8 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
-from transforms.engines.base import _LLM_FIELDS, FREED_MEMORY, truncate_vector
+from transforms.engines import base
+from transforms.engines.base import _LLM_FIELDS, truncate_vector
 from transforms.engines.model import (
     Matryoshka,
     model_label,
@@ -60,7 +61,7 @@ class Engine:
             if list(output.prompt_token_ids) != list(prompt):
                 raise RuntimeError("an output does not belong to its input")
         vectors = [np.asarray(o.outputs.embedding, dtype=np.float32) for o in outputs]
-        FREED_MEMORY.after_call()
+        base.FREED_MEMORY.after_call()  # looked up at each call: the process's one
         if self._own_dimensions is not None:
             vectors = [truncate_vector(v, self._own_dimensions, self._normalize)
                        for v in vectors]
