@@ -30,3 +30,18 @@ def command_logging(verbose: bool = False) -> None:
         os.environ["VLLM_LOGGING_LEVEL"] = logging.getLevelName(level)
     for name in QUIETED_LOGGERS:
         logging.getLogger(name).setLevel(level)
+
+
+def parse_command(parser, argv, known_only: bool = False):
+    """A sub-command's arguments, parsed with the ``--verbose`` every sub-command takes, and its
+    logging set by it (``command_logging``) before anything imports vLLM. ``known_only``: the
+    arguments it does not know are returned beside them (Beam's, for a command that runs jobs)."""
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
+    if known_only:
+        args, rest = parser.parse_known_args(argv)
+        command_logging(args.verbose)
+        return args, rest
+    args = parser.parse_args(argv)
+    command_logging(args.verbose)
+    return args
+

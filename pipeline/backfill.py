@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline import config as config_lib
+from pipeline import parse_command
 from transforms.engines.model import model_label, resolve_model_path
 from transforms.incremental import embedding_signature
 from transforms.output.manifest import SummaryUnavailable, published_summary
@@ -116,7 +117,6 @@ day is a Dataflow job, waited for before the next."""
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from pipeline import VERBOSE_HELP, command_logging
 
     parser = argparse.ArgumentParser(prog="newsvec backfill", description=HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,9 +130,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="last day, YYYY-MM-DD, inclusive")
     parser.add_argument("--force", action="store_true",
                         help="run days that are already embedded again")
-    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
-    args, beam_args = parser.parse_known_args(argv)
-    command_logging(args.verbose)
+    args, beam_args = parse_command(parser, argv, known_only=True)
     logging.basicConfig(level=logging.WARNING)
     config = config_lib.load_for_command(args.config, run_model_code=True, each_day=True)
     if "{date" not in (config.input or "") or "{date" not in config.output:

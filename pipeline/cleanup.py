@@ -75,7 +75,7 @@ anything is changed (exit status 1). On GCS a lifecycle rule can do step 3 witho
 
 
 def main(argv=None) -> int:
-    from pipeline import VERBOSE_HELP, command_logging
+    from pipeline import parse_command
 
     parser = argparse.ArgumentParser(prog="newsvec cleanup", description=HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,9 +88,7 @@ def main(argv=None) -> int:
                         help="the output's publish lease (sink.commit_lease_s): a run that holds "
                              "it is waited for, one killed while publishing for this long on GCS "
                              "(at least 360)")
-    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
-    args = parser.parse_args(argv)
-    command_logging(args.verbose)
+    args = parse_command(parser, argv)
     withdrawn = refused = repaired = None
     strays: list[str] = []
     deleted: list[str] = []

@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 
 import yaml
 
-from pipeline import VERBOSE_HELP, command_logging, logs_to_stderr
 from pipeline import config as config_lib
+from pipeline import logs_to_stderr, parse_command
 from transforms.stores.base import StoreError
 
 _DELEGATED = {  # sub-command -> its module, whose main parses its own options
@@ -79,9 +79,7 @@ def _config_command(argv: Sequence[str]) -> int:
     parser.add_argument("--markdown", action="store_true",
                         help="with --explain: as a Markdown table (the one in "
                         "docs/configuration.md)")
-    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
-    args = parser.parse_args(argv)
-    command_logging(args.verbose)
+    args = parse_command(parser, argv)
     if args.explain:
         if args.markdown:
             print(config_lib.explain_markdown())
@@ -113,9 +111,7 @@ def _search_command(argv: Sequence[str]) -> int:
                         "store: section, its HNSW index) instead of the Parquet output")
     parser.add_argument("--json", action="store_true", help="print JSON lines (UTF-8, "
                         "non-ASCII text as it is, not as \\u escapes)")
-    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
-    args = parser.parse_args(argv)
-    command_logging(args.verbose)
+    args = parse_command(parser, argv)
     from pipeline.search import search, search_store
 
     config = config_lib.load_for_command(args.config, output=args.output,

@@ -60,7 +60,7 @@ older than streaming.allowed_lateness_s plus a few minutes, or a drained job."""
 
 
 def main(argv=None) -> int:
-    from pipeline import VERBOSE_HELP, command_logging
+    from pipeline import parse_command
 
     parser = argparse.ArgumentParser(prog="newsvec ledger", description=HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,9 +76,7 @@ def main(argv=None) -> int:
                         help="end of the range (exclusive), RFC 3339")
     parser.add_argument("--no-verify", action="store_true",
                         help="do not open data files to count their rows")
-    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
-    args = parser.parse_args(argv)
-    command_logging(args.verbose)
+    args = parse_command(parser, argv)
     config = None
     if args.config:
         from pipeline import config as config_lib

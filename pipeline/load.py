@@ -17,8 +17,8 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from pipeline import VERBOSE_HELP, command_logging
 from pipeline import config as config_lib
+from pipeline import parse_command
 from transforms.stores import batch, store_for
 from transforms.stores.base import StoreLoad, StoreLoadFailed
 from transforms.stores.batch import run_rows
@@ -49,9 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="load the run again although it was loaded: the rows the store "
                         "refused then (once the table is fixed) and the articles withdrawn since "
                         "are stored; the rest changes nothing")
-    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
-    args = parser.parse_args(argv)
-    command_logging(args.verbose)
+    args = parse_command(parser, argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_lib.load_for_command(args.config, output=args.output,

@@ -76,31 +76,76 @@ def _pooling(folder: Path) -> str:
     return known[modes[0]]
 
 
-def _tokenizer(folder: Path, settings: ModelSettings):
-    """The model's fast tokenizer, set as ``HeadTokenizer`` sets it; ``Unsupported`` when its
-    ``tokenizer_config.json`` asks transformers for another normalizer than ``tokenizer.json``
-    holds (transformers would rebuild it)."""
-    from tokenizers import Tokenizer
+# The transformers release whose BertTokenizer ``_tokenizer`` builds as it does: another one may
+# build it otherwise, so the query then goes to the engine (tests/test_query_embedder.py checks the
+# ids against ``HeadTokenizer``'s, which is that BertTokenizer).
+VERIFIED_TRANSFORMERS = "5.19."
 
+
+def _tokenizer(folder: Path, settings: ModelSettings):
+    """The tokenizer ``HeadTokenizer`` uses for a BERT model, built as transformers' BertTokenizer
+    builds it: not ``tokenizer.json`` as it is, whose normalizer, pre-tokenizer and special-token
+    template transformers does not read, but its vocabulary under the normalizer, pre-tokenizer
+    and template made from ``tokenizer_config.json`` (with transformers' defaults for what it
+    leaves out); truncated on the right at ``max_tokens``. ``Unsupported`` for another tokenizer,
+    another transformers release, or added tokens that are not special."""
+    from importlib import metadata
+
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordPiece
+
+    version = metadata.version("transformers")
+    if not version.startswith(VERIFIED_TRANSFORMERS):
+        raise Unsupported(f"transformers {version}: the query path is built as "
+                          f"{VERIFIED_TRANSFORMERS}x builds a BERT tokenizer")
     if not (folder / "tokenizer.json").is_file():
         raise Unsupported("no tokenizer.json")
     wanted = _json(folder / "tokenizer_config.json") if (
         folder / "tokenizer_config.json").is_file() else {}
     if wanted.get("tokenizer_class") not in ("BertTokenizer", "BertTokenizerFast"):
         raise Unsupported(f"tokenizer class {wanted.get('tokenizer_class')!r}, not BERT's")
-    normalizer = _json(folder / "tokenizer.json").get("normalizer") or {}
-    if normalizer.get("type") != "BertNormalizer":
-        raise Unsupported("tokenizer.json has no BertNormalizer")
-    for key, ours in (("do_lower_case", "lowercase"), ("strip_accents", "strip_accents"),
-                      ("tokenize_chinese_chars", "handle_chinese_chars")):
-        if key in wanted and wanted[key] != normalizer.get(ours):
-            raise Unsupported(f"tokenizer_config.json's {key} ({wanted[key]!r}) is not "
-                              f"tokenizer.json's {ours} ({normalizer.get(ours)!r})")
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.encode_special_tokens = True
+    stored = _json(folder / "tokenizer.json")
+    model = stored.get("model") or {}
+    if model.get("type") != "WordPiece" or not isinstance(model.get("vocab"), dict):
+        raise Unsupported("tokenizer.json holds no WordPiece vocabulary")
+    if any(not added.get("special") for added in stored.get("added_tokens") or []):
+        raise Unsupported("tokenizer.json adds tokens that are not special")
+    vocab: dict[str, int] = model["vocab"]
+    unk, cls, sep = (str(wanted.get(key, default)) for key, default in (
+        ("unk_token", "[UNK]"), ("cls_token", "[CLS]"), ("sep_token", "[SEP]")))
+    if cls not in vocab or sep not in vocab:
+        raise Unsupported(f"{cls} or {sep} is not in the vocabulary")
+    tok = Tokenizer(WordPiece(vocab, unk_token=unk))
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=wanted.get("tokenize_chinese_chars", True),
+        strip_accents=wanted.get("strip_accents"), lowercase=wanted.get("do_lower_case", True))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
+    tok.add_special_tokens([str(wanted.get(key, default)) for key, default in (
+        ("pad_token", "[PAD]"), ("unk_token", "[UNK]"), ("cls_token", "[CLS]"),
+        ("sep_token", "[SEP]"), ("mask_token", "[MASK]"))])
+    tok.encode_special_tokens = True  # "[SEP]" in a query is text, as HeadTokenizer reads it
     tok.no_padding()
     tok.enable_truncation(max_length=settings.max_tokens, direction="right")
     return tok
+
+
+def _require_float_weights(path: Path) -> None:
+    """``Unsupported`` unless every tensor of the safetensors file is one numpy reads (float32,
+    float16, or an integer): its header (8 bytes of length, then JSON) says, without loading it."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, struct.error) as exc:
+        raise Unsupported(f"{path.name}: {exc}") from exc
+    dtypes = {t.get("dtype") for name, t in header.items() if name != "__metadata__"}
+    if not dtypes <= {"F32", "F16", "I64", "I32"}:
+        raise Unsupported(f"{path.name} holds {sorted(map(str, dtypes))} tensors")
 
 
 class QueryEmbedder:
@@ -127,8 +172,13 @@ class QueryEmbedder:
             raise Unsupported(f"hidden_size {config.get('hidden_size')} is not model.dim")
         if settings.max_tokens > config.get("max_position_embeddings", 0):
             raise Unsupported("max_tokens beyond the model's positions")
+        sbert = folder / "sentence_bert_config.json"
+        if sbert.is_file() and settings.max_tokens > _json(sbert).get("max_seq_length", 1 << 30):
+            raise Unsupported("max_tokens beyond the model's max_seq_length: the engine refuses "
+                              "it")
         if not (folder / "model.safetensors").is_file():
             raise Unsupported("no model.safetensors")
+        _require_float_weights(folder / "model.safetensors")
         self.pooling = _pooling(folder)
         self.tokenizer = _tokenizer(folder, settings)
         self._normalize = settings.normalize
