@@ -82,7 +82,8 @@ def test_output_docs_hold_the_generated_schema_table(folder):
     output = (REPO / "docs" / "output.md").read_text()
     assert schema_markdown(PARQUET_COLUMNS[folder]) in output, \
         f"docs/output.md's {folder}/ table is generated: paste " \
-        f"transforms.output.parquet.schema_markdown(PARQUET_COLUMNS[{folder!r}]) between its markers"
+        f"transforms.output.parquet.schema_markdown(PARQUET_COLUMNS[{folder!r}]) between its " \
+        "markers"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(REPO)))
