@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from transforms.engines.model import (
     PYPACKAGE,
@@ -60,7 +60,9 @@ class Config(BaseModel):
     registry in ``transforms/stores/__init__.py``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-
+    # The day that filled {date} (``fill_date``); not a key of the file: a config read and not
+    # filled, or one without the field, has None. Carried by ``model_copy`` and pickling.
+    _filled_day: Optional[dt.date] = PrivateAttr(None)
 
     input: Optional[str] = Field(None, description="JSON Lines glob, local or `gs://`, `.gz` "
                                                    "allowed (`--input`); may hold `{date}`, "
@@ -87,6 +89,13 @@ class Config(BaseModel):
                              f"most model.max_tokens ({self.model.max_tokens}): the engine would "
                              "truncate chunks")
         return self
+
+    @property
+    def filled_day(self) -> Optional[dt.date]:
+        """The day (``--input_date``) that filled ``{date}`` in ``input`` or ``output``: the day a
+        batch run stands for (its rows' ``dt``, ``transforms.stores.batch.run_day``). None: the
+        config holds no ``{date}``, or was not filled."""
+        return self._filled_day
 
     def beam_flags(self) -> list[str]:
         """The ``beam:`` section as command-line flags, for PipelineOptions."""
@@ -426,7 +435,9 @@ def fill_date(config: Config, input_date: Optional[str] = None,
     def fill(match: re.Match) -> str:
         return day.strftime(match.group(1)) if match.group(1) else day.isoformat()
 
-    return config.model_copy(update={k: _DATE_FIELD.sub(fill, v) for k, v in fields.items()})
+    filled = config.model_copy(update={k: _DATE_FIELD.sub(fill, v) for k, v in fields.items()})
+    filled._filled_day = day
+    return filled
 
 
 def _default_text(field) -> str:
