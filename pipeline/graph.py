@@ -50,7 +50,7 @@ from transforms.sinks import (
     WriteStreaming,
     WriteVectors,
 )
-from transforms.stores.batch import LoadCommittedRun, load_key
+from transforms.stores.batch import LoadCommittedRun, load_key, run_day
 from transforms.text import PrepareText
 from transforms.windowing import WindowByEventTime
 
@@ -142,6 +142,8 @@ def embed_and_write(payloads, config: Config, run_id: str,
                 tally(unique.docs, Tally.TRUNCATED, lambda row: int(row.truncated)),
                 tally(chunk_rows, Tally.CHUNKS)]
     summary = summary_base(config)
+    # The day the run stands for (its rows' dt in the store): --input_date, not the launch day.
+    summary["day"] = run_day(config.output, run_id, config.filled_day).isoformat()
     if config.store.enabled:  # the key the store holds the run under once LoadCommittedRun ran
         summary["store"] = {"kind": config.store.kind, "load_key": load_key(run_id)}
     committed = payloads.pipeline | "CommitRun" >> CommitRun(

@@ -215,3 +215,61 @@ def test_the_failed_load_names_a_recovery_command_that_finds_the_run(
     assert hints, "no recovery command logged"
     commands = [h[h.index("newsvec load"):] for h in hints]
     assert all(f"--output {day}" in c for c in commands), commands
+
+
+def _stored(pg) -> dict:
+    """``id -> (dt, title)`` of the articles' table."""
+    with psycopg.connect(pg) as conn:
+        return {r[0]: (r[1], r[2]) for r in conn.execute(
+            "SELECT id, dt, title FROM news_vectors ORDER BY id")}
+
+
+def test_a_run_with_another_date_form_stores_its_input_date_as_dt(tmp_path, store_settings, pg):
+    """``output: .../news/{date:%Y/%m/%d}`` (docs/configuration.md) filled with
+    ``--input_date 2026-11-30``: the store's rows have dt 2026-11-30, the day the run stands
+    for, recorded in its summary (``day``) and read by the load step and by ``newsvec load``.
+    Before, dt was the run's launch day (no ``dt=`` folder in the output). A summary without
+    ``day`` (written by 0.2) is loaded by the earlier rule: the launch day."""
+    from pipeline.config import fill
+    from transforms.stores.batch import run_rows
+
+    config = fill(make_config(input=str(_events(tmp_path, 2)),
+                              output=str(tmp_path / "news" / "{date:%Y/%m/%d}"),
+                              store=store_settings), "2026-11-30")
+    out = tmp_path / "news" / "2026" / "11" / "30"
+    assert config.output == str(out)
+    run_id = new_run_id()
+    _launch(config, run_id)
+    day = dt.date(2026, 11, 30)
+    assert _stored(pg) == {"e0": (day, "title 0"), "e1": (day, "title 1")}
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    assert summary["day"] == "2026-11-30"
+    assert run_rows(str(out), run_id).dt == day  # newsvec load: from the summary, no date given
+    del summary["day"]
+    (out / SUMMARY_FILE).write_text(json.dumps(summary))
+    launched = dt.datetime.strptime(run_id[:8], "%Y%m%d").date()
+    assert run_rows(str(out), run_id).dt == launched
+
+
+def test_a_backfill_stores_the_later_days_version_whatever_run_was_launched_last(
+        tmp_path, store_settings, pg):
+    """A backfill runs one archive day after another, every run launched the same day; an
+    article is in the input of 2026-11-29 and (changed, no ``updated_at``) of 2026-11-30, and the
+    later day is run first. The store keeps the 2026-11-30 version (dt then orders them), dt
+    being each run's day. Before, both rows had dt = the launch day, so the later-embedded
+    2026-11-29 version won."""
+    from pipeline.config import fill
+
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for day, title in (("2026-11-29", "older day"), ("2026-11-30", "later day")):
+        (inputs / f"{day}.jsonl").write_text(json.dumps(
+            {"id": "a", "title": title, "body": f"the body of the {title}"}) + "\n")
+    config = make_config(input=str(inputs / "{date}.jsonl"),
+                         output=str(tmp_path / "news" / "{date:%Y/%m/%d}"), store=store_settings)
+    first = new_run_id()
+    _launch(fill(config, "2026-11-30"), first)
+    second = new_run_id()
+    assert second > first
+    _launch(fill(config, "2026-11-29"), second)
+    assert _stored(pg) == {"a": (dt.date(2026, 11, 30), "later day")}

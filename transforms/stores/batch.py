@@ -27,6 +27,7 @@ The connection string is read where the step runs (``setup``: on Dataflow, the w
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import re
 import shlex
@@ -50,15 +51,40 @@ _LOG = logging.getLogger("newsvec")
 _DAY_IN_PATH = re.compile(r"(?:^|/)dt=([0-9]{4}-[0-9]{2}-[0-9]{2})(?:/|$)")
 
 
-def run_day(output: str, run_id: str) -> dt.date:
-    """The day a batch run's rows stand for, the first order of the current-vector rule: the
-    ``dt=YYYY-MM-DD`` folder of the output prefix (``output: .../dt={date}``, as
-    ``transforms.output.current_vectors`` reads it), else the run's launch day (its id begins with
-    it)."""
+def run_day(output: str, run_id: str, filled: Optional[dt.date] = None) -> dt.date:
+    """The day a batch run's rows stand for, the first order of the current-vector rule
+    (``VERSION_ORDER``'s ``dt``): the day that filled ``{date}`` in the run's config
+    (``filled``: its ``--input_date``, ``Config.filled_day``), else the ``dt=YYYY-MM-DD`` folder
+    of the output prefix (``output: .../dt=2026-11-30``, as ``transforms.output.current_vectors``
+    reads it), else the run's launch day (its id begins with it). The graph records it in the
+    run's summary (``day``), and the load takes it from there (``recorded_day``): an output
+    written as ``{date:%Y/%m/%d}``, or a backfill's runs, all launched one day, stand for their
+    own days."""
+    if filled is not None:
+        return filled
     found = _DAY_IN_PATH.findall(output.rstrip("/"))
     if found:
         return dt.date.fromisoformat(found[-1])
     return dt.datetime.strptime(run_id[:8], "%Y%m%d").date()
+
+
+def recorded_day(output: str, run_id: str, manifest: Any) -> Optional[dt.date]:
+    """The day run ``run_id`` recorded in its summary (``day``: ``run_day`` at its launch), or
+    None where it recorded none: a summary written before 0.3, or one that cannot be read or is
+    another run's (logged); the load then takes ``run_day`` of the output and run id."""
+    path = join_path(output, manifest.summary)
+    try:
+        with open_output_file(output, path) as f:
+            summary = json.loads(f.read().decode("utf-8"))
+        if not isinstance(summary, dict) or summary.get("run_id") != run_id:
+            raise ValueError(f"it is not run {run_id}'s summary")
+        day = summary.get("day")
+        return None if day is None else dt.date.fromisoformat(day)
+    except (OSError, ValueError, TypeError) as exc:  # gone, torn, refused, not a date
+        _LOG.warning("run %s: its day could not be read from %s (%s: %s); its rows' dt is the "
+                     "output's dt= folder, else the run's launch day", run_id, path,
+                     type(exc).__name__, exc)
+        return None
 
 
 def load_key(run_id: str) -> str:
@@ -126,6 +152,7 @@ def run_rows(output: str, run_id: str) -> LoadRows:
         manifest = _holds(output, run_id)
         vectors = _read(output, manifest.vectors)
         chunks = _read(output, manifest.chunks)
+        day = run_day(output, run_id, recorded_day(output, run_id, manifest))
         after = read_manifest(output)
     except StoreLoadFailed:
         raise
@@ -148,7 +175,7 @@ def run_rows(output: str, run_id: str) -> LoadRows:
     if vectors is None:
         raise StoreLoadFailed(f"run {run_id} wrote no vector files")
     _check_counts(output, run_id, manifest, vectors, chunks)
-    return LoadRows(vectors=vectors, chunks=chunks, dt=run_day(output, run_id))
+    return LoadRows(vectors=vectors, chunks=chunks, dt=day)
 
 
 def load_run(store: VectorStore, output: str, run_id: str, rows: LoadRows,
