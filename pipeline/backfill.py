@@ -29,7 +29,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline import config as config_lib
 from pipeline import parse_command
-from transforms.engines.model import model_label, resolve_model_path
+from transforms.engines.model import model_folder, model_label
 from transforms.incremental import embedding_signature
 from transforms.output.manifest import SummaryUnavailable, published_summary
 from transforms.read import count_lines
@@ -52,7 +52,7 @@ def already_done(config: config_lib.Config) -> Optional[dict]:
         summary = published_summary(config.output)
     except SummaryUnavailable:  # nothing committed there (yet)
         return None
-    label = model_label(config.model, resolve_model_path(config.model.path))
+    label = model_label(config.model, model_folder(config.model))
     same = (summary.get("model", {}).get("label") == label
             and summary.get("incremental", {}).get("embedding_signature")
             == embedding_signature(config.model, config.chunking, config.text.unicode_form))

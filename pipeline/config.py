@@ -20,11 +20,13 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from transforms.engines.fetch import is_gcs
 from transforms.engines.model import (
     PYPACKAGE,
     check_dimensions,
     check_without_running_code,
-    resolve_model_path,
+    model_content_hash,
+    model_folder,
 )
 from transforms.settings import (
     ChunkingSettings,
@@ -161,22 +163,31 @@ def checks_left_to_the_run(config: Config) -> list[str]:
     return check_without_running_code(config.model)
 
 
-def check_model(config: Config, source: str = "config") -> None:
+def check_model(config: Config, source: str = "config") -> Config:
     """What ``validate`` left to the run (``checks_left_to_the_run``): a ``pypackage:`` model
-    imported to find its folder (its code runs, as it does for the run itself), and
-    ``model.dimensions`` checked against its ``config.json``. ConfigError for a problem: a module
-    that fails to import or has no ``get_model_path()`` is named here, not in a traceback at
-    launch."""
-    if config.model.path.startswith(PYPACKAGE):
+    imported to find its folder (its code runs, as it does for the run itself), a ``gs://`` model
+    fetched and hashed, and ``model.dimensions`` checked against its ``config.json``. Returns the
+    config with a ``gs://`` model's content hash pinned (``model.sha256``, unless the file pins
+    one, which the files must then match): the job's workers fetch the folder when they start,
+    at different times, and each refuses files that hash otherwise, so no two workers of a job
+    embed with two versions of the model. ConfigError for a problem: a module that fails to
+    import or has no ``get_model_path()``, or a GCS folder refused, is named here, not in a
+    traceback at launch."""
+    model = config.model
+    if model.path.startswith(PYPACKAGE) or is_gcs(model.path):
         try:
-            resolve_model_path(config.model.path)
+            folder = model_folder(model)
         except Exception as exc:  # pylint: disable=broad-except  # the package's own code raised
-            raise ConfigError(f"{source}: model.path {config.model.path}: its model folder could "
+            raise ConfigError(f"{source}: model.path {model.path}: its model folder could "
                               f"not be resolved: {type(exc).__name__}: {exc}") from None
+        if is_gcs(model.path) and model.sha256 is None:
+            config = config.model_copy(update={"model": model.model_copy(
+                update={"sha256": model_content_hash(folder)})})
     try:
         check_dimensions(config.model)
     except (ValueError, ImportError) as exc:
         raise ConfigError(f"{source}: {exc}") from None
+    return config
 
 
 def _read_text(path: str) -> str:
@@ -350,7 +361,7 @@ def load_for_command(path: str | Path, *, input: Optional[str] = None,
     ``each_day``: ``{date}`` is left for the caller, which fills it once per day (backfill)."""
     config = load(path, subscription=subscription, input=input, output=output)
     if run_model_code:
-        check_model(config, str(path))
+        config = check_model(config, str(path))
     if each_day:
         return fill_model(config)
     return fill(config, input_date, now)

@@ -24,7 +24,7 @@ from transforms.commit import CommitRun, Tally, tally
 from transforms.dedup import DropDuplicates, DropDuplicatesStreaming, state_layout_for
 from transforms.embed import Embed, EmbedStreaming
 from transforms.engines.base import EngineFactory
-from transforms.engines.model import model_content_hash, model_label, resolve_model_path
+from transforms.engines.model import model_content_hash, model_folder, model_label
 from transforms.incremental import (
     SKIPPED_FROM,
     UNCHANGED,
@@ -85,7 +85,7 @@ def signature_of(config: Config) -> str:
 
 def summary_base(config: Config) -> dict:
     """What a run's ``_summary.json`` says about its settings (CommitRun adds the counts)."""
-    model_path = resolve_model_path(config.model.path)
+    model_path = model_folder(config.model)
     return {"input": config.input, "output": config.output,
             "vectors": {"dim": config.model.output_dim, "vector_dtype": config.sink.vector_dtype},
             "chunking": config.chunking.model_dump(), "text": config.text.model_dump(),
@@ -110,7 +110,7 @@ def embed_and_write(payloads, config: Config, run_id: str,
     if config.incremental.previous_outputs:
         key_files = payloads.pipeline | "ReadKeys" >> ReadKeys(
             config.incremental.previous_outputs, config.output)
-        label = model_label(config.model, resolve_model_path(config.model.path))
+        label = model_label(config.model, model_folder(config.model))
         skipped = docs | "SkipUnchanged" >> SkipUnchanged(key_files, label, signature)
         docs, skipped_from = skipped["docs"], skipped[SKIPPED_FROM]
         tallies.append(tally(skipped[UNCHANGED], Tally.UNCHANGED))

@@ -42,10 +42,17 @@ class ModelSettings(BaseModel):
 
     name: str = Field(description="recorded in the `model` column")
     path: str = Field(description="local folder, `pypackage:MODULE` (a model inside a Python "
-                                  "package), or a Hugging Face id")
+                                  "package), `gs://BUCKET/PATH/` (a folder in GCS, fetched once "
+                                  "per machine: docs/dataflow.md), or a Hugging Face id")
     revision: Optional[str] = Field(
         None, description="Hugging Face revision of tokenizer and model, recorded in the `model` "
                           "column; null: a content hash of the files is recorded")
+    sha256: Optional[str] = Field(
+        None, pattern="^[0-9a-f]{64}$",
+        description="the content hash the model's files must have (the summary's "
+                    "`model.content_sha256`), else the run refuses the model; for a `gs://` "
+                    "model, null: the launcher pins the folder's hash when the run starts, so "
+                    "every worker of the job embeds with the same files")
     dim: int = Field(gt=0, description="the model's embedding dimension, checked against its "
                                        "pooler output when it loads")
     dimensions: Optional[int] = Field(

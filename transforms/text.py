@@ -69,7 +69,7 @@ except ImportError:  # pragma: no cover
     import sre_parse
 
 from transforms.chunking import Chunker, bert_style, copy_tokenizer
-from transforms.engines.model import resolve_model_path
+from transforms.engines.model import model_folder
 from transforms.settings import (
     DEFAULT_MAX_TITLE_CHARS,
     DEFAULT_PREPARE_BUDGET_S,
@@ -670,7 +670,7 @@ class HeadTokenizer:
         model.apply_engine_env()  # e.g. HF_HUB_OFFLINE, read when transformers is imported
         from transformers import AutoTokenizer  # heavy import, only where it is used
 
-        hf = AutoTokenizer.from_pretrained(resolve_model_path(model.path), revision=model.revision,
+        hf = AutoTokenizer.from_pretrained(model_folder(model), revision=model.revision,
                                            trust_remote_code=model.trust_remote_code)
         self._tok = hf.backend_tokenizer  # the fast (Rust) tokenizer, without Python overhead
         # A special token written in a text ("[SEP]", "[MASK]", "</s>") is text: the model's input

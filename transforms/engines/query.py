@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from transforms.engines.model import ModelSettings, resolve_model_path
+from transforms.engines.model import ModelSettings, model_folder
 
 _ERFC_COEFFICIENTS = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806,
                       0.09678418, 0.37409196, 1.00002368, -1.26551223)
@@ -159,7 +159,7 @@ class QueryEmbedder:
         self.dtype = settings.resolved_dtype()
         if self.dtype not in ("float32", "bfloat16"):
             raise Unsupported(f"dtype {self.dtype}")
-        folder = Path(resolve_model_path(settings.path))
+        folder = Path(model_folder(settings))
         if not folder.is_dir():
             raise Unsupported(f"{settings.path} is not a local folder")
         config = _json(folder / "config.json")

@@ -16,8 +16,8 @@ from transforms.engines import base
 from transforms.engines.base import _LLM_FIELDS, truncate_vector
 from transforms.engines.model import (
     Matryoshka,
+    model_folder,
     model_label,
-    resolve_model_path,
     truncation,
 )
 from transforms.settings import ModelSettings
@@ -121,7 +121,7 @@ def _new_llm(s: ModelSettings):
     s.apply_engine_env()
     from vllm import LLM  # imported on the worker, after the engine environment is set
 
-    path = resolve_model_path(s.path)
+    path = model_folder(s)
     kwargs: dict[str, Any] = dict(
         model=path, runner="pooling", dtype=s.resolved_dtype(), revision=s.revision,
         max_model_len=s.max_tokens, trust_remote_code=s.trust_remote_code,
@@ -141,7 +141,7 @@ def load_vllm(s: ModelSettings) -> Engine:
     ``LLM`` for them (``_shared_llm``)."""
     llm = _shared_llm(s)
     model_config = llm.llm_engine.model_config
-    engine = Engine(llm, s, model_label(s, resolve_model_path(s.path)))
+    engine = Engine(llm, s, model_label(s, model_folder(s)))
     size = model_config.embedding_size  # the pooler's output size
     if size != s.dim:
         engine.close()
