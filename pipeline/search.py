@@ -12,6 +12,12 @@ read through Beam's file systems and handed to DuckDB as Arrow tables, so DuckDB
 extension). The vectors are read as float32 whatever they were written as (``sink.vector_dtype``
 float16, or files from before their elements were declared not null), so DuckDB computes on one
 type and outputs written either way are searched together.
+
+A query is embedded with the prefix the output's articles were embedded for: a batch output
+records its run's ``model.document_prefix`` and ``model.query_prefix`` in ``_summary.json``, and a
+config whose prefixes differ from those is refused (``PrefixMismatch``) before anything is
+embedded. A streaming output records neither (its ledger records count, its key index hashes
+the document prefix into each key): it is searched with the config's.
 """
 from __future__ import annotations
 
@@ -21,8 +27,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from transforms.output.layout import CHUNKS_DIR, VECTORS_DIR, join_path, open_output_file
+from transforms.output.manifest import COMMITTED, published_summary, read_manifest
 from transforms.output.parquet import float32_embeddings
 
 
@@ -34,6 +41,40 @@ def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
         with open_output_file(output, path) as f:
             tables.append(float32_embeddings(pq.read_table(f, columns=columns)))
     return pa.concat_tables(tables) if tables else None
+
+
+PREFIXES = ("document_prefix", "query_prefix")
+
+
+class PrefixMismatch(ConfigError):
+    """The config's prefixes are not those the output was written with: its queries would be
+    embedded with the wrong prefix, silently worse."""
+
+
+def recorded_prefixes(output: str) -> dict[str, str]:
+    """The prefixes the output's committed batch run recorded in its summary (``model``), those
+    it has of ``PREFIXES``; empty for an output that records none (streaming, no committed run,
+    a summary that cannot be read)."""
+    current = read_manifest(output)
+    if current is None or current.state != COMMITTED:
+        return {}
+    model = published_summary(output).get("model")
+    if not isinstance(model, dict):
+        return {}
+    return {key: model[key] for key in PREFIXES if isinstance(model.get(key), str)}
+
+
+def check_prefixes(config: Config, output: str) -> None:
+    """``PrefixMismatch`` if the output recorded a ``document_prefix`` or ``query_prefix`` other
+    than the config's: a query must be embedded as the model was trained to meet the output's
+    articles, with the query prefix that goes with their document prefix."""
+    recorded = recorded_prefixes(output)
+    differ = [key for key, value in recorded.items() if getattr(config.model, key) != value]
+    if differ:
+        shown = "; ".join(f"model.{key}: the output's {recorded[key]!r}, the config's "
+                          f"{getattr(config.model, key)!r}" for key in differ)
+        raise PrefixMismatch(f"{output} was written with other prefixes than the config's "
+                             f"({shown}): search it with the config it was written with")
 
 
 def embed_query(config: Config, query: str):
@@ -72,6 +113,7 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None) -
                           "(make setup installs it)") from e
 
     output = output or config.output
+    check_prefixes(config, output)
     vectors = _read(output, VECTORS_DIR, ["id", "title", "embedding"])
     if vectors is None:
         raise FileNotFoundError(f"no vectors under {output}/{VECTORS_DIR}/: run the pipeline first")

@@ -87,6 +87,48 @@ def test_the_multilingual_config_needs_its_local_model_folder_and_loads_once_fil
     assert config.output != local.output, "its vectors beside MiniLM's, not over them"
 
 
+RURI_CONFIG = REPO / "configs" / "ruri-v3.yaml"
+RURI_PLACEHOLDER = "<RURI_V3_DIR>"
+
+
+@pytest.mark.parametrize("where", ["local folder", "gs:// folder"])
+def test_the_ruri_v3_config_is_ready_for_japanese_news_without_its_weights(tmp_path, where):
+    """configs/ruri-v3.yaml validated as every command reads it (``config_lib.load``), without
+    the model's files: the check that needs them (the folder, ``dim`` against the weights) is the
+    run's and ``newsvec check-model``'s, never a config check's. Its prefixes are ruri-v3's role
+    prefixes to the character, its ``max_tokens`` holds most Japanese articles whole and fits the
+    engine's steps, and its Unicode form is stated."""
+    text = RURI_CONFIG.read_text(encoding="utf-8")
+    with pytest.raises(config_lib.ConfigError) as info:
+        config_lib.load(RURI_CONFIG)
+    assert "model.path" in str(info.value) and RURI_PLACEHOLDER in str(info.value)
+    for size, dim in (("30m", 256), ("70m", 384), ("130m", 512), ("310m", 768)):
+        assert f"cl-nagoya/ruri-v3-{size}" in text and f"{size}: {dim}" in text, "the sizes"
+    assert "huggingface-cli download cl-nagoya/ruri-v3-310m" in text
+    docs = (REPO / "docs" / "languages.md").read_text(encoding="utf-8")
+    assert "configs/ruri-v3.yaml" in docs and RURI_PLACEHOLDER in docs
+
+    folder = (str(tmp_path / "ruri-v3-310m") if where == "local folder"
+              else "gs://news-models/models/ruri-v3-310m/")  # no weights in either
+    filled = tmp_path / "ruri-v3.yaml"
+    filled.write_text(text.replace(RURI_PLACEHOLDER, folder), encoding="utf-8")
+    (tmp_path / "local.yaml").write_text((REPO / "configs" / "local.yaml").read_text())  # extended
+    config = config_lib.load(filled)
+    model = config.model
+    assert (model.name, model.path, model.dim) == ("cl-nagoya/ruri-v3-310m", folder, 768)
+    assert model.document_prefix == "\u691c\u7d22\u6587\u66f8: "  # 検索文書: , ASCII ": "
+    assert model.query_prefix == "\u691c\u7d22\u30af\u30a8\u30ea: "  # 検索クエリ + ASCII ": "
+    assert model.max_tokens == 2048 and model.max_tokens <= 8192, "within ruri-v3's context"
+    assert model.token_budget >= model.max_tokens
+    assert (model.max_num_batched_tokens or 4096) >= model.max_tokens  # vLLM's CPU default
+    assert config.text.unicode_form == "NFC"
+    assert model.engine_env["HF_HUB_OFFLINE"] == model.engine_env["TRANSFORMERS_OFFLINE"] == "1"
+    assert not model.trust_remote_code
+    local = config_lib.load(REPO / "configs" / "local.yaml")
+    assert config.input == local.input and config.beam == local.beam, "a local batch run"
+    assert config.output not in (local.output, "out/multilingual-e5"), "an output of its own"
+
+
 class RecordingFakeEngine(FakeEngine):
     """FAKE: a FakeEngine that keeps the token ids it was given."""
 
@@ -175,3 +217,68 @@ def test_search_json_lines_hold_japanese_titles_as_text_not_escapes(fake_engine,
     line = shown.getvalue().decode("utf-8").strip()
     assert "駅前商店街でｸﾘｽﾏｽﾏｰｹｯﾄ" in line and "\\u" not in line
     assert json.loads(line)["title"] == "駅前商店街でｸﾘｽﾏｽﾏｰｹｯﾄ"
+
+
+RURI_PREFIXES = {"document_prefix": "検索文書: ", "query_prefix": "検索クエリ: "}
+
+
+@pytest.fixture(scope="module")
+def prefixed_batch_output(tmp_path_factory):
+    """A committed batch output of three sample articles embedded (FAKE engine) with ruri-v3's
+    prefixes, and the config that wrote it."""
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from pipeline.run import run_batch
+
+    root = tmp_path_factory.mktemp("prefixed")
+    lines = [line for line in SAMPLE_EVENTS.read_bytes().splitlines()[:3]]
+    (root / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    base = make_config()
+    config = make_config(input=str(root / "in.jsonl"), output=str(root / "out"),
+                         model=base.model.model_copy(update=RURI_PREFIXES))
+    summary = run_batch(config, PipelineOptions(["--runner=FnApiRunner"]),
+                        engine_factory=FakeEngine)
+    assert summary["invariant_holds"] and summary["model"]["query_prefix"] == "検索クエリ: "
+    return config
+
+
+def _config_file(tmp_path, config) -> str:
+    path = tmp_path / "search.yaml"
+    path.write_text(yaml.safe_dump(json.loads(config.model_dump_json()), allow_unicode=True),
+                    encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize("key, other", [("query_prefix", "query: "), ("query_prefix", ""),
+                                        ("document_prefix", "passage: ")])
+def test_search_refuses_a_config_whose_prefixes_are_not_the_outputs(
+        prefixed_batch_output, key, other, fake_engine, tmp_path, capsys):
+    """A batch output records the prefixes it was written with (``_summary.json``, ``model``): a
+    config with another query or document prefix is refused, both prefixes named, before a
+    query is embedded. Before, the query was embedded with the config's prefix, silently."""
+    from pipeline.search import PrefixMismatch, search
+
+    config = prefixed_batch_output.model_copy(update={
+        "model": prefixed_batch_output.model.model_copy(update={key: other})})
+    with pytest.raises(PrefixMismatch) as info:
+        search(config, "北日本の大雪", k=2)
+    assert f"model.{key}" in str(info.value)
+    assert repr(RURI_PREFIXES[key]) in str(info.value) and repr(other) in str(info.value)
+    assert fake_engine.prompts == [], "nothing embedded"
+
+    assert cli.main(["search", "--config", _config_file(tmp_path, config), "北日本の大雪"]) == 2
+    shown = capsys.readouterr()
+    assert shown.out == "" and RURI_PREFIXES[key] in shown.err and f"model.{key}" in shown.err
+    assert fake_engine.prompts == []
+
+
+def test_search_with_the_config_that_wrote_the_output_uses_its_query_prefix(
+        prefixed_batch_output, fake_engine):
+    from pipeline.search import recorded_prefixes, search
+    from transforms.text import HeadTokenizer
+
+    config = prefixed_batch_output
+    assert recorded_prefixes(config.output) == RURI_PREFIXES
+    hits = search(config, "北日本の大雪", k=2)
+    assert len(hits) == 2
+    assert fake_engine.prompts == [HeadTokenizer(config.model)("検索クエリ: 北日本の大雪")[0]]
