@@ -90,6 +90,9 @@ class Config(BaseModel):
             raise ValueError(f"chunking.chunk_tokens ({self.chunking.chunk_tokens}) must be at "
                              f"most model.max_tokens ({self.model.max_tokens}): the engine would "
                              "truncate chunks")
+        if self.chunking.mode == "late" and self.model.share_across_processes:
+            raise ValueError("chunking.mode late needs the engine in each process: "
+                             "model.share_across_processes must be false")
         return self
 
     @property

@@ -126,7 +126,7 @@ def embed_and_write(payloads, config: Config, run_id: str,
                  staging, run_id, dim, rows, vector_dtype),
              KEYS_DIR: unique.docs | "WriteKeys" >> WriteKeys(staging, run_id, signature, rows)}
     chunk_rows = unique.docs | "ChunkRows" >> beam.FlatMap(lambda row: row.chunks)
-    if config.chunking.mode == "chunks":
+    if config.chunking.mode != "head":
         files[CHUNKS_DIR] = chunk_rows | "WriteChunks" >> WriteChunks(
             staging, run_id, dim, rows, vector_dtype)
     files[DEAD_LETTER_DIR] = ((parsed.dead_letter, prepared.dead_letter, embedded.dead_letter)

@@ -43,6 +43,20 @@ class FakeEngine:
             out.append(v)
         return out
 
+    pooling = "mean"
+
+    def embed_tokens(self, prompts):
+        """Per prompt, a vector per token: one-hot at the token's id % dim (late mode)."""
+        self.calls.append(len(prompts))
+        if any(POISON in p for p in prompts):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        out = []
+        for p in prompts:
+            m = np.zeros((len(p), self.dim), np.float32)
+            m[np.arange(len(p)), np.asarray(p) % self.dim] = 1.0
+            out.append(m)
+        return out
+
     def healthy(self) -> bool:
         return True
 

@@ -1,4 +1,5 @@
-"""Chunks: a long article embedded as windows of its tokens (``chunking.mode: chunks``), and the
+"""Chunks: a long article embedded as windows of its tokens (``chunking.mode: chunks``; ``late``
+pools the same windows from one pass over the article's head, ``late_span``), and the
 document vector made from them.
 
 A model with a 256-token head sees a fraction of most news articles. In chunks mode PrepareText
@@ -137,6 +138,16 @@ class Chunker:
         self._head_room = max_tokens - len(self._lead) - len(self._trail) - len(self._prefix)
         self._words_exact = bert_style(self._tok)
 
+    def late_span(self, head_length: int, span: ChunkSpan) -> Optional[tuple[int, int]]:
+        """Where a chunk's tokens lie in its article's head-mode input of ``head_length`` tokens
+        (``[start, end)``, after the special tokens and the prefix), or None if the head does not
+        hold the whole chunk (``chunking.mode: late`` embeds that chunk alone)."""
+        offset = len(self._lead) + len(self._prefix)
+        held = head_length - offset - len(self._trail)  # the text's tokens in the head
+        if span.token_end > held:
+            return None
+        return offset + span.token_start, offset + span.token_end
+
     def split(self, texts: Sequence[str]) -> list[
             tuple[tuple[int, ...], bool, tuple[ChunkSpan, ...]]]:
         """Per text: its head-mode input (its first tokens up to ``max_tokens``, with the prefix and
@@ -262,6 +273,34 @@ def chunk_id(doc_id: str, text_sha256: str, model: str, chunk_recipe: str, index
     run and retry."""
     key = "\0".join((doc_id, text_sha256, model, chunk_recipe, str(index)))
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+
+
+def pool_tokens(tokens: np.ndarray, pooling: str) -> np.ndarray:
+    """A sequence's vector from its tokens' (``n x dim``) as the model pools: ``mean`` over all
+    of them (special tokens included, as sentence-transformers' attention mask does), ``cls``
+    (the first) or ``last``; not normalized."""
+    if pooling == "mean":
+        return tokens.astype(np.float64).mean(axis=0).astype(np.float32)
+    if pooling == "cls":
+        return np.array(tokens[0], dtype=np.float32)
+    if pooling == "last":
+        return np.array(tokens[-1], dtype=np.float32)
+    raise ValueError(f"cannot pool tokens as {pooling!r}: mean, cls or last")
+
+
+def late_vector(tokens: np.ndarray, start: int, end: int, normalize: bool) -> np.ndarray:
+    """A chunk's late-chunking vector: the mean of its tokens' vectors ``[start, end)`` from the
+    pass over the whole head (L2-normalized if the model's vectors are). The mean whatever the
+    model's own pooling: a chunk has no CLS or last token of its own that saw only it, and the
+    mean over a span is the pooling late chunking was defined with."""
+    return normalized(tokens[start:end].astype(np.float64).mean(axis=0), normalize)
+
+
+def normalized(vector: np.ndarray, normalize: bool = True) -> np.ndarray:
+    """``vector`` as float32, L2-normalized if ``normalize`` (a zero vector stays zero)."""
+    vector = np.asarray(vector, dtype=np.float64)
+    norm = float(np.linalg.norm(vector)) if normalize else 0.0
+    return (vector / norm if norm else vector).astype(np.float32)
 
 
 def mean_vector(vectors: Sequence[np.ndarray], weights: Sequence[int]) -> np.ndarray:

@@ -50,10 +50,18 @@ from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import Duration, Timestamp
 from apache_beam.utils.windowed_value import WindowedValue
 
-from transforms.chunking import chunk_id, mean_vector
+from transforms.chunking import (
+    ChunkSpan,
+    chunk_id,
+    late_vector,
+    mean_vector,
+    normalized,
+    pool_tokens,
+)
 from transforms.engines.base import (
     EngineFactory,
     EngineFailedError,
+    EngineHandle,
     ModelHandle,
     finite_rows,
     process_engine,
@@ -194,6 +202,38 @@ def model_inputs(doc: PreparedDoc, doc_vector: str = "head") -> list[tuple[int, 
     return chunks
 
 
+@dataclasses.dataclass(frozen=True)
+class LateInputs:
+    """What the engine computes for a document in late mode (``chunking.mode: late``): one pass
+    over its head (``token_ids``, a vector per token), in which each chunk that the head holds
+    lies at ``spans[k]`` (None: the chunk is past the head, and embedded alone, as in chunks
+    mode)."""
+
+    head: tuple[int, ...]
+    spans: tuple[Optional[tuple[int, int]], ...]
+
+    @staticmethod
+    def of(doc: PreparedDoc, late_span) -> "LateInputs":
+        return LateInputs(doc.token_ids, tuple(late_span(len(doc.token_ids), c)
+                                               for c in doc.chunks))
+
+    def alone(self, chunks: Sequence[ChunkSpan]) -> list[tuple[int, ...]]:
+        """The chunks embedded alone: those past the head."""
+        return [c.token_ids for c, span in zip(chunks, self.spans, strict=True) if span is None]
+
+    def size(self, chunks: Sequence[ChunkSpan]) -> int:
+        return len(self.head) + sum(map(len, self.alone(chunks)))
+
+
+def _late_span_of(settings: ModelSettings, chunking: ChunkingSettings):
+    """The chunker's ``late_span`` for these settings (the process's, ``text_tools``)."""
+    from transforms.text import text_tools  # it imports the engines; loaded on the worker
+
+    chunker = text_tools(settings, chunking).chunker
+    assert chunker is not None  # late mode has one
+    return chunker.late_span
+
+
 @dataclasses.dataclass
 class EngineStats:
     """Model loads and engine calls, kept until a bundle's thread records them as Beam metrics."""
@@ -218,7 +258,14 @@ class Embedder:
     RunInference, which would wait for each call)."""
 
     def __init__(self, settings: ModelSettings, engine_factory: Optional[EngineFactory] = None,
-                 doc_vector: str = "head"):
+                 doc_vector: str = "head", late: Optional[ChunkingSettings] = None):
+        """``late``: the chunking settings in late mode (``chunking.mode: late``): the engine is
+        loaded for token vectors (``model.pooling_task: token_embed``), and a document's head,
+        and each chunk the head holds, are pooled from one pass over its head."""
+        self._text_settings = settings  # PrepareText's: the chunker is the one it made
+        self._late = late
+        if late is not None:
+            settings = settings.model_copy(update={"pooling_task": "token_embed"})
         self._settings = settings
         self._engine_factory = engine_factory
         self._doc_vector = doc_vector
@@ -237,10 +284,17 @@ class Embedder:
     def batch_elements_kwargs(self):
         # Batches are weighed in tokens: each holds at most token_budget tokens (a document with
         # more, in chunks mode, stands alone and is embedded in several calls).
-        doc_vector = self._doc_vector
+        doc_vector, late = self._doc_vector, self._late_inputs
         return {"min_batch_size": self._settings.token_budget,
                 "max_batch_size": self._settings.token_budget,
-                "element_size_fn": lambda doc: sum(map(len, model_inputs(doc, doc_vector)))}
+                "element_size_fn": lambda doc: (
+                    late(doc).size(doc.chunks) if self._late is not None and doc.chunks
+                    else sum(map(len, model_inputs(doc, doc_vector))))}
+
+    def _late_inputs(self, doc: PreparedDoc) -> LateInputs:
+        if self._late is None:
+            raise ValueError("not in late mode")
+        return LateInputs.of(doc, _late_span_of(self._text_settings, self._late))
 
     def load_engine(self) -> ModelHandle:
         if self._settings.share_across_processes:
@@ -248,19 +302,21 @@ class Embedder:
         return process_engine(self._settings, self._engine_factory)
 
     def _embed(self, model: ModelHandle, prompts: Sequence[Sequence[int]], retried=False,
-               ends: Optional[_EngineEnds] = None) -> list:
+               ends: Optional[_EngineEnds] = None, tokens: bool = False) -> list:
         """A vector or an EmbedFailure per prompt: a failing call is retried in halves
         (bisection), and a single failing prompt once more before it is blamed. A vector with a
         NaN or an infinity is its prompt's EmbedFailure (not retried: the engine's canary passed,
         ``transforms.engines.base``), never a row. A bisection in which the shared engine ends more
         often in a row than one input that ends it can make it (``_EngineEnds``) stops with an
-        ``EngineFailedError`` unless the engine still embeds an input it embedded before."""
+        ``EngineFailedError`` unless the engine still embeds an input it embedded before.
+        ``tokens``: a vector per token of each prompt (``embed_tokens``, late mode)."""
         if not prompts:
             return []
         if ends is None:
             ends = _EngineEnds(deaths_allowed(len(prompts)))
         try:
-            vectors = model.embed(prompts)
+            vectors = (cast(EngineHandle, model).embed_tokens(prompts) if tokens
+                       else model.embed(prompts))
         except EngineFailedError:
             raise  # no input is to blame: the bundle fails and is retried on a fresh engine
         except Exception as exc:  # pylint: disable=broad-except
@@ -268,13 +324,13 @@ class Embedder:
                 ends.ended(model, len(prompts))
             if len(prompts) == 1:
                 if not retried:
-                    return self._embed(model, prompts, retried=True, ends=ends)
+                    return self._embed(model, prompts, retried=True, ends=ends, tokens=tokens)
                 return [EmbedFailure(f"{type(exc).__name__}: {exc}"[:2000])]
             half = len(prompts) // 2
             _LOG.warning("Embedding a batch of %d failed (%s); retrying in halves", len(prompts),
                          exc)
-            return (self._embed(model, prompts[:half], ends=ends)
-                    + self._embed(model, prompts[half:], ends=ends))
+            return (self._embed(model, prompts[:half], ends=ends, tokens=tokens)
+                    + self._embed(model, prompts[half:], ends=ends, tokens=tokens))
         ends.in_a_row = 0
         return _finite_or_failures(vectors)
 
@@ -289,20 +345,23 @@ class Embedder:
         if stats is None:
             stats = EngineStats()
         stats.load_ms += model.take_load_ms()
+        late: dict[int, LateInputs] = ({i: self._late_inputs(doc) for i, doc in enumerate(docs)
+                                        if doc.chunks} if self._late is not None else {})
         inputs = [(i, ids) for i, doc in enumerate(docs)
-                  for ids in model_inputs(doc, self._doc_vector)]
-        results = []
-        for call in token_budget_slices(inputs, self._settings.token_budget,
-                                        size=lambda item: len(item[1])):
-            started = time.perf_counter()
-            results += self._embed(model, [ids for _, ids in call])
-            stats.calls.append((int((time.perf_counter() - started) * 1000), len(call),
-                                sum(len(ids) for _, ids in call)))
+                  for ids in (late[i].alone(doc.chunks) if i in late
+                              else model_inputs(doc, self._doc_vector))]
+        passes = [(i, late[i].head) for i in late]
+        results = self._embed_inputs(model, inputs, stats)
+        head_tokens = self._embed_inputs(model, passes, stats, tokens=True)
         if own_stats:
             stats.record()
         per_doc: list = [[] for _ in docs]
         for (i, _), result in zip(inputs, results, strict=True):
             per_doc[i].append(result)
+        if late:
+            pooling = cast(EngineHandle, model).pooling()
+            for (i, _), result in zip(passes, head_tokens, strict=True):
+                per_doc[i] = self._late_vectors(late[i], result, per_doc[i], pooling)
         failures = failure_run(self._step_id)
         out = []
         for vectors in per_doc:
@@ -320,6 +379,32 @@ class Embedder:
                 out.append(vectors)
                 failures.embedded()
         return out
+
+    def _embed_inputs(self, model: ModelHandle, inputs: list, stats: "EngineStats",
+                      tokens: bool = False) -> list:
+        """``_embed`` of ``(document index, token ids)`` inputs, in calls of at most
+        ``token_budget`` tokens."""
+        results: list = []
+        for call in token_budget_slices(inputs, self._settings.token_budget,
+                                        size=lambda item: len(item[1])):
+            started = time.perf_counter()
+            results += self._embed(model, [ids for _, ids in call], tokens=tokens)
+            stats.calls.append((int((time.perf_counter() - started) * 1000), len(call),
+                                sum(len(ids) for _, ids in call)))
+        return results
+
+    def _late_vectors(self, late: LateInputs, tokens, alone: list, pooling: str) -> list:
+        """A late-mode document's vectors, as ``model_inputs`` orders them: its head's (pooled
+        from the pass as the model pools), then each chunk's (the mean of its span of the pass,
+        or its own vector, from ``alone``, for a chunk past the head); a failure if the pass or
+        a chunk alone failed."""
+        if isinstance(tokens, EmbedFailure):
+            return [tokens]
+        normalize = self._settings.normalize
+        alone_vectors = iter(alone)
+        chunks = [late_vector(tokens, *span, normalize) if span is not None
+                  else next(alone_vectors) for span in late.spans]
+        return [normalized(pool_tokens(tokens, pooling), normalize)] + chunks
 
     def embed_batch(self, batch: Sequence[PreparedDoc], model: ModelHandle,
                     stats: Optional[EngineStats] = None) -> list[PredictionResult]:
@@ -377,6 +462,12 @@ class _RouteFn(beam.DoFn):
         out = self._rows(cast(PreparedDoc, result.example), result.inference,
                          cast(str, result.model_id))
         yield pvalue.TaggedOutput(DEAD_LETTER, out) if isinstance(out, DeadLetter) else out
+
+
+def _embedder(settings: ModelSettings, chunking: ChunkingSettings,
+              engine_factory: Optional[EngineFactory]) -> Embedder:
+    return Embedder(settings, engine_factory, chunking.doc_vector,
+                    late=chunking if chunking.mode == "late" else None)
 
 
 def _row_maker(settings: ModelSettings, chunking: ChunkingSettings, store_chunk_text: bool,
@@ -444,7 +535,7 @@ class Embed(beam.PTransform):
                  store_chunk_text: bool = False, dead_letter_payload_bytes: int = 4096,
                  engine_factory: Optional[EngineFactory] = None):
         super().__init__()
-        self._embedder = Embedder(settings, engine_factory, chunking.doc_vector)
+        self._embedder = _embedder(settings, chunking, engine_factory)
         self._rows = _row_maker(settings, chunking, store_chunk_text, dead_letter_payload_bytes)
 
     def expand(self, docs):
@@ -615,7 +706,7 @@ class EmbedStreaming(beam.PTransform):
                  store_chunk_text: bool = False, dead_letter_payload_bytes: int = 4096,
                  engine_factory: Optional[EngineFactory] = None):
         super().__init__()
-        embedder = Embedder(settings, engine_factory, chunking.doc_vector)
+        embedder = _embedder(settings, chunking, engine_factory)
         self.shared_engine_tag = embedder.shared_engine_tag
         self._fn = _EmbedInFlightFn(embedder, _row_maker(settings, chunking, store_chunk_text,
                                                         dead_letter_payload_bytes))

@@ -81,7 +81,7 @@ def embedding_signature(model: ModelSettings, chunking: ChunkingSettings,
         settings["unicode_form"] = unicode_form
     if model.output_dim != model.dim:  # so that keys made before it was a setting stay valid
         settings["dimensions"] = model.output_dim
-    if chunking.mode == "chunks":
+    if chunking.mode != "head":
         settings.update(chunking=chunking.chunk_recipe(model.max_tokens, model.document_prefix),
                         doc_vector=chunking.doc_vector)
     return json.dumps(settings, sort_keys=True)

@@ -86,6 +86,11 @@ class ModelSettings(BaseModel):
     query_prefix: str = Field(
         "", description="put before a query (`newsvec search`): the counterpart of "
                         "`document_prefix` (e5: `\"query: \"`; bge: an instruction)")
+    pooling_task: Literal["embed", "token_embed"] = Field(
+        "embed", description="the vLLM pooling task the engine is loaded for (one `LLM` serves "
+                             "one): `embed`, vLLM pools; `token_embed`, vLLM gives a vector per "
+                             "token and newsvec pools them as the model does (mean, CLS or "
+                             "last). `chunking.mode: late` sets `token_embed`")
     trust_remote_code: bool = Field(False, description="off unless the operator turns it on")
     enforce_eager: bool = Field(True, description="true on the CPU (faster start-up); false on "
                                                   "GPUs (CUDA graphs)")
@@ -216,9 +221,13 @@ class ChunkingSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: Literal["head", "chunks"] = Field(
+    mode: Literal["head", "chunks", "late"] = Field(
         "head", description="`head`: one vector per article, of its first `model.max_tokens` "
-                            "tokens; `chunks`: also a row per chunk in `chunks/`")
+                            "tokens; `chunks`: also a row per chunk in `chunks/`, each chunk "
+                            "embedded alone; `late`: the same chunks, each vector the mean of "
+                            "its tokens' vectors from one pass over the article's first "
+                            "`model.max_tokens` tokens (late chunking), chunks past them "
+                            "embedded alone as in `chunks`")
     chunk_tokens: Optional[int] = Field(
         None, gt=2, description="tokens per chunk, special tokens and `model.document_prefix` "
                                 "included, at most `model.max_tokens` (null: "
@@ -230,17 +239,21 @@ class ChunkingSettings(BaseModel):
         0, ge=0, description="end a chunk at a sentence end within this many tokens before the "
                              "cut (0: at the last word that fits)")
     doc_vector: Literal["head", "mean"] = Field(
-        "head", description="the article's row in `vectors/` in chunks mode: `head` (as in head "
+        "head", description="the article's row in `vectors/` in chunks and late modes: `head` "
+                            "(as in head "
                             "mode) or `mean` (of its chunk vectors, token-weighted, "
                             "L2-normalized)")
 
     def chunk_recipe(self, max_tokens: int, document_prefix: str) -> str:
         """Every setting that decides the chunks' ids and text, as a string: part of every chunk id
         and of the embedding signature (``transforms.incremental.embedding_signature``)."""
-        return json.dumps({"chunk_tokens": self.chunk_tokens or max_tokens,
-                           "overlap_tokens": self.overlap_tokens,
-                           "sentence_end_slack_tokens": self.sentence_end_slack_tokens,
-                           "document_prefix": document_prefix}, sort_keys=True)
+        recipe = {"chunk_tokens": self.chunk_tokens or max_tokens,
+                  "overlap_tokens": self.overlap_tokens,
+                  "sentence_end_slack_tokens": self.sentence_end_slack_tokens,
+                  "document_prefix": document_prefix}
+        if self.mode == "late":  # other vectors of the same chunks: other ids (chunks mode's
+            recipe["mode"] = "late"  # recipe is as it was, so its ids stay)
+        return json.dumps(recipe, sort_keys=True)
 
 
 

@@ -986,7 +986,7 @@ class UnknownTokens:
 class TextTools(NamedTuple):
     """What preparing text needs of a model's tokenizer (see ``text_tools``)."""
     head: "HeadTokenizer"
-    chunker: Optional[Chunker]  # in chunks mode only
+    chunker: Optional[Chunker]  # in chunks and late modes only
     unknown: UnknownTokens
 
 
@@ -1006,7 +1006,7 @@ def text_tools(model: ModelSettings, chunking: ChunkingSettings = ChunkingSettin
         if key not in _TOOLS:
             tokenizer = HeadTokenizer(model)
             chunker = (Chunker(tokenizer._tok, chunking, model.max_tokens,
-                               model.document_prefix) if chunking.mode == "chunks" else None)
+                               model.document_prefix) if chunking.mode != "head" else None)
             _TOOLS[key] = TextTools(tokenizer, chunker,
                                     UnknownTokens(tokenizer._tok, model.document_prefix))
         return _TOOLS[key]

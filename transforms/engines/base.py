@@ -51,6 +51,11 @@ class EmbeddingEngine(Protocol):
     def healthy(self) -> bool:
         """Whether the engine still works (after a failed call: is it the engine or the inputs)."""
 
+    # Optional, for ``chunking.mode: late`` (an engine loaded with ``model.pooling_task:
+    # token_embed``): ``embed_tokens(prompts)``, per prompt a matrix of one vector per token
+    # (``len(prompt) x dim``, not normalized), and ``pooling``, how the model pools a sequence
+    # (``mean``, ``cls`` or ``last``: ``transforms.chunking.pool_tokens``).
+
     def close(self) -> None:
         """Release the engine; it is not used again."""
 
@@ -184,11 +189,29 @@ class EngineHandle:
         A call that returns a non-finite vector is checked with the canary too: if it fails,
         the engine broke (``EngineFailedError``); if it passes, the vectors are returned as they
         are, and the handler dead-letters the documents whose vectors are not finite."""
+        return self._call("embed", prompts)
+
+    def embed_tokens(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Per prompt, a vector per token (the engine's ``embed_tokens``), with ``embed``'s
+        failure handling."""
+        return self._call("embed_tokens", prompts)
+
+    def pooling(self) -> str:
+        """How the engine's model pools a sequence (``mean``, ``cls`` or ``last``)."""
+        with self._lock:
+            engine = self._engine if self._engine is not None else self._load()
+            return str(getattr(engine, "pooling", "mean"))
+
+    def _call(self, method: str, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
         with self._lock:
             # A reload that fails raises EngineFailedError here, before any input is tried.
             engine = self._engine if self._engine is not None else self._load()
+            call = getattr(engine, method, None)
+            if call is None:
+                raise ValueError(f"the engine {self._label} cannot give token vectors "
+                                 f"({method}): chunking.mode late needs one that can")
             try:
-                vectors = engine.embed(prompts)
+                vectors = call(prompts)
             except Exception as exc:  # pylint: disable=broad-except
                 if not _engine_is_dead(exc) and _healthy(engine):
                     raise  # the engine works: the inputs are to blame
@@ -256,8 +279,8 @@ _HANDLES_LOCK = threading.Lock()
 
 
 _LLM_FIELDS = ("name", "path", "revision", "sha256", "dim", "dtype", "max_tokens",
-               "trust_remote_code", "enforce_eager", "gpu_memory_utilization", "max_num_seqs",
-               "max_num_batched_tokens", "engine_env")
+               "pooling_task", "trust_remote_code", "enforce_eager", "gpu_memory_utilization",
+               "max_num_seqs", "max_num_batched_tokens", "engine_env")
 
 
 def _engine_identity(settings: ModelSettings) -> str:

@@ -12,6 +12,7 @@ from typing import Any, Literal, Sequence
 
 import numpy as np
 
+from transforms.chunking import normalized, pool_tokens
 from transforms.engines import base
 from transforms.engines.base import _LLM_FIELDS, truncate_vector
 from transforms.engines.model import (
@@ -38,6 +39,10 @@ class Engine:
         self._vllm_dimensions = settings.dimensions if truncated_by == "vllm" else None
         self._own_dimensions = settings.dimensions if truncated_by == "newsvec" else None
         self._canary = [list(llm.get_tokenizer().encode(CANARY_TEXT))]
+        self._dimensions = settings.dimensions
+        # An LLM loaded for token_embed serves no other task: newsvec pools its token vectors.
+        self._token_embed = settings.pooling_task == "token_embed"
+        self.pooling = _pooling(llm)
 
     @property
     def llm(self):
@@ -45,6 +50,9 @@ class Engine:
         return self._llm
 
     def embed(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        if self._token_embed:
+            return [normalized(pool_tokens(t, self.pooling), self._normalize)
+                    for t in self.embed_tokens(prompts)]
         from vllm import PoolingParams
         from vllm.inputs import TokensPrompt
 
@@ -67,6 +75,29 @@ class Engine:
                        for v in vectors]
         return vectors
 
+    def embed_tokens(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Per prompt, a vector per token (``len(prompt) x dim``): the model's last hidden
+        states (after its sentence-transformers projection, if any), cut to ``model.dimensions``,
+        not normalized. Needs an LLM loaded for it (``model.pooling_task: token_embed``)."""
+        from vllm import PoolingParams
+        from vllm.inputs import TokensPrompt
+
+        outputs = self._llm.encode(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], pooling_task="token_embed",
+            pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"{len(outputs)} outputs for {len(prompts)} inputs")
+        matrices = []
+        for output, prompt in zip(outputs, prompts, strict=True):
+            if list(output.prompt_token_ids) != list(prompt):
+                raise RuntimeError("an output does not belong to its input")
+            tokens = output.outputs.data.float().numpy()
+            if tokens.shape[0] != len(prompt):
+                raise RuntimeError(f"{tokens.shape[0]} token vectors for {len(prompt)} tokens")
+            matrices.append(tokens[:, :self._dimensions] if self._dimensions else tokens)
+        base.FREED_MEMORY.after_call()
+        return matrices
+
     def healthy(self) -> bool:
         """Whether the canary still embeds to a finite vector: an engine that fails it is broken,
         whatever the inputs were."""
@@ -85,6 +116,14 @@ class Engine:
                 if llm is self._llm:
                     del _LLMS[key]
         _shutdown(self._llm)
+
+
+def _pooling(llm) -> str:
+    """How the model pools a sequence, as vLLM resolved it (from its sentence-transformers
+    config, else the architecture's default): ``mean``, ``cls`` or ``last``."""
+    pooler = llm.llm_engine.model_config.pooler_config
+    kind = getattr(pooler, "seq_pooling_type", None) or getattr(pooler, "pooling_type", None)
+    return str(getattr(kind, "name", kind) or "mean").lower()
 
 
 _LLMS: dict[str, Any] = {}  # _llm_identity -> vllm.LLM
@@ -132,6 +171,10 @@ def _new_llm(s: ModelSettings):
         kwargs["max_num_seqs"] = s.max_num_seqs
     if s.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = s.max_num_batched_tokens
+    if s.pooling_task != "embed":  # the LLM then serves that task only (chunking.mode: late)
+        from vllm.config import PoolerConfig
+
+        kwargs["pooler_config"] = PoolerConfig(task=s.pooling_task)
     _LOG.info("loading %s at %s", s.name, kwargs["dtype"])
     return LLM(**kwargs)
 
