@@ -13,15 +13,25 @@ extension). The vectors are read as float32 whatever they were written as (``sin
 float16, or files from before their elements were declared not null), so DuckDB computes on one
 type and outputs written either way are searched together.
 
-A query is embedded with the prefix the output's articles were embedded for: a batch output
-records its run's ``model.document_prefix`` and ``model.query_prefix`` in ``_summary.json``, and a
-config whose prefixes differ from those is refused (``PrefixMismatch``) before anything is
-embedded. A streaming output records neither (its ledger records count, its key index hashes
-the document prefix into each key): it is searched with the config's.
+A query is embedded as the output's articles were (``check_output``, before anything is
+embedded): a committed batch output's ``_summary.json`` records its run's settings, and a config
+is refused (a ``ConfigError``: the command exits 2) whose ``model.document_prefix`` or
+``model.query_prefix`` differ (``PrefixMismatch``), whose embedding signature differs
+(``SettingsMismatch``: ``model.max_tokens``, ``model.normalize``, ``model.dimensions``,
+``text.unicode_form``; not the chunking's, which decide how articles are cut, not how a query is
+embedded), or whose model's files are not those that wrote the output
+(``ModelMismatch``: the recorded ``model.content_sha256`` becomes the config's ``model.sha256``,
+so a ``gs://`` folder is fetched pinned and a local one is hashed). A committed output whose
+summary cannot be read is refused too (``OutputUncheckable``: ``newsvec cleanup`` says what is
+missing). A streaming output records none of these (its ledger records count, its key index
+hashes the settings into each key), nor does the store: those are searched with the config's
+settings, unchecked.
 """
 from __future__ import annotations
 
+import json
 import sys
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -29,7 +39,7 @@ from apache_beam.io.filesystems import FileSystems
 
 from pipeline.config import Config, ConfigError
 from transforms.output.layout import CHUNKS_DIR, VECTORS_DIR, join_path, open_output_file
-from transforms.output.manifest import COMMITTED, published_summary, read_manifest
+from transforms.output.manifest import COMMITTED, SUMMARY_FILE, published_summary, read_manifest
 from transforms.output.parquet import float32_embeddings
 
 
@@ -51,30 +61,148 @@ class PrefixMismatch(ConfigError):
     embedded with the wrong prefix, silently worse."""
 
 
-def recorded_prefixes(output: str) -> dict[str, str]:
-    """The prefixes the output's committed batch run recorded in its summary (``model``), those
-    it has of ``PREFIXES``; empty for an output that records none (streaming, no committed run,
-    a summary that cannot be read)."""
+class SettingsMismatch(ConfigError):
+    """The config's embedding signature (``pipeline.graph.signature_of``) is not the one the
+    output was written with: its queries would be prepared or embedded otherwise."""
+
+
+class ModelMismatch(ConfigError):
+    """The config's model folder holds other files than the model that wrote the output."""
+
+
+class OutputUncheckable(ConfigError):
+    """A committed output whose summary cannot be read: nothing can be checked against it."""
+
+
+# The settings each key of an embedding signature comes from, and what its absence means.
+_SIGNATURE_SETTINGS = {"max_tokens": "model.max_tokens", "normalize": "model.normalize",
+                       "document_prefix": "model.document_prefix",
+                       "unicode_form": "text.unicode_form", "dimensions": "model.dimensions"}
+# Keys of the signature that decide how articles are cut into chunks, not how a query is embedded:
+# a search reads whichever of vectors/ and chunks/ the output holds, so a config of another
+# chunking searches it as well (the search of a chunks output with a head config is one).
+_CHUNKING_KEYS = frozenset({"mode", "chunking", "doc_vector"})
+_SIGNATURE_DEFAULTS = {"unicode_form": "NFC", "dimensions": "the model's dim"}
+
+
+def committed_summary(output: str) -> dict[str, Any] | None:
+    """The summary of the output's committed batch run; None for an output without one
+    (streaming, no run committed yet). ``OutputUncheckable`` for a committed run whose summary
+    cannot be read (torn, gone, another run's)."""
     current = read_manifest(output)
     if current is None or current.state != COMMITTED:
-        return {}
-    model = published_summary(output).get("model")
+        return None
+    summary = published_summary(output)
+    if "summary_unavailable" in summary:
+        raise OutputUncheckable(
+            f"{output}: its committed run's {SUMMARY_FILE} cannot be read "
+            f"({summary['summary_unavailable']}), so the config's prefixes, embedding settings "
+            "and model cannot be checked against the output's: refused rather than searched "
+            "unchecked. Run newsvec cleanup on the output (it names what is missing), or run the "
+            "pipeline again to write it anew")
+    return summary
+
+
+def recorded_prefixes(output: str) -> dict[str, str]:
+    """The prefixes the output's committed batch run recorded in its summary (``model``), those
+    it has of ``PREFIXES``; empty for an output that records none (streaming, no committed run).
+    ``OutputUncheckable`` for a committed run whose summary cannot be read."""
+    return _prefixes(committed_summary(output))
+
+
+def _prefixes(summary: dict[str, Any] | None) -> dict[str, str]:
+    model = (summary or {}).get("model")
     if not isinstance(model, dict):
         return {}
     return {key: model[key] for key in PREFIXES if isinstance(model.get(key), str)}
 
 
-def check_prefixes(config: Config, output: str) -> None:
+def check_output(config: Config, output: str) -> Config:
+    """The config to search ``output`` with: the config, its ``model.sha256`` set to the model's
+    content hash the output recorded. Refused (a ``ConfigError``) when the output's committed run
+    recorded other prefixes (``PrefixMismatch``), another embedding signature
+    (``SettingsMismatch``) or another model's files (``ModelMismatch``) than the config's, and for
+    a committed run whose summary cannot be read (``OutputUncheckable``). An output without a
+    committed batch run (streaming) is not checked."""
+    summary = committed_summary(output)
+    if summary is None:
+        return config
+    check_prefixes(config, output, summary)
+    check_signature(config, output, summary)
+    return pin_model(config, output, summary)
+
+
+def check_prefixes(config: Config, output: str, summary: dict[str, Any] | None = None) -> None:
     """``PrefixMismatch`` if the output recorded a ``document_prefix`` or ``query_prefix`` other
     than the config's: a query must be embedded as the model was trained to meet the output's
     articles, with the query prefix that goes with their document prefix."""
-    recorded = recorded_prefixes(output)
+    recorded = _prefixes(summary) if summary is not None else recorded_prefixes(output)
     differ = [key for key, value in recorded.items() if getattr(config.model, key) != value]
     if differ:
         shown = "; ".join(f"model.{key}: the output's {recorded[key]!r}, the config's "
                           f"{getattr(config.model, key)!r}" for key in differ)
         raise PrefixMismatch(f"{output} was written with other prefixes than the config's "
                              f"({shown}): search it with the config it was written with")
+
+
+def check_signature(config: Config, output: str, summary: dict[str, Any]) -> None:
+    """``SettingsMismatch`` naming each setting of the embedding signature (``signature_of``)
+    whose value the output recorded (``incremental.embedding_signature``) is not the config's:
+    those that decide how a query is prepared and embedded (``_SIGNATURE_SETTINGS``), not the
+    chunking's (``_CHUNKING_KEYS``)."""
+    from pipeline.graph import signature_of
+
+    incremental = summary.get("incremental")
+    recorded = incremental.get("embedding_signature") if isinstance(incremental, dict) else None
+    if not isinstance(recorded, str):
+        return  # a summary of a release before the signature was recorded
+    ours = json.loads(signature_of(config))
+    theirs = json.loads(recorded)
+    differ = sorted(key for key in {*ours, *theirs} - _CHUNKING_KEYS
+                    if ours.get(key) != theirs.get(key))
+    if differ:
+        def shown(values: dict, key: str) -> str:
+            return repr(values[key]) if key in values else _SIGNATURE_DEFAULTS.get(key, "unset")
+
+        said = "; ".join(f"{_SIGNATURE_SETTINGS.get(key, key)}: the output's "
+                         f"{shown(theirs, key)}, the config's {shown(ours, key)}"
+                         for key in differ)
+        raise SettingsMismatch(f"{output} was embedded with other settings than the config's "
+                               f"({said}): its queries would be prepared or embedded otherwise "
+                               "than its articles were; search it with the config it was "
+                               "written with")
+
+
+def pin_model(config: Config, output: str, summary: dict[str, Any]) -> Config:
+    """The config with ``model.sha256`` the content hash of the model that wrote the output
+    (``model.content_sha256`` of its summary), its folder checked against it (``model_folder``:
+    a ``gs://`` folder fetched pinned, a local one hashed). ``ModelMismatch`` when the folder's
+    files hash otherwise, or the config pins another model. Unchanged for an output that recorded
+    no hash (a Hugging Face id, not a local folder, when it was written)."""
+    from transforms.engines.fetch import ModelPinMismatch
+    from transforms.engines.model import model_folder
+
+    model = summary.get("model")
+    if not isinstance(model, dict):
+        return config
+    recorded = model.get("content_sha256")
+    if not isinstance(recorded, str):
+        return config
+    written_by = f"{model.get('label') or model.get('name')} (its files' sha256 {recorded})"
+    if config.model.sha256 not in (None, recorded):
+        raise ModelMismatch(f"{output} was written by the model {written_by}, but the config "
+                            f"pins model.sha256 {config.model.sha256}: search it with the model "
+                            "it was written with")
+    pinned = config.model.model_copy(update={"sha256": recorded})
+    try:
+        model_folder(pinned)
+    except ModelPinMismatch as exc:
+        raise ModelMismatch(f"{output} was written by the model {written_by}, but the config's "
+                            f"model.path {config.model.path} holds other files (sha256 "
+                            f"{exc.found}): its query would be embedded by another model than "
+                            "the articles were; search it with the model it was written "
+                            "with") from None
+    return config.model_copy(update={"model": pinned})
 
 
 def embed_query(config: Config, query: str):
@@ -113,7 +241,7 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None) -
                           "(make setup installs it)") from e
 
     output = output or config.output
-    check_prefixes(config, output)
+    config = check_output(config, output)
     vectors = _read(output, VECTORS_DIR, ["id", "title", "embedding"])
     if vectors is None:
         raise FileNotFoundError(f"no vectors under {output}/{VECTORS_DIR}/: run the pipeline first")

@@ -218,3 +218,69 @@ def test_a_pinned_local_folder_with_other_files_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not the pinned model.sha256"):
         model_folder(gcs_config(str(folder), sha256="0" * 64).model)
     assert model_folder(gcs_config(str(folder)).model) == str(folder)
+
+
+def test_training_checkpoints_beside_the_model_are_not_fetched(fake_gcs, cache):
+    """A trainer's output folder (transformers' Trainer, sentence-transformers' fit) holds the
+    final model and ``checkpoint-N/`` subfolders, each a whole copy of the weights. vLLM reads the
+    weights at the folder's top only: the folder's top and its modules' folders are fetched, never
+    a checkpoint (before, ``list_blobs(prefix=...)`` fetched and hashed every one)."""
+    from transforms.engines import fetch
+
+    files = dict(TINY)
+    files["checkpoint-500/model.safetensors"] = b"\1" * 4096
+    files["checkpoint-500/config.json"] = TINY["config.json"]
+    files["checkpoint-500/optimizer.pt"] = b"\2" * 4096  # skipped: not a hashed suffix
+    path = upload("trainer-output", files)
+    folder = fetch.fetch_model(path)
+    assert os.path.isfile(os.path.join(folder, "1_Pooling", "config.json")), "modules' folders"
+    assert not os.path.exists(os.path.join(folder, "checkpoint-500")), "a checkpoint fetched"
+
+
+def test_a_local_folder_and_its_bucket_copy_hash_the_same_whatever_lies_beside_the_model(
+        fake_gcs, cache, tmp_path):
+    """The content hash covers what is fetched: the folder's top and the module folders
+    ``modules.json`` names (here one not named as sentence-transformers names them), not a
+    checkpoint or an ONNX export; a local folder with those hashes as its bucket copy does, and
+    as the model without them. Before, the local hash took in every subfolder."""
+    from transforms.engines import fetch
+    from transforms.engines.model import model_content_hash
+
+    model = {**TINY, "modules.json": json.dumps([
+        {"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "path": "pooling", "type": "sentence_transformers.models.Pooling"}]).encode(),
+        "pooling/config.json": b'{"pooling_mode_cls_token": true}'}
+    extras = {"checkpoint-500/model.safetensors": b"\1" * 4096, "onnx/config.json": b"{}"}
+    local = local_copy(tmp_path, {**model, **extras})
+    bare = model_content_hash.__wrapped__(str(local_copy(tmp_path / "bare", model)))
+    assert model_content_hash.__wrapped__(str(local)) == bare, "the extras are not hashed"
+    folder = fetch.fetch_model(upload("with-extras", {**model, **extras}))
+    assert model_content_hash.__wrapped__(folder) == bare
+    assert os.path.isfile(os.path.join(folder, "pooling", "config.json"))
+    (local / "pooling" / "config.json").write_bytes(b"{}")
+    assert model_content_hash.__wrapped__(str(local)) != bare, "a module's file is hashed"
+
+
+def test_a_cached_folder_that_lost_a_file_is_fetched_again(fake_gcs, cache):
+    """The cache's private marker records the fetched files' names and sizes, checked (one
+    ``stat`` a file) whenever a process first finds the folder in the cache: a file removed or
+    changed after the fetch (a temp-folder cleaner that ages files out one by one, a disk error)
+    makes it fetch the folder again, at the listed generations, and hash it again. Before, the
+    marker alone was trusted and the engine read another tokenizer than the pinned one (here
+    ``tokenizer_config.json`` gone: the tokenizer's defaults instead), silently."""
+    from transforms.engines import fetch
+    from transforms.engines.model import model_content_hash
+
+    path = upload("aged", TINY)
+    folder = fetch.fetch_model(path)
+    pinned = model_content_hash.__wrapped__(folder)
+    os.unlink(os.path.join(folder, "tokenizer_config.json"))
+    assert model_content_hash.__wrapped__(folder) != pinned
+    fetch.fetched.cache_clear()  # another process of the machine
+    again = fetch.fetch_model(path, pinned)
+    assert os.path.isfile(os.path.join(again, "tokenizer_config.json")), "fetched again"
+    assert model_content_hash.__wrapped__(again) == pinned
+    with open(os.path.join(again, "vocab.txt"), "ab") as grown:
+        grown.write(b"extra\n")  # a file of another size
+    assert fetch.fetch_model(path, pinned) == again
+    assert model_content_hash.__wrapped__(again) == pinned, "fetched again"

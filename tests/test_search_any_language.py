@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import sys
 import unicodedata
 
@@ -282,3 +283,80 @@ def test_search_with_the_config_that_wrote_the_output_uses_its_query_prefix(
     hits = search(config, "北日本の大雪", k=2)
     assert len(hits) == 2
     assert fake_engine.prompts == [HeadTokenizer(config.model)("検索クエリ: 北日本の大雪")[0]]
+
+
+def _copy_output(config, tmp_path):
+    """A copy of the prefixed batch output (the module fixture is shared: never change it)."""
+    copy = tmp_path / "out"
+    shutil.copytree(config.output, copy)
+    return config.model_copy(update={"output": str(copy)})
+
+
+def test_search_refuses_a_config_whose_unicode_form_is_not_the_outputs(
+        prefixed_batch_output, fake_engine, tmp_path, capsys):
+    """The output was written with text.unicode_form NFC (recorded in _summary.json, ``text``
+    and in the embedding signature); a config with NFKC normalizes the query otherwise
+    (``embed_query``: ``normalize_text(query, config.text.unicode_form)``) than the articles
+    were: ㈱ → (株), ① → 1, ｶ → カ. It is refused, the setting and both values named, before a
+    query is embedded. Before, the prefixes matched and it was searched."""
+    from pipeline.search import SettingsMismatch, search
+
+    config = prefixed_batch_output.model_copy(update={
+        "text": prefixed_batch_output.text.model_copy(update={"unicode_form": "NFKC"})})
+    with pytest.raises(SettingsMismatch) as info:
+        search(config, "㈱北日本① の大雪", k=2)
+    assert "text.unicode_form: the output's NFC, the config's 'NFKC'" in str(info.value)
+    assert fake_engine.prompts == [], "nothing embedded"
+    longer = prefixed_batch_output.model_copy(update={
+        "model": prefixed_batch_output.model.model_copy(update={"max_tokens": 64})})
+    with pytest.raises(SettingsMismatch, match="model.max_tokens: the output's 256, the "
+                                               "config's 64"):
+        search(longer, "北日本の大雪", k=2)
+    assert cli.main(["search", "--config", _config_file(tmp_path, config), "北日本の大雪"]) == 2
+    assert "text.unicode_form" in capsys.readouterr().err
+    assert fake_engine.prompts == [], "nothing embedded"
+
+
+def test_search_refuses_a_model_whose_files_are_not_the_outputs(
+        prefixed_batch_output, fake_engine, tmp_path):
+    """The output's summary records the model's content hash (``model.content_sha256``) and
+    label; a config whose model folder holds other files (another checkpoint under the same
+    name, or a gs:// folder replaced in place) would embed the query with another model than the
+    articles'. The recorded hash becomes the config's ``model.sha256`` (a gs:// folder is fetched
+    pinned, a local one hashed) and a folder that hashes otherwise is refused, the output's model
+    and both hashes named. Before, only the prefixes and the dimension were compared."""
+    from pipeline.search import ModelMismatch, search
+    from transforms.engines.model import model_content_hash, model_folder
+
+    other = tmp_path / "other-checkpoint"
+    shutil.copytree(model_folder(prefixed_batch_output.model), other)
+    (other / "config_sentence_transformers.json").write_text('{"note": "fine-tuned again"}')
+    config = prefixed_batch_output.model_copy(update={
+        "model": prefixed_batch_output.model.model_copy(update={"path": str(other)})})
+    with pytest.raises(ModelMismatch) as info:
+        search(config, "北日本の大雪", k=2)
+    written = model_content_hash(model_folder(prefixed_batch_output.model))
+    assert written in str(info.value) and model_content_hash(str(other)) in str(info.value)
+    assert str(other) in str(info.value)
+    assert fake_engine.prompts == [], "nothing embedded"
+    assert search(prefixed_batch_output, "北日本の大雪", k=2), "the output's own model is searched"
+
+
+def test_search_does_not_skip_the_checks_when_the_summary_is_torn(
+        prefixed_batch_output, fake_engine, tmp_path):
+    """A committed output whose _summary.json is torn (or gone): ``published_summary`` falls
+    back to the manifest (no ``model``). Refused, saying the checks cannot be made and what to
+    run, not searched. Before, ``recorded_prefixes`` returned {} and a config with the wrong
+    query prefix was searched, silently: the check failed open."""
+    from pipeline.search import OutputUncheckable, search
+    from transforms.output.manifest import read_manifest
+
+    config = _copy_output(prefixed_batch_output, tmp_path)
+    summary = tmp_path / "out" / read_manifest(config.output).summary
+    summary.write_bytes(summary.read_bytes()[:40])  # torn
+    wrong = config.model_copy(update={
+        "model": config.model.model_copy(update={"query_prefix": "query: "})})
+    for searched in (wrong, config):
+        with pytest.raises(OutputUncheckable, match="cannot be checked.*newsvec cleanup"):
+            search(searched, "北日本の大雪", k=2)
+    assert fake_engine.prompts == [], "nothing embedded"

@@ -1,10 +1,12 @@
 """A model folder in GCS (``model.path: gs://BUCKET/PREFIX/``), fetched into a private cache on
 the machine once, verified, and then read like a local folder.
 
-- What is fetched: every object under the prefix whose name ends as the files of the content hash
-  do (``model._HASHED_SUFFIXES``: weights, JSON configs, tokenizer files), so every byte the engine
-  reads is covered by the hash; anything else (a README, ONNX exports, a model's own ``.py`` code)
-  is left in the bucket and logged.
+- What is fetched: the files the content hash covers (``model.is_model_file``: weights, JSON
+  configs, tokenizer files, at the folder's top and in its modules' folders, those
+  ``modules.json`` names and ``1_Pooling``-like ones), so every byte the engine reads is covered by
+  the hash and a local folder hashes as its copy in the bucket does; anything else (a README, ONNX
+  exports, a model's own ``.py`` code, a trainer's ``checkpoint-N/`` folders) is left in the
+  bucket and logged.
 - Refused before a byte is fetched (``ModelFetchError``): an object name that would leave the
   folder (``..``, ``.``, an empty part, a backslash, a NUL), a folder without ``config.json``,
   weights or a tokenizer, more than ``MAX_FILES`` files or ``MAX_BYTES`` bytes, or more than the
@@ -15,6 +17,11 @@ the machine once, verified, and then read like a local folder.
   (``flock``), fetches into a temp folder, hashes it, and renames it into place; every other
   process of the machine (the shared engine, the SDK processes) waits on the lock and finds it
   there. A process killed mid-fetch leaves only a temp folder, removed by the next holder.
+- A cached folder is checked on every first use by a process (one ``stat`` per file): its files'
+  names and sizes against those its private marker recorded when it was fetched. A folder that
+  lost, gained or resized a file (a temp-folder cleaner, a disk error) is fetched again (the
+  listing's generations: the same bytes) and hashed again, never used as it is. A file changed in
+  place to the same size is not seen by this check (only hashing every byte would).
 - Each object is fetched at the generation listed (``if_generation_match``): an object replaced
   while the folder is fetched fails the fetch, never mixes two versions. google-cloud-storage
   checks each download's checksum.
@@ -48,11 +55,14 @@ _LOG = logging.getLogger(__name__)
 
 GS = "gs://"
 MAX_FILES = 1_000
+MAX_LISTED = 100_000
+"""The most objects listed under a model's folder (a trainer's output with its checkpoints)."""
+MAX_MODULES_BYTES = 1 << 20
 MAX_BYTES = 64 << 30
 """The largest folder fetched: a 7B-parameter model in bfloat16 is about 15 GB."""
 DISK_MARGIN_BYTES = 1 << 30
 """Left free on the cache's disk after a fetch."""
-_MARKER = ".newsvec-sha256"  # in a fetched folder: its content hash (not a hashed file name)
+_MARKER = ".newsvec-sha256"  # in a fetched folder: its content hash and files (not a hashed name)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 _TOKENIZER_VOCABS = ("vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
                      "tokenizer.model")
@@ -61,6 +71,14 @@ _TOKENIZER_VOCABS = ("vocab.txt", "vocab.json", "spiece.model", "sentencepiece.b
 class ModelFetchError(RuntimeError):
     """A GCS model folder that is refused: incomplete, unsafe, too big, changed while fetched, or
     not the pinned one."""
+
+
+class ModelPinMismatch(ModelFetchError, ValueError):
+    """A model folder whose files hash otherwise than the ``model.sha256`` that pins it."""
+
+    def __init__(self, message: str, found: str, pinned: str):
+        super().__init__(message)
+        self.found, self.pinned = found, pinned
 
 
 class Listed(NamedTuple):
@@ -97,23 +115,30 @@ def safe_relative(spec: str, name: str) -> str:
 
 def list_folder(spec: str) -> list[Listed]:
     """The objects to fetch, checked (``safe_relative``, ``check_complete``, the limits)."""
-    from transforms.engines.model import _HASHED_SUFFIXES
+    from transforms.engines.model import MODULES_FILE, is_model_file, module_folders
     from transforms.output.lease import gcs_bucket_and_name
 
     bucket_name, prefix = split_gcs_folder(spec)
     bucket, _ = gcs_bucket_and_name(f"{GS}{bucket_name}/")
-    listed, skipped = [], []
-    for blob in bucket.list_blobs(prefix=prefix):
+    every = []
+    for blob in bucket.list_blobs(prefix=prefix):  # names only: nothing is fetched yet
         relative = blob.name[len(prefix):]
         if not relative or relative.endswith("/") and not blob.size:
             continue  # the folder's own placeholder object (made by the console)
-        relative = safe_relative(spec, relative)
-        if not relative.endswith(_HASHED_SUFFIXES):
-            skipped.append(relative)
-            continue
-        listed.append(Listed(relative, int(blob.generation), int(blob.size or 0)))
-        if len(listed) > MAX_FILES:
-            raise ModelFetchError(f"model.path {spec}: more than {MAX_FILES} files")
+        every.append(Listed(safe_relative(spec, relative), int(blob.generation),
+                            int(blob.size or 0)))
+        if len(every) > MAX_LISTED:
+            raise ModelFetchError(f"model.path {spec}: more than {MAX_LISTED} objects")
+    modules = None
+    for item in every:
+        if item.name == MODULES_FILE and item.size <= MAX_MODULES_BYTES:
+            modules = bucket.blob(prefix + MODULES_FILE).download_as_bytes(
+                if_generation_match=item.generation)  # the one fetched: changed, it fails there
+    folders = module_folders(modules)
+    listed = [item for item in every if is_model_file(item.name, folders)]
+    skipped = [item.name for item in every if not is_model_file(item.name, folders)]
+    if len(listed) > MAX_FILES:
+        raise ModelFetchError(f"model.path {spec}: more than {MAX_FILES} files")
     if skipped:
         _LOG.info("model %s: not fetched (not covered by the content hash): %s", spec,
                   ", ".join(sorted(skipped)[:20]))
@@ -210,8 +235,8 @@ def fetch_model(spec: str, sha256: Optional[str] = None, cache: Optional[str] = 
     key = _key(spec, listed)
     final = os.path.join(cache, key)
     with _locked(os.path.join(cache, f"{key}.lock")):
-        marker = read_private(os.path.join(final, _MARKER)) if os.path.isdir(final) else None
-        if marker is None:
+        digest = _cached_digest(spec, final, listed)
+        if digest is None:
             for stale in Path(cache).glob(f".{key}.*"):  # a fetch killed midway
                 shutil.rmtree(stale, ignore_errors=True)
             need = sum(item.size for item in listed) + DISK_MARGIN_BYTES
@@ -224,7 +249,8 @@ def fetch_model(spec: str, sha256: Optional[str] = None, cache: Optional[str] = 
                 _download(spec, listed, tmp)
                 check_shards(spec, tmp)
                 digest = model_content_hash.__wrapped__(str(tmp))
-                write_private(str(tmp / _MARKER), digest.encode())
+                write_private(str(tmp / _MARKER), json.dumps(
+                    {"sha256": digest, "files": _files_of(tmp)}).encode())
                 shutil.rmtree(final, ignore_errors=True)  # a folder left without its marker
                 os.rename(tmp, final)
             except BaseException:
@@ -232,15 +258,54 @@ def fetch_model(spec: str, sha256: Optional[str] = None, cache: Optional[str] = 
                 raise
             _LOG.info("model %s: fetched %d files into %s (sha256 %s)", spec, len(listed), final,
                       digest)
-        else:
-            digest = marker.decode()
     if sha256 is not None and digest != sha256:
-        raise ModelFetchError(
+        raise ModelPinMismatch(
             f"model.path {spec}: its files hash to sha256 {digest}, not the pinned {sha256} "
             "(model.sha256, set when the run was launched): the folder changed in the bucket "
             "since, and this worker refuses to embed with another model than the rest of the "
-            "job. Publish a new model version under a new path and launch again")
+            "job. Publish a new model version under a new path and launch again", digest, sha256)
     return final
+
+
+def _files_of(folder: Path) -> list[list]:  # [str, int] each: as JSON reads them back
+    """``[name, size]`` of each file of a fetched folder (its marker aside), sorted: one ``stat``
+    per file."""
+    files = []
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            path = Path(parent, name)
+            if path != folder / _MARKER:
+                files.append([path.relative_to(folder).as_posix(), path.stat().st_size])
+    return sorted(files)
+
+
+def _cached_digest(spec: str, final: str, listed: list[Listed]) -> Optional[str]:
+    """The content hash of the cached folder ``final`` as its marker records it, if the folder
+    holds the files the marker lists, at their sizes, and those are the listing's; None for a
+    folder to fetch (absent, without a marker, with a marker of a release before 0.3's
+    listing, or changed since it was fetched: that one is logged)."""
+    if not os.path.isdir(final):
+        return None
+    raw = read_private(os.path.join(final, _MARKER))
+    try:
+        marker = json.loads(raw) if raw is not None else None
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict) or not isinstance(marker.get("sha256"), str):
+        return None
+    expected = sorted([item.name, item.size] for item in listed)
+    if marker.get("files") != expected:
+        return None  # not this listing's (a marker written before the files were recorded)
+    found = _files_of(Path(final))
+    if found != expected:
+        lost = sorted({str(name) for name, _ in expected} - {str(name) for name, _ in found})
+        other = sorted({str(name) for name, size in found} - {str(name) for name, size in expected
+                                                                 if [name, size] in found})
+        _LOG.warning("model %s: the cached folder %s changed since it was fetched (lost: %s; "
+                     "other or added: %s): fetched again", spec, final,
+                     ", ".join(lost) or "none", ", ".join(other) or "none")
+        return None
+    return marker["sha256"]
 
 
 @functools.lru_cache(maxsize=8)

@@ -19,14 +19,44 @@ import json
 import keyword
 import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal, Optional
 
-from transforms.engines.fetch import ModelFetchError, fetched, is_gcs
+from transforms.engines.fetch import ModelFetchError, ModelPinMismatch, fetched, is_gcs
 from transforms.settings import ModelSettings
 
 PYPACKAGE = "pypackage:"
 _HASHED_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model")
+MODULES_FILE = "modules.json"
+_MODULE_FOLDER = re.compile(r"[0-9]+_[A-Za-z]\w*")
+"""A folder named as sentence-transformers saves a module: ``1_Pooling``, ``2_Dense``."""
+
+
+def module_folders(modules_json: Optional[bytes]) -> frozenset[str]:
+    """The module folders a sentence-transformers ``modules.json`` names (its entries' ``path``;
+    the root's ``""`` aside); empty without one or for one that cannot be read."""
+    try:
+        entries = json.loads(modules_json) if modules_json else []
+    except ValueError:
+        return frozenset()
+    paths = (entry.get("path") for entry in entries if isinstance(entry, dict)) \
+        if isinstance(entries, list) else ()
+    return frozenset(path.strip("/") for path in paths
+                     if isinstance(path, str) and path.strip("/"))
+
+
+def is_model_file(name: str, modules: frozenset[str]) -> bool:
+    """Whether the file ``name`` (relative to the model's folder, ``/``-separated) is one the
+    content hash covers, and so one a ``gs://`` folder fetches: a weight, config or tokenizer file
+    (``_HASHED_SUFFIXES``) at the folder's top or in a module's folder (named by ``modules.json``,
+    or named as sentence-transformers names them: ``1_Pooling``, ``2_Dense``). Anything else in a
+    subfolder (a trainer's ``checkpoint-500/``, ``onnx/``, ``openvino/`` exports) is no part of the
+    model the engine loads."""
+    if PurePosixPath(name).suffix not in _HASHED_SUFFIXES:
+        return False
+    folder, _, _ = name.rpartition("/")
+    return (not folder or _MODULE_FOLDER.fullmatch(folder.split("/")[0]) is not None
+            or any(name.startswith(module + "/") for module in modules))
 
 
 def resolve_model_path(spec: str) -> str:
@@ -44,9 +74,10 @@ def resolve_model_path(spec: str) -> str:
 
 
 def model_folder(settings: ModelSettings) -> str:
-    """The local folder of a model (``resolve_model_path``), refused (ValueError) when
-    ``settings.sha256`` pins its content and its files hash otherwise, and for a ``gs://`` model
-    with ``trust_remote_code`` (its code files are not fetched: only what the hash covers is)."""
+    """The local folder of a model (``resolve_model_path``), refused (``ModelPinMismatch``, a
+    ValueError) when ``settings.sha256`` pins its content and its files hash otherwise, and for a
+    ``gs://`` model with ``trust_remote_code`` (its code files are not fetched: only what the hash
+    covers is)."""
     if is_gcs(settings.path):
         if settings.trust_remote_code:
             raise ModelFetchError(f"model.path {settings.path}: trust_remote_code is refused for "
@@ -56,8 +87,9 @@ def model_folder(settings: ModelSettings) -> str:
     folder = resolve_model_path(settings.path)
     if settings.sha256 is not None and model_content_hash(folder) != settings.sha256:
         found = model_content_hash(folder) or "nothing (not a local folder)"
-        raise ValueError(f"model.path {settings.path}: its files hash to sha256 {found}, not "
-                         f"the pinned model.sha256 {settings.sha256}: refused")
+        raise ModelPinMismatch(f"model.path {settings.path}: its files hash to sha256 {found}, "
+                               f"not the pinned model.sha256 {settings.sha256}: refused", found,
+                               settings.sha256)
     return folder
 
 
@@ -94,15 +126,20 @@ def locate_pypackage(spec: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def model_content_hash(path: str) -> str:
-    """sha256 over the relative names and bytes of the model's weight, config and tokenizer files.
+    """sha256 over the relative names and bytes of the model's weight, config and tokenizer files
+    (``is_model_file``: the folder's top and its modules' folders, the files a ``gs://`` folder
+    fetches, so a local folder and its copy in a bucket hash the same).
 
     A silently changed model gives another hash. Empty string when ``path`` is not a local folder.
     """
     root = Path(path)
     if not root.is_dir():
         return ""
+    modules_json = root / MODULES_FILE
+    modules = module_folders(modules_json.read_bytes() if modules_json.is_file() else None)
     digest = hashlib.sha256()
-    for file in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _HASHED_SUFFIXES):
+    for file in sorted(p for p in root.rglob("*") if p.is_file()
+                       and is_model_file(p.relative_to(root).as_posix(), modules)):
         digest.update(os.fsencode(file.relative_to(root).as_posix()) + b"\0")
         with open(file, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
