@@ -121,7 +121,7 @@ class Engine:
 def _pooling(llm) -> str:
     """How the model pools a sequence, as vLLM resolved it (from its sentence-transformers
     config, else the architecture's default): ``mean``, ``cls`` or ``last``."""
-    pooler = llm.llm_engine.model_config.pooler_config
+    pooler = getattr(llm.llm_engine.model_config, "pooler_config", None)  # None: a stand-in LLM
     kind = getattr(pooler, "seq_pooling_type", None) or getattr(pooler, "pooling_type", None)
     return str(getattr(kind, "name", kind) or "mean").lower()
 
