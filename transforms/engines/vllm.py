@@ -150,3 +150,12 @@ def load_vllm(s: ModelSettings) -> Engine:
     # Refused (a model that does not declare the size): the LLM stays for the process's others.
     truncated_by = truncation(s, Matryoshka.of_hf_config(model_config.hf_config))
     return Engine(llm, s, engine.label, truncated_by)
+
+
+def resolved_pooling(s: ModelSettings) -> str:
+    """How the process's vLLM ``LLM`` for these settings pools (``CLS``, ``MEAN``, ``LAST``...):
+    what it read from the model's sentence-transformers modules, or its architecture's default
+    where it read none it knows (``newsvec check-model`` shows it beside the reference's)."""
+    pooler = _shared_llm(s).llm_engine.model_config.pooler_config
+    kind = getattr(pooler, "seq_pooling_type", None) or getattr(pooler, "pooling_type", None)
+    return str(kind or "unknown")
