@@ -396,7 +396,7 @@ def render(report: Report) -> str:
              f"(dead letters), {report.failed} failed",
              f"{'cosine':<18}{'texts':>6}{'min':>10}{'p05':>10}{'median':>10}"]
     for s in report.summaries:
-        lines.append(f"  {s.length:<16}{s.texts:>6}{s.min:>10.4f}{s.p05:>10.4f}{s.median:>10.4f}")
+        lines.append(f"  {s.length:<16}{s.texts:>6}{s.min:>10.5f}{s.p05:>10.5f}{s.median:>10.5f}")
     lines += ["", f"token ids  {report.heads_agreeing} of {report.heads_checked} heads as the "
               "model tokenizer's own"]
     for d in report.token_disagreements:
@@ -405,7 +405,7 @@ def render(report: Report) -> str:
     lines += ["", f"worst texts (lowest cosine first; --min-cosine {report.min_cosine})",
               f"  {'cosine':>8}  {'tokens':>6}  {'length':<16}id"]
     for c in report.worst:
-        lines.append(f"  {c.cosine:>8.4f}  {c.tokens:>6}  {c.length:<16}{_escaped(c.id)}")
+        lines.append(f"  {c.cosine:>8.5f}  {c.tokens:>6}  {c.length:<16}{_escaped(c.id)}")
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)
 

@@ -80,7 +80,7 @@ def test_the_table_for_people_names_the_verdict_and_the_worst_texts(tiny_bert, t
     assert code == 0
     assert out.startswith("newsvec check-model: PASS")
     assert "BertModel" in out and "8 of 8 heads" in out
-    assert out.count("\n    1.0000  ") == 3  # the three worst texts, each a line
+    assert out.count("\n   1.00000  ") == 3  # the three worst texts, each a line
 
 
 def _fails_naming(report: dict, code: int, worst_ids: set[str]) -> None:

@@ -4,8 +4,8 @@ CLS pooling, a Unigram tokenizer) and a BERT (WordPiece, mean pooling), on texts
 longer than the window, through newsvec's own tokenization and engine handle
 (``transforms.engines.base.load_engine``).
 
-The reference runs in the engine's dtype: random weights of this scale lose up to 0.005 of cosine
-to bfloat16 itself (``transformers`` in bfloat16 against float32, measured), which is not the
+The reference runs in the engine's dtype: random weights of this scale lose up to about 0.005 of
+cosine to bfloat16 itself (``transformers`` in bfloat16 against float32, measured), which is not the
 engine's doing; trained models lose about 0.0001 (MiniLM, docs/languages.md)."""
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from transforms.engines.base import load_engine
 from transforms.text import HeadTokenizer
 
 WINDOW = 16  # build_modernbert's local_attention: 8 tokens each side
+WITHIN = WINDOW // 2 + 1  # a text this short: every token sees every other in a local layer
 TEXTS = [made_up_text(random.Random(seed), words) for seed, words in
-         ((1, 3), (2, 4), (3, 30), (4, 70))]
+         ((1, 1), (2, 2), (3, 30), (4, 70))]
 _REFERENCES: dict = {}
 
 
@@ -69,7 +70,7 @@ def _dtypes():
 def test_modernbert_on_the_engine_is_sentence_transformers(tiny_modernbert, dtype):
     """Texts of fewer tokens than the window and of several windows: cosine >= 0.999."""
     vectors, lengths = _engine_vectors(tiny_modernbert, dtype)
-    assert min(lengths) < WINDOW < 4 * WINDOW < max(lengths), lengths
+    assert min(lengths) <= WITHIN < 4 * WINDOW < max(lengths), lengths
     cosines = _cosines(vectors, _reference_vectors(tiny_modernbert, dtype))
     assert cosines.min() >= 0.999, dict(zip(lengths, cosines, strict=True))
 
@@ -94,8 +95,10 @@ def test_the_window_changes_the_reference_on_these_texts(tiny_modernbert):
     lengths = [len(_reference(tiny_modernbert, "float32").tokenizer(t)["input_ids"])
                for t in TEXTS]
     cosines = dict(zip(lengths, _cosines(with_window, without), strict=True))
-    assert all(c >= 0.99999 for n, c in cosines.items() if n <= WINDOW // 2), cosines
-    assert all(c < 0.99 for n, c in cosines.items() if n > WINDOW), cosines
+    within = [c for n, c in cosines.items() if n <= WITHIN]
+    beyond = [c for n, c in cosines.items() if n > WINDOW]
+    assert within and min(within) >= 0.99999, cosines
+    assert beyond and max(beyond) < 0.99, cosines
 
 
 @pytest.mark.parametrize("dtype", _dtypes())
