@@ -115,20 +115,15 @@ def _read_json(path: Path) -> Any:
 
 
 def _modules(folder: Path) -> tuple[str, bool]:
-    """(the pooling mode of the sentence-transformers modules, whether they normalize)."""
+    """(the pooling modes of the sentence-transformers modules, whether they normalize)."""
+    from transforms.engines.vllm import sentence_transformers_pooling
+
+    modes = sentence_transformers_pooling(folder)
+    pooling = ("+".join(modes) or "none" if modes is not None
+               else "none (no sentence-transformers modules: the architecture's default)")
     modules = _read_json(folder / "modules.json") or []
-    pooling = "none (no sentence-transformers modules: the architecture's default)"
-    normalize = False
-    for module in modules:
-        kind = module.get("type", "")
-        if kind.endswith("Pooling"):
-            config = _read_json(folder / module.get("path", "") / "config.json") or {}
-            modes = [key[len("pooling_mode_"):] for key, on in config.items()
-                     if key.startswith("pooling_mode_") and on is True]
-            if isinstance(config.get("pooling_mode"), str):
-                modes = [config["pooling_mode"]]
-            pooling = "+".join(modes) or "none"
-        normalize = normalize or kind.endswith("Normalize")
+    normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules
+                    if isinstance(m, dict))
     return pooling, normalize
 
 
@@ -257,6 +252,7 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
 
     from pipeline.graph import prepare_text
     from transforms.embed import Embedder, EmbedFailure
+    from transforms.engines.base import EngineFailedError
     from transforms.engines.model import resolve_model_path
 
     settings = config.model
@@ -266,7 +262,16 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
     prepared = prepare_text(config).prepare(events)
     docs = [d for d in prepared if not isinstance(d, pvalue.TaggedOutput)]
     embedder = Embedder(settings, engine_factory, config.chunking.doc_vector)
-    handle = embedder.load_engine()
+    try:
+        handle = embedder.load_engine()
+    except EngineFailedError as exc:  # refused (a pooling it does not compute, model.dim...)
+        facts = model_facts(settings, folder, "refused", settings.dim,
+                            settings.document_prefix, reference_folder)
+        return Report(passed=False, problems=[str(exc)], notes=[], min_cosine=min_cosine,
+                      model=facts, events=len(events) + unparsed,
+                      dead_lettered=len(prepared) - len(docs) + unparsed, failed=len(docs),
+                      summaries=[], worst=[], heads_checked=0, heads_agreeing=0,
+                      token_disagreements=[])
     results = embedder.embed_docs(handle, docs)
 
     st = SentenceTransformer(str(reference_folder), device="cpu",

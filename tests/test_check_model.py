@@ -90,17 +90,20 @@ def _fails_naming(report: dict, code: int, worst_ids: set[str]) -> None:
     assert failing and failing <= worst_ids, report["worst"]
 
 
-def test_it_fails_on_a_pooling_the_engine_does_not_read(tmp_path_factory, tmp_path, events,
-                                                        capsys):
+def test_it_fails_on_a_pooling_the_engine_does_not_compute(tmp_path_factory, tmp_path, events,
+                                                           capsys):
     """The model's modules pool by a weighted mean, which sentence-transformers computes and
-    vLLM 0.32 does not read (it falls back to the architecture's CLS)."""
+    vLLM 0.32 does not (it would fall back to the architecture's CLS): the engine refuses the
+    model, and check-model says why."""
     folder = build_modernbert(tmp_path_factory.mktemp("weightedmean"), seed=1,
                               pooling="weightedmean")
     code, report = _check(capsys, _config(tmp_path, folder), events)
-    _fails_naming(report, code, {i for i, _ in _TEXTS})
+    assert code == 1 and not report["passed"]
+    (problem,) = report["problems"]
+    assert "pools by weightedmean_tokens" in problem, problem
+    assert "would pool by the architecture's default" in problem, problem
     assert report["model"]["pooling_reference"] == "weightedmean_tokens"
-    assert report["model"]["pooling_engine"] == "CLS"
-    assert any("pools by" in n for n in report["notes"])
+    assert report["model"]["pooling_engine"] == "refused"
 
 
 def test_it_fails_when_the_reference_pools_otherwise(tiny_modernbert, tmp_path, events, capsys):

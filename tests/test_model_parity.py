@@ -9,6 +9,7 @@ cosine to bfloat16 itself (``transformers`` in bfloat16 against float32, measure
 engine's doing; trained models lose about 0.0001 (MiniLM, docs/languages.md)."""
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -114,3 +115,38 @@ def test_newsvec_tokenizes_as_the_models_own_tokenizer(model, request):
     tokenizer = HeadTokenizer(tiny_model_settings(folder))
     own = _reference(folder, "float32").tokenizer
     assert [list(tokenizer(t)[0]) for t in TEXTS] == [own(t)["input_ids"] for t in TEXTS]
+
+
+def test_the_engine_refuses_a_pooling_it_does_not_compute(tmp_path):
+    """vLLM 0.32 reads cls, mean and lasttoken pooling from the modules; for a weighted mean it
+    would pool by the architecture's CLS, silently. newsvec refuses the model instead, before it
+    loads (shutting a loaded engine down would end the process's other engines)."""
+    from tools.tiny_models import build_modernbert
+    from transforms.engines.base import EngineFailedError
+
+    folder = build_modernbert(tmp_path / "weightedmean", seed=1, pooling="weightedmean")
+    with pytest.raises(EngineFailedError, match="pools by weightedmean_tokens .* would pool "
+                                                "by the architecture's default"):
+        load_engine(tiny_model_settings(folder)).embed([[1, 2, 3]])
+
+
+@pytest.mark.parametrize("modes, normalize, refused", [
+    ({"pooling_mode_cls_token": True}, True, False),
+    ({"pooling_mode_mean_sqrt_len_tokens": True}, True, False),  # the mean's direction
+    ({"pooling_mode_mean_sqrt_len_tokens": True}, False, True),  # not its length
+    ({"pooling_mode_max_tokens": True}, True, True),
+    ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}, True, True),
+])
+def test_which_poolings_the_engine_computes(tmp_path, modes, normalize, refused):
+    from transforms.engines.vllm import check_pooling
+
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "modules.json").write_text(json.dumps(
+        [{"idx": 1, "name": "1", "path": "1_Pooling",
+          "type": "sentence_transformers.models.Pooling"}]))
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(modes))
+    if refused:
+        with pytest.raises(ValueError, match="would pool by"):
+            check_pooling(tmp_path, normalize)
+    else:
+        check_pooling(tmp_path, normalize)
