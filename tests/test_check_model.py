@@ -72,10 +72,11 @@ def test_it_passes_on_a_model_served_as_it_is(model, request, tmp_path, events, 
         assert facts["pooling_reference"] == "mean_tokens" and facts["pooling_engine"] == "MEAN"
 
 
-def test_the_table_for_people_names_the_verdict_and_the_worst_texts(tiny_bert, tmp_path, events,
-                                                                     capsys):
-    code = cli.main(["check-model", "--config", str(_config(tmp_path, tiny_bert)),
-                     "--input", str(events), "--worst", "3"])
+def test_the_table_for_people_names_the_verdict_and_the_worst_texts(tiny_bert, tiny_modernbert,
+                                                                     tmp_path, events, capsys):
+    """Also: --model-path checks another folder (a fine-tuned checkpoint) with the config."""
+    code = cli.main(["check-model", "--config", str(_config(tmp_path, tiny_modernbert)),
+                     "--model-path", str(tiny_bert), "--input", str(events), "--worst", "3"])
     out = capsys.readouterr().out
     assert code == 0
     assert out.startswith("newsvec check-model: PASS")

@@ -46,10 +46,21 @@ def _corpus(seed: int, lines: int = 400) -> list[str]:
     return [made_up_text(rng, rng.randint(5, 40)) for _ in range(lines)]
 
 
-def _fast_tokenizer(tok, max_length: int, **special):
+def _save_tokenizer(tok, folder: Path, max_length: int, specials: list[str]) -> tuple[int, int]:
+    """Put the special tokens around a text (``pad, unk, cls, sep, mask`` in ``specials``) and
+    save the tokenizer in ``folder`` as ``transformers`` reads it; (cls id, sep id)."""
+    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length, **special)
+    pad, unk, cls_token, sep_token, mask = specials
+    cls, sep = tok.token_to_id(cls_token), tok.token_to_id(sep_token)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls_token} $A {sep_token}", pair=f"{cls_token} $A {sep_token} $B:1 {sep_token}:1",
+        special_tokens=[(cls_token, cls), (sep_token, sep)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length, unk_token=unk,
+                            pad_token=pad, cls_token=cls_token, sep_token=sep_token,
+                            mask_token=mask).save_pretrained(folder)
+    return cls, sep
 
 
 def _write_sentence_transformers(folder: Path, pooling: Pooling, normalize: bool,
@@ -90,7 +101,7 @@ def build_bert(folder: str | Path, *, pooling: Pooling = "mean", normalize: bool
     """A tiny ``BertModel`` (2 heads of 64: vLLM's CPU attention refuses a head size of 16) with
     a WordPiece tokenizer (BERT's normalizer and pre-tokenizer), in ``folder``."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from tokenizers.trainers import WordPieceTrainer
     from transformers import BertConfig, BertModel
 
@@ -103,12 +114,7 @@ def build_bert(folder: str | Path, *, pooling: Pooling = "mean", normalize: bool
     tok.decoder = decoders.WordPiece()
     tok.train_from_iterator(_corpus(seed), WordPieceTrainer(vocab_size=600,
                                                             special_tokens=specials))
-    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    _fast_tokenizer(tok, max_length, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                    sep_token="[SEP]", mask_token="[MASK]").save_pretrained(folder)
+    _save_tokenizer(tok, folder, max_length, specials)
     torch.manual_seed(seed)
     config = BertConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden,
                         num_hidden_layers=layers, num_attention_heads=2,
@@ -129,7 +135,7 @@ def build_modernbert(folder: str | Path, *, pooling: Pooling = "cls", normalize:
     ``global_every``), with a Unigram tokenizer and Metaspace (SentencePiece-like), in
     ``folder``. ``initializer_range`` 0.25: attention far from uniform, so the window matters."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from tokenizers.trainers import UnigramTrainer
     from transformers import ModernBertConfig, ModernBertModel
 
@@ -142,12 +148,7 @@ def build_modernbert(folder: str | Path, *, pooling: Pooling = "cls", normalize:
     tok.decoder = decoders.Metaspace()
     tok.train_from_iterator(_corpus(seed), UnigramTrainer(vocab_size=400, special_tokens=specials,
                                                           unk_token="<unk>"))
-    cls, sep = tok.token_to_id("<cls>"), tok.token_to_id("<sep>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<cls> $A <sep>", pair="<cls> $A <sep> $B:1 <sep>:1",
-        special_tokens=[("<cls>", cls), ("<sep>", sep)])
-    _fast_tokenizer(tok, max_length, unk_token="<unk>", pad_token="<pad>", cls_token="<cls>",
-                    sep_token="<sep>", mask_token="<mask>").save_pretrained(folder)
+    cls, sep = _save_tokenizer(tok, folder, max_length, specials)
     torch.manual_seed(seed)
     config = ModernBertConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=hidden, num_hidden_layers=layers,
