@@ -127,6 +127,14 @@ def _modules(folder: Path) -> tuple[str, bool]:
     return pooling, normalize
 
 
+def _pooling_config(folder: Path) -> dict:
+    """The sentence-transformers pooling module's config (``1_Pooling/config.json``), or {}."""
+    for module in _read_json(folder / "modules.json") or []:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
+            return _read_json(folder / str(module.get("path", "")) / "config.json") or {}
+    return {}
+
+
 def document_prompt(prompts: dict[str, str]) -> Optional[str]:
     """The model's declared prompt for documents (sentence-transformers' ``prompts``), if any."""
     for name in _DOCUMENT_PROMPTS:
@@ -301,7 +309,9 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
             vectors.append(np.asarray(vector, dtype=np.float64))
     cosines: list[TextCosine] = []
     if texts:
-        ref = st.encode([prefix + t for t in texts], convert_to_numpy=True,
+        # The prefix as sentence-transformers' prompt (never its default one on top): a model
+        # whose pooling leaves the prompt out (include_prompt: false) is compared as it pools.
+        ref = st.encode(texts, prompt=prefix, convert_to_numpy=True,
                         normalize_embeddings=False).astype(np.float64)
         lengths = [len(ids) for ids in
                    own([prefix + t for t in texts], verbose=False)["input_ids"]]
@@ -351,6 +361,9 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
     if facts.max_positions and settings.max_tokens > facts.max_positions:
         notes.append(f"max_tokens {settings.max_tokens} is over the model's "
                      f"{facts.max_positions} positions")
+    if prefix and _pooling_config(reference_folder).get("include_prompt") is False:
+        notes.append("the model's pooling leaves the prompt's tokens out (include_prompt: "
+                     "false in its pooling config); vLLM pools over them")
     if not _same_pooling(facts.pooling_reference, pooling_engine):
         notes.append(f"the reference pools by {facts.pooling_reference}, the engine by "
                      f"{pooling_engine}")
