@@ -27,6 +27,7 @@ _DELEGATED = {  # sub-command -> its module, whose main parses its own options
     "cleanup": "pipeline.cleanup",
     "compact": "pipeline.compact",
     "backfill": "pipeline.backfill",
+    "check-model": "pipeline.check_model",
 }
 
 
@@ -45,6 +46,8 @@ sub-commands:
   cleanup   clean what killed workers and runs left in an output
   compact   rewrite a streaming output's closed hours into few large files
   backfill  embed an archive of daily inputs, one run per day
+  check-model  embed a sample as the pipeline would and with sentence-transformers, and
+            compare: run it before a model (a fine-tuned checkpoint) serves
 
 Each sub-command prints its result on standard output (JSON where it is data) and its logs on
 standard error; the INFO logs of vLLM, torch and Beam only with --verbose.

@@ -62,14 +62,19 @@ def _parse(payloads, config: Config):
         dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes)
 
 
-def _prepare(events, config: Config):
-    return events | "PrepareText" >> PrepareText(
+def prepare_text(config: Config) -> PrepareText:
+    """The PrepareText step of a config (``newsvec check-model`` prepares its sample with it)."""
+    return PrepareText(
         config.model, chunking=config.chunking, max_text_chars=config.text.max_text_chars,
         dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes,
         unicode_form=config.text.unicode_form,
         max_unknown_token_ratio=config.text.max_unknown_token_ratio,
         max_title_chars=config.text.max_title_chars,
         prepare_budget_s=config.text.prepare_budget_s)
+
+
+def _prepare(events, config: Config):
+    return events | "PrepareText" >> prepare_text(config)
 
 
 def _embed_settings(config: Config, engine_factory) -> dict:

@@ -138,3 +138,26 @@ def store_settings(pg, monkeypatch):
 
     monkeypatch.setenv(STORE_DSN_ENV, pg)
     return StoreSettings(enabled=True, dsn_env=STORE_DSN_ENV, retry_s=5)
+
+
+# Tiny models built in the session (tools/tiny_models.py: random weights, a tokenizer trained on
+# made-up text, nothing downloaded), for the parity tests and check-model's.
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory) -> Path:
+    from tools.tiny_models import build_bert
+
+    return build_bert(tmp_path_factory.mktemp("tiny-bert"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_modernbert(tmp_path_factory) -> Path:
+    from tools.tiny_models import build_modernbert
+
+    return build_modernbert(tmp_path_factory.mktemp("tiny-modernbert"), seed=1)
+
+
+def tiny_model_settings(folder: Path, dtype: str = "float32", **changes):
+    """configs/local.yaml's model section for a tiny model (tools/tiny_models.py) in ``folder``."""
+    base = config_lib.load(config_lib.DEFAULT_CONFIG).model
+    return base.model_copy(update={"name": f"tiny/{folder.name}", "path": str(folder),
+                                   "dim": 128, "dtype": dtype, **changes})

@@ -55,7 +55,7 @@ import sys
 import threading
 import time
 import unicodedata
-from typing import Generator, Iterator, NamedTuple, Optional
+from typing import Generator, Iterable, Iterator, NamedTuple, Optional
 
 import apache_beam as beam
 import ftfy
@@ -1166,6 +1166,12 @@ class PrepareText(beam.PTransform):
                                   max_unknown_token_ratio=max_unknown_token_ratio,
                                   max_title_chars=max_title_chars,
                                   prepare_budget_s=prepare_budget_s)
+
+    def prepare(self, events: Iterable[NewsEvent]) -> list:
+        """Each event's PreparedDoc, or its dead letter (a ``TaggedOutput``), prepared as the step
+        does, outside a pipeline (``newsvec check-model``)."""
+        self._fn.setup()
+        return [self._fn._prepare(event) for event in events]
 
     def expand(self, events):
         return (events

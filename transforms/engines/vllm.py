@@ -8,7 +8,8 @@ import atexit
 import json
 import logging
 import threading
-from typing import Any, Literal, Sequence
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
 
 import numpy as np
 
@@ -181,7 +182,10 @@ def _new_llm(s: ModelSettings):
 
 def load_vllm(s: ModelSettings) -> Engine:
     """A real vLLM engine for these settings (the default ``EngineFactory``), on the process's
-    ``LLM`` for them (``_shared_llm``)."""
+    ``LLM`` for them (``_shared_llm``). Refused: a model whose declared pooling vLLM does not
+    compute (``check_pooling``, before anything loads), or whose pooler output is not
+    ``model.dim``."""
+    check_pooling(resolve_model_path(s.path), s.normalize)
     llm = _shared_llm(s)
     model_config = llm.llm_engine.model_config
     engine = Engine(llm, s, model_label(s, model_folder(s)))
@@ -193,3 +197,65 @@ def load_vllm(s: ModelSettings) -> Engine:
     # Refused (a model that does not declare the size): the LLM stays for the process's others.
     truncated_by = truncation(s, Matryoshka.of_hf_config(model_config.hf_config))
     return Engine(llm, s, engine.label, truncated_by)
+
+
+def resolved_pooling(s: ModelSettings) -> str:
+    """How the process's vLLM ``LLM`` for these settings pools (``CLS``, ``MEAN``, ``LAST``...):
+    what it read from the model's sentence-transformers modules, or its architecture's default
+    where it read none it knows (``newsvec check-model`` shows it beside the reference's)."""
+    pooler = _shared_llm(s).llm_engine.model_config.pooler_config
+    kind = getattr(pooler, "seq_pooling_type", None) or getattr(pooler, "pooling_type", None)
+    return str(kind or "unknown")
+
+
+# A sentence-transformers pooling mode -> what vLLM computes for it (``get_pooling_config``
+# reads the modes it knows: CLS, MEAN, LAST; any other leaves the architecture's default).
+_POOLING_VLLM_COMPUTES = {"cls_token": "CLS", "mean_tokens": "MEAN", "lasttoken": "LAST"}
+
+
+def sentence_transformers_pooling(folder: str | Path) -> Optional[list[str]]:
+    """The pooling modes a model folder's sentence-transformers modules declare (``cls_token``,
+    ``mean_tokens``...; several: concatenated); None when it has no pooling module."""
+    folder = Path(folder)
+    try:
+        modules = json.loads((folder / "modules.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for module in modules if isinstance(modules, list) else []:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
+            try:
+                config = json.loads((folder / str(module.get("path", "")) / "config.json")
+                                    .read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                return None
+            if isinstance(config.get("pooling_mode"), str):
+                return [config["pooling_mode"]]
+            return [key[len("pooling_mode_"):] for key, on in config.items()
+                    if key.startswith("pooling_mode_") and on is True]
+    return None
+
+
+def check_pooling(folder: str | Path, normalize: bool) -> None:
+    """Refuse (ValueError) a model whose sentence-transformers modules pool in a way vLLM does
+    not compute: vLLM 0.32 reads only ``cls_token``, ``mean_tokens`` and ``lasttoken`` and
+    falls back to the architecture's default pooling for any other (``max_tokens``,
+    ``weightedmean_tokens``, several modes at once), which would give other vectors than the
+    model's, silently. ``mean_sqrt_len_tokens`` is the mean's direction: accepted when the
+    vectors are normalized. Checked before the model loads: a vLLM engine shut down in a process
+    takes the others of that process with it."""
+    modes = sentence_transformers_pooling(folder)
+    if not modes:
+        return
+    computes = dict(_POOLING_VLLM_COMPUTES)
+    if normalize:
+        computes["mean_sqrt_len_tokens"] = "MEAN"
+    if len(modes) == 1 and modes[0] in computes:
+        return
+    raise ValueError(
+        f"the model {folder} pools by {'+'.join(modes)} (its sentence-transformers "
+        "1_Pooling/config.json), which vLLM does not compute: it would pool by the "
+        "architecture's default instead, and its vectors would not be the model's. vLLM "
+        "computes cls_token, mean_tokens and lasttoken pooling"
+        f"{' (mean_sqrt_len_tokens with model.normalize)' if not normalize else ''}; serve a "
+        "model that pools by one of them (newsvec check-model compares a model with its "
+        "sentence-transformers reference)")

@@ -1,0 +1,488 @@
+"""``newsvec check-model``: a model's vectors from newsvec against its own reference, before it
+serves.
+
+A sample of news events (JSON Lines, the pipeline's input format) is embedded twice:
+- as the pipeline embeds it: the config's PrepareText (normalization, the head or the chunks,
+  ``model.document_prefix``) and its engine (vLLM, through the ``Embedder``);
+- by the reference: sentence-transformers on the model folder (or ``--reference``, e.g. the
+  training side's checkpoint), with the model's own tokenizer, pooling and normalization, at
+  float32, on the same prepared text with the model's declared document prompt (or the config's
+  prefix where it declares none), cut at the same ``model.max_tokens``.
+It reports the cosine of each text's two vectors (min, p05, median; by length: within and beyond
+the model's local attention window, near ``max_tokens``; the worst texts), whether newsvec's head
+tokenization gives the model tokenizer's own ids, and what it found in the model folder. Exit
+status 1 when the lowest cosine is below ``--min-cosine``, a head's ids disagree, a text failed to
+embed, or the vectors' normalization differs; 2 for a config or input it cannot use.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from pipeline import config as config_lib
+from pipeline import parse_command
+from transforms.settings import ModelSettings
+
+DEFAULT_INPUT = config_lib.REPO_ROOT / "pipeline" / "sample_data" / "news-events.jsonl"
+DEFAULT_MIN_COSINE = 0.99
+NEAR_MAX_TOKENS = 0.9  # a text of at least this share of max_tokens is "near max_tokens"
+_DOCUMENT_PROMPTS = ("document", "passage", "doc", "corpus")  # sentence-transformers prompt names
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the model folder says, and what the engine and the config make of it."""
+    path: str
+    architecture: str
+    model_type: str
+    pooling_reference: str  # sentence-transformers' pooling module (1_Pooling/config.json)
+    pooling_engine: str  # what vLLM resolved for the loaded model
+    normalize_reference: bool  # the modules hold a Normalize
+    normalize_config: bool  # model.normalize
+    dim: int  # the reference's vectors
+    matryoshka_dimensions: Optional[list[int]]  # declared sizes; [] declared, any size; None: not
+    max_positions: Optional[int]  # config.json's max_position_embeddings
+    max_seq_length: Optional[int]  # sentence-transformers' (sentence_bert_config.json)
+    max_tokens: int  # the config's
+    local_window: Optional[int]  # the config's local attention window; None: none
+    local_reach: Optional[int]  # tokens a local layer's token sees on each side
+    local_layers: Optional[str]  # "3 of 4"
+    document_prefix: str  # the config's, which newsvec puts before every text
+    reference_prefix: str  # what the reference puts before every text
+    model_prompts: dict[str, str]  # the model's declared prompts (config_sentence_transformers)
+    query_prefix: str
+    dtype: str  # the engine's, resolved on this machine
+    reference_dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TextCosine:
+    id: str  # the event's id; a chunk's: "ID#chunk N"
+    cosine: float
+    tokens: int  # the model tokenizer's count for the whole text (prefix and special tokens in)
+    length: str  # "within window", "beyond window", "near max_tokens" or "shorter"
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    length: str
+    texts: int
+    min: float
+    p05: float
+    median: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDisagreement:
+    id: str
+    newsvec: int  # tokens of newsvec's head
+    model: int  # tokens of the model tokenizer's own
+    first_difference: int  # the first position where they differ
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    passed: bool
+    problems: list[str]  # why it failed; empty when it passed
+    notes: list[str]  # what a person should know though it passed
+    min_cosine: float  # the threshold
+    model: ModelFacts
+    events: int  # read from the input
+    dead_lettered: int  # by PrepareText (or not parsed)
+    failed: int  # texts that did not embed
+    summaries: list[Summary]  # "all" first
+    worst: list[TextCosine]
+    heads_checked: int
+    heads_agreeing: int
+    token_disagreements: list[TokenDisagreement]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _modules(folder: Path) -> tuple[str, bool]:
+    """(the pooling modes of the sentence-transformers modules, whether they normalize)."""
+    from transforms.engines.vllm import sentence_transformers_pooling
+
+    modes = sentence_transformers_pooling(folder)
+    pooling = ("+".join(modes) or "none" if modes is not None
+               else "none (no sentence-transformers modules: the architecture's default)")
+    modules = _read_json(folder / "modules.json") or []
+    normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules
+                    if isinstance(m, dict))
+    return pooling, normalize
+
+
+def _pooling_config(folder: Path) -> dict:
+    """The sentence-transformers pooling module's config (``1_Pooling/config.json``), or {}."""
+    for module in _read_json(folder / "modules.json") or []:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
+            return _read_json(folder / str(module.get("path", "")) / "config.json") or {}
+    return {}
+
+
+def document_prompt(prompts: dict[str, str]) -> Optional[str]:
+    """The model's declared prompt for documents (sentence-transformers' ``prompts``), if any."""
+    for name in _DOCUMENT_PROMPTS:
+        if name in prompts:
+            return prompts[name]
+    return None
+
+
+def model_facts(settings: ModelSettings, folder: Path, pooling_engine: str, dim: int,
+                reference_prefix: str, reference_folder: Optional[Path] = None) -> ModelFacts:
+    """What the served model's folder says; its pooling and normalization as the reference's
+    modules (``reference_folder``, default the model's) have them."""
+    from transforms.engines.model import Matryoshka
+
+    config = _read_json(folder / "config.json") or {}
+    pooling, normalize = _modules(reference_folder or folder)
+    matryoshka = Matryoshka.of_hf_config(config)
+    window, reach, local = _local_attention(config)
+    st_config = _read_json(folder / "sentence_bert_config.json") or {}
+    prompts = (_read_json(folder / "config_sentence_transformers.json") or {}).get("prompts") or {}
+    return ModelFacts(
+        path=str(folder), architecture=",".join(config.get("architectures") or ["unknown"]),
+        model_type=str(config.get("model_type", "unknown")), pooling_reference=pooling,
+        pooling_engine=pooling_engine, normalize_reference=normalize,
+        normalize_config=settings.normalize, dim=dim,
+        matryoshka_dimensions=(list(matryoshka.dimensions or []) if matryoshka.declared
+                               else None),
+        max_positions=config.get("max_position_embeddings"),
+        max_seq_length=st_config.get("max_seq_length"), max_tokens=settings.max_tokens,
+        local_window=window, local_reach=reach, local_layers=local,
+        document_prefix=settings.document_prefix,
+        reference_prefix=reference_prefix, model_prompts=dict(prompts),
+        query_prefix=settings.query_prefix, dtype=settings.resolved_dtype(),
+        reference_dtype="float32")
+
+
+def _local_attention(config: dict) -> tuple[Optional[int], Optional[int], Optional[str]]:
+    """(the local attention window as the config gives it, the tokens a token of a local layer
+    sees on each side, "N of M" layers local), from a ``config.json``: ModernBERT's
+    ``local_attention`` (the whole window: half of it each side), or a ``sliding_window`` (one
+    side) where ``layer_types`` or ``use_sliding_window`` says layers use it."""
+    layers = config.get("num_hidden_layers")
+    types = config.get("layer_types")
+    if config.get("model_type") == "modernbert":
+        every = config.get("global_attn_every_n_layers", 3)
+        if types is None and layers:
+            types = ["full_attention" if i % every == 0 else "sliding_attention"
+                     for i in range(layers)]
+        window = int(config.get("local_attention", 128))
+        reach = window // 2
+    elif config.get("sliding_window") and (types or config.get("use_sliding_window", True)):
+        window = reach = int(config["sliding_window"])
+    else:
+        return None, None, None
+    local = sum(t == "sliding_attention" for t in types) if types else layers
+    if not local:
+        return None, None, None
+    return window, reach, f"{local} of {layers or len(types or [])}"
+
+
+def read_events(path: str, limit: int, config: config_lib.Config) -> tuple[list, int]:
+    """(the first ``limit`` events of a JSON Lines file, local or ``gs://``, parsed as the
+    pipeline parses them; how many lines did not parse)."""
+    from apache_beam.io.filesystems import FileSystems
+
+    from transforms.parse import ParseError, parse_event
+
+    events: list = []
+    bad = 0
+    with FileSystems.open(path) as f:
+        for line in f:
+            if len(events) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                events.append(parse_event(
+                    line.rstrip(b"\r\n"), max_payload_bytes=config.parse.max_payload_bytes,
+                    max_future_skew=dt.timedelta(seconds=config.parse.max_future_skew_s)))
+            except ParseError:
+                bad += 1
+    return events, bad
+
+
+def _inputs(doc, doc_vector: str) -> list[tuple[str, str]]:
+    """(label, text) of each input the engine embeds for a prepared document
+    (``transforms.embed.model_inputs``: the head, or the chunks after the head)."""
+    from transforms.embed import model_inputs
+
+    inputs = model_inputs(doc, doc_vector)
+    texts = [(f"{doc.event.id}#chunk {k}", doc.text[c.char_start:c.char_end])
+             for k, c in enumerate(doc.chunks)]
+    if len(inputs) > len(texts):  # the head first (transforms.embed.model_inputs)
+        texts.insert(0, (str(doc.event.id), doc.text))
+    return texts
+
+
+def _length(tokens: int, reach: Optional[int], max_tokens: int) -> str:
+    """A text's length class: "within window" where every token sees every other in a local
+    layer (at most ``reach`` + 1 tokens), "beyond window", "near max_tokens" (or cut there);
+    "shorter" than that for a model without local attention."""
+    if tokens >= NEAR_MAX_TOKENS * max_tokens:
+        return "near max_tokens"
+    if reach is None:
+        return "shorter"
+    return "within window" if tokens <= reach + 1 else "beyond window"
+
+
+def _summary(length: str, cosines: Sequence[float]) -> Summary:
+    values = np.asarray(cosines, dtype=np.float64)
+    return Summary(length, len(values), round(float(values.min()), 6),
+                   round(float(np.quantile(values, 0.05)), 6),
+                   round(float(np.median(values)), 6))
+
+
+def check(config: config_lib.Config, events: Sequence, *, reference: Optional[str] = None,
+          reference_prefix: Optional[str] = None, min_cosine: float = DEFAULT_MIN_COSINE,
+          worst: int = 10, unparsed: int = 0, engine_factory=None) -> Report:
+    """Embed ``events`` as the pipeline would and through the reference, and compare."""
+    import torch
+    from apache_beam import pvalue
+    from sentence_transformers import SentenceTransformer
+
+    from pipeline.graph import prepare_text
+    from transforms.embed import Embedder, EmbedFailure
+    from transforms.engines.base import EngineFailedError
+    from transforms.engines.model import resolve_model_path
+
+    settings = config.model
+    settings.apply_engine_env()
+    folder = Path(resolve_model_path(settings.path))
+    reference_folder = Path(reference) if reference else folder
+    prepared = prepare_text(config).prepare(events)
+    docs = [d for d in prepared if not isinstance(d, pvalue.TaggedOutput)]
+    embedder = Embedder(settings, engine_factory, config.chunking.doc_vector)
+    try:
+        handle = embedder.load_engine()
+    except EngineFailedError as exc:  # refused (a pooling it does not compute, model.dim...)
+        facts = model_facts(settings, folder, "refused", settings.dim,
+                            settings.document_prefix, reference_folder)
+        return Report(passed=False, problems=[str(exc)], notes=[], min_cosine=min_cosine,
+                      model=facts, events=len(events) + unparsed,
+                      dead_lettered=len(prepared) - len(docs) + unparsed, failed=len(docs),
+                      summaries=[], worst=[], heads_checked=0, heads_agreeing=0,
+                      token_disagreements=[])
+    results = embedder.embed_docs(handle, docs)
+
+    st = SentenceTransformer(str(reference_folder), device="cpu",
+                             model_kwargs={"dtype": torch.float32})
+    prompts = (_read_json(reference_folder / "config_sentence_transformers.json")
+               or {}).get("prompts") or {}
+    declared = document_prompt(prompts)
+    prefix = (reference_prefix if reference_prefix is not None
+              else declared if declared is not None else settings.document_prefix)
+    st.max_seq_length = min(settings.max_tokens, st.max_seq_length or settings.max_tokens)
+    own = st.tokenizer
+    pooling_engine = _engine_pooling(settings, engine_factory)
+    facts = model_facts(settings, folder, pooling_engine,
+                        st.get_embedding_dimension() or settings.dim, prefix, reference_folder)
+    if reference_folder != folder:
+        facts = dataclasses.replace(facts, path=f"{folder} (reference: {reference_folder})")
+
+    labels, texts, vectors, failed = [], [], [], 0
+    for doc, result in zip(docs, results, strict=True):
+        if isinstance(result, EmbedFailure):
+            failed += 1
+            continue
+        for (label, text), vector in zip(_inputs(doc, config.chunking.doc_vector), result,
+                                         strict=True):
+            labels.append(label)
+            texts.append(text)
+            vectors.append(np.asarray(vector, dtype=np.float64))
+    cosines: list[TextCosine] = []
+    if texts:
+        # The prefix as sentence-transformers' prompt (never its default one on top): a model
+        # whose pooling leaves the prompt out (include_prompt: false) is compared as it pools.
+        ref = st.encode(texts, prompt=prefix, convert_to_numpy=True,
+                        normalize_embeddings=False).astype(np.float64)
+        lengths = [len(ids) for ids in
+                   own([prefix + t for t in texts], verbose=False)["input_ids"]]
+        for label, vector, r, tokens in zip(labels, vectors, ref, lengths, strict=True):
+            cosine = float(vector @ r / (np.linalg.norm(vector) * np.linalg.norm(r) or 1.0))
+            cosines.append(TextCosine(label, round(cosine, 6), tokens,
+                                      _length(tokens, facts.local_reach, settings.max_tokens)))
+    summaries = []
+    if cosines:
+        summaries.append(_summary("all", [c.cosine for c in cosines]))
+        for length in ("within window", "beyond window", "shorter", "near max_tokens"):
+            group = [c.cosine for c in cosines if c.length == length]
+            if group:
+                summaries.append(_summary(length, group))
+
+    disagreements, heads = [], 0
+    for doc in docs:
+        expected = own(settings.document_prefix + doc.text, truncation=True,
+                       max_length=settings.max_tokens)["input_ids"]
+        heads += 1
+        if list(doc.token_ids) != list(expected):
+            first = next((i for i, (a, b) in enumerate(zip(doc.token_ids, expected, strict=False))
+                          if a != b), min(len(doc.token_ids), len(expected)))
+            disagreements.append(TokenDisagreement(str(doc.event.id), len(doc.token_ids),
+                                                   len(expected), first))
+
+    problems, notes = [], []
+    if not cosines:
+        problems.append("no text of the input was embedded")
+    elif summaries[0].min < min_cosine:
+        problems.append(f"the lowest cosine, {summaries[0].min:.4f}, is below --min-cosine "
+                        f"{min_cosine}")
+    if failed:
+        problems.append(f"{failed} texts failed to embed")
+    if disagreements:
+        problems.append(f"newsvec's head tokenization differs from the model tokenizer's own in "
+                        f"{len(disagreements)} of {heads} texts")
+    if facts.normalize_reference != settings.normalize:
+        problems.append(f"model.normalize is {str(settings.normalize).lower()} but the model's "
+                        f"modules {'do' if facts.normalize_reference else 'do not'} normalize")
+    if declared is not None and declared != settings.document_prefix:
+        notes.append(f"the model declares the document prompt {declared!r}; the config's "
+                     f"model.document_prefix is {settings.document_prefix!r}")
+    if declared is None and reference_prefix is None:
+        notes.append("the model declares no document prompt: the reference uses the config's "
+                     f"model.document_prefix {settings.document_prefix!r}")
+    if facts.max_positions and settings.max_tokens > facts.max_positions:
+        notes.append(f"max_tokens {settings.max_tokens} is over the model's "
+                     f"{facts.max_positions} positions")
+    if prefix and _pooling_config(reference_folder).get("include_prompt") is False:
+        notes.append("the model's pooling leaves the prompt's tokens out (include_prompt: "
+                     "false in its pooling config); vLLM pools over them")
+    if not _same_pooling(facts.pooling_reference, pooling_engine):
+        notes.append(f"the reference pools by {facts.pooling_reference}, the engine by "
+                     f"{pooling_engine}")
+    ranked = sorted(cosines, key=lambda c: c.cosine)
+    return Report(passed=not problems, problems=problems, notes=notes, min_cosine=min_cosine,
+                  model=facts, events=len(events) + unparsed,
+                  dead_lettered=len(prepared) - len(docs) + unparsed, failed=failed,
+                  summaries=summaries, worst=ranked[:worst], heads_checked=heads,
+                  heads_agreeing=heads - len(disagreements),
+                  token_disagreements=disagreements[:worst])
+
+
+def _same_pooling(reference: str, engine: str) -> bool:
+    names = {"cls_token": "cls", "mean_tokens": "mean", "lasttoken": "last", "max_tokens": "max"}
+    return names.get(reference, reference).lower() == engine.lower()
+
+
+def _engine_pooling(settings: ModelSettings, engine_factory) -> str:
+    """How the engine pools (vLLM's resolved pooler config); "unknown" for a stand-in engine."""
+    if engine_factory is not None:
+        return "unknown"
+    from transforms.engines.vllm import resolved_pooling
+
+    return resolved_pooling(settings)
+
+
+def render(report: Report) -> str:
+    """The report as a table for a person."""
+    m = report.model
+    verdict = "PASS" if report.passed else "FAIL"
+    lines = [f"newsvec check-model: {verdict}" + "".join(f"\n  {p}" for p in report.problems),
+             "", f"model      {m.path}",
+             f"  architecture   {m.architecture} ({m.model_type})",
+             f"  pooling        reference {m.pooling_reference}; engine {m.pooling_engine}",
+             f"  normalization  reference {'yes' if m.normalize_reference else 'no'}; "
+             f"config {'yes' if m.normalize_config else 'no'}",
+             f"  dimensions     {m.dim}; Matryoshka: " + (
+                 "not declared" if m.matryoshka_dimensions is None
+                 else ", ".join(map(str, m.matryoshka_dimensions)) or "any size"),
+             f"  max length     model positions {m.max_positions}; sentence-transformers "
+             f"{m.max_seq_length}; config max_tokens {m.max_tokens}",
+             "  local window   " + (f"{m.local_window} tokens ({m.local_reach} each side) in "
+                                    f"{m.local_layers} layers" if m.local_window else "none"),
+             f"  prefixes       document {m.document_prefix!r} (reference {m.reference_prefix!r}); "
+             f"query {m.query_prefix!r}",
+             f"  dtype          engine {m.dtype}; reference {m.reference_dtype}",
+             "", f"texts      {report.events} events, {report.dead_lettered} not embedded "
+             f"(dead letters), {report.failed} failed",
+             f"{'cosine':<18}{'texts':>6}{'min':>10}{'p05':>10}{'median':>10}"]
+    for s in report.summaries:
+        lines.append(f"  {s.length:<16}{s.texts:>6}{s.min:>10.5f}{s.p05:>10.5f}{s.median:>10.5f}")
+    lines += ["", f"token ids  {report.heads_agreeing} of {report.heads_checked} heads as the "
+              "model tokenizer's own"]
+    for d in report.token_disagreements:
+        lines.append(f"  {_escaped(d.id)}: newsvec {d.newsvec} tokens, model {d.model}, first "
+                     f"difference at {d.first_difference}")
+    lines += ["", f"worst texts (lowest cosine first; --min-cosine {report.min_cosine})",
+              f"  {'cosine':>8}  {'tokens':>6}  {'length':<16}id"]
+    for c in report.worst:
+        lines.append(f"  {c.cosine:>8.5f}  {c.tokens:>6}  {c.length:<16}{_escaped(c.id)}")
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)
+
+
+def _escaped(text: str) -> str:
+    from pipeline.cli import _escaped as escaped  # an event's id is the publisher's text
+
+    return escaped(text)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="newsvec check-model",
+        description="Embed a sample of news events as the pipeline would (the config's text "
+        "preparation, prefix and vLLM engine) and with sentence-transformers on the model "
+        "folder, and compare: cosine per text (min, p05, median, by length, the worst texts), "
+        "newsvec's token ids against the model tokenizer's, and what the model folder says. "
+        "Exit status 1 below --min-cosine or when token ids differ: run it before a model "
+        "serves.")
+    parser.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG),
+                        help="the config whose model and text settings to check (default: "
+                        "configs/local.yaml)")
+    parser.add_argument("--model-path", help="check this model folder instead of the config's "
+                        "model.path (a fine-tuned checkpoint), with the config's other settings")
+    parser.add_argument("--input", default=str(DEFAULT_INPUT),
+                        help="news events, JSON Lines as the pipeline reads them, local or "
+                        "gs:// (default: the repository's sample)")
+    parser.add_argument("--limit", type=int, default=500,
+                        help="check at most this many events, the first (default 500)")
+    parser.add_argument("--min-cosine", type=float, default=DEFAULT_MIN_COSINE,
+                        help=f"fail when any text's cosine is below this (default "
+                        f"{DEFAULT_MIN_COSINE})")
+    parser.add_argument("--reference", help="the reference model folder, when it is not the "
+                        "served one (the training side's checkpoint); default: the model's own")
+    parser.add_argument("--reference-prefix", help="what the reference puts before each text "
+                        "(default: the model's declared document prompt, else the config's "
+                        "model.document_prefix)")
+    parser.add_argument("--worst", type=int, default=10, help="list this many worst texts")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON "
+                        "object")
+    args = parse_command(parser, argv)
+    config = config_lib.load_for_command(args.config, run_model_code=True)
+    if args.model_path:
+        config = config.model_copy(update={"model": ModelSettings.model_validate(
+            {**config.model.model_dump(), "path": args.model_path})})
+    try:
+        events, unparsed = read_events(args.input, args.limit, config)
+    except OSError as exc:
+        print(f"newsvec check-model: cannot read {args.input}: {exc}", file=sys.stderr)
+        return 2
+    if not events:
+        print(f"newsvec check-model: no event in {args.input}", file=sys.stderr)
+        return 2
+    report = check(config, events, reference=args.reference,
+                   reference_prefix=args.reference_prefix, min_cosine=args.min_cosine,
+                   worst=args.worst, unparsed=unparsed)
+    print(report.to_json() if args.json else render(report))
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""``newsvec check-model`` on tiny models (tools/tiny_models.py) through the real vLLM engine: it
+passes on a BERT and a ModernBERT served as they are, and fails (exit status 1, the worst texts
+named) on models broken as teams break them: a pooling the engine does not read, a prefix the
+model was trained with and the config lacks, a window the reference ignores."""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import cli
+from tests.conftest import REPO
+from tools.tiny_models import build_modernbert, made_up_text, write_pooling
+
+# (id, words of body; 0: a title and a body of a syllable or two): a few texts within ModernBERT's
+# 16-token window (9 tokens at most: 8 each side), several beyond it, one over max_tokens (256).
+_TEXTS = ([(f"short-{i}", 0) for i in range(3)] + [(f"medium-{i}", 20 + 15 * i) for i in range(4)]
+          + [("long-0", 200)])
+
+
+@pytest.fixture(scope="module")
+def events(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("check-model") / "events.jsonl"
+    lines = []
+    for seed, (event_id, words) in enumerate(_TEXTS):
+        rng = random.Random(seed)
+        title, body = ((made_up_text(rng, 2), made_up_text(rng, words)) if words
+                       else (["Kasa", "Toki", "Mori"][seed], ["ni.", "ta.", "ma."][seed]))
+        lines.append(json.dumps({"id": event_id, "title": title, "body": body, "language": "en",
+                                 "published_at": "2026-11-28T07:05:00Z"}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _config(tmp_path: Path, folder: Path, **model) -> Path:
+    path = tmp_path / f"{folder.name}.yaml"
+    path.write_text(yaml.safe_dump({
+        "extends": str(REPO / "configs" / "local.yaml"),
+        "model": {"name": f"tiny/{folder.name}", "path": str(folder), "dim": 128,
+                  "dtype": "float32", **model}}))
+    return path
+
+
+def _check(capsys, config: Path, events: Path, *args: str) -> tuple[int, dict]:
+    code = cli.main(["check-model", "--config", str(config), "--input", str(events), "--json",
+                     *args])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("model", ["tiny_bert", "tiny_modernbert"])
+def test_it_passes_on_a_model_served_as_it_is(model, request, tmp_path, events, capsys):
+    folder = request.getfixturevalue(model)
+    code, report = _check(capsys, _config(tmp_path, folder), events)
+    assert code == 0 and report["passed"], report["problems"]
+    summary = report["summaries"][0]
+    assert summary["length"] == "all" and summary["texts"] == len(_TEXTS)
+    assert summary["min"] >= 0.999
+    assert report["heads_agreeing"] == report["heads_checked"] == len(_TEXTS)
+    facts = report["model"]
+    assert facts["dim"] == 128 and facts["dtype"] == "float32" and facts["max_tokens"] == 256
+    if model == "tiny_modernbert":
+        assert facts["architecture"] == "ModernBertModel"
+        assert (facts["local_window"], facts["local_layers"]) == (16, "2 of 4")
+        assert facts["pooling_reference"] == "cls_token" and facts["pooling_engine"] == "CLS"
+        lengths = {s["length"] for s in report["summaries"]}
+        assert {"within window", "beyond window", "near max_tokens"} <= lengths, lengths
+    else:
+        assert facts["pooling_reference"] == "mean_tokens" and facts["pooling_engine"] == "MEAN"
+
+
+def test_the_table_for_people_names_the_verdict_and_the_worst_texts(tiny_bert, tiny_modernbert,
+                                                                     tmp_path, events, capsys):
+    """Also: --model-path checks another folder (a fine-tuned checkpoint) with the config."""
+    code = cli.main(["check-model", "--config", str(_config(tmp_path, tiny_modernbert)),
+                     "--model-path", str(tiny_bert), "--input", str(events), "--worst", "3"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.startswith("newsvec check-model: PASS")
+    assert "BertModel" in out and "8 of 8 heads" in out
+    assert out.count("\n   1.00000  ") == 3  # the three worst texts, each a line
+
+
+def _fails_naming(report: dict, code: int, worst_ids: set[str], below: float = 0.99) -> None:
+    assert code == 1 and not report["passed"]
+    assert any("below --min-cosine" in p for p in report["problems"]), report["problems"]
+    failing = {t["id"] for t in report["worst"] if t["cosine"] < below}
+    assert failing and failing <= worst_ids, report["worst"]
+
+
+def test_it_fails_on_a_pooling_the_engine_does_not_compute(tmp_path_factory, tmp_path, events,
+                                                           capsys):
+    """The model's modules pool by a weighted mean, which sentence-transformers computes and
+    vLLM 0.32 does not (it would fall back to the architecture's CLS): the engine refuses the
+    model, and check-model says why."""
+    folder = build_modernbert(tmp_path_factory.mktemp("weightedmean"), seed=1,
+                              pooling="weightedmean")
+    code, report = _check(capsys, _config(tmp_path, folder), events)
+    assert code == 1 and not report["passed"]
+    (problem,) = report["problems"]
+    assert "pools by weightedmean_tokens" in problem, problem
+    assert "would pool by the architecture's default" in problem, problem
+    assert report["model"]["pooling_reference"] == "weightedmean_tokens"
+    assert report["model"]["pooling_engine"] == "refused"
+
+
+def test_it_fails_when_the_reference_pools_otherwise(tiny_modernbert, tmp_path, events, capsys):
+    """The training side's checkpoint pools by the mean, the served copy by CLS."""
+    reference = tmp_path / "reference"
+    shutil.copytree(tiny_modernbert, reference)
+    write_pooling(reference, "mean", 128)
+    code, report = _check(capsys, _config(tmp_path, tiny_modernbert), events,
+                          "--reference", str(reference))
+    _fails_naming(report, code, {i for i, _ in _TEXTS})
+
+
+def test_it_fails_on_a_prefix_the_config_lacks(tiny_modernbert, tmp_path, events, capsys):
+    """The model declares the document prompt it was trained with; the config puts none."""
+    folder = tmp_path / "with-prompt"
+    shutil.copytree(tiny_modernbert, folder)
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"document": "Kasa toki: ", "query": "Shiru: "}}))
+    code, report = _check(capsys, _config(tmp_path, folder), events)
+    _fails_naming(report, code, {i for i, _ in _TEXTS})
+    assert report["model"]["reference_prefix"] == "Kasa toki: "
+    assert any("declares the document prompt" in n for n in report["notes"])
+    # with the prefix in the config, it passes
+    code, report = _check(capsys, _config(tmp_path, folder, document_prefix="Kasa toki: "),
+                          events)
+    assert code == 0, report["problems"]
+
+
+def test_it_fails_when_the_window_is_ignored_and_names_the_long_texts(tiny_modernbert, tmp_path,
+                                                                      events, capsys):
+    """A reference whose config lost the window (every layer global): the texts within the window
+    still agree; those beyond it are the worst."""
+    reference = tmp_path / "no-window"
+    shutil.copytree(tiny_modernbert, reference)
+    config = json.loads((reference / "config.json").read_text())
+    (reference / "config.json").write_text(json.dumps({**config, "local_attention": 100_000}))
+    code, report = _check(capsys, _config(tmp_path, tiny_modernbert), events,
+                          "--reference", str(reference))
+    _fails_naming(report, code, {i for i, words in _TEXTS if words})
+    within = [s for s in report["summaries"] if s["length"] == "within window"]
+    assert within and within[0]["min"] >= 0.999, report["summaries"]
+
+
+def test_json_alone_on_standard_output_in_a_fresh_process(tiny_bert, tmp_path, events):
+    """As a deployment gate runs it: stdout is the report alone (vLLM's logs on stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "check-model", "--config",
+         str(_config(tmp_path, tiny_bert)), "--input", str(events), "--json"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["passed"] and report["events"] == len(_TEXTS)
+
+
+def test_it_fails_on_a_model_that_pools_without_its_prompt(tiny_bert, tmp_path, events, capsys):
+    """The model's mean leaves its prompt's tokens out (``include_prompt: false``, as
+    sentence-transformers computes it); vLLM averages over them too. The config puts the prompt
+    right, and still the short texts, where the prompt weighs most, are the worst. (On this
+    random BERT, whose tokens' states are alike, it costs 0.008 of cosine at most: the test asks
+    for 0.999, which the model served as it is passes at float32.)"""
+    folder = tmp_path / "without-prompt"
+    shutil.copytree(tiny_bert, folder)
+    pooling = json.loads((folder / "1_Pooling" / "config.json").read_text())
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {**pooling, "include_prompt": False}))
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"document": "Kasa toki: "}}))
+    code, report = _check(capsys, _config(tmp_path, folder, document_prefix="Kasa toki: "),
+                          events, "--min-cosine", "0.999")
+    _fails_naming(report, code, {i for i, _ in _TEXTS}, below=0.999)
+    assert report["worst"][0]["id"].startswith("short-"), report["worst"]
+    assert any("include_prompt: false" in n for n in report["notes"]), report["notes"]
