@@ -185,7 +185,7 @@ def load_vllm(s: ModelSettings) -> Engine:
     ``LLM`` for them (``_shared_llm``). Refused: a model whose declared pooling vLLM does not
     compute (``check_pooling``, before anything loads), or whose pooler output is not
     ``model.dim``."""
-    check_pooling(resolve_model_path(s.path), s.normalize)
+    check_pooling(model_folder(s), s.normalize)
     llm = _shared_llm(s)
     model_config = llm.llm_engine.model_config
     engine = Engine(llm, s, model_label(s, model_folder(s)))
