@@ -259,7 +259,7 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
     from sentence_transformers import SentenceTransformer
 
     from pipeline.graph import prepare_text
-    from transforms.embed import Embedder, EmbedFailure
+    from transforms.embed import EmbedFailure, embedder_for
     from transforms.engines.base import EngineFailedError
     from transforms.engines.model import resolve_model_path
 
@@ -269,7 +269,8 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
     reference_folder = Path(reference) if reference else folder
     prepared = prepare_text(config).prepare(events)
     docs = [d for d in prepared if not isinstance(d, pvalue.TaggedOutput)]
-    embedder = Embedder(settings, engine_factory, config.chunking.doc_vector)
+    late = config.chunking.mode == "late"
+    embedder = embedder_for(settings, config.chunking, engine_factory)  # the pipeline's, late too
     try:
         handle = embedder.load_engine()
     except EngineFailedError as exc:  # refused (a pooling it does not compute, model.dim...)
@@ -297,13 +298,16 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
     if reference_folder != folder:
         facts = dataclasses.replace(facts, path=f"{folder} (reference: {reference_folder})")
 
-    labels, texts, vectors, failed = [], [], [], 0
+    labels, texts, vectors, failed, late_chunks = [], [], [], 0, 0
     for doc, result in zip(docs, results, strict=True):
         if isinstance(result, EmbedFailure):
             failed += 1
             continue
         for (label, text), vector in zip(_inputs(doc, config.chunking.doc_vector), result,
                                          strict=True):
+            if late and "#chunk " in label:  # a span of one pass over the head: no reference
+                late_chunks += 1
+                continue
             labels.append(label)
             texts.append(text)
             vectors.append(np.asarray(vector, dtype=np.float64))
@@ -313,6 +317,9 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
         # whose pooling leaves the prompt out (include_prompt: false) is compared as it pools.
         ref = st.encode(texts, prompt=prefix, convert_to_numpy=True,
                         normalize_embeddings=False).astype(np.float64)
+        # model.dimensions (Matryoshka): the engine writes the head of each vector; the cosine
+        # of the reference's head with it is that of the served vector, normalized again or not.
+        ref = ref[:, :settings.output_dim]
         lengths = [len(ids) for ids in
                    own([prefix + t for t in texts], verbose=False)["input_ids"]]
         for label, vector, r, tokens in zip(labels, vectors, ref, lengths, strict=True):
@@ -364,6 +371,19 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
     if prefix and _pooling_config(reference_folder).get("include_prompt") is False:
         notes.append("the model's pooling leaves the prompt's tokens out (include_prompt: "
                      "false in its pooling config); vLLM pools over them")
+    if late_chunks:
+        notes.append(f"chunking.mode late: {late_chunks} chunk vectors (each its span's mean over "
+                     "one pass over the head) have no sentence-transformers reference and were "
+                     "not compared; the head vectors were")
+    if settings.output_dim != settings.dim:
+        notes.append(f"compared at the {settings.output_dim} dimensions written "
+                     f"(model.dimensions), of the model's {settings.dim}")
+    if not any(c.length in ("beyond window", "near max_tokens") for c in cosines):
+        notes.append("no text of the sample reaches past the model's local window or near "
+                     "max_tokens: check long articles too")
+    if settings.dtype == "native":
+        notes.append(f"dtype native resolved to {settings.resolved_dtype()} on this machine; "
+                     "run the check where the pipeline runs")
     if not _same_pooling(facts.pooling_reference, pooling_engine):
         notes.append(f"the reference pools by {facts.pooling_reference}, the engine by "
                      f"{pooling_engine}")

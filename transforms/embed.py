@@ -464,7 +464,7 @@ class _RouteFn(beam.DoFn):
         yield pvalue.TaggedOutput(DEAD_LETTER, out) if isinstance(out, DeadLetter) else out
 
 
-def _embedder(settings: ModelSettings, chunking: ChunkingSettings,
+def embedder_for(settings: ModelSettings, chunking: ChunkingSettings,
               engine_factory: Optional[EngineFactory]) -> Embedder:
     return Embedder(settings, engine_factory, chunking.doc_vector,
                     late=chunking if chunking.mode == "late" else None)
@@ -535,7 +535,7 @@ class Embed(beam.PTransform):
                  store_chunk_text: bool = False, dead_letter_payload_bytes: int = 4096,
                  engine_factory: Optional[EngineFactory] = None):
         super().__init__()
-        self._embedder = _embedder(settings, chunking, engine_factory)
+        self._embedder = embedder_for(settings, chunking, engine_factory)
         self._rows = _row_maker(settings, chunking, store_chunk_text, dead_letter_payload_bytes)
 
     def expand(self, docs):
@@ -706,7 +706,7 @@ class EmbedStreaming(beam.PTransform):
                  store_chunk_text: bool = False, dead_letter_payload_bytes: int = 4096,
                  engine_factory: Optional[EngineFactory] = None):
         super().__init__()
-        embedder = _embedder(settings, chunking, engine_factory)
+        embedder = embedder_for(settings, chunking, engine_factory)
         self.shared_engine_tag = embedder.shared_engine_tag
         self._fn = _EmbedInFlightFn(embedder, _row_maker(settings, chunking, store_chunk_text,
                                                         dead_letter_payload_bytes))

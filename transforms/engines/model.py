@@ -59,6 +59,29 @@ def is_model_file(name: str, modules: frozenset[str]) -> bool:
             or any(name.startswith(module + "/") for module in modules))
 
 
+# sentence-transformers' pooling modes as its Pooling module's config.json names them: before 5,
+# one ``pooling_mode_<mode>: true`` key per mode; from 5 (and in 6.2, which newsvec pins), one
+# ``pooling_mode`` key, a name or a list of names. Newsvec says them in the old names.
+_POOLING_NEW_TO_OLD = {"cls": "cls_token", "mean": "mean_tokens", "max": "max_tokens",
+                       "weightedmean": "weightedmean_tokens", "lasttoken": "lasttoken",
+                       "mean_sqrt_len_tokens": "mean_sqrt_len_tokens"}
+
+
+def pooling_modes(config: dict) -> list[str]:
+    """The pooling modes a sentence-transformers Pooling config.json declares, in the old names
+    (``cls_token``, ``mean_tokens``...), whichever form it is written in; several when it
+    concatenates several. A config that names none pools by the mean, as sentence-transformers
+    reads it."""
+    mode = config.get("pooling_mode")
+    if isinstance(mode, str):
+        return [_POOLING_NEW_TO_OLD.get(mode, mode)]
+    if isinstance(mode, (list, tuple)):
+        return [_POOLING_NEW_TO_OLD.get(str(m), str(m)) for m in mode]
+    old = [key[len("pooling_mode_"):] for key, on in config.items()
+           if key.startswith("pooling_mode_") and on is True]
+    return old or ["mean_tokens"]
+
+
 def resolve_model_path(spec: str) -> str:
     """The local folder of a model spec. A Hugging Face id is returned as is (the config
     decides). A ``pypackage:`` spec imports its module, which runs the package's code: the run

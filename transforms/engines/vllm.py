@@ -20,6 +20,7 @@ from transforms.engines.model import (
     Matryoshka,
     model_folder,
     model_label,
+    pooling_modes,
     truncation,
 )
 from transforms.settings import ModelSettings
@@ -186,6 +187,8 @@ def load_vllm(s: ModelSettings) -> Engine:
     compute (``check_pooling``, before anything loads), or whose pooler output is not
     ``model.dim``."""
     check_pooling(model_folder(s), s.normalize)
+    if s.pooling_task == "token_embed":
+        check_late_projection(model_folder(s))
     llm = _shared_llm(s)
     model_config = llm.llm_engine.model_config
     engine = Engine(llm, s, model_label(s, model_folder(s)))
@@ -228,11 +231,34 @@ def sentence_transformers_pooling(folder: str | Path) -> Optional[list[str]]:
                                     .read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 return None
-            if isinstance(config.get("pooling_mode"), str):
-                return [config["pooling_mode"]]
-            return [key[len("pooling_mode_"):] for key, on in config.items()
-                    if key.startswith("pooling_mode_") and on is True]
+            return pooling_modes(config)
     return None
+
+
+def check_late_projection(folder: str | Path) -> None:
+    """Refuse (ValueError) late chunking for a model with a sentence-transformers Dense module
+    whose activation is not the identity: vLLM's ``token_embed`` applies it to every token, so
+    the mean over a span would be the mean of the activated tokens, not the activated mean the
+    model computes (cosine 0.97 against the model's on a Tanh Dense)."""
+    folder = Path(folder)
+    try:
+        modules = json.loads((folder / "modules.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    for module in modules if isinstance(modules, list) else []:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith("Dense"):
+            try:
+                config = json.loads((folder / str(module.get("path", "")) / "config.json")
+                                    .read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                config = {}
+            activation = str(config.get("activation_function", "torch.nn.modules.activation.Tanh"))
+            if not activation.endswith("Identity"):
+                raise ValueError(
+                    f"the model {folder} projects its pooled vector through a Dense module with "
+                    f"{activation.rsplit('.', 1)[-1]}: chunking.mode late would pool tokens "
+                    "already projected, and its vectors would not be the model's. Use "
+                    "chunking.mode chunks for this model")
 
 
 def check_pooling(folder: str | Path, normalize: bool) -> None:

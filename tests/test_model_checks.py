@@ -1,5 +1,9 @@
-"""Attack 39b: check-model and late chunking, on the tiny models of tools/tiny_models.py through
-the real vLLM engine (float32)."""
+"""What check-model and the engine's model checks must not let through, on the tiny models of
+tools/tiny_models.py through the real vLLM engine (float32): a pooling config in the form the
+pinned sentence-transformers writes (read, not refused) or with several modes (refused); a
+Matryoshka config (checked at the dimensions written); late chunking on a model whose Dense
+projection has an activation (refused: vLLM's token_embed projects every token); check-model on a
+late config (the pipeline's embedder, so such a model is not passed)."""
 from __future__ import annotations
 
 import json
@@ -80,6 +84,7 @@ def test_late_mode_head_vector_is_the_models_vector_with_a_tanh_dense(tiny_bert,
     from pipeline.graph import prepare_text
     from tools.tiny_models import made_up_text
     from transforms.embed import Embedder, EmbedFailure
+    from transforms.engines.base import EngineFailedError
     from transforms.settings import ChunkingSettings
     from transforms.types import NewsEvent
 
@@ -93,7 +98,11 @@ def test_late_mode_head_vector_is_the_models_vector_with_a_tanh_dense(tiny_bert,
     docs = [d for d in prepare_text(config).prepare(events_) if hasattr(d, "token_ids")]
     assert docs and all(d.chunks for d in docs)
     embedder = Embedder(config.model, doc_vector="head", late=late)
-    handle = embedder.load_engine()
+    try:
+        handle = embedder.load_engine()
+    except EngineFailedError as refused:  # the config refused: what it must do
+        assert "Dense" in str(refused) and "chunking.mode chunks" in str(refused), refused
+        return
     results = embedder.embed_docs(handle, docs)
     assert not any(isinstance(r, EmbedFailure) for r in results)
     st = SentenceTransformer(str(folder), device="cpu")
