@@ -1,16 +1,18 @@
 """Retrieval evaluation of head and chunks mode, through newsvec's own output.
-``python -m benchmarks.retrieval [--k 10] [--limit N]``.
+``python -m benchmarks.retrieval [--k 10] [--limit N] [--chunk-modes chunks late]``.
 
 On the BBC articles in ../shared/data/bbc-news, in one run of this command:
-  1. the batch pipeline in head mode, then in chunks mode (``doc_vector: mean``), each timed (after
-     a warm-up run that loads the model), each writing its Parquet output;
+  1. the batch pipeline in head mode, then in chunks mode (``doc_vector: mean``), and in late mode
+     (``chunking.mode: late``, the same chunks) with ``--chunk-modes ... late``, each timed (after
+     warm-up runs that load the model), each writing its Parquet output;
   2. a query per article: a sentence from the last third of its prepared text (the one nearest the
      middle of that third, of at least 6 words), embedded with the same engine and settings;
   3. for each query, where its article ranks among all articles by cosine similarity, scored by:
      head-only (the head-mode vector), best chunk (the article's best chunk in chunks/), and mean of
-     chunks (the chunks-mode document vector); recall@1 and recall@k of each.
-Prints the recalls and the throughput of chunks mode over head mode (articles/s, same process and
-engine), and writes them to ``bench-results/retrieval-<time>.json``.
+     chunks (the chunks-mode document vector), each again for late mode (``..._late``); recall@1 and
+     recall@k of each.
+Prints the recalls and the throughput of each chunking mode over head mode (articles/s, same
+process), and writes them to ``bench-results/retrieval-<time>.json``.
 
 ``--compact`` (issue 24) instead runs the pipeline in head mode four times, ``sink.vector_dtype``
 float32 and float16 times the model's full dimension and 128 (``model.dimensions``, truncated
@@ -124,6 +126,10 @@ def main(argv=None) -> int:
                         help="default: the config's chunking.chunk_tokens, or model.max_tokens")
     parser.add_argument("--overlap-tokens", type=int, default=None)
     parser.add_argument("--sentence-end-slack-tokens", type=int, default=None)
+    parser.add_argument("--chunk-modes", nargs="+", choices=("chunks", "late"),
+                        default=["chunks"],
+                        help="the chunking modes scored beside head mode (late: late chunking, "
+                             "the same chunks pooled from one pass over the head)")
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
     parser.add_argument("--compact", action="store_true",
                         help="head mode only: float32/float16 x full/128 dimensions, bytes per "
@@ -160,6 +166,10 @@ def main(argv=None) -> int:
     warm.write_text("".join(events.read_text().splitlines(keepends=True)[:32]))
     run_batch(config.model_copy(update={"input": str(warm), "output": str(work / "warm")}),
               options)  # loads the model, kept for the runs below
+    if "late" in args.chunk_modes:  # late mode's engine (token_embed) is another LLM
+        run_batch(config.model_copy(update={
+            "input": str(warm), "output": str(work / "warm-late"),
+            "chunking": chunking.model_copy(update={"mode": "late"})}), options)
 
     if args.compact:
         compact = compact_runs(config, events, work, queries, targets, args.k, options)
@@ -172,8 +182,9 @@ def main(argv=None) -> int:
         return 0
 
     runs = {}
-    for mode, run_chunking in (("head", config.chunking.model_copy(update={"mode": "head"})),
-                               ("chunks", chunking)):
+    modes = [("head", config.chunking.model_copy(update={"mode": "head"}))] + [
+        (mode, chunking.model_copy(update={"mode": mode})) for mode in args.chunk_modes]
+    for mode, run_chunking in modes:
         out = work / mode
         summary = run_batch(config.model_copy(update={
             "input": str(events), "output": str(out), "chunking": run_chunking}), options)
@@ -187,26 +198,32 @@ def main(argv=None) -> int:
     tokenizer, engine = HeadTokenizer(config.model), load_engine(config.model)
     query_vectors = np.stack(engine.embed([ids for ids, _ in tokenizer.batch(queries)]))
     head_ids, head = _vectors((work / "head" / "vectors").glob("*.parquet"))
-    mean_ids, mean = _vectors((work / "chunks" / "vectors").glob("*.parquet"))
-    chunk_ids, chunks = _vectors((work / "chunks" / "chunks").glob("*.parquet"))
-    best, best_ids = best_chunk_scores(query_vectors @ chunks.T, chunk_ids)
-    ranks = {"head_only": ranks_by_document(query_vectors @ head.T, head_ids, targets),
-             "best_chunk": ranks_by_document(best, best_ids, targets),
-             "mean_of_chunks": ranks_by_document(query_vectors @ mean.T, mean_ids, targets)}
+    ranks = {"head_only": ranks_by_document(query_vectors @ head.T, head_ids, targets)}
+    for mode in args.chunk_modes:
+        suffix = "" if mode == "chunks" else f"_{mode}"
+        mean_ids, mean = _vectors((work / mode / "vectors").glob("*.parquet"))
+        chunk_ids, chunks = _vectors((work / mode / "chunks").glob("*.parquet"))
+        best, best_ids = best_chunk_scores(query_vectors @ chunks.T, chunk_ids)
+        ranks[f"best_chunk{suffix}"] = ranks_by_document(best, best_ids, targets)
+        ranks[f"mean_of_chunks{suffix}"] = ranks_by_document(query_vectors @ mean.T, mean_ids,
+                                                             targets)
     recalls = {name: {"recall@1": recall(r, 1), f"recall@{args.k}": recall(r, args.k)}
                for name, r in ranks.items()}
-    cost = runs["chunks"]["articles_per_s"] / runs["head"]["articles_per_s"]
+    cost = {mode: runs[mode]["articles_per_s"] / runs["head"]["articles_per_s"]
+            for mode in args.chunk_modes}
     print(f"{len(queries)} queries (a sentence from the last third of each article), "
-          f"{len(head_ids)} articles, {len(chunk_ids)} chunks:")
+          f"{len(head_ids)} articles, {runs[args.chunk_modes[0]]['chunks']} chunks:")
     for name, r in recalls.items():
-        print(f"  {name:15s} recall@1 {r['recall@1']:.3f}  recall@{args.k} "
+        print(f"  {name:20s} recall@1 {r['recall@1']:.3f}  recall@{args.k} "
               f"{r[f'recall@{args.k}']:.3f}")
-    print(f"chunks mode / head mode, articles/s: {cost:.2f}")
+    for mode, ratio in cost.items():
+        print(f"{mode} mode / head mode, articles/s: {ratio:.2f}")
     results = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                "k": args.k, "queries": len(queries), "articles": len(head_ids),
                "model": config.model.name, "dtype": config.model.resolved_dtype(),
-               "chunking": chunking.model_dump(), "recalls": recalls, "runs": runs,
-               "chunks_over_head_articles_per_s": cost}
+               "chunking": chunking.model_dump(), "chunk_modes": args.chunk_modes,
+               "recalls": recalls, "runs": runs,
+               **{f"{mode}_over_head_articles_per_s": ratio for mode, ratio in cost.items()}}
     out_file = write_results(results, args.results, "retrieval")
     print(f"results: {out_file}")
     return 0

@@ -2,12 +2,15 @@
 pass over the article's head (vLLM's ``token_embed``), chunks past the head embedded alone.
 
 Parity with ``transformers``' token outputs over the same spans uses the real vLLM engine on the
-packaged MiniLM (float32); the pipeline around it (rows, spans, budgets, failures) uses a FAKE
+packaged MiniLM (float32) and on a tiny random ModernBERT with a local attention window
+(tools/tiny_models.py; float32 and the dtype newsvec runs at, against a reference in that dtype);
+the pipeline around it (rows, spans, budgets, failures) uses a FAKE
 engine whose token vectors are one-hot at the token id."""
 from __future__ import annotations
 
 import hashlib
 import json
+import random
 
 import apache_beam as beam
 import numpy as np
@@ -18,9 +21,11 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.config import ConfigError, validate
 from pipeline.run import run_batch
-from tests.conftest import make_config
+from tests.conftest import make_config, tiny_model_settings
 from tests.fakes import POISON, FakeEngine
 from tests.test_chunks import bbc_events, long_text, table, vectors_of
+from tests.test_model_parity import WITHIN, _dtypes
+from tools.tiny_models import made_up_text
 from transforms.chunking import Chunker
 from transforms.embed import Embed, Embedder
 from transforms.engines.base import EngineHandle, process_engine
@@ -83,6 +88,54 @@ def test_late_vectors_equal_transformers_token_outputs_pooled_over_the_same_span
         cosines += [float(unit(v) @ e) for v, e in zip(vectors, expected, strict=True)]
     assert alone > 0  # some articles are longer than the head
     assert min(cosines) >= 0.999, f"min cosine {min(cosines)}"
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+def test_late_vectors_on_a_modernbert_with_a_window_equal_transformers(tiny_modernbert, dtype):
+    """vLLM's ModernBertModel gives token vectors (``token_embed``) that honour its local
+    attention window: the head (CLS pooling) and each chunk's span mean agree with
+    ``transformers``' last hidden states in the same dtype, and not with a reference whose
+    layers are all global (so a window ignored would fail here)."""
+    import torch
+    from transformers import AutoModel
+
+    from transforms.text import HeadTokenizer
+
+    settings = tiny_model_settings(tiny_modernbert, dtype)
+    texts = [made_up_text(random.Random(seed), words)
+             for seed, words in ((1, 1), (2, 60), (3, 150), (4, 400))]
+    chunker, docs = late_docs(HeadTokenizer(settings), texts, max_tokens=settings.max_tokens)
+    handle = process_engine(settings.model_copy(update={"pooling_task": "token_embed"}), None)
+    assert handle.pooling() == "cls"
+    results = Embedder(settings, late=LATE).embed_batch(docs, handle)
+
+    def reference(**config):
+        model = AutoModel.from_pretrained(tiny_modernbert, dtype=getattr(torch, dtype),
+                                          **config).eval()
+
+        def hidden(ids) -> np.ndarray:
+            with torch.no_grad():
+                return model(input_ids=torch.tensor([list(ids)])
+                             ).last_hidden_state[0].float().numpy()
+
+        vectors = []
+        for doc in docs:
+            head = hidden(doc.token_ids)
+            vectors.append(unit(head[0]))  # the head, as the model pools: CLS
+            for span in doc.chunks:
+                where = chunker.late_span(len(doc.token_ids), span)
+                vectors.append(unit(hidden(span.token_ids)[0]) if where is None
+                               else unit(head[where[0]:where[1]].mean(axis=0)))
+        return vectors
+
+    got = [unit(v) for result in results for v in result.inference]
+    assert len(got) == sum(1 + len(d.chunks) for d in docs)
+    assert min(len(d.token_ids) for d in docs) <= WITHIN  # all within the window
+    assert any(chunker.late_span(len(d.token_ids), c) is None for d in docs for c in d.chunks)
+    with_window = [float(g @ e) for g, e in zip(got, reference(), strict=True)]
+    assert min(with_window) >= 0.999, f"min cosine {min(with_window)}"
+    without = [float(g @ e) for g, e in zip(got, reference(local_attention=100_000), strict=True)]
+    assert min(without) < 0.99, f"min cosine without the window {min(without)}"
 
 
 def test_a_late_chunk_vector_differs_from_the_chunk_embedded_alone(tokenizer):
