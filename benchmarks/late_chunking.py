@@ -3,15 +3,15 @@
 
 On the first ``--articles`` BBC articles (``NEWSVEC_BBC_DIR``, default ../shared/data/bbc-news),
 their text composed as ``benchmarks.batch`` does and chunked by PrepareText's chunker (the same
-spans in both modes), the real vLLM engine of ``--config`` embeds them through ``transforms.embed.Embedder`` in chunks mode (each chunk alone,
-plus the head) and in late mode (one ``token_embed`` pass over each head, its chunks pooled from
-it; the chunks past the head alone), taking turns (the first mode alternates), each run timed
-after a warm-up call per engine (the two modes hold two engines: vLLM serves one pooling task per
-loaded model). Prints the medians of ``--runs`` runs: articles/s and chunk vectors/s per mode, the
-ratio, the tokens each mode sends the engine, and how many chunks the head holds (only those get a
-late vector; with MiniLM's 256-token head that is the first few of a long article). Writes them
-with the command and machine to ``bench-results/late_chunking-<time>.json``.
-"""
+spans in both modes), the real vLLM engine of ``--config`` embeds them through
+``transforms.embed.Embedder`` in chunks mode (each chunk alone, plus the head) and in late mode (one
+``token_embed`` pass over each head, its chunks pooled from it; the chunks past the head alone),
+taking turns (the first mode alternates), each run timed after a warm-up call per engine (the two
+modes hold two engines: vLLM serves one pooling task per loaded model). Prints the medians of
+``--runs`` runs: articles/s and chunk vectors/s per mode, the ratio, the tokens each mode sends the
+engine, and how many chunks the head holds (only those get a late vector; with MiniLM's 256-token
+head that is the first few of a long article). Writes them with the command and machine to
+``bench-results/late_chunking-<time>.json``. """
 from __future__ import annotations
 
 import argparse
