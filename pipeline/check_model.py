@@ -116,23 +116,21 @@ def _read_json(path: Path) -> Any:
 
 def _modules(folder: Path) -> tuple[str, bool]:
     """(the pooling modes of the sentence-transformers modules, whether they normalize)."""
+    from transforms.engines.model import module_configs
     from transforms.engines.vllm import sentence_transformers_pooling
 
     modes = sentence_transformers_pooling(folder)
     pooling = ("+".join(modes) or "none" if modes is not None
                else "none (no sentence-transformers modules: the architecture's default)")
-    modules = _read_json(folder / "modules.json") or []
-    normalize = any(str(m.get("type", "")).endswith("Normalize") for m in modules
-                    if isinstance(m, dict))
-    return pooling, normalize
+    return pooling, bool(module_configs(folder, "Normalize"))
 
 
 def _pooling_config(folder: Path) -> dict:
     """The sentence-transformers pooling module's config (``1_Pooling/config.json``), or {}."""
-    for module in _read_json(folder / "modules.json") or []:
-        if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
-            return _read_json(folder / str(module.get("path", "")) / "config.json") or {}
-    return {}
+    from transforms.engines.model import module_configs
+
+    configs = module_configs(folder, "Pooling")
+    return (configs[0] or {}) if configs else {}
 
 
 def document_prompt(prompts: dict[str, str]) -> Optional[str]:

@@ -45,6 +45,27 @@ def module_folders(modules_json: Optional[bytes]) -> frozenset[str]:
                      if isinstance(path, str) and path.strip("/"))
 
 
+def module_configs(folder: str | Path, kind: str) -> list[Optional[dict]]:
+    """The ``config.json`` of each sentence-transformers module of a model folder whose type ends
+    with ``kind`` (``Pooling``, ``Dense``), in ``modules.json``'s order: None for one that cannot
+    be read; empty without a readable ``modules.json``."""
+    folder = Path(folder)
+    try:
+        modules = json.loads((folder / MODULES_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    configs: list[Optional[dict]] = []
+    for module in modules if isinstance(modules, list) else []:
+        if isinstance(module, dict) and str(module.get("type", "")).endswith(kind):
+            try:
+                config = json.loads((folder / str(module.get("path", "")) / "config.json")
+                                    .read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                config = None
+            configs.append(config if isinstance(config, dict) else None)
+    return configs
+
+
 def is_model_file(name: str, modules: frozenset[str]) -> bool:
     """Whether the file ``name`` (relative to the model's folder, ``/``-separated) is one the
     content hash covers, and so one a ``gs://`` folder fetches: a weight, config or tokenizer file

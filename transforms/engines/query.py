@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from transforms.engines.model import ModelSettings, model_folder, pooling_modes
+from transforms.engines.model import ModelSettings, model_folder, module_configs, pooling_modes
 
 _ERFC_COEFFICIENTS = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806,
                       0.09678418, 0.37409196, 1.00002368, -1.26551223)
@@ -62,13 +62,12 @@ def _json(path: Path) -> Any:
 
 def _pooling(folder: Path) -> str:
     """``mean`` or ``cls``, as the model's sentence-transformers modules declare it."""
-    modules = _json(folder / "modules.json") if (folder / "modules.json").is_file() else None
-    if not modules:
+    if not (folder / "modules.json").is_file():
         raise Unsupported("no sentence-transformers modules.json: the engine chooses the pooling")
-    pools = [m for m in modules if str(m.get("type", "")).endswith("Pooling")]
-    if len(pools) != 1:
-        raise Unsupported("modules.json declares no single Pooling module")
-    modes = pooling_modes(_json(folder / pools[0].get("path", "") / "config.json"))
+    pools = module_configs(folder, "Pooling")
+    if len(pools) != 1 or pools[0] is None:
+        raise Unsupported("modules.json declares no single readable Pooling module")
+    modes = pooling_modes(pools[0])
     known = {"mean_tokens": "mean", "cls_token": "cls"}
     if len(modes) != 1 or modes[0] not in known:
         raise Unsupported(f"pooling {modes}: only mean or CLS pooling alone")

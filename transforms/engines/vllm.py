@@ -20,6 +20,7 @@ from transforms.engines.model import (
     Matryoshka,
     model_folder,
     model_label,
+    module_configs,
     pooling_modes,
     truncation,
 )
@@ -186,12 +187,13 @@ def load_vllm(s: ModelSettings) -> Engine:
     ``LLM`` for them (``_shared_llm``). Refused: a model whose declared pooling vLLM does not
     compute (``check_pooling``, before anything loads), or whose pooler output is not
     ``model.dim``."""
-    check_pooling(model_folder(s), s.normalize)
+    folder = model_folder(s)  # once: a gs:// model is listed again at each call
+    check_pooling(folder, s.normalize)
     if s.pooling_task == "token_embed":
-        check_late_projection(model_folder(s))
+        check_late_projection(folder)
     llm = _shared_llm(s)
     model_config = llm.llm_engine.model_config
-    engine = Engine(llm, s, model_label(s, model_folder(s)))
+    engine = Engine(llm, s, model_label(s, folder))
     size = model_config.embedding_size  # the pooler's output size
     if size != s.dim:
         engine.close()
@@ -219,20 +221,8 @@ _POOLING_VLLM_COMPUTES = {"cls_token": "CLS", "mean_tokens": "MEAN", "lasttoken"
 def sentence_transformers_pooling(folder: str | Path) -> Optional[list[str]]:
     """The pooling modes a model folder's sentence-transformers modules declare (``cls_token``,
     ``mean_tokens``...; several: concatenated); None when it has no pooling module."""
-    folder = Path(folder)
-    try:
-        modules = json.loads((folder / "modules.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    for module in modules if isinstance(modules, list) else []:
-        if isinstance(module, dict) and str(module.get("type", "")).endswith("Pooling"):
-            try:
-                config = json.loads((folder / str(module.get("path", "")) / "config.json")
-                                    .read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                return None
-            return pooling_modes(config)
-    return None
+    configs = module_configs(folder, "Pooling")
+    return pooling_modes(configs[0]) if configs and configs[0] is not None else None
 
 
 def check_late_projection(folder: str | Path) -> None:
@@ -240,25 +230,15 @@ def check_late_projection(folder: str | Path) -> None:
     whose activation is not the identity: vLLM's ``token_embed`` applies it to every token, so
     the mean over a span would be the mean of the activated tokens, not the activated mean the
     model computes (cosine 0.97 against the model's on a Tanh Dense)."""
-    folder = Path(folder)
-    try:
-        modules = json.loads((folder / "modules.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    for module in modules if isinstance(modules, list) else []:
-        if isinstance(module, dict) and str(module.get("type", "")).endswith("Dense"):
-            try:
-                config = json.loads((folder / str(module.get("path", "")) / "config.json")
-                                    .read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                config = {}
-            activation = str(config.get("activation_function", "torch.nn.modules.activation.Tanh"))
-            if not activation.endswith("Identity"):
-                raise ValueError(
-                    f"the model {folder} projects its pooled vector through a Dense module with "
-                    f"{activation.rsplit('.', 1)[-1]}: chunking.mode late would pool tokens "
-                    "already projected, and its vectors would not be the model's. Use "
-                    "chunking.mode chunks for this model")
+    for config in module_configs(folder, "Dense"):
+        activation = str((config or {}).get("activation_function",
+                                            "torch.nn.modules.activation.Tanh"))
+        if not activation.endswith("Identity"):
+            raise ValueError(
+                f"the model {folder} projects its pooled vector through a Dense module with "
+                f"{activation.rsplit('.', 1)[-1]}: chunking.mode late would pool tokens "
+                "already projected, and its vectors would not be the model's. Use "
+                "chunking.mode chunks for this model")
 
 
 def check_pooling(folder: str | Path, normalize: bool) -> None:
