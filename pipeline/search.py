@@ -39,7 +39,11 @@ from apache_beam.io.filesystems import FileSystems
 
 from pipeline.config import Config, ConfigError
 from transforms.output.layout import CHUNKS_DIR, VECTORS_DIR, join_path, open_output_file
-from transforms.output.manifest import COMMITTED, SUMMARY_FILE, published_summary, read_manifest
+from transforms.output.manifest import (
+    SUMMARY_FILE,
+    SummaryUnavailable,
+    published_summary,
+)
 from transforms.output.parquet import float32_embeddings
 
 
@@ -89,10 +93,10 @@ def committed_summary(output: str) -> dict[str, Any] | None:
     """The summary of the output's committed batch run; None for an output without one
     (streaming, no run committed yet). ``OutputUncheckable`` for a committed run whose summary
     cannot be read (torn, gone, another run's)."""
-    current = read_manifest(output)
-    if current is None or current.state != COMMITTED:
+    try:
+        summary = published_summary(output)  # it reads the manifest itself
+    except SummaryUnavailable:  # no run committed
         return None
-    summary = published_summary(output)
     if "summary_unavailable" in summary:
         raise OutputUncheckable(
             f"{output}: its committed run's {SUMMARY_FILE} cannot be read "
