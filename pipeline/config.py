@@ -32,6 +32,7 @@ from transforms.settings import (
     ChunkingSettings,
     DedupSettings,
     IncrementalSettings,
+    NearDuplicateSettings,
     ModelSettings,
     ParseSettings,
     SinkSettings,
@@ -79,6 +80,7 @@ class Config(BaseModel):
     sink: SinkSettings = SinkSettings()
     streaming: StreamingSettings = StreamingSettings()
     incremental: IncrementalSettings = IncrementalSettings()
+    near_duplicates: NearDuplicateSettings = NearDuplicateSettings()
     store: StoreSettings = StoreSettings()
     beam: dict[str, Any] = Field(default_factory=dict, description="any Beam pipeline option "
                                  "(`runner`, `project`, `experiments`...); unknown ones fail at "

@@ -97,16 +97,33 @@ def _micro_batch_v1() -> MicroBatch:
                       messages_in=4, duplicates=1, late_reassigned=1)
 
 
-def _micro_batch_now() -> MicroBatch:
-    """``_micro_batch_v1`` with every field added to its classes since set to something other
-    than its default (``test_the_sample_sets_every_field`` checks): what today's coders must
-    carry: ``updated_at`` of the event and of the row."""
+def _micro_batch_0_2() -> MicroBatch:
+    """``_micro_batch_v1`` with the fields 0.2 added: ``updated_at`` of the event and of the row
+    (frozen: the in-flight fixture of 0.2 holds it)."""
     batch = _micro_batch_v1()
     updated = dt.datetime(2026, 12, 1, 8, 30, 0, 500000, tzinfo=_IST)
     doc = batch.docs[0]
     doc = dataclasses.replace(doc, event=doc.event.model_copy(update={"updated_at": updated}))
     row = dataclasses.replace(batch.rows[0], updated_at=updated)
     return dataclasses.replace(batch, docs=(doc,), rows=(row,))
+
+
+def _micro_batch_now() -> MicroBatch:
+    """``_micro_batch_v1`` with every field added to its classes since set to something other
+    than its default (``test_the_sample_sets_every_field`` checks): what today's coders must
+    carry: ``updated_at`` of the event and of the row; the story of the document, the row and
+    the chunk row, and the signature of the document and the row; the skipped copies."""
+    batch = _micro_batch_v1()
+    updated = dt.datetime(2026, 12, 1, 8, 30, 0, 500000, tzinfo=_IST)
+    story = {"story_id": "evt-0", "near_duplicate_of": "evt-00", "similarity": 0.75}
+    doc = batch.docs[0]
+    doc = dataclasses.replace(doc, event=doc.event.model_copy(update={"updated_at": updated}),
+                              minhash=b"\x01\x00\xff\x7f", **story)
+    row = batch.rows[0]
+    chunks = tuple(dataclasses.replace(chunk, **story) for chunk in row.chunks)
+    row = dataclasses.replace(row, updated_at=updated, chunks=chunks, minhash=b"\x00\x80",
+                              **story)
+    return dataclasses.replace(batch, docs=(doc,), rows=(row,), near_duplicates=2)
 
 
 def _wide_tokens_v1() -> MicroBatch:
@@ -396,7 +413,7 @@ def _in_flight_values() -> dict:
     """name -> value of elements a 0.2 streaming job holds between its steps (shuffled, or in
     timers' and GroupByKey's buffers): Beam encodes them with the coder it infers for their
     PCollection (``FastPrimitivesCoder``), which pickles a dataclass by its module and name."""
-    batch = _micro_batch_now()
+    batch = _micro_batch_0_2()
     return {"micro_batch": batch, "keyed_micro_batch": (3, batch),
             "prepared_doc": batch.docs[0], "dead_letter": batch.dead_letters[0],
             "embedded_doc": batch.rows[0]}

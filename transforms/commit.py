@@ -84,6 +84,7 @@ class Tally(enum.StrEnum):
     ROWS = "rows"  # vector rows sent to the writer
     DUPLICATES = "duplicates"
     UNCHANGED = "unchanged"
+    NEAR_DUPLICATES = "near_duplicates"  # copies not embedded (near_duplicates.action skip)
     TRUNCATED = "truncated"
     CHUNKS = "chunks"  # chunk rows sent to the writer
 
@@ -159,7 +160,8 @@ class _CommitFn(beam.DoFn):
         keys = parquet_rows(files[KEYS_DIR], self._output)
         counts = dataclasses.replace(
             stored, articles_in=sent[Tally.IN], duplicates=sent[Tally.DUPLICATES],
-            unchanged=sent[Tally.UNCHANGED], truncated=sent[Tally.TRUNCATED])
+            unchanged=sent[Tally.UNCHANGED], near_duplicates=sent[Tally.NEAR_DUPLICATES],
+            truncated=sent[Tally.TRUNCATED])
         summary = {**self._summary, "run_id": self._run_id, "counts": counts.to_summary(),
                    "invariant_holds": counts.balances()}
         if (not counts.balances() or counts.written != sent[Tally.ROWS]
@@ -168,7 +170,8 @@ class _CommitFn(beam.DoFn):
                 f"run {self._run_id} does not balance, nothing published: in={counts.articles_in}, "
                 f"written (in storage)={counts.written} (rows sent: {sent[Tally.ROWS]}, keys "
                 f"{keys}), dead_lettered={counts.dead_lettered}, duplicates={counts.duplicates}, "
-                f"unchanged={counts.unchanged}, chunks (in storage)={counts.chunks_written} "
+                f"unchanged={counts.unchanged}, near_duplicates={counts.near_duplicates}, "
+                f"chunks (in storage)={counts.chunks_written} "
                 f"(sent: {sent[Tally.CHUNKS]})")
         staging = staging_prefix(self._output, self._run_id)
         summary_path = join_path(staging, SUMMARY_FILE)

@@ -80,6 +80,7 @@ from transforms.types import (
     PreparedDoc,
     Reason,
     Step,
+    story_of,
 )
 
 _LOG = logging.getLogger(__name__)
@@ -444,7 +445,7 @@ class RowMaker:
                 token_end=chunk.token_end, char_start=chunk.char_start, char_end=chunk.char_end,
                 chunk_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
                 text_sha256=doc.text_sha256, model=model, embedding=vector, embedded_at=now,
-                chunk_text=text if self.store_chunk_text else None))
+                chunk_text=text if self.store_chunk_text else None, **story_of(doc)))
         if self.chunking.doc_vector == "mean":
             vector = mean_vector(chunk_vectors, [c.token_end - c.token_start for c in doc.chunks])
         else:

@@ -99,12 +99,17 @@ class KeysTable:
     were made with: the rows of ``keys/``."""
 
     signature: str
+    minhash_version: Optional[str] = None  # transforms.stories.signature_version; None: off
 
     def __call__(self, rows: list[EmbeddedDoc], schema: pa.Schema) -> pa.Table:
+        signed = [self.minhash_version if r.minhash is not None else None for r in rows]
         return pa.table({
             "key": [embedding_key(r.id, r.text_sha256, r.model, self.signature) for r in rows],
             "id": [r.id for r in rows],
             "text_sha256": [r.text_sha256 for r in rows],
+            "story_id": [r.story_id for r in rows],
+            "minhash": [r.minhash for r in rows],
+            "minhash_version": signed,
         }, schema=schema)
 
 

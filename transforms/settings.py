@@ -326,6 +326,51 @@ class IncrementalSettings(_Section):
                     "output is never consulted")
 
 
+NearDuplicateAction = Literal["mark", "skip"]
+
+
+class NearDuplicateSettings(_Section):
+    """``near_duplicates:``: same-story copies (``transforms.stories``)."""
+
+    enabled: bool = Field(True, description="mark each row with its story (`story_id`, "
+                                            "`near_duplicate_of`, `similarity`); false: those "
+                                            "columns are null")
+    shingle_chars: int = Field(12, ge=3, le=64, description="characters per shingle of the "
+                                                             "text (whitespace removed, case "
+                                                             "folded, NFKC)")
+    num_perm: int = Field(128, ge=16, le=1024, description="MinHash values per signature")
+    bands: int = Field(32, ge=1, description="LSH bands: two texts equal in one band are "
+                                             "candidates; more bands find copies of lower "
+                                             "similarity, at more state (streaming: one state "
+                                             "entry per band and story)")
+    band_rows: int = Field(2, ge=1, description="signature values per band (`bands` x "
+                                               "`band_rows` at most `num_perm`): fewer find "
+                                               "copies of lower similarity, with more candidates "
+                                               "to check")
+    threshold: float = Field(0.35, gt=0, le=1, description="estimated Jaccard similarity of the "
+                                                           "shingle sets from which a candidate "
+                                                           "is a copy")
+    action: NearDuplicateAction = Field(
+        "mark", description="`mark`: copies are rows, marked; `skip`: copies at `skip_threshold` "
+                            "or above are not embedded, counted `near_duplicates`")
+    skip_threshold: float = Field(0.7, gt=0, le=1, description="action skip: the similarity "
+                                                               "from which a copy is skipped")
+    horizon_s: float = Field(7 * 86400, gt=0, description="streaming: how long a story is "
+                                                          "remembered (event time)")
+    seed: int = Field(1, ge=0, description="MinHash seed: signatures of different seeds never "
+                                           "compare")
+
+    @model_validator(mode="after")
+    def _bands_divide(self):
+        if self.bands * self.band_rows > self.num_perm:
+            raise ValueError(f"near_duplicates.bands x band_rows ({self.bands} x "
+                             f"{self.band_rows}) must be at most num_perm ({self.num_perm})")
+        if self.skip_threshold < self.threshold:
+            raise ValueError("near_duplicates.skip_threshold must be at least "
+                             "near_duplicates.threshold")
+        return self
+
+
 class StreamingSettings(_Section):
     subscription: Optional[str] = Field(
         None, pattern=r"^projects/[^/]+/subscriptions/[^/]+$",

@@ -157,9 +157,10 @@ class WriteChunks(_WriteParquet):
 class WriteKeys(_WriteParquet):
     """EmbeddedDoc -> the key index, ``<output>/keys/part-<run_id>-SSSSS-of-NNNNN.parquet``."""
 
-    def __init__(self, output: str, run_id: str, signature: str, row_group_rows: int = 16384):
-        super().__init__(output, KEYS_DIR, run_id, key_schema(), KeysTable(signature),
-                         row_group_rows)
+    def __init__(self, output: str, run_id: str, signature: str, row_group_rows: int = 16384,
+                 minhash_version: Optional[str] = None):
+        super().__init__(output, KEYS_DIR, run_id, key_schema(),
+                         KeysTable(signature, minhash_version), row_group_rows)
 
 
 def _count_dead_letter(letter: DeadLetter) -> str:
@@ -266,7 +267,9 @@ def micro_batch_digest(batch: MicroBatch) -> str:
         + [letter.message_id or (f"event\0{letter.event_id}" if letter.event_id is not None
                                  else f"payload\0{letter.payload}")
            for letter in batch.dead_letters])
-    identities.append(f"in={batch.messages_in} duplicates={batch.duplicates}")
+    identities.append(f"in={batch.messages_in} duplicates={batch.duplicates}"
+                      + (f" near_duplicates={batch.near_duplicates}" if batch.near_duplicates
+                         else ""))
     return hashlib.sha256("\n".join(identities).encode("utf-8")).hexdigest()[:16]
 
 
@@ -294,12 +297,12 @@ class _WriteStreamingFn(beam.DoFn):
 
     def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int,
                  signature: Optional[str], vector_dtype: VectorDtype = "float32",
-                 store: Optional[StoreSettings] = None):
+                 store: Optional[StoreSettings] = None, minhash_version: Optional[str] = None):
         self._output, self._run_id = output, run_id
         self._schema = vector_schema(dim, vector_dtype)
         self._chunk_schema = chunk_schema(dim, vector_dtype)
         self._row_group_rows = row_group_rows
-        self._keys = KeysTable(signature) if signature is not None else None
+        self._keys = KeysTable(signature, minhash_version) if signature is not None else None
         self._store_settings = store if store is not None and store.enabled else None
         self._store: Optional[VectorStore] = None
 
@@ -393,6 +396,7 @@ class _WriteStreamingFn(beam.DoFn):
             dead_lettered_by_language=Counts.by_language(
                 (letter.language, letter.reason) for letter in batch.dead_letters),
             duplicates=batch.duplicates, late_reassigned=batch.late_reassigned,
+            near_duplicates=batch.near_duplicates,
             vectors_file=vectors, dead_letter_file=letters,
             written_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"),
             chunks_written=len(chunk_rows), chunks_file=chunks,
@@ -418,13 +422,13 @@ class WriteStreaming(beam.PTransform):
 
     def __init__(self, output: str, run_id: str, dim: int, row_group_rows: int = 16384,
                  signature: Optional[str] = None, vector_dtype: VectorDtype = "float32",
-                 store: Optional[StoreSettings] = None):
+                 store: Optional[StoreSettings] = None, minhash_version: Optional[str] = None):
         super().__init__()
         require_safe_run_id(run_id)
         if row_group_rows < 1:
             raise ValueError("row_group_rows must be >= 1")
         self._fn = _WriteStreamingFn(output, run_id, dim, row_group_rows, signature,
-                                      vector_dtype, store)
+                                      vector_dtype, store, minhash_version)
 
     def expand(self, batches):
         return batches | "WriteFiles" >> beam.ParDo(self._fn)

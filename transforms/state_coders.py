@@ -309,12 +309,21 @@ def _event_out(event: schema.NewsEvent, arrays: _Arrays) -> dict:
     return plain
 
 
+def _hex_out(value: Optional[bytes]) -> Optional[str]:
+    return None if value is None else value.hex()
+
+
+def _hex_in(value: Optional[str]) -> Optional[bytes]:
+    return None if value is None else bytes.fromhex(value)
+
+
 def _doc_out(doc: schema.PreparedDoc, arrays: _Arrays) -> dict:
     return _plain(doc, {
         "event": lambda event: _event_out(event, arrays),
         "text": arrays.text,
         "token_ids": arrays.token_ids,
         "chunks": lambda chunks: [_plain(c, {"token_ids": arrays.token_ids}) for c in chunks],
+        "minhash": _hex_out,
     }) | {"lineage": _lineage_out(doc.event.lineage)}
 
 
@@ -329,6 +338,7 @@ def _doc_in(plain: dict, cursor: _Slices) -> schema.PreparedDoc:
         "token_ids": cursor.token_ids,
         "chunks": lambda chunks: tuple(
             _build(ChunkSpan, c, {"token_ids": cursor.token_ids}) for c in chunks),
+        "minhash": _hex_in,
     })
 
 
@@ -345,6 +355,7 @@ def _row_out(row: schema.EmbeddedDoc, arrays: _Arrays) -> dict:
     return _plain(row, {
         "embedding": arrays.vector, "lineage": _lineage_out,
         "chunks": lambda chunks: [_chunk_row_out(c, arrays) for c in chunks],
+        "minhash": _hex_out,
     })
 
 
@@ -352,6 +363,7 @@ def _row_in(plain: dict, cursor: _Slices) -> schema.EmbeddedDoc:
     return _build(schema.EmbeddedDoc, plain, {
         "embedding": cursor.vector, "lineage": _lineage_in,
         "chunks": lambda chunks: tuple(_chunk_row_in(c, cursor) for c in chunks),
+        "minhash": _hex_in,
     })
 
 

@@ -146,6 +146,12 @@ class PreparedDoc:
     truncated: bool
     chunks: tuple = ()
     title: Optional[str] = None
+    # Its story, where it was marked before the embedding (streaming; batch with action skip);
+    # EmbeddedDoc.of carries it to the row
+    story_id: Optional[str] = None
+    near_duplicate_of: Optional[str] = None
+    similarity: Optional[float] = None
+    minhash: Optional[bytes] = None  # its text's signature (transforms.stories), for keys/
 
     @property
     def token_count(self) -> int:
@@ -183,6 +189,11 @@ class EmbeddedDoc:
     chunk_count: int = 0  # chunks written to chunks/ (0 in head mode)
     chunks: tuple = ()  # ChunkRow, written to chunks/ (not a column of vectors/)
     updated_at: Optional[dt.datetime] = None  # the event's (VERSION_ORDER)
+    # Its story (transforms.stories.StoryMark); all None with near_duplicates off
+    story_id: Optional[str] = None
+    near_duplicate_of: Optional[str] = None
+    similarity: Optional[float] = None
+    minhash: Optional[bytes] = None  # its text's signature: a column of keys/, not of vectors/
 
     @classmethod
     def of(cls, doc: PreparedDoc, embedding, model: str, embedded_at: dt.datetime, *,
@@ -199,7 +210,18 @@ class EmbeddedDoc:
                    lineage=e.lineage, doc_vector=doc_vector, chunk_count=len(chunks),
                    chunks=chunks,
                    # An event held in streaming state by a release before updated_at has none.
-                   updated_at=getattr(e, "updated_at", None))
+                   updated_at=getattr(e, "updated_at", None),
+                   # A document held in streaming state by a release before stories has none.
+                   minhash=getattr(doc, "minhash", None), **story_of(doc))
+
+
+STORY_FIELDS = ("story_id", "near_duplicate_of", "similarity")
+"""The story of a document, a row and a chunk row (``transforms.stories.StoryMark``)."""
+
+
+def story_of(item) -> dict[str, Any]:
+    """The story fields of a document or row, by name (None where it has none)."""
+    return {name: getattr(item, name, None) for name in STORY_FIELDS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +242,10 @@ class ChunkRow:
     embedding: Any  # numpy float32 array of shape (dim,)
     embedded_at: dt.datetime
     chunk_text: Optional[str] = None  # with sink.store_chunk_text
+    # Its article's story (EmbeddedDoc's)
+    story_id: Optional[str] = None
+    near_duplicate_of: Optional[str] = None
+    similarity: Optional[float] = None
 
 
 DEAD_LETTER = "dead_letter"  # the tag of every step's dead-letter output (parse, prepare, embed)
@@ -344,6 +370,7 @@ class MicroBatch:
     messages_in: int = 0
     duplicates: int = 0
     late_reassigned: int = 0
+    near_duplicates: int = 0  # copies not embedded (near_duplicates.action skip)
 
     @property
     def batch_id(self) -> "BatchId":
@@ -359,7 +386,8 @@ BatchId = tuple[int, int, int]  # MicroBatch.batch_id
 class Counts:
     """Where the articles of a run or a micro-batch went: the ledger's one type. The batch commit,
     the streaming ledger record and ``newsvec ledger`` all count with it, and it alone says what
-    balancing means: every article in is written, dead-lettered, a dropped duplicate or unchanged.
+    balancing means: every article in is written, dead-lettered, a dropped duplicate, unchanged or
+    a skipped near duplicate (``near_duplicates.action: skip``).
 
     ``truncated`` (rows whose text was cut to the model's length) and ``chunks_written`` (rows of
     ``chunks/``) describe written rows; they are not destinations and are not in the balance.
@@ -373,6 +401,7 @@ class Counts:
     dead_lettered: int = 0
     duplicates: int = 0
     unchanged: int = 0  # incremental runs: already embedded with the same text and settings
+    near_duplicates: int = 0  # near_duplicates.action skip: copies of a story, not embedded
     truncated: int = 0
     chunks_written: int = 0
     dead_lettered_by_reason: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -381,7 +410,8 @@ class Counts:
 
     @property
     def accounted(self) -> int:
-        return self.written + self.dead_lettered + self.duplicates + self.unchanged
+        return (self.written + self.dead_lettered + self.duplicates + self.unchanged
+                + self.near_duplicates)
 
     def balances(self) -> bool:
         return self.articles_in == self.accounted
@@ -457,7 +487,8 @@ class Counts:
                 "dead_lettered_by_language": {language: dict(by_reason) for language, by_reason
                                               in self.dead_lettered_by_language.items()},
                 "chunks_written": self.chunks_written, "duplicates": self.duplicates,
-                "unchanged": self.unchanged, "truncated": self.truncated,
+                "unchanged": self.unchanged, "near_duplicates": self.near_duplicates,
+                "truncated": self.truncated,
                 "accounted": self.accounted}
 
 
@@ -465,7 +496,7 @@ class Counts:
 class LedgerRecord:
     """Streaming: the ledger of one micro-batch, ``ledger/dt=../hour=../<name>.json``. Written after
     its data files, so a record names files that exist. It balances on its own (``Counts``):
-    ``messages_in = rows_written + dead_lettered + duplicates``."""
+    ``messages_in = rows_written + dead_lettered + duplicates + near_duplicates``."""
 
     run_id: str
     window_start: str  # RFC 3339, UTC
@@ -498,6 +529,8 @@ class LedgerRecord:
     # The articles an earlier attempt at this micro-batch stored and this one does not hold: their
     # rows were withdrawn, the versions they had replaced brought back (StoreLoad.withdrawn)
     store_withdrawn: list = dataclasses.field(default_factory=list)
+    # Copies of a story not embedded (near_duplicates.action skip); 0 in records before it
+    near_duplicates: int = 0
 
     @property
     def counts(self) -> Counts:
@@ -505,6 +538,7 @@ class LedgerRecord:
                      if self.dead_lettered_by_language is None else self.dead_lettered_by_language)
         return Counts(articles_in=self.messages_in, written=self.rows_written,
                       dead_lettered=self.dead_lettered, duplicates=self.duplicates,
+                      near_duplicates=self.near_duplicates,
                       chunks_written=self.chunks_written,
                       dead_lettered_by_reason=self.dead_lettered_by_reason,
                       dead_lettered_by_language=languages)

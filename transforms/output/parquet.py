@@ -182,6 +182,24 @@ _CHUNK_COUNT = Column("chunk_count", pa.int32(), False,
                       "the article's number of chunks: its rows in `chunks/` (0 in head mode)")
 
 
+_STORY_ID = Column(
+    "story_id", pa.string(), True,
+    "the article's story: the id of the first article of its story newsvec saw (its own id if it "
+    "copies none; [near duplicates](output.md#the-same-story-once)); null with "
+    "`near_duplicates.enabled: false`")
+
+
+STORY_COLUMNS = (
+    _STORY_ID,
+    Column("near_duplicate_of", pa.string(), True,
+           "the id of the article this one is a copy of (the most similar one held), or null"),
+    Column("similarity", pa.float32(), True,
+           "the estimated Jaccard similarity of the two texts' character shingles (MinHash), "
+           "where `near_duplicate_of` is set"),
+)
+"""Every row's story (``transforms.stories``): ``vectors/`` and ``chunks/`` end with these."""
+
+
 VECTOR_COLUMNS = (
     _ID, _from_event("url", pa.string()), _from_event("source", pa.string()),
     Column("title", pa.string(), True,
@@ -214,6 +232,8 @@ VECTOR_COLUMNS = (
     Column("updated_at", _TIMESTAMP, True,
            "from the event: when the article was last changed; the first order of its versions "
            "(the [current vector](incremental.md#the-current-vector-of-every-article))"),
+    # Last, for the same reason.
+    *STORY_COLUMNS,
 )
 """``vectors/``: one row per article."""
 
@@ -271,6 +291,7 @@ CHUNK_COLUMNS = (
     Column("chunk_text", pa.string(), True,
            "the chunk's text, with `sink.store_chunk_text: true` (retrieval-augmented "
            "generation); null otherwise"),
+    *STORY_COLUMNS,
 )
 """``chunks/``: one row per chunk (chunks mode)."""
 
@@ -280,6 +301,14 @@ KEY_COLUMNS = (
            "`sha256(id, text_sha256, model label, embedding signature)` (32 hex): "
            "`transforms.incremental.embedding_key`"),
     _ID, _TEXT_SHA256,
+    _STORY_ID,
+    Column("minhash", pa.binary(), True,
+           "the text's MinHash signature (`near_duplicates.num_perm` uint32, little-endian): a "
+           "later run finds this article's copies without its text; null with near duplicates "
+           "off"),
+    Column("minhash_version", pa.string(), True,
+           "what the signature was made with (MinHash algorithm, shingle size, values, seed): "
+           "only signatures of one version compare"),
 )
 """``keys/``: the key index (``transforms.incremental``), one row per article written."""
 
