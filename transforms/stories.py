@@ -35,13 +35,18 @@ import hashlib
 import unicodedata
 from typing import Iterable, Optional
 
+import apache_beam as beam
 import numpy as np
+import pyarrow.parquet as pq
+from apache_beam import pvalue
 
 try:
     import rensa
 except ImportError:  # pragma: no cover - an install without the dependency
     rensa = None
 
+from transforms.metrics import NEAR_DUPLICATES
+from transforms.output.layout import open_output_file
 from transforms.settings import NearDuplicateSettings
 
 _PRIME = np.uint64(0x100000001B3)  # the FNV prime: odd, so the rolling hash mixes every bit
@@ -200,3 +205,155 @@ class StoryIndex:
         self._by_id[held.id] = held
         for key in keys or band_keys(held.signature, self._settings):
             self._by_band.setdefault(key, []).append(held)
+
+
+# --- Batch ------------------------------------------------------------------------------------
+
+_NO_TIME = float("inf")
+
+
+def story_rank(doc) -> tuple:
+    """The order articles are marked in, the earliest first: by ``published_at`` (none: after every
+    dated one; streaming: its Pub/Sub publish time), then id. The first of a story is its
+    original; a copy is only ever marked a copy of an article earlier in this order."""
+    when = doc.published_at or _publish_time(doc)
+    return (when.timestamp() if when is not None else _NO_TIME, doc.id)
+
+
+def _publish_time(doc):
+    lineage = getattr(doc.event, "lineage", None)
+    return getattr(lineage, "publish_time", None)
+
+
+class Sign:
+    """PreparedDoc -> the same with its text's signature (``minhash``: uint32 little-endian)."""
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
+
+    def __call__(self, doc):
+        (signature,) = signatures([doc.text], self._settings)
+        return dataclasses.replace(doc, minhash=None if signature is None else to_bytes(signature))
+
+
+def to_bytes(signature: np.ndarray) -> bytes:
+    return signature.astype("<u4").tobytes()
+
+
+def from_bytes(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<u4")
+
+
+def previous_signatures(files, version: str) -> Iterable[tuple[str, str, bytes]]:
+    """(id, story id, signature) of every article in the previous outputs' key files (a
+    ``transforms.incremental.KeyFiles``) whose signature has ``version``; rows without one
+    (written before stories were kept, or with near duplicates off, or another version) are
+    passed over."""
+    wanted = ["id", "story_id", "minhash", "minhash_version"]
+    for snapshot, paths in zip(files.snapshots, files.files, strict=True):
+        for path in paths:
+            with open_output_file(snapshot.prefix, path) as f:
+                parquet = pq.ParquetFile(f)
+                if not set(wanted) <= set(parquet.schema_arrow.names):
+                    continue
+                for batch in parquet.iter_batches(columns=wanted):
+                    columns = [column.to_pylist() for column in batch.columns]
+                    for id_, story, minhash, made_with in zip(*columns, strict=True):
+                        if minhash is not None and made_with == version:
+                            yield id_, story or id_, minhash
+
+
+def find_stories(entries: list[tuple[tuple, str, Optional[bytes]]], previous,
+                 settings: NearDuplicateSettings) -> Iterable[tuple[str, StoryMark]]:
+    """The marks of a run's articles, given as (``story_rank``, id, signature): the previous
+    outputs' articles held first, then the run's marked in rank order."""
+    index = StoryIndex(settings)
+    for id_, story, minhash in previous:
+        index.hold(Held(id_, story, from_bytes(minhash)))
+    for _, id_, minhash in sorted(entries, key=lambda entry: entry[0]):
+        yield id_, index.mark(id_, None if minhash is None else from_bytes(minhash))
+
+
+def with_mark(item, mark: Optional[StoryMark]):
+    """A document or row with its story; a row's chunk rows follow it."""
+    if mark is None:
+        return item
+    fields = dataclasses.asdict(mark)
+    chunks = getattr(item, "chunks", ())
+    if chunks and hasattr(chunks[0], "story_id"):  # a row's ChunkRows (a document's are spans)
+        return dataclasses.replace(item, chunks=tuple(
+            dataclasses.replace(chunk, **fields) for chunk in chunks), **fields)
+    return dataclasses.replace(item, **fields)
+
+
+MARKS, COPIES_SKIPPED = "marks", "near_duplicates"
+
+
+class MarkStories(beam.PTransform):
+    """Batch: PreparedDoc -> the documents with their signatures (``docs``) and each one's mark,
+    ``(id, StoryMark)`` (``marks``), found against each other and against the previous outputs'
+    signatures (``key_files``: ``ReadKeys``'s ``KeyFiles``, or None). Every signature of the run
+    goes to one worker (``find_stories``): about 600 bytes an article, 0.6 GB for a million."""
+
+    def __init__(self, settings: NearDuplicateSettings, key_files=None):
+        super().__init__()
+        self._settings, self._key_files = settings, key_files
+
+    def expand(self, docs):
+        settings, version = self._settings, signature_version(self._settings)
+        signed = docs | "Sign" >> beam.Map(Sign(settings))
+        if self._key_files is not None:
+            previous = self._key_files | "PreviousSignatures" >> beam.FlatMap(
+                lambda files: list(previous_signatures(files, version)))
+        else:
+            previous = docs.pipeline | "NoPreviousOutputs" >> beam.Create([])
+        marks = (signed
+                 | "RankAndSignature" >> beam.Map(lambda d: (story_rank(d), d.id, d.minhash))
+                 | "AllSignatures" >> beam.combiners.ToList()
+                 | "FindStories" >> beam.FlatMap(
+                     lambda entries, held: find_stories(entries, held, settings),
+                     pvalue.AsList(previous)))
+        return {"docs": signed, MARKS: marks}
+
+
+def _mark_row(row, marks):
+    return with_mark(row, marks.get(row.id))
+
+
+class MarkRows(beam.PTransform):
+    """Batch, action ``mark``: vector rows (and their chunk rows) with their articles' marks."""
+
+    def __init__(self, marks):
+        super().__init__()
+        self._marks = marks
+
+    def expand(self, rows):
+        return rows | "WithStory" >> beam.Map(_mark_row, pvalue.AsDict(self._marks))
+
+
+class _SkipCopiesFn(beam.DoFn):
+    def __init__(self, skip_threshold: float):
+        self._skip = skip_threshold
+
+    def process(self, doc, marks):
+        mark = marks.get(doc.id)
+        if mark is not None and mark.is_copy and mark.similarity >= self._skip:
+            NEAR_DUPLICATES.inc()
+            yield pvalue.TaggedOutput(COPIES_SKIPPED, doc.id)
+            return
+        yield with_mark(doc, mark)
+
+
+class SkipCopies(beam.PTransform):
+    """Batch, action ``skip``: the documents to embed, with their marks (main output ``docs``),
+    and the ids of the copies at ``skip_threshold`` or above, not embedded (``near_duplicates``).
+    It waits for every article's mark: the embedding starts once every article is prepared."""
+
+    def __init__(self, marks, skip_threshold: float):
+        super().__init__()
+        self._marks, self._skip = marks, skip_threshold
+
+    def expand(self, docs):
+        return docs | "SkipCopies" >> beam.ParDo(
+            _SkipCopiesFn(self._skip), pvalue.AsDict(self._marks)).with_outputs(
+            COPIES_SKIPPED, main="docs")
