@@ -2,12 +2,14 @@
 transforms/.
 
 Batch:      files -> ReadJsonLines (fans out its lines) -> Parse -> PrepareText
-              -> SkipUnchanged (with incremental.previous_outputs: ReadKeys) -> Embed
-              -> DropDuplicates -> WriteVectors, WriteKeys, WriteChunks (chunks mode),
+              -> SkipUnchanged (with incremental.previous_outputs: ReadKeys) -> MarkStories
+              (-> SkipCopies with near_duplicates.action skip) -> Embed -> DropDuplicates
+              (-> MarkRows with action mark) -> WriteVectors, WriteKeys, WriteChunks (chunks mode),
               WriteDeadLetters (into the run's staging folder) -> CommitRun
               -> LoadCommittedRun (with the store on: the published run into the store)
 Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> GroupMicroBatches (with every
-              dead letter so far) -> DropDuplicatesStreaming -> EmbedStreaming
+              dead letter so far) -> DropDuplicatesStreaming -> MarkStoriesStreaming
+              -> EmbedStreaming
               -> WriteStreaming (vectors, keys, dead letters, the store with it on, and a ledger
               record per micro-batch)
 
@@ -56,6 +58,7 @@ from transforms.stories import (
     MARKS,
     MarkRows,
     MarkStories,
+    MarkStoriesStreaming,
     SkipCopies,
     signature_version,
 )
@@ -217,6 +220,10 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
                | "DropDuplicatesStreaming" >> DropDuplicatesStreaming(
                    config.dedup.key, s.dedup_horizon_s,
                    state=state_layout_for(messages.pipeline.runner)))
+    stories = config.near_duplicates
+    if stories.enabled:
+        batches = batches | "MarkStoriesStreaming" >> MarkStoriesStreaming(
+            stories, state=state_layout_for(messages.pipeline.runner))
     embedded = batches | "EmbedStreaming" >> EmbedStreaming(
         config.model, **_embed_settings(config, engine_factory))
     # The step's name says when it loads the store too (docs/dataflow.md: an --update that turns the
@@ -225,7 +232,8 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
     return embedded | writer >> WriteStreaming(
         config.output, run_id, config.model.output_dim, config.sink.row_group_rows,
         signature=signature_of(config), vector_dtype=config.sink.vector_dtype,
-        store=config.store)
+        store=config.store,
+        minhash_version=signature_version(stories) if stories.enabled else None)
 
 
 def build_streaming(pipeline: beam.Pipeline, config: Config, run_id: str,
