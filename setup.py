@@ -8,7 +8,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="newsvec",
-    version="0.3.0",
+    version="0.4.0",
     description="Turn a stream of news into vectors: Beam + vLLM + Parquet",
     python_requires=">=3.10,<3.13",
     packages=find_packages(include=["pipeline", "pipeline.*", "transforms", "transforms.*"]),

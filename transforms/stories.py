@@ -220,11 +220,12 @@ class StoryIndex:
             for key in keys:
                 for held in self._by_band.get(key, ()):
                     seen.setdefault(id(held), held)
-            mark = best_match(signature, seen.values(), self._settings.threshold,
-                              article_id, rank)
-            if found is not None and (mark is None or found.similarity > mark.similarity):
-                mark = found
-            mark = mark or StoryMark(article_id)
+            match = best_match(signature, seen.values(), self._settings.threshold,
+                               article_id, rank)
+            if found is not None and (match is None
+                                      or (found.similarity or 0) > (match.similarity or 0)):
+                match = found
+            mark = match or StoryMark(article_id)
             if not skipped(mark, self._settings):
                 self.hold(Held(article_id, mark.story_id, signature, rank), keys)
         self._marks[article_id] = mark
