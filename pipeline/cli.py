@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import yaml
 
@@ -125,9 +125,9 @@ def _search_command(argv: Sequence[str]) -> int:
     config = config_lib.load_for_command(args.config, output=args.output,
                                          input_date=args.input_date)
     query = _query_text(args.query)
-    copies = {"all_copies": True} if args.all_copies else {}  # else one hit per story
-    hits = (search_store(config, query, args.k, **copies) if args.store
-            else search(config, query, args.k, **copies))  # --output: filled by the loader
+    every: dict[str, Any] = {"all_copies": True} if args.all_copies else {}  # else by story
+    hits = (search_store(config, query, args.k, **every) if args.store
+            else search(config, query, args.k, **every))  # --output: filled by the loader
     for hit in hits:
         if args.json:  # a Japanese title as it reads; a control character as a \u escape
             _print_line(_json_escaped(json.dumps(hit, ensure_ascii=False)))
