@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import yaml
 
@@ -100,18 +100,23 @@ def _config_command(argv: Sequence[str]) -> int:
 def _search_command(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="newsvec search", description="Embed a query as the config's model embeds an "
-        "article (with model.query_prefix before it) and print the nearest articles of the "
-        "output, best first: score, id and title, one a line (or JSON lines with --json).")
+        "article (with model.query_prefix before it) and print the nearest stories of the "
+        "output, best first: score, id and title of each story's nearest article and how many "
+        "copies of it the output holds, one a line (or JSON lines with --json).")
     parser.add_argument("query", help="the query text, in any language the model reads; `-`: "
                         "read it from stdin (UTF-8)")
     parser.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG),
                         help="the config whose model and output to use")
-    parser.add_argument("--k", type=int, default=10, help="how many articles (default 10)")
+    parser.add_argument("--k", type=int, default=10, help="how many stories (default 10; "
+                        "articles with --all-copies)")
     parser.add_argument("--output", help="search this output prefix instead of the config's")
     parser.add_argument("--input_date", help="fills {date} in the config's output, as the run "
                         "(default yesterday)")
     parser.add_argument("--store", action="store_true", help="search the store (the config's "
                         "store: section, its HNSW index) instead of the Parquet output")
+    parser.add_argument("--all-copies", action="store_true", help="every article, each copy "
+                        "of a story on its own line, instead of one line per story (its "
+                        "nearest article)")
     parser.add_argument("--json", action="store_true", help="print JSON lines (UTF-8, "
                         "non-ASCII text as it is, not as \\u escapes)")
     args = parse_command(parser, argv)
@@ -120,13 +125,17 @@ def _search_command(argv: Sequence[str]) -> int:
     config = config_lib.load_for_command(args.config, output=args.output,
                                          input_date=args.input_date)
     query = _query_text(args.query)
-    hits = (search_store(config, query, args.k) if args.store
-            else search(config, query, args.k))  # --output: filled by the loader
+    every: dict[str, Any] = {"all_copies": True} if args.all_copies else {}  # else by story
+    hits = (search_store(config, query, args.k, **every) if args.store
+            else search(config, query, args.k, **every))  # --output: filled by the loader
     for hit in hits:
         if args.json:  # a Japanese title as it reads; a control character as a \u escape
             _print_line(_json_escaped(json.dumps(hit, ensure_ascii=False)))
         else:
             where = f"  (chunk {hit['chunk_index']})" if hit["chunk_index"] is not None else ""
+            copies = hit.get("copies") or 0
+            if copies:
+                where += f"  (+{copies} cop{'y' if copies == 1 else 'ies'})"
             _print_line(f"{hit['score']:.4f}  {_escaped(str(hit['id']))}  "
                         f"{_escaped(hit['title'] or '')}{where}")
     return 0

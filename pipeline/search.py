@@ -1,4 +1,5 @@
-"""Search newsvec's output: ``newsvec search --config C "query text" [--k 10] [--output PREFIX]``.
+"""Search newsvec's output: ``newsvec search --config C "query text" [--k 10] [--output PREFIX]
+[--all-copies]``.
 
 The query is prepared like an article's text (``normalize_text``, in ``text.unicode_form``),
 prefixed with ``model.query_prefix``, tokenized and embedded with the config's model settings:
@@ -6,7 +7,10 @@ without starting vLLM where ``transforms.engines.query`` computes the model exac
 encoder: a search then takes under 2 s instead of about 13 s, most of it imports), else by the
 engine. The nearest articles in the output's Parquet files are found with DuckDB's
 ``array_cosine_similarity``: by the article's best chunk when the output has ``chunks/``, else by
-its row in ``vectors/`` (the ``title`` shown is the column's: the prepared title). Works on a batch
+its row in ``vectors/`` (the ``title`` shown is the column's: the prepared title); then each story
+(``coalesce(story_id, id)``: near-duplicate copies of one article share a ``story_id``) by its
+nearest article, named with how many other articles of the story the output holds (``copies``),
+unless ``all_copies``. ``k`` counts stories. Works on a batch
 output and on a streaming one (``dt=/hour=`` partitions), local or ``gs://`` (the files are
 read through Beam's file systems and handed to DuckDB as Arrow tables, so DuckDB needs no
 extension). The vectors are read as float32 whatever they were written as (``sink.vector_dtype``
@@ -44,17 +48,29 @@ from transforms.output.manifest import (
     SummaryUnavailable,
     published_summary,
 )
-from transforms.output.parquet import float32_embeddings
+from transforms.output.parquet import STORY_COLUMNS, float32_embeddings
 
 
 def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
+    """``columns`` of the Parquet files under ``subdir``; a column a file lacks (``story_id`` in
+    files written before 0.4) reads as nulls of its type."""
     files = [m.path for m in FileSystems.match([join_path(output, subdir, "**")])[0].metadata_list
              if m.path.endswith(".parquet")]
     tables = []
     for path in sorted(files):  # regular files of the output only (never one outside, no FIFO)
         with open_output_file(output, path) as f:
-            tables.append(float32_embeddings(pq.read_table(f, columns=columns)))
+            parquet = pq.ParquetFile(f)
+            held = set(parquet.schema_arrow.names)
+            table = parquet.read(columns=[c for c in columns if c in held])
+            for name in columns:
+                if name not in held:
+                    table = table.append_column(name, pa.nulls(table.num_rows,
+                                                               _COLUMN_TYPES[name]))
+            tables.append(float32_embeddings(table.select(columns)))
     return pa.concat_tables(tables) if tables else None
+
+
+_COLUMN_TYPES = {column.name: column.field(0).type for column in STORY_COLUMNS}
 
 
 PREFIXES = ("document_prefix", "query_prefix")
@@ -236,8 +252,13 @@ def embed_query_with_engine(config: Config, text: str):
     return vector
 
 
-def search(config: Config, query: str, k: int = 10, output: str | None = None) -> list[dict]:
-    """The ``k`` nearest articles: ``{"id", "title", "score", "chunk_index"}``, best first."""
+def search(config: Config, query: str, k: int = 10, output: str | None = None,
+           all_copies: bool = False) -> list[dict]:
+    """The ``k`` nearest stories, best first: of each story (``coalesce(story_id, id)``: an
+    article that copies none, or of an output written before 0.4, is a story of its own) its
+    nearest article (by its best chunk in a chunks output), ``{"id", "title", "score",
+    "chunk_index", "story_id", "copies"}``, ``copies`` the other articles of the story the output
+    holds. ``all_copies``: the ``k`` nearest articles, every copy of a story among them."""
     try:
         import duckdb
     except ImportError as e:  # not in the worker image: an extra
@@ -246,7 +267,7 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None) -
 
     output = output or config.output
     config = check_output(config, output)
-    vectors = _read(output, VECTORS_DIR, ["id", "title", "embedding"])
+    vectors = _read(output, VECTORS_DIR, ["id", "title", "story_id", "embedding"])
     if vectors is None:
         raise FileNotFoundError(f"no vectors under {output}/{VECTORS_DIR}/: run the pipeline first")
     chunks = _read(output, CHUNKS_DIR, ["id", "chunk_index", "embedding"])
@@ -260,29 +281,43 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None) -
     con = duckdb.connect()
     con.register("vectors", vectors)
     params = [embed_query(config, query).tolist(), k]
-    if chunks is not None:
+    if chunks is not None:  # each article by its best chunk
         con.register("chunks", chunks)
-        sql = f"""
-            WITH scored AS (
+        best = f"""
+            scored AS (
               SELECT id, chunk_index, array_cosine_similarity(
                        embedding::FLOAT[{dim}], $1::FLOAT[{dim}]) AS score FROM chunks),
             best AS (SELECT id, arg_max(chunk_index, score) AS chunk_index, max(score) AS score
-                     FROM scored GROUP BY id)
-            SELECT b.id, any_value(v.title) AS title, b.score, b.chunk_index
-            FROM best b LEFT JOIN vectors v USING (id)
-            GROUP BY b.id, b.score, b.chunk_index ORDER BY b.score DESC LIMIT $2"""
-    else:
-        sql = f"""
-            SELECT id, any_value(title) AS title, max(array_cosine_similarity(
-                     embedding::FLOAT[{dim}], $1::FLOAT[{dim}])) AS score, NULL AS chunk_index
-            FROM vectors GROUP BY id ORDER BY score DESC LIMIT $2"""
-    return [{"id": i, "title": t, "score": round(float(s), 4), "chunk_index": c}
-            for i, t, s, c in con.execute(sql, params).fetchall()]
+                     FROM scored GROUP BY id)"""
+    else:  # each article by its row (a streaming output may hold an article's row twice)
+        best = f"""
+            best AS (SELECT id, NULL::INTEGER AS chunk_index, max(array_cosine_similarity(
+                       embedding::FLOAT[{dim}], $1::FLOAT[{dim}])) AS score
+                     FROM vectors GROUP BY id)"""
+    # Each article's story: its story_id, or its own id where it has none (a null in rows
+    # written before 0.4 or with near_duplicates.enabled false).
+    one_each = "" if all_copies else \
+        "QUALIFY row_number() OVER (PARTITION BY story ORDER BY score DESC, id) = 1"
+    sql = f"""
+        WITH {best},
+        articles AS (SELECT id, any_value(title) AS title,
+                            coalesce(max(story_id), id) AS story FROM vectors GROUP BY id),
+        stories AS (SELECT story, count(*) AS n FROM articles GROUP BY story),
+        hits AS (SELECT b.id, a.title, b.score, b.chunk_index, coalesce(a.story, b.id) AS story
+                 FROM best b LEFT JOIN articles a USING (id))
+        SELECT h.id, h.title, h.score, h.chunk_index, h.story, greatest(coalesce(s.n, 1) - 1, 0)
+        FROM hits h LEFT JOIN stories s USING (story) {one_each}
+        ORDER BY h.score DESC, h.id LIMIT $2"""
+    return [{"id": i, "title": t, "score": round(float(s), 4), "chunk_index": c,
+             "story_id": story, "copies": int(n)}
+            for i, t, s, c, story, n in con.execute(sql, params).fetchall()]
 
 
-def search_store(config: Config, query: str, k: int = 10) -> list[dict]:
+def search_store(config: Config, query: str, k: int = 10, all_copies: bool = False
+                 ) -> list[dict]:
     """``search`` over the store (``store:``; ``newsvec search --store``): the HNSW index of
-    PostgreSQL + pgvector instead of the Parquet files, the same results' form."""
+    PostgreSQL + pgvector instead of the Parquet files, the same results' form, collapsed by
+    story in SQL."""
     from transforms.stores import store_for
 
-    return store_for(config.store).search(embed_query(config, query), k)
+    return store_for(config.store).search(embed_query(config, query), k, all_copies=all_copies)

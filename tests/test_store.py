@@ -31,7 +31,9 @@ T0 = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.timezone.utc)
 
 
 def vectors(ids, text="a", embedded_at=T0, dim=DIM, seed=0, published_at=T0, updated_at=None,
-            publish_time=None) -> pa.Table:
+            publish_time=None, stories=None) -> pa.Table:
+    """``stories``: {id: story_id} of the articles that have one (a copy: also its
+    ``near_duplicate_of`` and a similarity); the others' story columns are null."""
     rng = np.random.default_rng(seed)
     emb = rng.standard_normal((len(ids), dim)).astype(np.float32)
     schema = vector_schema(dim)
@@ -45,11 +47,18 @@ def vectors(ids, text="a", embedded_at=T0, dim=DIM, seed=0, published_at=T0, upd
         "text_sha256": [text] * n, "token_count": [3] * n, "truncated": [False] * n,
         "embedded_at": [embedded_at] * n, "pubsub_message_id": [None] * n,
         "pubsub_publish_time": [publish_time] * n, "pubsub_attributes": [None] * n,
-        "doc_vector": ["head"] * n, "chunk_count": [0] * n, "updated_at": [updated_at] * n},
-        schema=schema)
+        "doc_vector": ["head"] * n, "chunk_count": [0] * n, "updated_at": [updated_at] * n,
+        **_stories(ids, stories or {})}, schema=schema)
 
 
-def chunks(counts: dict, text="a", embedded_at=T0) -> pa.Table:
+def _stories(ids, stories: dict) -> dict:
+    story = [stories.get(i) for i in ids]
+    copy_of = [s if s is not None and s != i else None for i, s in zip(ids, story, strict=True)]
+    return {"story_id": story, "near_duplicate_of": copy_of,
+            "similarity": [None if c is None else 0.9 for c in copy_of]}
+
+
+def chunks(counts: dict, text="a", embedded_at=T0, stories=None) -> pa.Table:
     rows = [(i, c, n) for i, n in counts.items() for c in range(n)]
     emb = np.ones((len(rows), DIM), np.float32)
     return pa.table({
@@ -60,8 +69,8 @@ def chunks(counts: dict, text="a", embedded_at=T0) -> pa.Table:
         "chunk_sha256": [text] * len(rows), "text_sha256": [text] * len(rows),
         "model": ["m"] * len(rows), "dim": [DIM] * len(rows),
         "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), DIM),
-        "embedded_at": [embedded_at] * len(rows), "chunk_text": [None] * len(rows)},
-        schema=chunk_schema(DIM))
+        "embedded_at": [embedded_at] * len(rows), "chunk_text": [None] * len(rows),
+        **_stories([r[0] for r in rows], stories or {})}, schema=chunk_schema(DIM))
 
 
 def stored(dsn: str, what="id, title, dt", table="news_vectors") -> list[tuple]:

@@ -31,6 +31,7 @@ import pytest
 from tests.conftest import STORE_DSN_ENV
 from transforms.output.parquet import chunk_schema, vector_schema
 from transforms.stores.pgvector import LoadRows, Store, StoreLoadFailed, StoreSettings, scrub
+from transforms.types import STORY_FIELDS
 
 DIM = 8
 T0 = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.timezone.utc)
@@ -59,7 +60,7 @@ def rows(ids, *, text="a", embedded_at=T0, published_at=T0, updated_at=None, pub
     schema = vector_schema(DIM)
     if "updated_at" not in schema.names:  # a release before the column (the base code)
         schema = schema.append(pa.field("updated_at", TS))
-    return pa.table({f.name: data[f.name] for f in schema}, schema=schema)
+    return pa.table({f.name: data.get(f.name, [None] * n) for f in schema}, schema=schema)
 
 
 def chunks(versions: dict, embedded_at=T0) -> pa.Table:
@@ -74,7 +75,8 @@ def chunks(versions: dict, embedded_at=T0) -> pa.Table:
         "dim": [DIM] * m,
         "embedding": pa.FixedSizeListArray.from_arrays(pa.array(np.ones(m * DIM, np.float32)),
                                                        DIM),
-        "embedded_at": pa.array([embedded_at] * m, TS), "chunk_text": [None] * m},
+        "embedded_at": pa.array([embedded_at] * m, TS), "chunk_text": [None] * m,
+        **dict.fromkeys(STORY_FIELDS, [None] * m)},
         schema=chunk_schema(DIM))
 
 

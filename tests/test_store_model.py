@@ -39,6 +39,7 @@ from transforms.stores.pgvector import (
     StoreSettings,
     _create_statements,
 )
+from transforms.types import STORY_FIELDS
 
 DIM = 4
 T0 = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.timezone.utc)
@@ -106,8 +107,10 @@ def build(rows: list[Row], day: dt.date) -> LoadRows:
         "dim": [DIM] * m, "embedding": pa.FixedSizeListArray.from_arrays(
             pa.array(np.ones(m * DIM, np.float32)), DIM),
         "embedded_at": pa.array([at(r.embedded_at) for r, _ in items], TS),
-        "chunk_text": [None] * m}, schema=chunk_schema(DIM))
-    return LoadRows(pa.table({f.name: vectors[f.name] for f in schema}, schema=schema),
+        "chunk_text": [None] * m,
+        **dict.fromkeys(STORY_FIELDS, [None] * m)}, schema=chunk_schema(DIM))
+    return LoadRows(pa.table({f.name: vectors.get(f.name, [None] * n) for f in schema},
+                             schema=schema),
                     chunks if m else None, day)
 
 

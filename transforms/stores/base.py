@@ -158,9 +158,12 @@ class VectorStore(Protocol):
         them). ``output``: a batch run's output, whose previous run's load this one replaces.
         Raises ``StoreLoadFailed`` (its message free of secrets) when it gives up."""
 
-    def search(self, vector, k: int) -> list[dict]:
-        """The ``k`` nearest articles to ``vector``, best first, each ``{"id", "title",
-        "score", "chunk_index"}`` (by its best chunk where the store holds chunks)."""
+    def search(self, vector, k: int, all_copies: bool = False) -> list[dict]:
+        """The ``k`` nearest stories to ``vector``, best first: of each story (``COALESCE(
+        story_id, id)``) its nearest article (by its best chunk where the store holds chunks),
+        ``{"id", "title", "score", "chunk_index", "story_id", "copies"}``, ``copies`` the other
+        articles of the story the store holds. ``all_copies``: the ``k`` nearest articles,
+        every copy of a story among them."""
 
     def reader(self) -> contextlib.AbstractContextManager[StoreReader]:
         """A read of the store for checking it (``StoreReader``); ``StoreError`` when it cannot

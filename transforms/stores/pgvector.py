@@ -83,6 +83,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from transforms.output.parquet import (
     CHUNK_COLUMNS,
     NULLABLE_IN_ORDER,
+    STORY_COLUMNS,
     VECTOR_COLUMNS,
     VERSION_ORDER,
     Column,
@@ -529,6 +530,8 @@ def _sql_type(column: Column, dim: int, vector_dtype: VectorDtype = "float32") -
         return "timestamptz"
     if pa.types.is_int32(type_):
         return "integer"
+    if pa.types.is_float32(type_):
+        return "real"
     if pa.types.is_boolean(type_):
         return "boolean"
     if pa.types.is_map(type_):
@@ -655,17 +658,23 @@ def _index_ddl(settings: StoreSettings) -> list[tuple[str, Any]]:
     index(f"{name}_loads_output", f"{name}_loads", "output, run_id",
           " WHERE output IS NOT NULL")
     index(f"{name}_load_key", name, "load_key")
+    index(f"{name}_story_id", name, "story_id")  # the copies of a story (search, docs/store.md)
     return out
 
 
 # Columns added since the first release: a table created before gets them (ALTER TABLE, once:
 # only when the catalog lacks them, since ALTER TABLE takes the table's strongest lock). A column
 # added to the articles' table must be added to ``<table>_superseded`` too (suffix
-# ``_superseded``; that table was created with every column up to ``updated_at``).
+# ``_superseded``; that table was created with every column up to ``updated_at``), and one added
+# to the chunks' table to ``<table>_chunks_superseded``.
 _ADDED_COLUMNS = (("", "updated_at", "timestamptz"), ("_loads", "outcome", "text"),
                   ("_loads", "rejected", "jsonb NOT NULL DEFAULT '[]'"),
                   ("_loads", "withdrawn", "jsonb NOT NULL DEFAULT '[]'"),
-                  ("_loads", "output", "text"), ("_loads", "run_id", "text"))
+                  ("_loads", "output", "text"), ("_loads", "run_id", "text"),
+                  # 0.4: every row's story (``schema.STORY_COLUMNS``), null in rows loaded before
+                  *((suffix, column.name, _sql_type(column, 0))
+                    for suffix in ("", "_chunks", "_superseded", "_chunks_superseded")
+                    for column in STORY_COLUMNS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -814,9 +823,9 @@ def _missing_ddl(settings: StoreSettings, catalog: _Catalog, dim: int,
                     _ident(schema, table), _ident(column),
                     sql.SQL(type_)))  # ours (_ADDED_COLUMNS), never input
 
-    columns(("", "_loads"))
+    columns(("", "_chunks", "_loads"))
     out += [s for what, s in _kept_ddl(settings) if not catalog.has(what)]
-    columns(("_superseded",))
+    columns(("_superseded", "_chunks_superseded"))
     out += [s for what, s in _index_ddl(settings) if not catalog.has(what)]
     return out
 
@@ -1849,53 +1858,83 @@ class Store:
         with self.connect() as conn:
             yield _Reader(conn, self.settings)
 
-    def search(self, vector, k: int) -> list[dict]:
-        """The ``k`` nearest articles to ``vector`` through the HNSW index (``hnsw.ef_search`` from
-        the settings): by their best chunk when the store holds chunks, else by their own row.
-        ``{"id", "title", "score", "chunk_index"}``, best first: what ``pipeline.search`` gives."""
+    def search(self, vector, k: int, all_copies: bool = False) -> list[dict]:
+        """The ``k`` nearest stories to ``vector`` through the HNSW index (``hnsw.ef_search`` from
+        the settings): each article by its best chunk when the store holds chunks, else by its
+        own row; then each story (``COALESCE(story_id, id)``) by its best article, with
+        ``copies``, how many other articles of the story the store holds (through the
+        ``story_id`` index). ``all_copies``: every article, ``k`` of them. ``{"id", "title",
+        "score", "chunk_index", "story_id", "copies"}``, best first: what ``pipeline.search``
+        gives. HNSW yields at most ``ef_search`` candidates: while they hold fewer than ``k``
+        stories (copies crowd them), the search asks for four times as many."""
         from psycopg import sql
 
         vectors_table, chunks_table = _tables(self.settings)
         schema = self.settings.schema_name
         query = "[" + ",".join(repr(float(x)) for x in np.asarray(vector).ravel()) + "]"
         # HNSW returns at most ef_search rows: enough of them to group chunks into k articles.
-        ef_search = max(self.settings.ef_search, k)
-        with self.connect() as conn, conn.transaction():
+        candidates = max(self.settings.ef_search, k)
+        vectors = _ident(schema, vectors_table.name)
+        with self.connect() as conn:
             pgvector = pgvector_schema(conn)
             if pgvector is None:
                 raise StoreError("the store's database has no pgvector (CREATE EXTENSION vector)")
-            conn.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(sql.Literal(ef_search)))
             # The query vector as the column's type, so that the HNSW index serves the ORDER BY;
             # the type and its operator are pgvector's, named with its schema.
-            stored = self._stored_embedding_type(conn, pgvector)[0]
-            cast = _ident(pgvector, stored)
+            cast = _ident(pgvector, self._stored_embedding_type(conn, pgvector)[0])
             distance = sql.SQL("OPERATOR({}.<=>)").format(_ident(pgvector))
             has_chunks = conn.execute(sql.SQL("SELECT EXISTS (SELECT 1 FROM {})").format(
                 _ident(schema, chunks_table.name))).fetchone()
             if has_chunks and has_chunks[0]:
-                nearest = conn.execute(sql.SQL(
-                    "SELECT c.id, v.title, 1 - (c.embedding {distance} %s::{cast}), "
-                    "c.chunk_index FROM (SELECT id, chunk_index, embedding FROM {chunks} "
-                    "ORDER BY embedding {distance} %s::{cast} LIMIT %s) c "
-                    "LEFT JOIN {vectors} v USING (id)").format(
-                        chunks=_ident(schema, chunks_table.name),
-                        vectors=_ident(schema, vectors_table.name), cast=cast,
-                        distance=distance),
-                    (query, query, ef_search)).fetchall()
+                near = sql.SQL("SELECT id, chunk_index, embedding {distance} %(q)s::{cast} AS d "
+                               "FROM {chunks}").format(
+                    chunks=_ident(schema, chunks_table.name), cast=cast, distance=distance)
             else:
-                nearest = conn.execute(sql.SQL(
-                    "SELECT id, title, 1 - (embedding {distance} %s::{cast}), NULL::integer "
-                    "FROM {vectors} ORDER BY embedding {distance} %s::{cast} LIMIT %s").format(
-                        vectors=_ident(schema, vectors_table.name), cast=cast,
-                        distance=distance),
-                    (query, query, k)).fetchall()
-        best: dict[str, tuple] = {}
-        for doc_id, title, score, chunk_index in nearest:
-            if doc_id not in best or score > best[doc_id][1]:
-                best[doc_id] = (title, score, chunk_index)
-        ranked = sorted(best.items(), key=lambda item: -item[1][1])[:k]
+                near = sql.SQL("SELECT id, NULL::integer AS chunk_index, "
+                               "embedding {distance} %(q)s::{cast} AS d FROM {vectors}").format(
+                    vectors=vectors, cast=cast, distance=distance)
+            # A table of a release before 0.4 that no load has upgraded yet has no story_id:
+            # each article is its own story.
+            stories = conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute WHERE attrelid = "
+                "%s::pg_catalog.regclass AND attname = 'story_id' AND NOT attisdropped)",
+                (f'"{schema}"."{vectors_table.name}"',)).fetchone()
+            story: Any
+            copies: Any
+            if stories and stories[0]:
+                story = sql.SQL("COALESCE(v.story_id, a.id)")
+                # The story's rows: those naming it, and its first article if it names none.
+                copies = sql.SQL(
+                    "GREATEST((SELECT count(*) FROM {vectors} c WHERE c.story_id = b.story) + "
+                    "(SELECT count(*) FROM {vectors} c WHERE c.id = b.story "
+                    "AND c.story_id IS NULL) - 1, 0)").format(vectors=vectors)
+            else:
+                story, copies = sql.SQL("a.id"), sql.SQL("0")
+            each = sql.SQL("hits" if all_copies else  # else the best article of each story
+                           "(SELECT DISTINCT ON (story) * FROM hits ORDER BY story, score DESC, "
+                           "id) s")
+            statement = sql.SQL(
+                "WITH near AS ({near} ORDER BY d LIMIT %(n)s), "
+                "a AS (SELECT DISTINCT ON (id) id, chunk_index, 1 - d AS score FROM near "
+                "ORDER BY id, d, chunk_index), "
+                "hits AS (SELECT a.id, v.title, a.score, a.chunk_index, {story} AS story "
+                "FROM a LEFT JOIN {vectors} v USING (id)), "
+                "b AS (SELECT * FROM {each} ORDER BY score DESC, id LIMIT %(k)s) "
+                "SELECT b.id, b.title, b.score, b.chunk_index, b.story, {copies}, "
+                "(SELECT count(*) FROM near) FROM b ORDER BY b.score DESC, b.id").format(
+                    near=near, story=story, vectors=vectors, each=each, copies=copies)
+            while True:
+                with conn.transaction():
+                    conn.execute(sql.SQL("SET LOCAL hnsw.ef_search = {}").format(
+                        sql.Literal(min(candidates, 1000))))  # pgvector's greatest
+                    found = conn.execute(statement, {"q": query, "n": candidates,
+                                                     "k": k}).fetchall()
+                if len(found) >= k or not found or found[0][6] < candidates:
+                    break  # k stories, or every row the index yields
+                candidates *= 4
         return [{"id": doc_id, "title": title, "score": round(float(score), 4),
-                 "chunk_index": chunk_index} for doc_id, (title, score, chunk_index) in ranked]
+                 "chunk_index": chunk_index, "story_id": story_id, "copies": int(copies)}
+                for doc_id, title, score, chunk_index, story_id, copies, _ in found]
 
 
 class _Reader:
