@@ -165,20 +165,25 @@ def story_marks(ids: list[str], texts: list[str], settings) -> list[str]:
 
 def mark_errors(ids: list[str], stories: list[str], origins: dict[str, str]) -> dict:
     """Marks against the truth (which article each copy was made from): copies left in a story of
-    their own, copies put in a story other than their original's, and originals put in another
-    original's story (the BBC set holds updated versions of some articles: not all are wrong)."""
+    their own or of another copy of their original (split off), copies put in another article's
+    story (not their original's marked story), and originals put in another original's story
+    (the BBC set holds updated versions of some articles: not all of those are wrong)."""
     story_of = dict(zip(ids, stories, strict=True))
-    errors: dict[str, list[str]] = {"copies_missed": [], "copies_in_another_story": [],
-                                    "originals_merged": []}
+    errors: dict[str, list[str]] = {"copies_missed": [], "copies_split_off": [],
+                                    "copies_in_another_story": [], "originals_merged": []}
     for article_id, story in zip(ids, stories, strict=True):
         origin = origins[article_id]
-        if origin != article_id:
-            if story == article_id:
-                errors["copies_missed"].append(article_id)
-            elif story != story_of.get(origin, origin):
-                errors["copies_in_another_story"].append(f"{article_id} -> {story}")
-        elif story != article_id:
-            errors["originals_merged"].append(f"{article_id} -> {story}")
+        if origin == article_id:
+            if story != article_id:
+                errors["originals_merged"].append(f"{article_id} -> {story}")
+        elif story == story_of.get(origin, origin):
+            continue  # right
+        elif story == article_id:
+            errors["copies_missed"].append(article_id)
+        elif origins.get(story) == origin:  # the story of another copy of its original
+            errors["copies_split_off"].append(f"{article_id} -> {story}")
+        else:
+            errors["copies_in_another_story"].append(f"{article_id} -> {story}")
     return errors
 
 
