@@ -279,6 +279,7 @@ def story_runs(config, work: Path, texts: list[str], args, options) -> dict:
         "collapsed_by_story": story_figures(scores, truth, targets, stories, k),
         "collapsed_by_true_story": story_figures(scores, truth, targets, truth, k),
     }
+    by_strength = {article_id: strength for article_id, _, _, strength in corpus}
     strengths: dict[str, int] = {}
     for _, _, _, strength in corpus:
         if strength:
@@ -292,6 +293,10 @@ def story_runs(config, work: Path, texts: list[str], args, options) -> dict:
         "marked_by": marked_by, "near_duplicates": config.near_duplicates.model_dump(),
         "stories_marked": len(set(stories)), "stories_true": len(set(truth)),
         "mark_errors": {name: len(found) for name, found in errors.items()},
+        "copy_mark_errors_by_strength": {
+            name: {strength: sum(by_strength[found.split(" -> ")[0]] == strength
+                                 for found in errors[name]) for strength in STRENGTH_NAMES}
+            for name in ("copies_missed", "copies_split_off", "copies_in_another_story")},
         "mark_error_examples": {name: found[:20] for name, found in errors.items()},
         "ranked": ranked, "run_s": summary["timings"]["run_s"],
         "total_s": time.perf_counter() - started}
@@ -299,7 +304,8 @@ def story_runs(config, work: Path, texts: list[str], args, options) -> dict:
           f"({strengths}); {len(ids)} rows; {len(queries)} queries; pipeline "
           f"{result['run_s']:.1f} s; marks by {marked_by}")
     print(f"marks: {result['stories_marked']} stories against {result['stories_true']} true; "
-          f"wrong: {result['mark_errors']}")
+          f"wrong: {result['mark_errors']}; copies by strength: "
+          f"{result['copy_mark_errors_by_strength']}")
     for name, figures in ranked.items():
         print(f"  {name:24s} distinct stories@{k} {figures[f'distinct_stories@{k}_mean']:.2f} "
               f"(min {figures[f'distinct_stories@{k}_min']})  recall@1 {figures['recall@1']:.3f}"
