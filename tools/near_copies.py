@@ -40,7 +40,8 @@ def _typo(sentence: str, rng: random.Random) -> str:
     return sentence[:i] + rng.choice("aeiost") + sentence[i:]  # a letter added
 
 
-def copy_of(text: str, strength: str, rng: random.Random, *, joiner: str = " ") -> tuple[str, float]:
+def copy_of(text: str, strength: str, rng: random.Random, *,
+            joiner: str = " ") -> tuple[str, float]:
     """A reprint of ``text`` at ``strength`` (``STRENGTHS``) and the share of its sentences kept."""
     keep, typos_per_k, reorders = STRENGTHS[strength]
     parts = sentences(text)
