@@ -19,15 +19,30 @@ float32 and float16 times the model's full dimension and 128 (``model.dimensions
 knowingly: MiniLM declares no Matryoshka), and reports per run the bytes per row of the written
 ``vectors/`` files (zstd) and recall@1 / recall@k by the same queries, embedded at the run's
 dimension. Results: ``bench-results/retrieval-compact-<time>.json``.
+
+``--stories`` (same-story copies) instead mixes reprints into the corpus: for a share of the
+articles (``--copied-share``, 0.3 by default: reprints are 30-40% of news), 1 to ``--max-copies``
+copies each (``tools.near_copies.copy_of``, at strengths drawn from light, medium, heavy and
+beyond), all drawn from ``--seed``. It runs the pipeline in head mode on originals and copies,
+marks each row's story (the ``story_id`` the pipeline wrote, or, where it wrote none,
+``transforms.stories.StoryIndex`` with the config's ``near_duplicates`` settings, originals first,
+then copies) and counts the marks that disagree with which article each copy was made from. Each
+original's query then ranks all rows, by every row, and collapsed by story (``story_id``, else
+``id``: the best-scoring row of each), as ``newsvec search`` does: per query the distinct stories
+(true ones) among the top k, and recall@1 / recall@k of the query's story (any row of it). The same
+queries over the originals alone give the recalls without copies. Results:
+``bench-results/retrieval-stories-<time>.json``.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import json
+import random
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -116,6 +131,188 @@ def compact_runs(config, events: Path, work: Path, queries: list[str], targets: 
     return rows
 
 
+STRENGTH_NAMES = ("light", "medium", "heavy", "beyond")
+
+
+def with_copies(texts: list[str], seed: int, share: float, max_copies: int
+                ) -> list[tuple[str, str, str, str | None]]:
+    """``(id, body, origin id, strength)`` of each article (``bbc-<i>``, its own origin, no
+    strength), then of the copies: for a ``share`` of the articles drawn with ``seed``, 1 to
+    ``max_copies`` copies each (``<origin>-copy<j>``), at strengths drawn alike."""
+    from tools.near_copies import copy_of
+
+    rng = random.Random(seed)
+    articles: list[tuple[str, str, str, str | None]] = [
+        (f"bbc-{i:05d}", text, f"bbc-{i:05d}", None) for i, text in enumerate(texts)]
+    copied = sorted(rng.sample(range(len(texts)), round(share * len(texts))))
+    copies = []
+    for i in copied:
+        for j in range(rng.randint(1, max_copies)):
+            strength = rng.choice(STRENGTH_NAMES)
+            copies.append((f"bbc-{i:05d}-copy{j}", copy_of(texts[i], strength, rng)[0],
+                           f"bbc-{i:05d}", strength))
+    return articles + copies
+
+
+def story_marks(ids: list[str], texts: list[str], settings) -> list[str]:
+    """Each article's ``story_id`` by ``StoryIndex``, marked in the given order."""
+    from transforms.stories import StoryIndex, signatures
+
+    index = StoryIndex(settings)
+    return [index.mark(article_id, signature).story_id
+            for article_id, signature in zip(ids, signatures(texts, settings), strict=True)]
+
+
+def mark_errors(ids: list[str], stories: list[str], origins: dict[str, str]) -> dict:
+    """Marks against the truth (which article each copy was made from): copies left in a story of
+    their own or of another copy of their original (split off), copies put in another article's
+    story (not their original's marked story), and originals put in another original's story
+    (the BBC set holds updated versions of some articles: not all of those are wrong)."""
+    story_of = dict(zip(ids, stories, strict=True))
+    errors: dict[str, list[str]] = {"copies_missed": [], "copies_split_off": [],
+                                    "copies_in_another_story": [], "originals_merged": []}
+    for article_id, story in zip(ids, stories, strict=True):
+        origin = origins[article_id]
+        if origin == article_id:
+            if story != article_id:
+                errors["originals_merged"].append(f"{article_id} -> {story}")
+        elif story == story_of.get(origin, origin):
+            continue  # right
+        elif story == article_id:
+            errors["copies_missed"].append(article_id)
+        elif origins.get(story) == origin:  # the story of another copy of its original
+            errors["copies_split_off"].append(f"{article_id} -> {story}")
+        else:
+            errors["copies_in_another_story"].append(f"{article_id} -> {story}")
+    return errors
+
+
+def top_rows(scores: np.ndarray, keys: list[str] | None, k: int) -> list[int]:
+    """The columns of the ``k`` best ``scores``; with ``keys``, only the best column of each
+    key (collapsed: one row per story)."""
+    order = np.argsort(-scores, kind="stable")
+    if keys is None:
+        return order[:k].tolist()
+    seen: set[str] = set()
+    top = []
+    for column in order.tolist():
+        if keys[column] not in seen:
+            seen.add(keys[column])
+            top.append(column)
+            if len(top) == k:
+                break
+    return top
+
+
+def story_figures(scores: np.ndarray, truth: list[str], targets: list[str],
+                  keys: list[str] | None, k: int) -> dict:
+    """Per query row of ``scores``: the distinct true stories among its top ``k`` (collapsed by
+    ``keys`` where given) and whether the target's story is first / among them."""
+    distinct, at_1, at_k = [], [], []
+    for row, target in zip(scores, targets, strict=True):
+        stories = [truth[column] for column in top_rows(row, keys, k)]
+        distinct.append(len(set(stories)))
+        at_1.append(stories[0] == target)
+        at_k.append(target in stories)
+    return {f"distinct_stories@{k}_mean": float(np.mean(distinct)),
+            f"distinct_stories@{k}_min": int(np.min(distinct)),
+            f"queries_with_a_story_twice@{k}": float(np.mean(np.array(distinct) < k)),
+            "recall@1": float(np.mean(at_1)), f"recall@{k}": float(np.mean(at_k))}
+
+
+def story_runs(config, work: Path, texts: list[str], args, options) -> dict:
+    """``--stories``: the corpus with copies, through the pipeline in head mode, ranked by every
+    row and collapsed by story."""
+    from pipeline.run import run_batch
+    from transforms.engines.base import load_engine
+    from transforms.text import HeadTokenizer, compose_text
+    from transforms.types import NewsEvent
+
+    started = time.perf_counter()
+    unique = list(dict.fromkeys(texts))  # the pipeline drops exact duplicates; the set has some
+    corpus = with_copies(unique, args.seed, args.copied_share, args.max_copies)
+    origins = {article_id: origin for article_id, _, origin, _ in corpus}
+    events = work / "stories.jsonl"
+    with open(events, "w", encoding="utf-8") as f:
+        for article_id, body, _, _ in corpus:
+            f.write(json.dumps({"id": article_id, "body": body}) + "\n")
+    queries, targets = [], []
+    for article_id, body, origin, _ in corpus:
+        query = tail_query(compose_text(NewsEvent(id=article_id, body=body))) \
+            if origin == article_id else None
+        if query:
+            queries.append(query)
+            targets.append(article_id)
+    out = work / "stories"
+    summary = run_batch(config.model_copy(update={
+        "input": str(events), "output": str(out),
+        "chunking": config.chunking.model_copy(update={"mode": "head"})}), options)
+    table = pq.read_table(sorted((out / "vectors").glob("*.parquet")))
+    ids, matrix = table["id"].to_pylist(), vector_matrix(table)
+    written = table["story_id"].to_pylist() if "story_id" in table.column_names else []
+    if written and all(written):
+        stories, marked_by = written, "the pipeline (story_id of vectors/)"
+    else:  # the pipeline wrote no marks: the same marks, made here
+        by_id = {article_id: body for article_id, body, _, _ in corpus}
+        marking = time.perf_counter()
+        order = sorted(ids, key=lambda i: (origins[i] != i, i))  # originals first
+        story_of = dict(zip(order, story_marks(
+            order, [compose_text(NewsEvent(id=i, body=by_id[i])) for i in order],
+            config.near_duplicates), strict=True))
+        stories = [story_of[i] for i in ids]
+        marked_by = (f"transforms.stories.StoryIndex in the benchmark "
+                     f"({time.perf_counter() - marking:.1f} s)")
+    errors = mark_errors(ids, stories, origins)
+    held = set(ids)  # an article the pipeline dropped (an exact duplicate once prepared)
+    queries = [q for q, t in zip(queries, targets, strict=True) if t in held]
+    targets = [t for t in targets if t in held]
+    truth = [origins[i] for i in ids]
+    tokenizer, engine = HeadTokenizer(config.model), load_engine(config.model)
+    query_vectors = np.stack(engine.embed([q for q, _ in tokenizer.batch(queries)]))
+    scores = query_vectors @ matrix.T
+    originals = [c for c, i in enumerate(ids) if origins[i] == i]
+    k = args.k
+    ranked = {
+        "originals_only": story_figures(scores[:, originals], [truth[c] for c in originals],
+                                        targets, None, k),
+        "every_row": story_figures(scores, truth, targets, None, k),
+        "collapsed_by_story": story_figures(scores, truth, targets, stories, k),
+        "collapsed_by_true_story": story_figures(scores, truth, targets, truth, k),
+    }
+    by_strength = {article_id: strength for article_id, _, _, strength in corpus}
+    strengths: dict[str, int] = {}
+    for _, _, _, strength in corpus:
+        if strength:
+            strengths[strength] = strengths.get(strength, 0) + 1
+    result = {
+        "articles": len(unique), "exact_duplicates_left_out": len(texts) - len(unique),
+        "copied_articles": len({o for i, o in origins.items() if i != o}),
+        "copies": len(corpus) - len(unique), "copies_by_strength": strengths,
+        "rows_written": summary["counts"]["written"], "queries": len(queries), "k": k,
+        "seed": args.seed, "copied_share": args.copied_share, "max_copies": args.max_copies,
+        "marked_by": marked_by, "near_duplicates": config.near_duplicates.model_dump(),
+        "stories_marked": len(set(stories)), "stories_true": len(set(truth)),
+        "mark_errors": {name: len(found) for name, found in errors.items()},
+        "copy_mark_errors_by_strength": {
+            name: {strength: sum(by_strength[found.split(" -> ")[0]] == strength
+                                 for found in errors[name]) for strength in STRENGTH_NAMES}
+            for name in ("copies_missed", "copies_split_off", "copies_in_another_story")},
+        "mark_error_examples": {name: found[:20] for name, found in errors.items()},
+        "ranked": ranked, "run_s": summary["timings"]["run_s"],
+        "total_s": time.perf_counter() - started}
+    print(f"{len(unique)} articles, {result['copies']} copies of {result['copied_articles']} "
+          f"({strengths}); {len(ids)} rows; {len(queries)} queries; pipeline "
+          f"{result['run_s']:.1f} s; marks by {marked_by}")
+    print(f"marks: {result['stories_marked']} stories against {result['stories_true']} true; "
+          f"wrong: {result['mark_errors']}; copies by strength: "
+          f"{result['copy_mark_errors_by_strength']}")
+    for name, figures in ranked.items():
+        print(f"  {name:24s} distinct stories@{k} {figures[f'distinct_stories@{k}_mean']:.2f} "
+              f"(min {figures[f'distinct_stories@{k}_min']})  recall@1 {figures['recall@1']:.3f}"
+              f"  recall@{k} {figures[f'recall@{k}']:.3f}")
+    return result
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.retrieval",
                                      description=__doc__.split("\n\n")[0])
@@ -134,6 +331,15 @@ def main(argv=None) -> int:
     parser.add_argument("--compact", action="store_true",
                         help="head mode only: float32/float16 x full/128 dimensions, bytes per "
                              "row and recall")
+    parser.add_argument("--stories", action="store_true",
+                        help="head mode only: copies of a share of the articles mixed in; "
+                             "distinct stories in the top k and recall of the query's story, by "
+                             "every row and collapsed by story")
+    parser.add_argument("--copied-share", type=float, default=0.3,
+                        help="--stories: the share of articles reprinted")
+    parser.add_argument("--max-copies", type=int, default=5,
+                        help="--stories: copies of a reprinted article, 1 to this many")
+    parser.add_argument("--seed", type=int, default=40, help="--stories: draws the copies")
     args = parser.parse_args(argv)
 
     from apache_beam.options.pipeline_options import PipelineOptions
@@ -170,6 +376,15 @@ def main(argv=None) -> int:
         run_batch(config.model_copy(update={
             "input": str(warm), "output": str(work / "warm-late"),
             "chunking": chunking.model_copy(update={"mode": "late"})}), options)
+
+    if args.stories:
+        stories = story_runs(config, work, texts, args, options)
+        out_file = write_results({
+            "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "model": config.model.name, "dtype": config.model.resolved_dtype(), **stories},
+            args.results, "retrieval-stories")
+        print(f"results: {out_file}")
+        return 0
 
     if args.compact:
         compact = compact_runs(config, events, work, queries, targets, args.k, options)
