@@ -2,12 +2,14 @@
 transforms/.
 
 Batch:      files -> ReadJsonLines (fans out its lines) -> Parse -> PrepareText
-              -> SkipUnchanged (with incremental.previous_outputs: ReadKeys) -> Embed
-              -> DropDuplicates -> WriteVectors, WriteKeys, WriteChunks (chunks mode),
+              -> SkipUnchanged (with incremental.previous_outputs: ReadKeys) -> MarkStories
+              (-> SkipCopies with near_duplicates.action skip) -> Embed -> DropDuplicates
+              (-> MarkRows with action mark) -> WriteVectors, WriteKeys, WriteChunks (chunks mode),
               WriteDeadLetters (into the run's staging folder) -> CommitRun
               -> LoadCommittedRun (with the store on: the published run into the store)
 Streaming:  Pub/Sub -> Parse -> WindowByEventTime -> PrepareText -> GroupMicroBatches (with every
-              dead letter so far) -> DropDuplicatesStreaming -> EmbedStreaming
+              dead letter so far) -> DropDuplicatesStreaming -> MarkStoriesStreaming
+              -> EmbedStreaming
               -> WriteStreaming (vectors, keys, dead letters, the store with it on, and a ledger
               record per micro-batch)
 
@@ -51,6 +53,15 @@ from transforms.sinks import (
     WriteVectors,
 )
 from transforms.stores.batch import LoadCommittedRun, load_key, run_day
+from transforms.stories import (
+    COPIES_SKIPPED,
+    MARKS,
+    MarkRows,
+    MarkStories,
+    MarkStoriesStreaming,
+    SkipCopies,
+    signature_version,
+)
 from transforms.text import PrepareText
 from transforms.windowing import WindowByEventTime
 
@@ -91,7 +102,10 @@ def signature_of(config: Config) -> str:
 def summary_base(config: Config) -> dict:
     """What a run's ``_summary.json`` says about its settings (CommitRun adds the counts)."""
     model_path = model_folder(config.model)
-    return {"input": config.input, "output": config.output,
+    stories = config.near_duplicates
+    return {"near_duplicates": {**stories.model_dump(),
+                                "signature_version": signature_version(stories)},
+            "input": config.input, "output": config.output,
             "vectors": {"dim": config.model.output_dim, "vector_dtype": config.sink.vector_dtype},
             "chunking": config.chunking.model_dump(), "text": config.text.model_dump(),
             "incremental": {**config.incremental.model_dump(),
@@ -111,7 +125,8 @@ def embed_and_write(payloads, config: Config, run_id: str,
     prepared = _prepare(parsed.events, config)
     signature = signature_of(config)
     docs, tallies = prepared.docs, [tally(payloads, Tally.IN)]
-    skipped_from = None
+    skipped_from, key_files, marks, copies = None, None, None, None
+    stories = config.near_duplicates
     if config.incremental.previous_outputs:
         key_files = payloads.pipeline | "ReadKeys" >> ReadKeys(
             config.incremental.previous_outputs, config.output)
@@ -119,18 +134,30 @@ def embed_and_write(payloads, config: Config, run_id: str,
         skipped = docs | "SkipUnchanged" >> SkipUnchanged(key_files, label, signature)
         docs, skipped_from = skipped["docs"], skipped[SKIPPED_FROM]
         tallies.append(tally(skipped[UNCHANGED], Tally.UNCHANGED))
+    if stories.enabled:  # against each other and the previous outputs' signatures
+        marked = docs | "MarkStories" >> MarkStories(stories, key_files)
+        docs, marks = marked["docs"], marked[MARKS]
+        if stories.action == "skip":  # the copies' marks are needed before the embedding
+            skipping = docs | "SkipCopies" >> SkipCopies(marks, stories.skip_threshold)
+            docs, copies = skipping.docs, skipping[COPIES_SKIPPED]
+            tallies.append(tally(copies, Tally.NEAR_DUPLICATES))
     # No grouping between preparing and embedding: in a batch job it would be a barrier, every
     # article prepared before the first is embedded. Duplicates are dropped from the vector rows.
     embedded = docs | "Embed" >> Embed(
         config.model, **_embed_settings(config, engine_factory))
     unique = embedded.embedded | "DropDuplicates" >> DropDuplicates(config.dedup.key)
+    vector_rows = unique.docs
+    if stories.enabled and stories.action == "mark":  # after the embedding: no barrier before it
+        vector_rows = vector_rows | "MarkRows" >> MarkRows(marks)
+    minhash_version = signature_version(stories) if stories.enabled else None
     staging = staging_prefix(config.output, run_id)
     rows = config.sink.row_group_rows
     dim, vector_dtype = config.model.output_dim, config.sink.vector_dtype
-    files = {VECTORS_DIR: unique.docs | "WriteVectors" >> WriteVectors(
+    files = {VECTORS_DIR: vector_rows | "WriteVectors" >> WriteVectors(
                  staging, run_id, dim, rows, vector_dtype),
-             KEYS_DIR: unique.docs | "WriteKeys" >> WriteKeys(staging, run_id, signature, rows)}
-    chunk_rows = unique.docs | "ChunkRows" >> beam.FlatMap(lambda row: row.chunks)
+             KEYS_DIR: vector_rows | "WriteKeys" >> WriteKeys(staging, run_id, signature, rows,
+                                                              minhash_version)}
+    chunk_rows = vector_rows | "ChunkRows" >> beam.FlatMap(lambda row: row.chunks)
     if config.chunking.mode != "head":
         files[CHUNKS_DIR] = chunk_rows | "WriteChunks" >> WriteChunks(
             staging, run_id, dim, rows, vector_dtype)
@@ -140,11 +167,13 @@ def embed_and_write(payloads, config: Config, run_id: str,
     done = [parsed.dead_letter, prepared.dead_letter, embedded.embedded, embedded.dead_letter]
     if config.incremental.previous_outputs:
         done.append(skipped[UNCHANGED])
+    if copies is not None:
+        done.append(copies)
     # Articles done, for the progress bar and Dataflow's metrics.
     _ = tuple(done) | "CollectDone" >> beam.Flatten() | "CountDone" >> CountDone()
     tallies += [tally(unique.duplicates, Tally.DUPLICATES, lambda n: n),
-                tally(unique.docs, Tally.ROWS),
-                tally(unique.docs, Tally.TRUNCATED, lambda row: int(row.truncated)),
+                tally(vector_rows, Tally.ROWS),
+                tally(vector_rows, Tally.TRUNCATED, lambda row: int(row.truncated)),
                 tally(chunk_rows, Tally.CHUNKS)]
     summary = summary_base(config)
     # The day the run stands for (its rows' dt in the store): --input_date, not the launch day.
@@ -191,6 +220,10 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
                | "DropDuplicatesStreaming" >> DropDuplicatesStreaming(
                    config.dedup.key, s.dedup_horizon_s,
                    state=state_layout_for(messages.pipeline.runner)))
+    stories = config.near_duplicates
+    if stories.enabled:
+        batches = batches | "MarkStoriesStreaming" >> MarkStoriesStreaming(
+            stories, state=state_layout_for(messages.pipeline.runner))
     embedded = batches | "EmbedStreaming" >> EmbedStreaming(
         config.model, **_embed_settings(config, engine_factory))
     # The step's name says when it loads the store too (docs/dataflow.md: an --update that turns the
@@ -199,7 +232,8 @@ def embed_and_write_streaming(messages, config: Config, run_id: str,
     return embedded | writer >> WriteStreaming(
         config.output, run_id, config.model.output_dim, config.sink.row_group_rows,
         signature=signature_of(config), vector_dtype=config.sink.vector_dtype,
-        store=config.store)
+        store=config.store,
+        minhash_version=signature_version(stories) if stories.enabled else None)
 
 
 def build_streaming(pipeline: beam.Pipeline, config: Config, run_id: str,

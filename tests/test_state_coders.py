@@ -25,7 +25,14 @@ from typing import Optional
 import apache_beam as beam
 import numpy as np
 import pytest
-from apache_beam.coders import BooleanCoder, StrUtf8Coder, TupleCoder, VarIntCoder
+from apache_beam.coders import (
+    BooleanCoder,
+    FloatCoder,
+    NullableCoder,
+    StrUtf8Coder,
+    TupleCoder,
+    VarIntCoder,
+)
 from apache_beam.transforms.userstate import StateSpec
 from pydantic import field_validator
 
@@ -222,7 +229,9 @@ def test_no_state_is_pickled():
     def plain(coder) -> bool:
         if isinstance(coder, TupleCoder):
             return all(map(plain, coder.coders()))
-        return (isinstance(coder, (VarIntCoder, StrUtf8Coder, BooleanCoder))
+        if isinstance(coder, NullableCoder):
+            return plain(coder._value_coder)
+        return (isinstance(coder, (VarIntCoder, StrUtf8Coder, BooleanCoder, FloatCoder))
                 or type(coder).__module__ == "transforms.state_coders")
 
     specs = list(_state_specs())

@@ -87,7 +87,7 @@ class DropDuplicates(beam.PTransform):
                 | "KeepOne" >> beam.FlatMap(_keep_one).with_outputs(DUPLICATES_TAG, main="docs"))
 
 
-def _ms_ceiling(t: Timestamp) -> Timestamp:
+def ms_ceiling(t: Timestamp) -> Timestamp:
     """A timer's time rounded up to the millisecond: portable runners (FnApiRunner; Dataflow's
     runner v2 speaks the same Fn API) deliver a timer's timestamp in milliseconds. A prune that
     compared a microsecond expiry with the truncated firing time found nothing expired and set the
@@ -164,7 +164,7 @@ class _KeepFirstPerShard(beam.DoFn):
                 seen_state=beam.DoFn.StateParam(SEEN), prune=beam.DoFn.TimerParam(PRUNE)):
         _, batch = shard_batch
         seen = seen_state.read() or {}
-        expiry = _ms_ceiling(timestamp + self._horizon).micros
+        expiry = ms_ceiling(timestamp + self._horizon).micros
         kept = []
         # Within one firing, the batch rule picks the survivor (the last published); across
         # firings, the copy kept first stays.
@@ -214,7 +214,7 @@ class _KeepFirstPerKey(beam.DoFn):
         key, bid = request
         held = expiry.read() is not None
         if not held:
-            until = _ms_ceiling(timestamp + self._horizon)
+            until = ms_ceiling(timestamp + self._horizon)
             expiry.write(until.micros)
             forget.set(until)
         yield bid, (key, not held)

@@ -29,6 +29,9 @@ and refused with a message).
   (``[key, value]`` pairs). Date-times are ISO 8601 with their offset; enums are their values.
 - ``PendingIdCoder`` (``I``): ``(batch id, timestamp in micros)`` of a micro-batch in flight.
   Version 1: four int64: window start (micros), pane, shard, timestamp (micros).
+- ``HeldStoriesCoder`` (``H``): the articles one LSH band key of ``MarkStoriesStreaming`` holds.
+  Version 1: ``uint32 n | n bytes of JSON: [id, story id, rank, expiry, signature length] each |
+  the signatures``.
 - ``SeenKeysCoder`` (``S``): ``{dedup key: expiry in micros}`` (the local runner's dedup state per
   shard). Version 1: ``uint32 n | n bytes of JSON: the keys, a list | the expiries, int64``.
 
@@ -463,3 +466,30 @@ class SeenKeysCoder(_VersionedCoder):
 
 STATE_CODERS = (MicroBatchCoder, PendingIdCoder, SeenKeysCoder)
 """Every coder of streaming state (tests/test_state_coders.py holds bytes each has written)."""
+
+
+class HeldStoriesCoder(_VersionedCoder):
+    """``[(id, story id, rank in micros or None, expiry in micros, signature bytes)]``: the articles
+    a band key of ``MarkStoriesStreaming`` holds. Version 1: ``uint32 n | n bytes of JSON: a list
+    of [id, story id, rank, expiry, signature length] | the signatures, one after another``."""
+
+    KIND = b"H"
+    VERSION = 1
+
+    def _write(self, held: list) -> bytes:
+        head = _JSON.encode([[id_, story, rank, expiry, len(signature)]
+                             for id_, story, rank, expiry, signature in held])
+        head_bytes = head.encode("utf-8", _LONE_SURROGATES)
+        return b"".join([_U32.pack(len(head_bytes)), head_bytes,
+                         *(signature for *_, signature in held)])
+
+    def _read(self, version: int, data: memoryview) -> list:
+        (n,), at = _U32.unpack_from(data), _U32.size
+        held = []
+        at += n
+        for id_, story, rank, expiry, size in json.loads(bytes(data[_U32.size:_U32.size + n])):
+            held.append((id_, story, rank, expiry, bytes(data[at:at + size])))
+            at += size
+        if at != len(data):
+            raise StateSchemaError("held-stories state: the signatures do not fill the value")
+        return held

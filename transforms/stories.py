@@ -30,19 +30,38 @@ first one's story.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import datetime as dt
 import hashlib
 import unicodedata
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
+import apache_beam as beam
 import numpy as np
+import pyarrow.parquet as pq
+from apache_beam import pvalue
+from apache_beam.coders import FloatCoder, NullableCoder, StrUtf8Coder, TupleCoder, VarIntCoder
+from apache_beam.transforms.timeutil import TimeDomain
+from apache_beam.transforms.userstate import (
+    BagStateSpec,
+    ReadModifyWriteStateSpec,
+    TimerSpec,
+    on_timer,
+)
+from apache_beam.utils.timestamp import Duration, Timestamp
 
 try:
     import rensa
 except ImportError:  # pragma: no cover - an install without the dependency
     rensa = None
 
+from transforms.dedup import ms_ceiling
+from transforms.metrics import NEAR_DUPLICATES, NEAR_DUPLICATES_MARKED
+from transforms.output.layout import open_output_file
 from transforms.settings import NearDuplicateSettings
+from transforms.state_coders import HeldStoriesCoder, MicroBatchCoder
+from transforms.types import BatchId, MicroBatch
 
 _PRIME = np.uint64(0x100000001B3)  # the FNV prime: odd, so the rolling hash mixes every bit
 _SPACE = {ord(c): None for c in " \t\n\r\f\v\u00a0\u3000\u2028\u2029\u200b"}
@@ -131,22 +150,26 @@ class StoryMark:
 
 @dataclasses.dataclass(frozen=True)
 class Held:
-    """An article held for matching: its id, story and signature."""
+    """An article held for matching: its id, story, signature and ``story_rank`` (None: before
+    any article, as a previous output's)."""
 
     id: str
     story_id: str
     signature: np.ndarray
+    rank: Optional[tuple] = None
 
 
 def best_match(signature: np.ndarray, candidates: Iterable[Held], threshold: float,
-               own_id: str) -> Optional[StoryMark]:
+               own_id: str, rank: Optional[tuple] = None) -> Optional[StoryMark]:
     """The mark of the most similar candidate at ``threshold`` or above (the first held of equal
     ones), or None. A candidate with the article's own id (another version of it) is not a
-    copy."""
+    copy, nor one later in ``story_rank`` than ``rank``: an article is only a copy of an earlier
+    one, so two can never be copies of each other, whatever order they are held in."""
     best: Optional[Held] = None
     best_sim = -1.0
     for held in candidates:
-        if held.id == own_id:
+        if held.id == own_id or (rank is not None and held.rank is not None
+                                 and held.rank >= rank):
             continue
         sim = similarity(signature, held.signature)
         if sim >= threshold and sim > best_sim:
@@ -154,6 +177,12 @@ def best_match(signature: np.ndarray, candidates: Iterable[Held], threshold: flo
     if best is None:
         return None
     return StoryMark(best.story_id, best.id, round(best_sim, 6))
+
+
+def skipped(mark: Optional[StoryMark], settings: NearDuplicateSettings) -> bool:
+    """Whether action ``skip`` leaves the article of this mark out (not embedded, no row)."""
+    return (settings.action == "skip" and mark is not None and mark.is_copy
+            and (mark.similarity or 0) >= settings.skip_threshold)
 
 
 class StoryIndex:
@@ -172,10 +201,14 @@ class StoryIndex:
         mark = self._marks.get(article_id)
         return mark.story_id if mark else None
 
-    def mark(self, article_id: str, signature: Optional[np.ndarray]) -> StoryMark:
+    def mark(self, article_id: str, signature: Optional[np.ndarray],
+             rank: Optional[tuple] = None, found: Optional[StoryMark] = None) -> StoryMark:
         """The article's mark against what is held (never itself: another version of it, from a
         previous output, is not a copy), then held under its story. An id marked before by this
-        index (the same article twice in a run) keeps its first mark."""
+        index (the same article twice in a run) keeps its first mark. A copy that action
+        ``skip`` leaves out is not held: a later copy names an article that has a row.
+        ``found``: a match found elsewhere (streaming: in the band keys' state), taken if more
+        similar."""
         known = self._marks.get(article_id)
         if known is not None:
             return known
@@ -188,8 +221,12 @@ class StoryIndex:
                 for held in self._by_band.get(key, ()):
                     seen.setdefault(id(held), held)
             mark = best_match(signature, seen.values(), self._settings.threshold,
-                              article_id) or StoryMark(article_id)
-            self.hold(Held(article_id, mark.story_id, signature), keys)
+                              article_id, rank)
+            if found is not None and (mark is None or found.similarity > mark.similarity):
+                mark = found
+            mark = mark or StoryMark(article_id)
+            if not skipped(mark, self._settings):
+                self.hold(Held(article_id, mark.story_id, signature, rank), keys)
         self._marks[article_id] = mark
         return mark
 
@@ -200,3 +237,417 @@ class StoryIndex:
         self._by_id[held.id] = held
         for key in keys or band_keys(held.signature, self._settings):
             self._by_band.setdefault(key, []).append(held)
+
+
+# --- Batch ------------------------------------------------------------------------------------
+
+_UNDATED = 1 << 62  # after every date
+
+
+def story_rank(doc) -> tuple[int, str]:
+    """The order articles are marked in, the earliest first: by ``published_at`` (none: its Pub/Sub
+    publish time; neither: after every dated one), in micros, then id. The first of a story is
+    its original; a copy is only ever marked a copy of an article earlier in this order."""
+    when = doc.published_at or _publish_time(doc)
+    if when is None:
+        return (_UNDATED, doc.id)
+    return ((when - _EPOCH) // dt.timedelta(microseconds=1), doc.id)
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def _publish_time(doc):
+    lineage = getattr(doc.event, "lineage", None)
+    return getattr(lineage, "publish_time", None)
+
+
+class Sign:
+    """PreparedDoc -> the same with its text's signature (``minhash``: uint32 little-endian)."""
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
+
+    def __call__(self, doc):
+        (signature,) = signatures([doc.text], self._settings)
+        return dataclasses.replace(doc, minhash=None if signature is None else to_bytes(signature))
+
+
+def to_bytes(signature: np.ndarray) -> bytes:
+    return signature.astype("<u4").tobytes()
+
+
+def from_bytes(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<u4")
+
+
+def previous_signatures(files, version: str) -> Iterable[tuple[str, str, bytes]]:
+    """(id, story id, signature) of every article in the previous outputs' key files (a
+    ``transforms.incremental.KeyFiles``) whose signature has ``version``; rows without one
+    (written before stories were kept, or with near duplicates off, or another version) are
+    passed over."""
+    wanted = ["id", "story_id", "minhash", "minhash_version"]
+    for snapshot, paths in zip(files.snapshots, files.files, strict=True):
+        for path in paths:
+            with open_output_file(snapshot.prefix, path) as f:
+                parquet = pq.ParquetFile(f)
+                if not set(wanted) <= set(parquet.schema_arrow.names):
+                    continue
+                for batch in parquet.iter_batches(columns=wanted):
+                    columns = [column.to_pylist() for column in batch.columns]
+                    for id_, story, minhash, made_with in zip(*columns, strict=True):
+                        if minhash is not None and made_with == version:
+                            yield id_, story or id_, minhash
+
+
+def find_stories(entries: list[tuple[tuple, str, Optional[bytes]]], previous,
+                 settings: NearDuplicateSettings) -> Iterable[tuple[str, StoryMark]]:
+    """The marks of a run's articles, given as (``story_rank``, id, signature): the previous
+    outputs' articles held first, then the run's marked in rank order."""
+    index = StoryIndex(settings)
+    for id_, story, minhash in previous:
+        index.hold(Held(id_, story, from_bytes(minhash)))
+    for rank, id_, minhash in sorted(entries, key=lambda entry: entry[0]):
+        yield id_, index.mark(id_, None if minhash is None else from_bytes(minhash), rank)
+
+
+def with_mark(item, mark: Optional[StoryMark]):
+    """A document or row with its story; a row's chunk rows follow it."""
+    if mark is None:
+        return item
+    fields = dataclasses.asdict(mark)
+    chunks = getattr(item, "chunks", ())
+    if chunks and hasattr(chunks[0], "story_id"):  # a row's ChunkRows (a document's are spans)
+        return dataclasses.replace(item, chunks=tuple(
+            dataclasses.replace(chunk, **fields) for chunk in chunks), **fields)
+    return dataclasses.replace(item, **fields)
+
+
+MARKS, COPIES_SKIPPED = "marks", "near_duplicates"
+
+
+class MarkStories(beam.PTransform):
+    """Batch: PreparedDoc -> the documents with their signatures (``docs``) and each one's mark,
+    ``(id, StoryMark)`` (``marks``), found against each other and against the previous outputs'
+    signatures (``key_files``: ``ReadKeys``'s ``KeyFiles``, or None). Every signature of the run
+    goes to one worker (``find_stories``): about 600 bytes an article, 0.6 GB for a million."""
+
+    def __init__(self, settings: NearDuplicateSettings, key_files=None):
+        super().__init__()
+        self._settings, self._key_files = settings, key_files
+
+    def expand(self, docs):
+        settings, version = self._settings, signature_version(self._settings)
+        signed = docs | "Sign" >> beam.Map(Sign(settings))
+        if self._key_files is not None:
+            previous = self._key_files | "PreviousSignatures" >> beam.FlatMap(
+                lambda files: list(previous_signatures(files, version)))
+        else:
+            previous = docs.pipeline | "NoPreviousOutputs" >> beam.Create([])
+        marks = (signed
+                 | "RankAndSignature" >> beam.Map(lambda d: (story_rank(d), d.id, d.minhash))
+                 | "AllSignatures" >> beam.combiners.ToList()
+                 | "FindStories" >> beam.FlatMap(
+                     lambda entries, held: find_stories(entries, held, settings),
+                     pvalue.AsList(previous)))
+        return {"docs": signed, MARKS: marks}
+
+
+def _mark_row(row, marks):
+    return with_mark(row, marks.get(row.id))
+
+
+class MarkRows(beam.PTransform):
+    """Batch, action ``mark``: vector rows (and their chunk rows) with their articles' marks."""
+
+    def __init__(self, marks):
+        super().__init__()
+        self._marks = marks
+
+    def expand(self, rows):
+        return rows | "WithStory" >> beam.Map(_mark_row, pvalue.AsDict(self._marks))
+
+
+class _SkipCopiesFn(beam.DoFn):
+    def __init__(self, skip_threshold: float):
+        self._skip = skip_threshold
+
+    def process(self, doc, marks):
+        mark = marks.get(doc.id)
+        if mark is not None and mark.is_copy and mark.similarity >= self._skip:
+            NEAR_DUPLICATES.inc()
+            yield pvalue.TaggedOutput(COPIES_SKIPPED, doc.id)
+            return
+        yield with_mark(doc, mark)
+
+
+class SkipCopies(beam.PTransform):
+    """Batch, action ``skip``: the documents to embed, with their marks (main output ``docs``),
+    and the ids of the copies at ``skip_threshold`` or above, not embedded (``near_duplicates``).
+    It waits for every article's mark: the embedding starts once every article is prepared."""
+
+    def __init__(self, marks, skip_threshold: float):
+        super().__init__()
+        self._marks, self._skip = marks, skip_threshold
+
+    def expand(self, docs):
+        return docs | "SkipCopies" >> beam.ParDo(
+            _SkipCopiesFn(self._skip), pvalue.AsDict(self._marks)).with_outputs(
+            COPIES_SKIPPED, main="docs")
+
+
+# --- Streaming --------------------------------------------------------------------------------
+
+MAX_HELD_PER_BAND = 64
+"""The most articles one band key holds (the earliest in ``story_rank``): a band value that many
+texts share (a short boilerplate text, a story reprinted hundreds of times) stays a small cell."""
+
+Verdict = tuple[str, Optional[str], Optional[str], Optional[float]]  # id, story, copy of, sim
+_REQUESTS, _HEADERS = "requests", "headers"
+
+
+def _rank_of(entry) -> tuple:
+    id_, _, rank_us, _, _ = entry
+    return (rank_us, id_)
+
+
+def _best_held(entries, signature: np.ndarray, rank: tuple, threshold: float):
+    held = (Held(id_, story, from_bytes(sig), (rank_us, id_))
+            for id_, story, rank_us, _, sig in entries)
+    return best_match(signature, held, threshold, rank[1], rank)
+
+
+class _AskBands(beam.DoFn):
+    """MicroBatch -> its documents signed (a header, by batch id) and one request per document and
+    band key; a micro-batch with no signed document goes out as it is, its documents their own
+    stories."""
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
+
+    def process(self, batch):
+        sign = Sign(self._settings)
+        docs = tuple(sign(doc) for doc in batch.docs)
+        signed = [doc for doc in docs if doc.minhash is not None]
+        if not signed:
+            yield decide(dataclasses.replace(batch, docs=docs), [], self._settings)
+            return
+        bid = batch.batch_id
+        yield pvalue.TaggedOutput(_HEADERS, (bid, dataclasses.replace(batch, docs=docs)))
+        for doc in signed:
+            rank = story_rank(doc)
+            for key in band_keys(from_bytes(doc.minhash), self._settings):
+                yield pvalue.TaggedOutput(_REQUESTS, (key, (bid, doc.id, rank[0], doc.minhash)))
+
+
+class _MatchPerBand(beam.DoFn):
+    """Per band key, in the global window: the articles held with this band value within the
+    horizon (``HeldStoriesCoder``). A request is answered with the most similar article held
+    that is earlier in ``story_rank`` (a verdict), and its article is held under that article's
+    story (or its own), until the event time of its micro-batch plus the horizon; a watermark
+    timer forgets it then. Each request reads and writes its own band key only: a micro-batch
+    costs the same whatever the number of stories held."""
+
+    HELD = ReadModifyWriteStateSpec("held", HeldStoriesCoder())
+    FORGET = TimerSpec("forget", TimeDomain.WATERMARK)
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings, self._threshold = settings, settings.threshold
+        self._horizon = Duration(seconds=settings.horizon_s)
+
+    def process(self, request, timestamp=beam.DoFn.TimestampParam,
+                held_state=beam.DoFn.StateParam(HELD), forget=beam.DoFn.TimerParam(FORGET)):
+        _, (bid, doc_id, rank_us, minhash) = request
+        held = held_state.read() or []
+        rank = (rank_us, doc_id)
+        mark = _best_held(held, from_bytes(minhash), rank, self._threshold)
+        if not skipped(mark, self._settings) and all(entry[0] != doc_id for entry in held):
+            expiry = ms_ceiling(timestamp + self._horizon).micros
+            held.append((doc_id, mark.story_id if mark else doc_id, rank_us, expiry, minhash))
+            held = sorted(held, key=_rank_of)[:MAX_HELD_PER_BAND]
+            held_state.write(held)
+            forget.set(Timestamp(micros=min(entry[3] for entry in held)))
+        yield bid, ((doc_id, mark.story_id, mark.near_duplicate_of, mark.similarity) if mark
+                    else (doc_id, None, None, None))
+
+    @on_timer(FORGET)
+    def forget(self, fired=beam.DoFn.TimestampParam, held_state=beam.DoFn.StateParam(HELD),
+               forget=beam.DoFn.TimerParam(FORGET)):
+        held = [entry for entry in held_state.read() or [] if entry[3] > fired.micros]
+        if held:
+            held_state.write(held)
+            forget.set(Timestamp(micros=min(entry[3] for entry in held)))
+        else:
+            held_state.clear()
+
+
+def _best_verdicts(verdicts: Iterable[Verdict]) -> dict[str, StoryMark]:
+    """Per document, the most similar article its band keys found, under the story its band keys
+    hold that article in. A band key holds an article under the story it found there: one where
+    its own original was not held holds it as a story of its own. So of the stories given for the
+    article, one other than the article itself is taken (the one most bands gave)."""
+    by_doc: dict[str, list[tuple[str, str, float]]] = {}
+    for doc_id, story, of, sim in verdicts:
+        if of is not None and sim is not None:
+            by_doc.setdefault(doc_id, []).append((story or of, of, sim))
+    found = {}
+    for doc_id, matches in by_doc.items():
+        _, of, sim = max(matches, key=lambda match: match[2])
+        stories = collections.Counter(story for story, held, _ in matches if held == of)
+        rooted = [story for story, _ in stories.most_common() if story != of]
+        found[doc_id] = StoryMark(rooted[0] if rooted else of, of, sim)
+    return found
+
+
+def decide(batch, verdicts: Iterable[Verdict], settings: NearDuplicateSettings):
+    """The micro-batch with each document's mark: the best of what the band keys found (earlier
+    micro-batches) and of its earlier documents in this micro-batch (marked in ``story_rank``
+    order, as in batch); action ``skip`` leaves the copies at ``skip_threshold`` out, counted in
+    ``near_duplicates``."""
+    found = _best_verdicts(verdicts)
+    index = StoryIndex(settings)
+    marks: dict[str, StoryMark] = {}
+    for doc in sorted(batch.docs, key=story_rank):
+        signature = None if doc.minhash is None else from_bytes(doc.minhash)
+        cross = found.get(doc.id)
+        if cross is not None and cross.near_duplicate_of in marks:  # an earlier one of this batch
+            cross = dataclasses.replace(cross, story_id=marks[cross.near_duplicate_of].story_id)
+        marks[doc.id] = index.mark(doc.id, signature, story_rank(doc), cross)
+    kept, left_out = [], 0
+    for doc in batch.docs:
+        mark = marks[doc.id]
+        if skipped(mark, settings):
+            left_out += 1
+            continue
+        if mark.is_copy:
+            NEAR_DUPLICATES_MARKED.inc()
+        kept.append(with_mark(doc, mark))
+    NEAR_DUPLICATES.inc(left_out)
+    return dataclasses.replace(batch, docs=tuple(kept),
+                               near_duplicates=batch.near_duplicates + left_out)
+
+
+_VERDICT_CODER = TupleCoder((StrUtf8Coder(), NullableCoder(StrUtf8Coder()),
+                             NullableCoder(StrUtf8Coder()), NullableCoder(FloatCoder())))
+
+
+class _Regroup(beam.DoFn):
+    """Per batch id: the header (the signed micro-batch) and one verdict per document and band, in
+    any order -> the micro-batch marked (``decide``) once all are in; then its state is cleared.
+    ``PENDING`` counts what is still missing (as ``transforms.dedup``'s regroup)."""
+
+    HEADER = ReadModifyWriteStateSpec("header", MicroBatchCoder())
+    VERDICTS = BagStateSpec("verdicts", _VERDICT_CODER)
+    PENDING = ReadModifyWriteStateSpec("pending", VarIntCoder())
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
+
+    def process(self, element, header_state=beam.DoFn.StateParam(HEADER),
+                verdicts=beam.DoFn.StateParam(VERDICTS),
+                pending_state=beam.DoFn.StateParam(PENDING)):
+        _, item = element
+        header = item if isinstance(item, MicroBatch) else None
+        if header is not None:
+            asked = sum(doc.minhash is not None for doc in header.docs) * self._settings.bands
+            pending = (pending_state.read() or 0) + asked
+        else:
+            pending = (pending_state.read() or 0) - 1
+        if pending:
+            pending_state.write(pending)
+            if header is not None:
+                header_state.write(header)
+            else:
+                verdicts.add(tuple(item))
+            return
+        every = list(verdicts.read()) + ([] if header is not None else [tuple(item)])
+        header = header or header_state.read()
+        header_state.clear()
+        verdicts.clear()
+        pending_state.clear()
+        yield decide(header, every, self._settings)
+
+
+class _MarkInOneState(beam.DoFn):
+    """The local runner's layout (``transforms.dedup.state_layout_for``): every micro-batch through
+    one state, the articles held within the horizon in one list, marked by the same rules.
+    Its cost grows with the articles held: for local runs only."""
+
+    HELD = ReadModifyWriteStateSpec("held", HeldStoriesCoder())
+    FORGET = TimerSpec("forget", TimeDomain.WATERMARK)
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
+        self._horizon = Duration(seconds=settings.horizon_s)
+
+    def process(self, keyed, timestamp=beam.DoFn.TimestampParam,
+                held_state=beam.DoFn.StateParam(HELD), forget=beam.DoFn.TimerParam(FORGET)):
+        _, batch = keyed
+        sign = Sign(self._settings)
+        batch = dataclasses.replace(batch, docs=tuple(sign(doc) for doc in batch.docs))
+        held = held_state.read() or []
+        verdicts = []
+        for doc in batch.docs:
+            if doc.minhash is None:
+                continue
+            mark = _best_held(held, from_bytes(doc.minhash), story_rank(doc),
+                              self._settings.threshold)
+            if mark is not None:
+                verdicts.append((doc.id, mark.story_id, mark.near_duplicate_of, mark.similarity))
+        marked = decide(batch, verdicts, self._settings)
+        known = {entry[0] for entry in held}
+        expiry = ms_ceiling(timestamp + self._horizon).micros
+        for doc in marked.docs:  # those left out (action skip) are not held
+            if doc.minhash is not None and doc.id not in known:
+                held.append((doc.id, doc.story_id or doc.id, story_rank(doc)[0], expiry,
+                             doc.minhash))
+        if held:
+            held_state.write(held)
+            forget.set(Timestamp(micros=min(entry[3] for entry in held)))
+        yield marked
+
+    @on_timer(FORGET)
+    def forget(self, fired=beam.DoFn.TimestampParam, held_state=beam.DoFn.StateParam(HELD),
+               forget=beam.DoFn.TimerParam(FORGET)):
+        held = [entry for entry in held_state.read() or [] if entry[3] > fired.micros]
+        if held:
+            held_state.write(held)
+            forget.set(Timestamp(micros=min(entry[3] for entry in held)))
+        else:
+            held_state.clear()
+
+
+class MarkStoriesStreaming(beam.PTransform):
+    """MicroBatch -> the micro-batch with each document's story (and, action ``skip``, without the
+    close copies, counted ``near_duplicates`` in its ledger). The state is kept per LSH band key
+    (``_MatchPerBand``), in the global window, each article held ``near_duplicates.horizon_s`` of
+    event time: a document asks each of its band keys, and ``_Regroup`` puts the micro-batch
+    together again by its id (as ``DropDuplicatesStreaming`` does), so it is embedded and written
+    whole. ``state="per_shard"``: the local runner's layout, one state for all
+    (``_MarkInOneState``)."""
+
+    def __init__(self, settings: NearDuplicateSettings, state: str = "per_key"):
+        super().__init__()
+        self._settings, self._state = settings, state
+
+    def expand(self, batches):
+        settings = self._settings
+        if self._state == "per_shard":
+            return (batches
+                    | "OneState" >> beam.Map(lambda batch: (0, batch)).with_output_types(
+                        tuple[int, MicroBatch])
+                    | "MarkInOneState" >> beam.ParDo(_MarkInOneState(settings))
+                    .with_output_types(MicroBatch))
+        asked = batches | "AskBands" >> beam.ParDo(_AskBands(settings)).with_outputs(
+            _REQUESTS, _HEADERS, main="without_signatures").with_output_types(
+            MicroBatch, requests=tuple[str, tuple[BatchId, str, int, bytes]],
+            headers=tuple[BatchId, MicroBatch])
+        verdicts = asked[_REQUESTS] | "MatchPerBand" >> beam.ParDo(
+            _MatchPerBand(settings)).with_input_types(tuple[str, Any]).with_output_types(
+            tuple[BatchId, Any])
+        regrouped = ((asked[_HEADERS], verdicts)
+                     | "HeadersAndVerdicts" >> beam.Flatten().with_output_types(
+                         tuple[BatchId, Any])
+                     | "Regroup" >> beam.ParDo(_Regroup(settings)).with_output_types(MicroBatch))
+        return ((asked.without_signatures, regrouped)
+                | "AllMicroBatches" >> beam.Flatten().with_output_types(MicroBatch))
