@@ -24,9 +24,12 @@ costs on the CPU, and what the streaming state holds per story.
    batches of 100, in one process and in two (multiprocessing, fork), wall and CPU time; beside
    it datasketch's MinHash (if installed) and rensa fed a Python string per shingle.
 3. State per held story in streaming: one entry per band, each holding the article's id, its
-   story's id, its rank, its expiry and its signature. Measured with
-   ``transforms.state_coders.HeldStoriesCoder`` if it exists, otherwise computed from those
-   fields (said in the output).
+   story's id, its rank, its expiry and its signature, encoded with
+   ``transforms.state_coders.HeldStoriesCoder`` (computed from the fields where it is absent).
+   Then the cost of one micro-batch in the band step against ``--held`` stories held, as
+   benchmarks/dedup.py measures the dedup state: ``_MatchPerBand``'s own methods against a
+   MODELED state store (tools/dedup_state_model.py); a million stories are not materialized
+   (about 20 GB of encoded state).
 
 Writes ``bench-results/near_duplicates-<time>.json``.
 """
@@ -408,6 +411,82 @@ def state_size(settings: NearDuplicateSettings) -> dict:
     return out
 
 
+def streaming_micro_batches(settings: NearDuplicateSettings, held_counts: list[int],
+                            docs: int = 100, batches: int = 7) -> list[dict]:
+    """The band step of ``MarkStoriesStreaming`` (``_MatchPerBand``: one request per document and
+    band key, and the timers that forget) against a MODELED state store
+    (tools/dedup_state_model.py: each cell encoded bytes, decoded on read and encoded on write
+    with ``HeldStoriesCoder``), in a steady state of ``held`` stories, each in its ``bands``
+    cells. Each micro-batch: 90% new articles, 10% copies of held ones; then the watermark
+    forgets as many of the oldest as it added. Signatures are random values (those of distinct
+    texts are); a copy keeps 60% of its original's values."""
+    from apache_beam.utils.timestamp import Timestamp
+
+    from tools.dedup_state_model import ModeledStateStore
+    from transforms.stories import _MatchPerBand, band_keys
+
+    rows = []
+    for held in held_counts:
+        rng = np.random.default_rng(held)
+        store = ModeledStateStore()
+        fn = _MatchPerBand(settings)
+        coder = _MatchPerBand.HELD.coder
+        cells, timers = store.cells[("match", "held")], store.timers[("match", "forget")]
+        t0 = 1_796_000_000_000_000
+        horizon = int(settings.horizon_s * 1_000_000)
+        stories: list[tuple[str, np.ndarray, list[str], int]] = []
+
+        new_per_batch = docs - docs // 10
+        for i in range(held):  # the oldest first, as many per micro-batch as one adds
+            story_id, expiry = f"held-{i:09d}", t0 + 1 + i // new_per_batch
+            sig = rng.integers(0, 2**32, settings.num_perm, dtype=np.uint32)
+            keys = band_keys(sig, settings)
+            entry = (story_id, story_id, expiry - horizon, expiry, sig.astype("<u4").tobytes())
+            for key in keys:
+                cells[key] = coder.encode([entry])
+                timers[key] = expiry
+            stories.append((story_id, sig, keys, expiry))
+        times, decoded, encoded = [], [], []
+        for b in range(batches):
+            dec0, enc0 = store.bytes_decoded, store.bytes_encoded
+            now = t0 + horizon + (b + 1) * 1_000_000
+            requests = []
+            added = []
+            for j in range(docs):
+                if j < new_per_batch:
+                    sig = rng.integers(0, 2**32, settings.num_perm, dtype=np.uint32)
+                else:  # a copy of a held story
+                    sig = stories[int(rng.integers(len(stories) // 2, len(stories)))][1].copy()
+                    changed = rng.random(sig.size) < 0.4
+                    sig[changed] = rng.integers(0, 2**32, int(changed.sum()), dtype=np.uint32)
+                doc_id = f"new-{b:03d}-{j:04d}"
+                minhash = sig.astype("<u4").tobytes()
+                keys = band_keys(sig, settings)
+                requests += [(key, (b, doc_id, now, minhash)) for key in keys]
+                if j < new_per_batch:
+                    added.append((doc_id, sig, keys, now + horizon))
+            start = time.process_time()
+            for request in requests:
+                store.call("match", fn.process, request[0], request, Timestamp(micros=now))
+            oldest = stories[:new_per_batch]
+            del stories[:new_per_batch]
+            fired = Timestamp(micros=max(expiry for *_, expiry in oldest))
+            for _, _, keys, _ in oldest:
+                for key in keys:
+                    if timers.get(key, 1 << 62) <= fired.micros:
+                        store.call("match", fn.forget, key, None, fired)
+            times.append(time.process_time() - start)
+            decoded.append(store.bytes_decoded - dec0)
+            encoded.append(store.bytes_encoded - enc0)
+            stories.extend(added)  # what this batch held joins the steady state
+        rows.append({"stories_held": held, "docs": docs,
+                     "cpu_ms_per_micro_batch": 1000 * statistics.median(times),
+                     "bytes_decoded": statistics.median(decoded),
+                     "bytes_encoded": statistics.median(encoded),
+                     "cells": len(cells)})
+    return rows
+
+
 # -- docs/benchmarks.md's rows --------------------------------------------------------------------
 
 def _machine() -> str:
@@ -465,6 +544,15 @@ def table_figures(f: dict, argv) -> dict:
     how = "encoded" if "encoded_bytes_per_story" in state else "computed from the fields"
     rows[f"streaming state per held story ({state['bands']} bands, {how})"] = row(
         f"{per_story:,} B ({state['gb_per_million_stories']:.1f} GB per million)")
+    batches = state.get("micro_batches") or []
+    if len(batches) >= 2:
+        low, high = batches[0], batches[-1]
+        rows[f"streaming band step, micro-batch of 100: CPU ms at {low['stories_held']:,} / "
+             f"{high['stories_held']:,} stories held (MODELED state store)"] = row(
+            f"{low['cpu_ms_per_micro_batch']:.0f} / {high['cpu_ms_per_micro_batch']:.0f} ms "
+            f"(×{high['cpu_ms_per_micro_batch'] / low['cpu_ms_per_micro_batch']:.2f})", "≤ 2×",
+            "yes" if high["cpu_ms_per_micro_batch"] <= 2 * low["cpu_ms_per_micro_batch"]
+            else "no")
     return rows
 
 
@@ -482,6 +570,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-articles", type=int, default=2000)
     parser.add_argument("--chars", type=int, default=2000, help="characters per CPU article")
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--held", type=int, nargs="+", default=[1000, 50_000],
+                        help="stories held in the streaming state (a million would take about "
+                             "20 GB here)")
     parser.add_argument("--seed", type=int, default=40)
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
     args = parser.parse_args(argv)
@@ -549,12 +640,19 @@ def main(argv=None) -> int:
     figures["cpu"] = cpu
 
     state = state_size(settings)
+    state["micro_batches"] = streaming_micro_batches(settings, args.held)
     figures["state"] = state
     print(f"\nstate per held story: {state['bands']} band entries; {state['coder']}; "
           f"fields {state['entry_fields_bytes']} B per entry "
           f"({state['signature_bytes']} B of signature) -> "
           f"{state.get('encoded_bytes_per_story', state['computed_bytes_per_story']):,} B per "
           f"story, {state['gb_per_million_stories']:.1f} GB per million stories")
+    print("the band step of one micro-batch of 100 (90 new, 10 copies) and its timers, MODELED "
+          "state store (tools/dedup_state_model.py), median CPU time of 7:")
+    for r in state["micro_batches"]:
+        print(f"  {r['stories_held']:>9,} stories held ({r['cells']:,} cells): "
+              f"{r['cpu_ms_per_micro_batch']:.1f} ms CPU, {r['bytes_decoded']:,.0f} B decoded, "
+              f"{r['bytes_encoded']:,.0f} B encoded")
     figures["counts"] = dict(Counter(g for _, _, g in bbc.originals))
     figures.update(table_figures(figures, argv))
     out = write_results(figures, args.results, "near_duplicates")
