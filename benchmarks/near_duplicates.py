@@ -502,7 +502,8 @@ def table_figures(f: dict, argv) -> dict:
     """The figures docs/benchmarks.md shows, keyed by the table's wording."""
     import datetime as dt
 
-    today = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    # the time, not the day: of two runs on one day, the later is the table's
+    today = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     command = "python -m benchmarks.near_duplicates" + (" " + " ".join(argv) if argv else "")
     bbc, ja, cpu, state = f["bbc"], f["japanese"], f["cpu"], f["state"]
 
