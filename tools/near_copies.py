@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import re
+from typing import Callable, Sequence
 
 STRENGTHS = {
     # name: (share of sentences kept, typos per 1,000 characters, sentences reordered)
@@ -22,13 +23,15 @@ PREFIXES = ("LONDON (Reuters) - ", "By Staff Reporter\n", "(AP) ", "NEW YORK, Ja
             "Updated 09:14 GMT\n", "EXCLUSIVE: ")
 _SENTENCE = re.compile(r"(?<=[.!?。！？])\s*")
 _FULL_WIDTH = {c: chr(ord(c) + 0xFEE0) for c in "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"}
+_HALF_WIDTH = {full: half for half, full in _FULL_WIDTH.items()}
+_SENTENCE_END = re.compile(r"(?<=[.。])[ ]?")
 
 
 def sentences(text: str) -> list[str]:
     return [s for s in _SENTENCE.split(text) if s.strip()]
 
 
-def _typo(sentence: str, rng: random.Random) -> str:
+def _typo(sentence: str, rng: random.Random, letters: str = "aeiost") -> str:
     if len(sentence) < 4:
         return sentence
     i = rng.randrange(1, len(sentence) - 2)
@@ -37,17 +40,29 @@ def _typo(sentence: str, rng: random.Random) -> str:
         return sentence[:i] + sentence[i + 1] + sentence[i] + sentence[i + 2:]
     if kind == 1:  # a letter dropped
         return sentence[:i] + sentence[i + 1:]
-    return sentence[:i] + rng.choice("aeiost") + sentence[i:]  # a letter added
+    return sentence[:i] + rng.choice(letters) + sentence[i:]  # a letter added
 
 
-def copy_of(text: str, strength: str, rng: random.Random, *,
-            joiner: str = " ") -> tuple[str, float]:
-    """A reprint of ``text`` at ``strength`` (``STRENGTHS``) and the share of its sentences kept."""
+def rewritten_headline(first: str, rng: random.Random) -> str:
+    """The first sentence (the headline and the lead, in the BBC set) as another site words it."""
+    return "New headline: " + " ".join(reversed(first.split()[:8]))
+
+
+def copy_of(text: str, strength: str, rng: random.Random, *, joiner: str = " ",
+            prefixes: Sequence[str] = PREFIXES,
+            headline: Callable[[str, random.Random], str] = rewritten_headline,
+            typo_chars: str = "aeiost") -> tuple[str, float]:
+    """A reprint of ``text`` at ``strength`` (``STRENGTHS``) and the share of its sentences kept.
+
+    The first sentence is replaced by ``headline(first, rng)``, a prefix of ``prefixes`` is put
+    before it, the typos add letters of ``typo_chars``; half the copies swap full-width and
+    half-width digits and capitals (both ways), half change the whitespace (doubled spaces, a
+    blank line and an ideographic space after each sentence)."""
     keep, typos_per_k, reorders = STRENGTHS[strength]
     parts = sentences(text)
     if len(parts) < 3:
-        return rng.choice(PREFIXES) + text, 1.0
-    headline = "New headline: " + " ".join(reversed(parts[0].split()[:8]))  # rewritten
+        return rng.choice(prefixes) + text, 1.0
+    new_headline = headline(parts[0], rng)  # rewritten
     body = parts[1:]
     kept = max(1, round(len(body) * keep))
     body = body[:kept]  # the last paragraphs trimmed
@@ -58,10 +73,10 @@ def copy_of(text: str, strength: str, rng: random.Random, *,
     n_typos = max(1, round(typos_per_k * sum(map(len, body)) / 1000))
     for _ in range(n_typos):
         i = rng.randrange(len(body))
-        body[i] = _typo(body[i], rng)
-    out = rng.choice(PREFIXES) + headline + "\n" + joiner.join(body)
+        body[i] = _typo(body[i], rng, typo_chars)
+    out = rng.choice(prefixes) + new_headline + "\n" + joiner.join(body)
     if rng.random() < 0.5:  # full-width forms and whitespace
-        out = "".join(_FULL_WIDTH.get(c, c) for c in out)
+        out = "".join(_FULL_WIDTH.get(c) or _HALF_WIDTH.get(c, c) for c in out)
     if rng.random() < 0.5:
-        out = out.replace(" ", "  ").replace(". ", ".\n\n")
+        out = _SENTENCE_END.sub("\n\n\u3000", out.replace(" ", "  "))
     return out, (kept + 1) / len(parts)
