@@ -387,7 +387,10 @@ def state_size(settings: NearDuplicateSettings) -> dict:
     """Bytes per held story in the streaming state: ``bands`` entries, each with the article's
     id, its story's id, its rank and expiry, and its ``num_perm`` uint32 signature."""
     article_id, story_id = "reuters-2026-12-07-0001234", "reuters-2026-12-07-0001200"
-    signature = np.arange(settings.num_perm, dtype=np.uint32).tobytes()
+    from transforms.stories import band_signature
+
+    # what a band key holds of a signature: its low bytes (band_signature)
+    signature = band_signature(np.arange(settings.num_perm, dtype=np.uint32).tobytes())
     rank, expiry = 1_796_000_000_000_000, 1_796_600_000_000_000
     try:
         from transforms.state_coders import HeldStoriesCoder  # type: ignore[attr-defined]
@@ -423,7 +426,7 @@ def streaming_micro_batches(settings: NearDuplicateSettings, held_counts: list[i
     from apache_beam.utils.timestamp import Timestamp
 
     from tools.dedup_state_model import ModeledStateStore
-    from transforms.stories import _MatchPerBand, band_keys
+    from transforms.stories import _MatchPerBand, band_keys, band_signature
 
     rows = []
     for held in held_counts:
@@ -441,7 +444,8 @@ def streaming_micro_batches(settings: NearDuplicateSettings, held_counts: list[i
             story_id, expiry = f"held-{i:09d}", t0 + 1 + i // new_per_batch
             sig = rng.integers(0, 2**32, settings.num_perm, dtype=np.uint32)
             keys = band_keys(sig, settings)
-            entry = (story_id, story_id, expiry - horizon, expiry, sig.astype("<u4").tobytes())
+            entry = (story_id, story_id, expiry - horizon, expiry,
+                     band_signature(sig.astype("<u4").tobytes()))
             for key in keys:
                 cells[key] = coder.encode([entry])
                 timers[key] = expiry
@@ -460,7 +464,7 @@ def streaming_micro_batches(settings: NearDuplicateSettings, held_counts: list[i
                     changed = rng.random(sig.size) < 0.4
                     sig[changed] = rng.integers(0, 2**32, int(changed.sum()), dtype=np.uint32)
                 doc_id = f"new-{b:03d}-{j:04d}"
-                minhash = sig.astype("<u4").tobytes()
+                minhash = band_signature(sig.astype("<u4").tobytes())
                 keys = band_keys(sig, settings)
                 requests += [(key, (b, doc_id, now, minhash)) for key in keys]
                 if j < new_per_batch:

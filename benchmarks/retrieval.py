@@ -220,6 +220,31 @@ def story_figures(scores: np.ndarray, truth: list[str], targets: list[str],
             "recall@1": float(np.mean(at_1)), f"recall@{k}": float(np.mean(at_k))}
 
 
+def skip_figures(table, config, work: Path, options, mark_s: float) -> dict:
+    """What ``near_duplicates.action: skip`` leaves out of the engine: from the ``mark`` run's rows
+    (those at ``skip_threshold`` or above: their share of rows and of the engine's tokens, which
+    is its share of the engine's time for one model), and a second run of the same corpus with
+    ``action: skip`` (its counts, whether it balances, its pipeline time against the ``mark``
+    run's)."""
+    from pipeline.run import run_batch
+
+    threshold = config.near_duplicates.skip_threshold
+    similarity = [s or 0.0 for s in table["similarity"].to_pylist()]
+    tokens = table["token_count"].to_pylist()
+    left_out = [s >= threshold for s in similarity]
+    skip_config = config.model_copy(update={
+        "output": str(work / "stories-skip"),
+        "near_duplicates": config.near_duplicates.model_copy(update={"action": "skip"})})
+    summary = run_batch(skip_config, options)
+    return {"skip_threshold": threshold, "rows_left_out": sum(left_out),
+            "share_of_rows_left_out": sum(left_out) / len(left_out),
+            "share_of_tokens_left_out": sum(t for t, out in zip(tokens, left_out, strict=True)
+                                            if out) / sum(tokens),
+            "skip_run_counts": summary["counts"], "skip_run_balances": summary["invariant_holds"],
+            "skip_run_s": round(summary["timings"]["run_s"], 1),
+            "mark_run_s": round(mark_s, 1)}
+
+
 def story_runs(config, work: Path, texts: list[str], args, options) -> dict:
     """``--stories``: the corpus with copies, through the pipeline in head mode, ranked by every
     row and collapsed by story."""
@@ -244,10 +269,13 @@ def story_runs(config, work: Path, texts: list[str], args, options) -> dict:
             queries.append(query)
             targets.append(article_id)
     out = work / "stories"
-    summary = run_batch(config.model_copy(update={
+    head = config.model_copy(update={
         "input": str(events), "output": str(out),
-        "chunking": config.chunking.model_copy(update={"mode": "head"})}), options)
+        "chunking": config.chunking.model_copy(update={"mode": "head"})})
+    summary = run_batch(head, options)
+    mark_s = summary["timings"]["run_s"]
     table = pq.read_table(sorted((out / "vectors").glob("*.parquet")))
+    skip = skip_figures(table, head, work, options, mark_s)
     ids, matrix = table["id"].to_pylist(), vector_matrix(table)
     written = table["story_id"].to_pylist() if "story_id" in table.column_names else []
     if written and all(written):
@@ -292,6 +320,7 @@ def story_runs(config, work: Path, texts: list[str], args, options) -> dict:
         "seed": args.seed, "copied_share": args.copied_share, "max_copies": args.max_copies,
         "marked_by": marked_by, "near_duplicates": config.near_duplicates.model_dump(),
         "stories_marked": len(set(stories)), "stories_true": len(set(truth)),
+        "action_skip": skip,
         "mark_errors": {name: len(found) for name, found in errors.items()},
         "copy_mark_errors_by_strength": {
             name: {strength: sum(by_strength[found.split(" -> ")[0]] == strength
@@ -306,6 +335,10 @@ def story_runs(config, work: Path, texts: list[str], args, options) -> dict:
     print(f"marks: {result['stories_marked']} stories against {result['stories_true']} true; "
           f"wrong: {result['mark_errors']}; copies by strength: "
           f"{result['copy_mark_errors_by_strength']}")
+    print(f"action skip: {skip['rows_left_out']} rows left out "
+          f"({skip['share_of_rows_left_out']:.1%} of rows, {skip['share_of_tokens_left_out']:.1%} "
+          f"of the engine's tokens); pipeline {skip['skip_run_s']} s against "
+          f"{skip['mark_run_s']} s marking; balances: {skip['skip_run_balances']}")
     for name, figures in ranked.items():
         print(f"  {name:24s} distinct stories@{k} {figures[f'distinct_stories@{k}_mean']:.2f} "
               f"(min {figures[f'distinct_stories@{k}_min']})  recall@1 {figures['recall@1']:.3f}"

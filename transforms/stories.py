@@ -160,7 +160,8 @@ class Held:
 
 
 def best_match(signature: np.ndarray, candidates: Iterable[Held], threshold: float,
-               own_id: str, rank: Optional[tuple] = None) -> Optional[StoryMark]:
+               own_id: str, rank: Optional[tuple] = None,
+               estimate=similarity) -> Optional[StoryMark]:
     """The mark of the most similar candidate at ``threshold`` or above (the first held of equal
     ones), or None. A candidate with the article's own id (another version of it) is not a
     copy, nor one later in ``story_rank`` than ``rank``: an article is only a copy of an earlier
@@ -171,7 +172,7 @@ def best_match(signature: np.ndarray, candidates: Iterable[Held], threshold: flo
         if held.id == own_id or (rank is not None and held.rank is not None
                                  and held.rank >= rank):
             continue
-        sim = similarity(signature, held.signature)
+        sim = estimate(signature, held.signature)
         if sim >= threshold and sim > best_sim:
             best, best_sim = held, sim
     if best is None:
@@ -412,10 +413,30 @@ def _rank_of(entry) -> tuple:
     return (rank_us, id_)
 
 
-def _best_held(entries, signature: np.ndarray, rank: tuple, threshold: float):
-    held = (Held(id_, story, from_bytes(sig), (rank_us, id_))
+def band_signature(minhash: bytes) -> bytes:
+    """What the streaming state holds of a signature: the low 8 bits of each value (b-bit
+    MinHash, Li and König): 128 bytes instead of 512 in each of the ``bands`` entries of an
+    article. Two unequal values agree in their low byte 1 time in 256; ``band_similarity``
+    corrects for it."""
+    return from_bytes(minhash).astype(np.uint8).tobytes()
+
+
+_CHANCE = 1 / 256
+
+
+def band_similarity(a: np.ndarray, b: np.ndarray) -> float:
+    """The estimated Jaccard similarity of two ``band_signature``s (as uint8 arrays): their share
+    of equal bytes, less what chance gives."""
+    agree = float(np.count_nonzero(a == b)) / a.size
+    return max(0.0, (agree - _CHANCE) / (1 - _CHANCE))
+
+
+def _best_held(entries, short: bytes, rank: tuple, threshold: float):
+    """The best match among a band key's entries for a ``band_signature``."""
+    mine = np.frombuffer(short, dtype=np.uint8)
+    held = (Held(id_, story, np.frombuffer(sig, dtype=np.uint8), (rank_us, id_))
             for id_, story, rank_us, _, sig in entries)
-    return best_match(signature, held, threshold, rank[1], rank)
+    return best_match(mine, held, threshold, rank[1], rank, band_similarity)
 
 
 class _AskBands(beam.DoFn):
@@ -437,8 +458,9 @@ class _AskBands(beam.DoFn):
         yield pvalue.TaggedOutput(_HEADERS, (bid, dataclasses.replace(batch, docs=docs)))
         for doc in signed:
             rank = story_rank(doc)
+            short = band_signature(doc.minhash)
             for key in band_keys(from_bytes(doc.minhash), self._settings):
-                yield pvalue.TaggedOutput(_REQUESTS, (key, (bid, doc.id, rank[0], doc.minhash)))
+                yield pvalue.TaggedOutput(_REQUESTS, (key, (bid, doc.id, rank[0], short)))
 
 
 class _MatchPerBand(beam.DoFn):
@@ -458,13 +480,13 @@ class _MatchPerBand(beam.DoFn):
 
     def process(self, request, timestamp=beam.DoFn.TimestampParam,
                 held_state=beam.DoFn.StateParam(HELD), forget=beam.DoFn.TimerParam(FORGET)):
-        _, (bid, doc_id, rank_us, minhash) = request
+        _, (bid, doc_id, rank_us, short) = request
         held = held_state.read() or []
         rank = (rank_us, doc_id)
-        mark = _best_held(held, from_bytes(minhash), rank, self._threshold)
+        mark = _best_held(held, short, rank, self._threshold)
         if not skipped(mark, self._settings) and all(entry[0] != doc_id for entry in held):
             expiry = ms_ceiling(timestamp + self._horizon).micros
-            held.append((doc_id, mark.story_id if mark else doc_id, rank_us, expiry, minhash))
+            held.append((doc_id, mark.story_id if mark else doc_id, rank_us, expiry, short))
             held = sorted(held, key=_rank_of)[:MAX_HELD_PER_BAND]
             held_state.write(held)
             forget.set(Timestamp(micros=min(entry[3] for entry in held)))
@@ -591,7 +613,7 @@ class _MarkInOneState(beam.DoFn):
         for doc in batch.docs:
             if doc.minhash is None:
                 continue
-            mark = _best_held(held, from_bytes(doc.minhash), story_rank(doc),
+            mark = _best_held(held, band_signature(doc.minhash), story_rank(doc),
                               self._settings.threshold)
             if mark is not None:
                 verdicts.append((doc.id, mark.story_id, mark.near_duplicate_of, mark.similarity))
@@ -601,7 +623,7 @@ class _MarkInOneState(beam.DoFn):
         for doc in marked.docs:  # those left out (action skip) are not held
             if doc.minhash is not None and doc.id not in known:
                 held.append((doc.id, doc.story_id or doc.id, story_rank(doc)[0], expiry,
-                             doc.minhash))
+                             band_signature(doc.minhash)))
         if held:
             held_state.write(held)
             forget.set(Timestamp(micros=min(entry[3] for entry in held)))
