@@ -231,12 +231,17 @@ class StoryIndex:
         return mark
 
     def hold(self, held: Held, keys: Optional[list[str]] = None) -> None:
-        """Holds an article marked before (a previous output's), under its story."""
+        """Holds an article marked before (a previous output's), under its story. A band key
+        holds at most ``MAX_HELD_PER_BAND`` articles, the first held (the earliest: articles are
+        held in ``story_rank`` order), as the streaming state does: a band value thousands of
+        texts share (a template, a story reprinted all day) would make the marking quadratic."""
         if held.id in self._by_id:
             return
         self._by_id[held.id] = held
         for key in keys or band_keys(held.signature, self._settings):
-            self._by_band.setdefault(key, []).append(held)
+            cell = self._by_band.setdefault(key, [])
+            if len(cell) < MAX_HELD_PER_BAND:
+                cell.append(held)
 
 
 # --- Batch ------------------------------------------------------------------------------------
@@ -303,10 +308,14 @@ def previous_signatures(files, version: str) -> Iterable[tuple[str, str, bytes]]
 def find_stories(entries: list[tuple[tuple, str, Optional[bytes]]], previous,
                  settings: NearDuplicateSettings) -> Iterable[tuple[str, StoryMark]]:
     """The marks of a run's articles, given as (``story_rank``, id, signature): the previous
-    outputs' articles held first, then the run's marked in rank order."""
+    outputs' articles held first (but a signature of another length than ``num_perm``, which
+    would fail the comparison: a keys/ row written by hand), then the run's marked in rank
+    order."""
     index = StoryIndex(settings)
+    size = settings.num_perm * 4
     for id_, story, minhash in previous:
-        index.hold(Held(id_, story, from_bytes(minhash)))
+        if len(minhash) == size:  # another length is no signature of this version (planted)
+            index.hold(Held(id_, story, from_bytes(minhash)))
     for rank, id_, minhash in sorted(entries, key=lambda entry: entry[0]):
         yield id_, index.mark(id_, None if minhash is None else from_bytes(minhash), rank)
 
