@@ -56,11 +56,11 @@ def test_a_far_past_published_at_does_not_hide_the_real_original(tmp_path, texts
 
 
 def test_a_band_value_thousands_of_articles_share_keeps_the_marking_linear(monkeypatch):
-    """Batch: 600 articles of one template (a hostile publisher, or a day of stock-quote stories)
+    """Batch: articles of one template (a hostile publisher, or a day of stock-quote stories)
     share band values. StoryIndex held them all per band key, so each article was compared
-    with every earlier one: 44,850 comparisons at 300, 179,700 at 600, quadratic (find_stories: 1.4 s at 1,000,
-    7.4 s at 2,000, 36 s at 4,000, on one worker). A band key now holds the earliest
-    MAX_HELD_PER_BAND, as the streaming state does."""
+    with every earlier one: 44,850 comparisons at 300, 179,700 at 600, quadratic
+    (find_stories: 1.4 s at 1,000, 7.4 s at 2,000, 36 s at 4,000, on one worker). A band key
+    now holds the earliest MAX_HELD_PER_BAND, as the streaming state does."""
     from transforms import stories
     settings = NearDuplicateSettings()
     base = "Breaking: markets fall as the central bank raises rates by a quarter point. " * 3
