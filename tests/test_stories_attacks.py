@@ -248,3 +248,21 @@ def test_a_backfilled_day_is_not_marked_a_copy_of_a_later_days_reprint(tmp_path,
                    day="2026-12-01", incremental=previous)
     mark = {row["id"]: row for row in rows_of(files).to_pylist()}["original"]
     assert (mark["story_id"], mark["near_duplicate_of"]) == ("original", None), mark
+
+
+# --- two versions of one article in a run ---------------------------------------------------------
+
+def test_an_articles_second_version_is_not_skipped_for_its_first_versions_copy(tmp_path, texts):
+    """Action skip, two versions of article x in one run (same id and published_at): the first a
+    wire reprint of o (a close copy), the second rewritten as another story. ``StoryIndex.mark``
+    gave an id marked before its first mark, and SkipCopies looked marks up by id: both versions
+    were left out as copies of o, so no version of x was embedded, its new story not either.
+    Marks are now by (id, text hash)."""
+    rows = [event("o", texts[0], "2026-12-01T08:00:00Z"),
+            event("x", texts[0] + " (AP)", "2026-12-01T09:00:00Z"),
+            {**event("x", texts[1], "2026-12-01T09:00:00Z"),
+             "updated_at": "2026-12-01T11:00:00Z"}]
+    summary, files = run(str(tmp_path), rows, near_duplicates=NearDuplicateSettings(action="skip"))
+    ids = rows_of(files).column("id").to_pylist()
+    assert summary["invariant_holds"]
+    assert "x" in ids, (ids, summary["counts"])
