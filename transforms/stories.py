@@ -194,6 +194,7 @@ class StoryIndex:
         self._by_band: dict[str, list[Held]] = {}
         self._by_id: dict[str, Held] = {}
         self._marks: dict[str, StoryMark] = {}
+        self._versions: dict[tuple[str, Optional[str]], StoryMark] = {}
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -203,14 +204,17 @@ class StoryIndex:
         return mark.story_id if mark else None
 
     def mark(self, article_id: str, signature: Optional[np.ndarray],
-             rank: Optional[tuple] = None, found: Optional[StoryMark] = None) -> StoryMark:
+             rank: Optional[tuple] = None, found: Optional[StoryMark] = None,
+             version: Optional[str] = None) -> StoryMark:
         """The article's mark against what is held (never itself: another version of it, from a
         previous output, is not a copy), then held under its story. An id marked before by this
-        index (the same article twice in a run) keeps its first mark. A copy that action
+        index with the same ``version`` (the same article twice in a run) keeps its first mark;
+        another version (batch: its text's hash, an article updated within the run) is marked on
+        its own. A copy that action
         ``skip`` leaves out is not held: a later copy names an article that has a row.
         ``found``: a match found elsewhere (streaming: in the band keys' state), taken if more
         similar."""
-        known = self._marks.get(article_id)
+        known = self._versions.get((article_id, version))
         if known is not None:
             return known
         if signature is None:
@@ -229,16 +233,22 @@ class StoryIndex:
             mark = match or StoryMark(article_id)
             if not skipped(mark, self._settings):
                 self.hold(Held(article_id, mark.story_id, signature, rank), keys)
-        self._marks[article_id] = mark
+        self._marks.setdefault(article_id, mark)
+        self._versions[(article_id, version)] = mark
         return mark
 
     def hold(self, held: Held, keys: Optional[list[str]] = None) -> None:
-        """Holds an article marked before (a previous output's), under its story."""
+        """Holds an article marked before (a previous output's), under its story. A band key
+        holds at most ``MAX_HELD_PER_BAND`` articles, the first held (the earliest: articles are
+        held in ``story_rank`` order), as the streaming state does: a band value thousands of
+        texts share (a template, a story reprinted all day) would make the marking quadratic."""
         if held.id in self._by_id:
             return
         self._by_id[held.id] = held
         for key in keys or band_keys(held.signature, self._settings):
-            self._by_band.setdefault(key, []).append(held)
+            cell = self._by_band.setdefault(key, [])
+            if len(cell) < MAX_HELD_PER_BAND:
+                cell.append(held)
 
 
 # --- Batch ------------------------------------------------------------------------------------
@@ -302,15 +312,24 @@ def previous_signatures(files, version: str) -> Iterable[tuple[str, str, bytes]]
                             yield id_, story or id_, minhash
 
 
-def find_stories(entries: list[tuple[tuple, str, Optional[bytes]]], previous,
-                 settings: NearDuplicateSettings) -> Iterable[tuple[str, StoryMark]]:
-    """The marks of a run's articles, given as (``story_rank``, id, signature): the previous
-    outputs' articles held first, then the run's marked in rank order."""
+def find_stories(entries: list[tuple], previous,
+                 settings: NearDuplicateSettings) -> Iterable[tuple[Any, StoryMark]]:
+    """The marks of a run's articles, given as (``story_rank``, id, signature) or (``story_rank``,
+    id, signature, text hash): by id, or with a text hash by (id, text hash), so that two
+    versions of an article in one run are marked each on its own (versions of equal rank in the
+    order of their hashes, whatever order they came in). The previous
+    outputs' articles held first (but a signature of another length than ``num_perm``, which
+    would fail the comparison: a keys/ row written by hand), then the run's marked in rank
+    order."""
     index = StoryIndex(settings)
+    size = settings.num_perm * 4
     for id_, story, minhash in previous:
-        index.hold(Held(id_, story, from_bytes(minhash)))
-    for rank, id_, minhash in sorted(entries, key=lambda entry: entry[0]):
-        yield id_, index.mark(id_, None if minhash is None else from_bytes(minhash), rank)
+        if len(minhash) == size:  # another length is no signature of this version (planted)
+            index.hold(Held(id_, story, from_bytes(minhash)))
+    for rank, id_, minhash, *version in sorted(entries, key=lambda entry: (entry[0], entry[3:])):
+        mark = index.mark(id_, None if minhash is None else from_bytes(minhash), rank,
+                          version=version[0] if version else None)
+        yield ((id_, version[0]) if version else id_), mark
 
 
 def with_mark(item, mark: Optional[StoryMark]):
@@ -330,9 +349,10 @@ MARKS, COPIES_SKIPPED = "marks", "near_duplicates"
 
 class MarkStories(beam.PTransform):
     """Batch: PreparedDoc -> the documents with their signatures (``docs``) and each one's mark,
-    ``(id, StoryMark)`` (``marks``), found against each other and against the previous outputs'
-    signatures (``key_files``: ``ReadKeys``'s ``KeyFiles``, or None). Every signature of the run
-    goes to one worker (``find_stories``): about 600 bytes an article, 0.6 GB for a million."""
+    ``((id, text hash), StoryMark)`` (``marks``), found against each other and against the
+    previous outputs' signatures (``key_files``: ``ReadKeys``'s ``KeyFiles``, or None). Every
+    signature of the run goes to one worker (``find_stories``): about 600 bytes an article,
+    0.6 GB for a million."""
 
     def __init__(self, settings: NearDuplicateSettings, key_files=None):
         super().__init__()
@@ -347,7 +367,8 @@ class MarkStories(beam.PTransform):
         else:
             previous = docs.pipeline | "NoPreviousOutputs" >> beam.Create([])
         marks = (signed
-                 | "RankAndSignature" >> beam.Map(lambda d: (story_rank(d), d.id, d.minhash))
+                 | "RankAndSignature" >> beam.Map(
+                     lambda d: (story_rank(d), d.id, d.minhash, d.text_sha256))
                  | "AllSignatures" >> beam.combiners.ToList()
                  | "FindStories" >> beam.FlatMap(
                      lambda entries, held: find_stories(entries, held, settings),
@@ -356,7 +377,7 @@ class MarkStories(beam.PTransform):
 
 
 def _mark_row(row, marks):
-    return with_mark(row, marks.get(row.id))
+    return with_mark(row, marks.get((row.id, row.text_sha256)))
 
 
 class MarkRows(beam.PTransform):
@@ -375,7 +396,7 @@ class _SkipCopiesFn(beam.DoFn):
         self._skip = skip_threshold
 
     def process(self, doc, marks):
-        mark = marks.get(doc.id)
+        mark = marks.get((doc.id, doc.text_sha256))
         if mark is not None and mark.is_copy and mark.similarity >= self._skip:
             NEAR_DUPLICATES.inc()
             yield pvalue.TaggedOutput(COPIES_SKIPPED, doc.id)
