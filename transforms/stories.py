@@ -161,7 +161,7 @@ class Held:
 
 def best_match(signature: np.ndarray, candidates: Iterable[Held], threshold: float,
                own_id: str, rank: Optional[tuple] = None,
-               estimate=similarity) -> Optional[StoryMark]:
+               estimate=None) -> Optional[StoryMark]:
     """The mark of the most similar candidate at ``threshold`` or above (the first held of equal
     ones), or None. A candidate with the article's own id (another version of it) is not a
     copy, nor one later in ``story_rank`` than ``rank``: an article is only a copy of an earlier
@@ -172,7 +172,7 @@ def best_match(signature: np.ndarray, candidates: Iterable[Held], threshold: flo
         if held.id == own_id or (rank is not None and held.rank is not None
                                  and held.rank >= rank):
             continue
-        sim = estimate(signature, held.signature)
+        sim = (estimate or similarity)(signature, held.signature)
         if sim >= threshold and sim > best_sim:
             best, best_sim = held, sim
     if best is None:
