@@ -173,3 +173,28 @@ def test_the_held_stories_coder_reads_its_version_1_bytes():
     coder = HeldStoriesCoder()
     assert coder.encode(held) == version_1
     assert coder.decode(version_1) == held
+
+
+@pytest.mark.parametrize("state", ["per_key", "per_shard"])
+def test_a_backdated_reprint_does_not_become_the_original_in_streaming(state):
+    # Streaming ranks by the Pub/Sub publish time, which a publisher cannot backdate: a reprint
+    # claiming 1971, published to the topic an hour after the wire original, is its copy.
+    from transforms.types import Lineage
+
+    def sent(id_, text, published, minutes_later):
+        d = doc(id_, text, 0)
+        lineage = Lineage(message_id=id_, publish_time=dt.datetime(2026, 12, 1, 9, minutes_later,
+                                                                   tzinfo=_UTC))
+        event = d.event.model_copy(update={"published_at": published, "lineage": lineage})
+        return PreparedDoc(event=event, text=d.text, text_sha256=id_, token_ids=(101, 102),
+                           truncated=False)
+
+    batches = [mb(0, 0, [sent("wire", BASE[1], dt.datetime(2026, 12, 1, 9, tzinfo=_UTC), 0)]),
+               mb(60, 1, [sent("reprint", BASE[1] + " (reprinted)",
+                               dt.datetime(1971, 1, 1, tzinfo=_UTC), 59)])]
+
+    def check(marks, skipped, n):
+        assert marks["wire"] == ("wire", None)
+        assert marks["reprint"] == ("wire", "wire")
+
+    run_batches(batches, NearDuplicateSettings(), state, check)

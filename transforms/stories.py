@@ -257,10 +257,13 @@ _UNDATED = 1 << 62  # after every date
 
 
 def story_rank(doc) -> tuple[int, str]:
-    """The order articles are marked in, the earliest first: by ``published_at`` (none: its Pub/Sub
-    publish time; neither: after every dated one), in micros, then id. The first of a story is
-    its original; a copy is only ever marked a copy of an article earlier in this order."""
-    when = doc.published_at or _publish_time(doc)
+    """The order articles are marked in, the earliest first, in micros, then id: streaming, by
+    when newsvec could first see them, the Pub/Sub publish time (a publisher cannot backdate it);
+    batch (no publish time), by ``published_at`` (the publisher's word: within a run, a
+    backdated reprint becomes its story's original); undated, after every dated one. The first of
+    a story is its original; a copy is only ever marked a copy of an article earlier in this
+    order."""
+    when = _publish_time(doc) or doc.published_at
     if when is None:
         return (_UNDATED, doc.id)
     return ((when - _EPOCH) // dt.timedelta(microseconds=1), doc.id)
@@ -351,8 +354,9 @@ class MarkStories(beam.PTransform):
     """Batch: PreparedDoc -> the documents with their signatures (``docs``) and each one's mark,
     ``((id, text hash), StoryMark)`` (``marks``), found against each other and against the
     previous outputs' signatures (``key_files``: ``ReadKeys``'s ``KeyFiles``, or None). Every
-    signature of the run goes to one worker (``find_stories``): about 600 bytes an article,
-    0.6 GB for a million."""
+    signature of the run goes to one worker (``find_stories``), and its index holds about 6 KB an
+    article (measured: 120 MB for 20,000 previous articles held), 6 GB for a million: keep
+    ``incremental.previous_outputs`` to the days that matter."""
 
     def __init__(self, settings: NearDuplicateSettings, key_files=None):
         super().__init__()
