@@ -59,6 +59,7 @@ from transforms.stories import (
     MarkRows,
     MarkStories,
     MarkStoriesStreaming,
+    RescueCopies,
     SkipCopies,
     signature_version,
 )
@@ -125,7 +126,7 @@ def embed_and_write(payloads, config: Config, run_id: str,
     prepared = _prepare(parsed.events, config)
     signature = signature_of(config)
     docs, tallies = prepared.docs, [tally(payloads, Tally.IN)]
-    skipped_from, key_files, marks, copies = None, None, None, None
+    skipped_from, key_files, marks, held_back, copies = None, None, None, None, None
     stories = config.near_duplicates
     if config.incremental.previous_outputs:
         key_files = payloads.pipeline | "ReadKeys" >> ReadKeys(
@@ -139,13 +140,23 @@ def embed_and_write(payloads, config: Config, run_id: str,
         docs, marks = marked["docs"], marked[MARKS]
         if stories.action == "skip":  # the copies' marks are needed before the embedding
             skipping = docs | "SkipCopies" >> SkipCopies(marks, stories.skip_threshold)
-            docs, copies = skipping.docs, skipping[COPIES_SKIPPED]
-            tallies.append(tally(copies, Tally.NEAR_DUPLICATES))
+            docs, held_back = skipping.docs, skipping[COPIES_SKIPPED]
     # No grouping between preparing and embedding: in a batch job it would be a barrier, every
     # article prepared before the first is embedded. Duplicates are dropped from the vector rows.
     embedded = docs | "Embed" >> Embed(
         config.model, **_embed_settings(config, engine_factory))
-    unique = embedded.embedded | "DropDuplicates" >> DropDuplicates(config.dedup.key)
+    embedded_rows, embed_letters = embedded.embedded, embedded.dead_letter
+    if held_back is not None:  # a copy whose original the embedder failed is embedded after all
+        rescue = held_back | "RescueCopies" >> RescueCopies(embedded.dead_letter)
+        again = rescue.rescued | "EmbedRescued" >> Embed(
+            config.model, **_embed_settings(config, engine_factory))
+        copies = rescue[COPIES_SKIPPED]
+        tallies.append(tally(copies, Tally.NEAR_DUPLICATES))
+        embedded_rows = ((embedded_rows, again.embedded)
+                         | "AllEmbedded" >> beam.Flatten())
+        embed_letters = ((embed_letters, again.dead_letter)
+                         | "AllEmbedDeadLetters" >> beam.Flatten())
+    unique = embedded_rows | "DropDuplicates" >> DropDuplicates(config.dedup.key)
     vector_rows = unique.docs
     if stories.enabled and stories.action == "mark":  # after the embedding: no barrier before it
         vector_rows = vector_rows | "MarkRows" >> MarkRows(marks)
@@ -161,10 +172,10 @@ def embed_and_write(payloads, config: Config, run_id: str,
     if config.chunking.mode != "head":
         files[CHUNKS_DIR] = chunk_rows | "WriteChunks" >> WriteChunks(
             staging, run_id, dim, rows, vector_dtype)
-    files[DEAD_LETTER_DIR] = ((parsed.dead_letter, prepared.dead_letter, embedded.dead_letter)
+    files[DEAD_LETTER_DIR] = ((parsed.dead_letter, prepared.dead_letter, embed_letters)
                               | "CollectDeadLetters" >> beam.Flatten()
                               | "WriteDeadLetters" >> WriteDeadLetters(staging, run_id))
-    done = [parsed.dead_letter, prepared.dead_letter, embedded.embedded, embedded.dead_letter]
+    done = [parsed.dead_letter, prepared.dead_letter, embedded_rows, embed_letters]
     if config.incremental.previous_outputs:
         done.append(skipped[UNCHANGED])
     if copies is not None:

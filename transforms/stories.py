@@ -402,16 +402,16 @@ class _SkipCopiesFn(beam.DoFn):
     def process(self, doc, marks):
         mark = marks.get((doc.id, doc.text_sha256))
         if mark is not None and mark.is_copy and mark.similarity >= self._skip:
-            NEAR_DUPLICATES.inc()
-            yield pvalue.TaggedOutput(COPIES_SKIPPED, doc.id)
+            yield pvalue.TaggedOutput(COPIES_SKIPPED, with_mark(doc, mark))
             return
         yield with_mark(doc, mark)
 
 
 class SkipCopies(beam.PTransform):
     """Batch, action ``skip``: the documents to embed, with their marks (main output ``docs``),
-    and the ids of the copies at ``skip_threshold`` or above, not embedded (``near_duplicates``).
-    It waits for every article's mark: the embedding starts once every article is prepared."""
+    and the copies at ``skip_threshold`` or above, held back (``near_duplicates``: then
+    ``RescueCopies``). It waits for every article's mark: the embedding starts once every article
+    is prepared."""
 
     def __init__(self, marks, skip_threshold: float):
         super().__init__()
@@ -421,6 +421,37 @@ class SkipCopies(beam.PTransform):
         return docs | "SkipCopies" >> beam.ParDo(
             _SkipCopiesFn(self._skip), pvalue.AsDict(self._marks)).with_outputs(
             COPIES_SKIPPED, main="docs")
+
+
+def _rescue(keyed):
+    _, grouped = keyed
+    copies = list(grouped["copies"])
+    if any(grouped["failed"]):  # the original has no row: its copies are embedded after all
+        yield from copies
+        return
+    NEAR_DUPLICATES.inc(len(copies))
+    for copy in copies:
+        yield pvalue.TaggedOutput(COPIES_SKIPPED, copy.id)
+
+
+class RescueCopies(beam.PTransform):
+    """Batch, action ``skip``: the copies ``SkipCopies`` held back, and the embedder's dead letters
+    -> the copies whose original the embedder dead-lettered (main output ``rescued``: to embed
+    after all, so that the story keeps a row), and the ids of the others (``near_duplicates``:
+    counted, not embedded)."""
+
+    def __init__(self, dead_letters):
+        super().__init__()
+        self._letters = dead_letters
+
+    def expand(self, held_back):
+        copies = held_back | "ByOriginal" >> beam.Map(lambda doc: (doc.near_duplicate_of, doc))
+        failed = (self._letters
+                  | "DeadLetteredIds" >> beam.Filter(lambda letter: letter.event_id is not None)
+                  | "ById" >> beam.Map(lambda letter: (letter.event_id, True)))
+        return ({"copies": copies, "failed": failed}
+                | "CopiesAndFailures" >> beam.CoGroupByKey()
+                | "Rescue" >> beam.FlatMap(_rescue).with_outputs(COPIES_SKIPPED, main="rescued"))
 
 
 # --- Streaming --------------------------------------------------------------------------------
