@@ -247,6 +247,46 @@ def same_group_negatives(corpus: Corpus, settings: NearDuplicateSettings, sigs: 
     return {"pairs": pairs, "largest_similarity": largest, "at_threshold": int(at_threshold)}
 
 
+def streaming_estimates(corpus: Corpus, settings: NearDuplicateSettings, sigs: dict) -> dict:
+    """The streaming state compares ``band_signature``s (the low byte of each value) with
+    ``band_similarity``: per strength, the share of copies whose estimate against their original
+    reaches the threshold, with the full signature and with the band signature; and the same-group
+    negative pairs (not real duplicates) that reach it, both ways."""
+    from transforms.stories import band_signature, band_similarity, similarity, to_bytes
+
+    def short(sig):
+        return np.frombuffer(band_signature(to_bytes(sig)), dtype=np.uint8)
+
+    index = {oid: n for n, (oid, _, _) in enumerate(corpus.originals)}
+    originals = sigs["originals"]
+    out: dict = {"recall": {}}
+    for strength, copies in corpus.copies.items():
+        full = band = 0
+        for (_, origin, _), sig in zip(copies, sigs[strength], strict=True):
+            o = originals[index[origin]]
+            full += similarity(sig, o) >= settings.threshold
+            band += band_similarity(short(sig), short(o)) >= settings.threshold
+        n = max(len(copies), 1)
+        out["recall"][strength] = {"full": full / n, "band": band / n}
+    real = corpus.real_pairs | {(b, a) for a, b in corpus.real_pairs}
+    shorts = [short(sig) for sig in originals]
+    by_group: dict[str, list[int]] = {}
+    for n, (_, _, g) in enumerate(corpus.originals):
+        by_group.setdefault(g, []).append(n)
+    full_hits = band_hits = pairs = 0
+    for members in by_group.values():
+        for j in range(1, len(members)):
+            for i in range(j):
+                a, b = members[i], members[j]
+                if (corpus.originals[b][0], corpus.originals[a][0]) in real:
+                    continue
+                pairs += 1
+                full_hits += similarity(originals[a], originals[b]) >= settings.threshold
+                band_hits += band_similarity(shorts[a], shorts[b]) >= settings.threshold
+    out["negatives"] = {"pairs": pairs, "full": int(full_hits), "band": int(band_hits)}
+    return out
+
+
 def print_quality(name: str, result: dict) -> None:
     print(f"\n{name}: {result['originals']} originals; real duplicate pairs "
           f"{result['real_duplicate_pairs']} (marked {result['real_duplicates_marked']}); "
@@ -534,6 +574,13 @@ def table_figures(f: dict, argv) -> dict:
     rows["BBC originals: real duplicates (exact Jaccard ≥ 0.5) marked; others marked a copy"] = \
         row(f"{bbc['real_duplicates_marked']} of {bbc['real_duplicate_pairs']}; "
             f"{bbc['originals_marked_wrongly']} of {bbc['originals']:,}")
+    est = bbc["streaming_estimates"]
+    rows["BBC, streaming's band signatures (low byte) against full: copies at the threshold, "
+         "heavy / beyond; same-category negatives at it"] = row(
+        f"{est['recall']['heavy']['band']:.3f} / {est['recall']['beyond']['band']:.3f} against "
+        f"{est['recall']['heavy']['full']:.3f} / {est['recall']['beyond']['full']:.3f}; "
+        f"{est['negatives']['band']} against {est['negatives']['full']} of "
+        f"{est['negatives']['pairs']:,}")
     one, two = cpu["one_process"], cpu["two_processes"]
     rows["signatures() per 2,000-character article: CPU; wall (best of 3), 1 process / 2 "
          "processes"] = row(
@@ -558,6 +605,10 @@ def table_figures(f: dict, argv) -> dict:
             f"(×{high['cpu_ms_per_micro_batch'] / low['cpu_ms_per_micro_batch']:.2f})", "≤ 2×",
             "yes" if high["cpu_ms_per_micro_batch"] <= 2 * low["cpu_ms_per_micro_batch"]
             else "no")
+        per_article = high["cpu_ms_per_micro_batch"] / 100
+        rows["streaming band step: CPU per article (32 state cells read and written, MODELED "
+             "state store)"] = row(f"{per_article:.2f} ms", "≤ 0.1 ms",
+                                   "yes" if per_article <= 0.1 else "no")
     return rows
 
 
@@ -607,8 +658,15 @@ def main(argv=None) -> int:
             s: statistics.median(exact_jaccard(t, dict((i, x) for i, x, _ in corpus.originals)[o])
                                  for t, o, _ in copies[:100])
             for s, copies in corpus.copies.items()}
+        result["streaming_estimates"] = streaming_estimates(corpus, settings, sigs)
         figures[corpus.name] = result
         print_quality(corpus.name, result)
+        est = result["streaming_estimates"]
+        print("  streaming (band signatures, the low byte of each value): copies at the threshold "
+              "per strength, full / band: " + ", ".join(
+                  f"{s} {v['full']:.3f} / {v['band']:.3f}" for s, v in est["recall"].items())
+              + f"; same-group negatives at it: {est['negatives']['full']} / "
+                f"{est['negatives']['band']} of {est['negatives']['pairs']:,}")
         neg = result["same_group_negatives"]
         print(f"  same-group negative pairs: {neg['pairs']:,}, largest estimated similarity "
               f"{neg['largest_similarity']:.3f}, at the threshold {neg['at_threshold']}; "
