@@ -37,8 +37,10 @@ def key_of(doc_id: str, text: str = "t") -> str:
 
 def write_keys(path, keys: list[str]) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    none = [None] * len(keys)  # written with near duplicates off
     table = pa.table({"key": keys, "id": [f"i{n}" for n in range(len(keys))],
-                      "text_sha256": ["0" * 64] * len(keys)}, schema=key_schema())
+                      "text_sha256": ["0" * 64] * len(keys), "story_id": none,
+                      "minhash": none, "minhash_version": none}, schema=key_schema())
     pq.write_table(table, path)
     return str(path)
 

@@ -1,11 +1,12 @@
-"""``python -m benchmarks.retrieval --stories``'s parts that decide its figures: the copies it mixes
-in, the top k collapsed by story (``newsvec search``'s default: the best row of each story), and
-the marks counted against which article each copy was made from."""
+"""The parts of ``python -m benchmarks.retrieval --stories`` that decide its figures
+(tools/story_figures.py): the copies it mixes in, the top k collapsed by story (``newsvec
+search``'s default: the best row of each story), and the marks counted against which article each
+copy was made from."""
 from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.retrieval import mark_errors, story_figures, top_rows, with_copies
+from tools.story_figures import mark_errors, story_figures, top_rows, with_copies
 
 TEXT = ("Oil prices rose on Wednesday. Cold weather pushed crude above $50. Traders expect more. "
         "Stocks of heating fuel fell. Analysts were surprised. The cartel meets next week.")
