@@ -29,7 +29,7 @@ costs on the CPU, and what the streaming state holds per story.
    Then the cost of one micro-batch in the band step against ``--held`` stories held, as
    benchmarks/dedup.py measures the dedup state: ``_MatchPerBand``'s own methods against a
    MODELED state store (tools/dedup_state_model.py); a million stories are not materialized
-   (about 20 GB of encoded state).
+   (about 7 GB of encoded state, more as Python objects).
 
 Writes ``bench-results/near_duplicates-<time>.json``.
 """
@@ -628,7 +628,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--held", type=int, nargs="+", default=[1000, 50_000],
                         help="stories held in the streaming state (a million would take about "
-                             "20 GB here)")
+                             "7 GB of encoded state here, more as Python objects)")
     parser.add_argument("--seed", type=int, default=40)
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
     args = parser.parse_args(argv)
