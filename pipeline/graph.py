@@ -23,7 +23,12 @@ import apache_beam as beam
 
 from pipeline.config import Config
 from transforms.commit import CommitRun, Tally, tally
-from transforms.dedup import DropDuplicates, DropDuplicatesStreaming, state_layout_for
+from transforms.dedup import (
+    SURVIVORS_TAG,
+    DropDuplicates,
+    DropDuplicatesStreaming,
+    state_layout_for,
+)
 from transforms.embed import Embed, EmbedStreaming
 from transforms.engines.base import EngineFactory
 from transforms.engines.model import model_content_hash, model_folder, model_label
@@ -158,8 +163,8 @@ def embed_and_write(payloads, config: Config, run_id: str,
                          | "AllEmbedDeadLetters" >> beam.Flatten())
     unique = embedded_rows | "DropDuplicates" >> DropDuplicates(config.dedup.key)
     vector_rows = unique.docs
-    if stories.enabled and stories.action == "mark":  # after the embedding: no barrier before it
-        vector_rows = vector_rows | "MarkRows" >> MarkRows(marks)
+    if stories.enabled:  # after the embedding (action mark: no barrier before it)
+        vector_rows = vector_rows | "MarkRows" >> MarkRows(marks, unique[SURVIVORS_TAG])
     minhash_version = signature_version(stories) if stories.enabled else None
     staging = staging_prefix(config.output, run_id)
     rows = config.sink.row_group_rows

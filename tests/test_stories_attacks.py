@@ -130,20 +130,23 @@ def test_a_skipped_copy_whose_original_is_dead_lettered_leaves_its_story_a_row(
 
 # --- exact duplicates dropped after the marking ---------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="open: DropDuplicates keeps the later of a text")
 def test_a_copys_original_has_a_row_when_dedup_by_text_drops_it(tmp_path, texts):
     """Action mark with dedup.key text_sha256: the same text under two ids, the later one a copy
     of the earlier. DropDuplicates keeps the later (survivor_rank: the latest published_at), so the
     row left says it copies, and belongs to the story of, an article that has no row."""
     rows = [event("o", texts[0], "2026-12-01T08:00:00Z"),
-            event("c", texts[0], "2026-12-01T09:00:00Z")]
+            event("c", texts[0], "2026-12-01T09:00:00Z"),
+            event("r", "LONDON (Reuters) - " + texts[0], "2026-12-01T10:00:00Z")]
     summary, files = run(str(tmp_path), rows, dedup=DedupSettings(key="text_sha256"))
     table = rows_of(files).to_pylist()
     ids = {row["id"] for row in table}
-    assert summary["counts"]["duplicates"] == 1 and len(table) == 1
+    assert summary["counts"]["duplicates"] == 1 and ids == {"c", "r"}
     for row in table:
         assert row["near_duplicate_of"] is None or row["near_duplicate_of"] in ids, row
         assert row["story_id"] in ids, row
+    marks = {row["id"]: (row["story_id"], row["near_duplicate_of"]) for row in table}
+    # The survivor stands for its dropped twin: the story's original, and what r copies.
+    assert marks == {"c": ("c", None), "r": ("c", "c")}, marks
 
 
 # --- streaming: the story a band key holds a copy under -------------------------------------------

@@ -50,6 +50,7 @@ def dedup_key_function(key: DedupKey) -> Callable:
         raise ValueError(f"dedup key must be one of {sorted(DEDUP_KEY_FUNCTIONS)}, got {key!r}")
     return DEDUP_KEY_FUNCTIONS[key]
 DUPLICATES_TAG = "duplicates"
+SURVIVORS_TAG = "survivors"  # (dropped id, kept id) where they differ
 _EARLIEST = dt.datetime.min.replace(tzinfo=dt.timezone.utc)  # ranks a doc without published_at
 
 
@@ -66,15 +67,20 @@ def survivor_rank(doc):
 def _keep_one(keyed):
     _, docs = keyed
     docs = list(docs)
+    kept = max(docs, key=survivor_rank)
     if len(docs) > 1:
         DUPLICATES.inc(len(docs) - 1)
         yield pvalue.TaggedOutput(DUPLICATES_TAG, len(docs) - 1)
-    yield max(docs, key=survivor_rank)
+        for doc in docs:  # the same text under another id (dedup.key text_sha256)
+            if doc.id != kept.id:
+                yield pvalue.TaggedOutput(SURVIVORS_TAG, (doc.id, kept.id))
+    yield kept
 
 
 class DropDuplicates(beam.PTransform):
-    """EmbeddedDoc -> EmbeddedDoc, one per key (main output ``docs``), and the number of copies
-    dropped per key (``duplicates`` output). Batch (bounded) input."""
+    """EmbeddedDoc -> EmbeddedDoc, one per key (main output ``docs``), the number of copies
+    dropped per key (``duplicates`` output), and (dropped id, kept id) where a copy under another
+    id was dropped (``survivors``: ``dedup.key: text_sha256``). Batch (bounded) input."""
 
     def __init__(self, key: DedupKey = "id"):
         super().__init__()
@@ -84,7 +90,8 @@ class DropDuplicates(beam.PTransform):
         return (docs
                 | "KeyByDedupKey" >> beam.WithKeys(self._key_fn)
                 | "GroupByDedupKey" >> beam.GroupByKey()
-                | "KeepOne" >> beam.FlatMap(_keep_one).with_outputs(DUPLICATES_TAG, main="docs"))
+                | "KeepOne" >> beam.FlatMap(_keep_one).with_outputs(DUPLICATES_TAG, SURVIVORS_TAG,
+                                                                     main="docs"))
 
 
 def ms_ceiling(t: Timestamp) -> Timestamp:

@@ -380,19 +380,39 @@ class MarkStories(beam.PTransform):
         return {"docs": signed, MARKS: marks}
 
 
-def _mark_row(row, marks):
-    return with_mark(row, marks.get((row.id, row.text_sha256)))
+def _surviving(mark: Optional[StoryMark], row, marks, survivors) -> Optional[StoryMark]:
+    """``mark`` with the ids ``DropDuplicates`` dropped (the same text under another id, with
+    ``dedup.key: text_sha256``) replaced by the id that has the row: a copy never names an
+    article without a row. A row marked a copy of its own dropped twin takes the twin's mark."""
+    if mark is None or not survivors:
+        return mark
+    near = mark.near_duplicate_of
+    if near is not None and survivors.get(near, near) == row.id:
+        twin = marks.get((near, row.text_sha256))
+        if twin is None or not twin.is_copy:
+            return StoryMark(row.id)
+        mark = twin
+        near = twin.near_duplicate_of
+    return StoryMark(survivors.get(mark.story_id, mark.story_id),
+                     None if near is None else survivors.get(near, near), mark.similarity)
+
+
+def _mark_row(row, marks, survivors):
+    return with_mark(row, _surviving(marks.get((row.id, row.text_sha256)), row, marks, survivors))
 
 
 class MarkRows(beam.PTransform):
-    """Batch, action ``mark``: vector rows (and their chunk rows) with their articles' marks."""
+    """Batch: vector rows (and their chunk rows) with their articles' marks (action ``skip``: the
+    same marks the documents took), the ids ``DropDuplicates`` dropped replaced by their
+    survivors' (``survivors``: (dropped id, kept id))."""
 
-    def __init__(self, marks):
+    def __init__(self, marks, survivors):
         super().__init__()
-        self._marks = marks
+        self._marks, self._survivors = marks, survivors
 
     def expand(self, rows):
-        return rows | "WithStory" >> beam.Map(_mark_row, pvalue.AsDict(self._marks))
+        return rows | "WithStory" >> beam.Map(_mark_row, pvalue.AsDict(self._marks),
+                                              pvalue.AsDict(self._survivors))
 
 
 class _SkipCopiesFn(beam.DoFn):
