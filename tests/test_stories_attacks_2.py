@@ -1,0 +1,116 @@
+"""Second attacks on same-story marking (transforms/stories.py, pipeline/graph.py): action skip's
+rescue of copies whose original the embedder dead-lettered (batch), the streaming band state's
+low-byte signatures and what its coder admits. Each test is a sequence that broke an invariant
+(open ones are strict xfails); the engine is FAKE."""
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+
+from tests.conftest import bbc_file
+from tests.fakes import EXIT, FakeEngine
+from tests.test_stories_pipeline import event, rows_of
+from transforms.settings import NearDuplicateSettings
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    with open(bbc_file("test.csv"), newline="", encoding="utf-8") as f:
+        return [row["text"] for row in list(csv.DictReader(f))[:2]]
+
+
+class _FailsPoison(FakeEngine):
+    """Fails any call holding the word "poison" (token EXIT of the test model's vocabulary), as a
+    poison input would; the embedder then dead-letters the article that carries it."""
+
+    def embed(self, prompts):
+        if any(EXIT in p for p in prompts):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().embed(prompts)
+
+
+def _run_skip(root: str, rows: list[dict]) -> tuple[dict, dict[str, dict]]:
+    from pipeline import config as config_lib
+    from pipeline.run import run_batch
+    from tests.conftest import make_config
+    from tests.test_reruns import listing, write_input
+    from tests.test_stories_pipeline import OPTIONS
+    config = make_config(input=f"{root}/in/dt={{date}}/news.jsonl",
+                         output=f"{root}/out/dt={{date}}",
+                         near_duplicates=NearDuplicateSettings(action="skip"))
+    write_input(root, "in/dt=2026-12-01", rows)
+    summary = run_batch(config_lib.fill_date(config, "2026-12-01"), OPTIONS,
+                        engine_factory=_FailsPoison)
+    table = rows_of(listing(f"{root}/out/dt=2026-12-01")).to_pylist()
+    return summary, {row["id"]: row for row in table}
+
+
+def _short(text: str, words: int = 150) -> str:
+    return " ".join(text.split()[:words])
+
+
+# --- batch, action skip: copies rescued from a dead-lettered original ------------------------------
+
+@pytest.mark.xfail(strict=True, reason="open: RescueCopies embeds every copy of the failed original")
+def test_a_dead_lettered_original_with_two_copies_leaves_its_story_one_row(tmp_path, texts):
+    """Action skip: the original fails in the embedder; two close copies were held back. Both are
+    embedded after all (RescueCopies passes every copy of the original): the story has two rows,
+    though one keeps it (the point of the rescue) and skip promises the others are left out,
+    counted ``near_duplicates``. A wire story with thirty reprints whose original fails gets thirty
+    rows."""
+    text = _short(texts[0])
+    rows = [event("o", text + " poison", "2026-12-01T08:00:00Z"),
+            event("c1", text, "2026-12-01T09:00:00Z"),
+            event("c2", text + " reprinted", "2026-12-01T10:00:00Z")]
+    summary, by_id = _run_skip(str(tmp_path), rows)
+    counts = summary["counts"]
+    assert summary["invariant_holds"] and counts["dead_lettered"] == 1, counts
+    assert len(by_id) == 1 and counts["near_duplicates"] == 1, (sorted(by_id), counts)
+
+
+@pytest.mark.xfail(strict=True, reason="open: a rescued copy keeps the mark naming its failed "
+                                        "original")
+def test_a_rescued_copy_does_not_name_an_original_without_a_row(tmp_path, texts):
+    """docs/output.md: "A copy left out is never held for later copies to name, so
+    ``near_duplicate_of`` names an article with a row (batch)". A rescued copy is written with the
+    mark SkipCopies gave it: ``near_duplicate_of`` is the dead-lettered original, which has no row.
+    (Action mark has the same: a kept copy of an original the embedder fails names it; the
+    sentence holds for copies left out, not for the original's own failure.)"""
+    text = _short(texts[0])
+    rows = [event("o", text + " poison", "2026-12-01T08:00:00Z"),
+            event("c", text, "2026-12-01T09:00:00Z")]
+    summary, by_id = _run_skip(str(tmp_path), rows)
+    assert set(by_id) == {"c"} and summary["invariant_holds"], (sorted(by_id), summary["counts"])
+    named = by_id["c"]["near_duplicate_of"]
+    assert named is None or named in by_id, f"c names {named}, which has no row"
+
+
+def test_a_rescued_copy_that_fails_too_balances_the_ledger(tmp_path, texts):
+    """The original fails, its rescued copy fails as well (EmbedRescued dead-letters it): both are
+    dead letters, none a near duplicate, and the ledger balances (a guard: it held)."""
+    text = _short(texts[0])
+    rows = [event("o", text + " poison", "2026-12-01T08:00:00Z"),
+            event("c", text + " poison again", "2026-12-01T09:00:00Z"),
+            event("x", _short(texts[1]), "2026-12-01T09:30:00Z")]
+    summary, by_id = _run_skip(str(tmp_path), rows)
+    counts = summary["counts"]
+    assert set(by_id) == {"x"} and summary["invariant_holds"], (sorted(by_id), counts)
+    assert (counts["dead_lettered"], counts["near_duplicates"], counts["written"]) == (2, 0, 1)
+
+
+@pytest.mark.xfail(strict=True, reason="open: RescueCopies keys the dead letters by id only")
+def test_a_copy_is_not_rescued_when_its_original_has_a_row(tmp_path, texts):
+    """Two versions of article o in one run (a correction): the first embeds, the second fails in
+    the embedder. c, a close copy of the first, is held back; the dead letter's id is o, so
+    RescueCopies embeds c after all, though o's story has a row: skip writes a copy it promised to
+    leave out."""
+    text = _short(texts[0])
+    rows = [event("o", text, "2026-12-01T08:00:00Z"),
+            event("o", text + " correction poison", "2026-12-01T08:00:00Z"),
+            event("c", text + " reprinted", "2026-12-01T09:00:00Z")]
+    summary, by_id = _run_skip(str(tmp_path), rows)
+    counts = summary["counts"]
+    assert "o" in by_id and summary["invariant_holds"], (sorted(by_id), counts)
+    assert "c" not in by_id and counts["near_duplicates"] == 1, (sorted(by_id), counts)
