@@ -53,13 +53,13 @@ def _short(text: str, words: int = 150) -> str:
 
 # --- batch, action skip: copies rescued from a dead-lettered original ------------------------------
 
-@pytest.mark.xfail(strict=True, reason="open: RescueCopies embeds every copy of the failed original")
 def test_a_dead_lettered_original_with_two_copies_leaves_its_story_one_row(tmp_path, texts):
     """Action skip: the original fails in the embedder; two close copies were held back. Both are
     embedded after all (RescueCopies passes every copy of the original): the story has two rows,
     though one keeps it (the point of the rescue) and skip promises the others are left out,
-    counted ``near_duplicates``. A wire story with thirty reprints whose original fails gets thirty
-    rows."""
+    counted ``near_duplicates``. A wire story with thirty reprints whose original fails got thirty
+    rows. Every rescued copy is still embedded (one may fail too), then ``KeepOneRescued`` keeps
+    the first."""
     text = _short(texts[0])
     rows = [event("o", text + " poison", "2026-12-01T08:00:00Z"),
             event("c1", text, "2026-12-01T09:00:00Z"),
@@ -100,12 +100,11 @@ def test_a_rescued_copy_that_fails_too_balances_the_ledger(tmp_path, texts):
     assert (counts["dead_lettered"], counts["near_duplicates"], counts["written"]) == (2, 0, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="open: RescueCopies keys the dead letters by id only")
 def test_a_copy_is_not_rescued_when_its_original_has_a_row(tmp_path, texts):
     """Two versions of article o in one run (a correction): the first embeds, the second fails in
     the embedder. c, a close copy of the first, is held back; the dead letter's id is o, so
     RescueCopies embeds c after all, though o's story has a row: skip writes a copy it promised to
-    leave out."""
+    leave out. RescueCopies now rescues only where the original has no row."""
     text = _short(texts[0])
     rows = [event("o", text, "2026-12-01T08:00:00Z"),
             event("o", text + " correction poison", "2026-12-01T08:00:00Z"),
@@ -114,3 +113,16 @@ def test_a_copy_is_not_rescued_when_its_original_has_a_row(tmp_path, texts):
     counts = summary["counts"]
     assert "o" in by_id and summary["invariant_holds"], (sorted(by_id), counts)
     assert "c" not in by_id and counts["near_duplicates"] == 1, (sorted(by_id), counts)
+
+
+def test_a_rescued_copy_that_fails_leaves_the_next_one_the_storys_row(tmp_path, texts):
+    """The original fails; of its two held-back copies the first (in story order) fails too: the
+    second keeps the story's row, and nothing is counted a near duplicate."""
+    text = _short(texts[0])
+    rows = [event("o", text + " poison", "2026-12-01T08:00:00Z"),
+            event("c1", text + " poison", "2026-12-01T09:00:00Z"),
+            event("c2", text, "2026-12-01T10:00:00Z")]
+    summary, by_id = _run_skip(str(tmp_path), rows)
+    counts = summary["counts"]
+    assert set(by_id) == {"c2"} and summary["invariant_holds"], (sorted(by_id), counts)
+    assert (counts["dead_lettered"], counts["near_duplicates"]) == (2, 0), counts
