@@ -56,9 +56,9 @@ from transforms.stores.batch import LoadCommittedRun, load_key, run_day
 from transforms.stories import (
     COPIES_SKIPPED,
     MARKS,
+    KeepOneRescued,
     MarkRows,
     MarkStories,
-    KeepOneRescued,
     MarkStoriesStreaming,
     RescueCopies,
     SkipCopies,

@@ -51,7 +51,7 @@ def _short(text: str, words: int = 150) -> str:
     return " ".join(text.split()[:words])
 
 
-# --- batch, action skip: copies rescued from a dead-lettered original ------------------------------
+# --- batch, action skip: copies rescued from a dead-lettered original ----------------------------
 
 def test_a_dead_lettered_original_with_two_copies_leaves_its_story_one_row(tmp_path, texts):
     """Action skip: the original fails in the embedder; two close copies were held back. Both are
@@ -126,3 +126,33 @@ def test_a_rescued_copy_that_fails_leaves_the_next_one_the_storys_row(tmp_path, 
     counts = summary["counts"]
     assert set(by_id) == {"c2"} and summary["invariant_holds"], (sorted(by_id), counts)
     assert (counts["dead_lettered"], counts["near_duplicates"]) == (2, 0), counts
+
+
+# --- streaming: what a band key's state holds ------------------------------------------------
+
+@pytest.mark.parametrize("odd", ["rank_none", "full_signature"])
+def test_an_odd_held_entry_does_not_stop_the_band_key(odd):
+    """HeldStoriesCoder takes a held entry whose rank is None (its own description: "rank in
+    micros or None") or whose signature is not ``num_perm`` bytes (a state written before band
+    keys held the low bytes: 512 bytes, the full values). Either decodes, then failed the band
+    key's step on every retry: ``TypeError: '>=' not supported between 'NoneType' and 'int'``
+    (rank) and ``ValueError: operands could not be broadcast together with shapes (128,) (512,)``
+    (signature), a streaming job stuck on that key. Such an entry is now passed over
+    (signature) or taken as before every article (rank None, as a previous output's in batch)."""
+    from transforms.state_coders import HeldStoriesCoder
+    from transforms.stories import _best_held, _rank_of, band_signature, signatures, to_bytes
+    settings = NearDuplicateSettings()
+    text = "A wire story, reprinted the same day by many sites across the country. " * 4
+    (sig,) = signatures([text], settings)
+    short = band_signature(to_bytes(sig))
+    entry = {"rank_none": ("a", "a", None, 10**15, short),
+             "full_signature": ("a", "a", 5, 10**15, to_bytes(sig))}[odd]
+    coder = HeldStoriesCoder()
+    held = coder.decode(coder.encode([entry, ("b", "b", 7, 10**15, bytes(len(short)))]))
+    mark = _best_held(held, short, (10, "z"), settings.threshold)
+    assert sorted(held, key=_rank_of)[0][0] == "a"  # the band key can still sort its entries
+    if odd == "rank_none":
+        assert mark is not None and mark.near_duplicate_of == "a" and mark.similarity == 1.0
+    else:
+        assert mark is None
+    assert np.frombuffer(short, np.uint8).size == settings.num_perm

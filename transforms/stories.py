@@ -498,7 +498,7 @@ _REQUESTS, _HEADERS = "requests", "headers"
 
 def _rank_of(entry) -> tuple:
     id_, _, rank_us, _, _ = entry
-    return (rank_us, id_)
+    return (-1 if rank_us is None else rank_us, id_)  # None: before every article
 
 
 def band_signature(minhash: bytes) -> bytes:
@@ -522,8 +522,12 @@ def band_similarity(a: np.ndarray, b: np.ndarray) -> float:
 def _best_held(entries, short: bytes, rank: tuple, threshold: float):
     """The best match among a band key's entries for a ``band_signature``."""
     mine = np.frombuffer(short, dtype=np.uint8)
-    held = (Held(id_, story, np.frombuffer(sig, dtype=np.uint8), (rank_us, id_))
-            for id_, story, rank_us, _, sig in entries)
+    # An entry of another length (a state written with other settings, or planted) is passed
+    # over, as a previous output's signature of another length is in batch; a rank of None is
+    # before every article (as a previous output's).
+    held = (Held(id_, story, np.frombuffer(sig, dtype=np.uint8),
+                 None if rank_us is None else (rank_us, id_))
+            for id_, story, rank_us, _, sig in entries if len(sig) == len(short))
     return best_match(mine, held, threshold, rank[1], rank, band_similarity)
 
 
