@@ -158,7 +158,7 @@ def test_an_odd_held_entry_does_not_stop_the_band_key(odd):
     assert np.frombuffer(short, np.uint8).size == settings.num_perm
 
 
-# --- streaming: which article comes first ----------------------------------------------------------
+# --- streaming: which article comes first ------------------------------------------------------
 
 def _sent(id_, text, published, publish_minute, sha=None):
     import datetime as dt
