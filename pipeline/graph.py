@@ -61,6 +61,7 @@ from transforms.stores.batch import LoadCommittedRun, load_key, run_day
 from transforms.stories import (
     COPIES_SKIPPED,
     MARKS,
+    KeepOneRescued,
     MarkRows,
     MarkStories,
     MarkStoriesStreaming,
@@ -152,12 +153,15 @@ def embed_and_write(payloads, config: Config, run_id: str,
         config.model, **_embed_settings(config, engine_factory))
     embedded_rows, embed_letters = embedded.embedded, embedded.dead_letter
     if held_back is not None:  # a copy whose original the embedder failed is embedded after all
-        rescue = held_back | "RescueCopies" >> RescueCopies(embedded.dead_letter)
+        rescue = held_back | "RescueCopies" >> RescueCopies(embedded.dead_letter,
+                                                            embedded.embedded)
         again = rescue.rescued | "EmbedRescued" >> Embed(
             config.model, **_embed_settings(config, engine_factory))
-        copies = rescue[COPIES_SKIPPED]
+        kept = again.embedded | "KeepOneRescued" >> KeepOneRescued()  # one row per story
+        copies = ((rescue[COPIES_SKIPPED], kept[COPIES_SKIPPED])
+                  | "AllCopiesSkipped" >> beam.Flatten())
         tallies.append(tally(copies, Tally.NEAR_DUPLICATES))
-        embedded_rows = ((embedded_rows, again.embedded)
+        embedded_rows = ((embedded_rows, kept.rows)
                          | "AllEmbedded" >> beam.Flatten())
         embed_letters = ((embed_letters, again.dead_letter)
                          | "AllEmbedDeadLetters" >> beam.Flatten())

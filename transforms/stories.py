@@ -446,7 +446,9 @@ class SkipCopies(beam.PTransform):
 def _rescue(keyed):
     _, grouped = keyed
     copies = list(grouped["copies"])
-    if any(grouped["failed"]):  # the original has no row: its copies are embedded after all
+    if any(grouped["failed"]) and not any(grouped["written"]):
+        # The original has no row (a version of it dead-lettered, none embedded): its copies are
+        # embedded after all (``KeepOneRescued`` keeps one row of them).
         yield from copies
         return
     NEAR_DUPLICATES.inc(len(copies))
@@ -455,23 +457,53 @@ def _rescue(keyed):
 
 
 class RescueCopies(beam.PTransform):
-    """Batch, action ``skip``: the copies ``SkipCopies`` held back, and the embedder's dead letters
-    -> the copies whose original the embedder dead-lettered (main output ``rescued``: to embed
-    after all, so that the story keeps a row), and the ids of the others (``near_duplicates``:
-    counted, not embedded)."""
+    """Batch, action ``skip``: the copies ``SkipCopies`` held back, the embedder's dead letters and
+    its rows -> the copies whose original has no row, the embedder having dead-lettered it (main
+    output ``rescued``: to embed after all, so that the story keeps a row), and the ids of the
+    others (``near_duplicates``: counted, not embedded). A dead letter of an original that also
+    has a row (another version of it, embedded) rescues nothing."""
 
-    def __init__(self, dead_letters):
+    def __init__(self, dead_letters, embedded):
         super().__init__()
-        self._letters = dead_letters
+        self._letters, self._embedded = dead_letters, embedded
 
     def expand(self, held_back):
         copies = held_back | "ByOriginal" >> beam.Map(lambda doc: (doc.near_duplicate_of, doc))
         failed = (self._letters
                   | "DeadLetteredIds" >> beam.Filter(lambda letter: letter.event_id is not None)
                   | "ById" >> beam.Map(lambda letter: (letter.event_id, True)))
-        return ({"copies": copies, "failed": failed}
+        written = self._embedded | "EmbeddedIds" >> beam.Map(lambda row: (row.id, True))
+        return ({"copies": copies, "failed": failed, "written": written}
                 | "CopiesAndFailures" >> beam.CoGroupByKey()
                 | "Rescue" >> beam.FlatMap(_rescue).with_outputs(COPIES_SKIPPED, main="rescued"))
+
+
+def _rescued_rank(row) -> tuple:
+    when = row.published_at
+    micros = _UNDATED if when is None else (when - _EPOCH) // dt.timedelta(microseconds=1)
+    return (micros, row.id, row.text_sha256)
+
+
+def _keep_one(keyed):
+    _, rows = keyed
+    rows = sorted(rows, key=_rescued_rank)
+    yield rows[0]
+    NEAR_DUPLICATES.inc(len(rows) - 1)
+    for row in rows[1:]:
+        yield pvalue.TaggedOutput(COPIES_SKIPPED, row.id)
+
+
+class KeepOneRescued(beam.PTransform):
+    """Batch, action ``skip``: the rescued copies as embedded -> per original, the first of them in
+    ``story_rank`` order (main output ``rows``: the story's row), and the ids of the others
+    (``near_duplicates``, as the copies skip leaves out). All were embedded, so that one that
+    fails too leaves the others; in order, so that a retried bundle keeps the same one."""
+
+    def expand(self, rescued_rows):
+        return (rescued_rows
+                | "ByOriginal" >> beam.Map(lambda row: (row.near_duplicate_of, row))
+                | "PerOriginal" >> beam.GroupByKey()
+                | "KeepFirst" >> beam.FlatMap(_keep_one).with_outputs(COPIES_SKIPPED, main="rows"))
 
 
 # --- Streaming --------------------------------------------------------------------------------
@@ -486,7 +518,7 @@ _REQUESTS, _HEADERS = "requests", "headers"
 
 def _rank_of(entry) -> tuple:
     id_, _, rank_us, _, _ = entry
-    return (rank_us, id_)
+    return (-1 if rank_us is None else rank_us, id_)  # None: before every article
 
 
 def band_signature(minhash: bytes) -> bytes:
@@ -510,8 +542,12 @@ def band_similarity(a: np.ndarray, b: np.ndarray) -> float:
 def _best_held(entries, short: bytes, rank: tuple, threshold: float):
     """The best match among a band key's entries for a ``band_signature``."""
     mine = np.frombuffer(short, dtype=np.uint8)
-    held = (Held(id_, story, np.frombuffer(sig, dtype=np.uint8), (rank_us, id_))
-            for id_, story, rank_us, _, sig in entries)
+    # An entry of another length (a state written with other settings, or planted) is passed
+    # over, as a previous output's signature of another length is in batch; a rank of None is
+    # before every article (as a previous output's).
+    held = (Held(id_, story, np.frombuffer(sig, dtype=np.uint8),
+                 None if rank_us is None else (rank_us, id_))
+            for id_, story, rank_us, _, sig in entries if len(sig) == len(short))
     return best_match(mine, held, threshold, rank[1], rank, band_similarity)
 
 
