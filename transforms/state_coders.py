@@ -469,9 +469,11 @@ STATE_CODERS = (MicroBatchCoder, PendingIdCoder, SeenKeysCoder)
 
 
 class HeldStoriesCoder(_VersionedCoder):
-    """``[(id, story id, rank in micros or None, expiry in micros, signature bytes)]``: the articles
-    a band key of ``MarkStoriesStreaming`` holds. Version 1: ``uint32 n | n bytes of JSON: a list
-    of [id, story id, rank, expiry, signature length] | the signatures, one after another``."""
+    """``[(id, story id, rank, expiry in micros, band signature)]``: the articles a band key of
+    ``MarkStoriesStreaming`` holds; a rank is ``[micros, micros]`` (``story_rank`` without the
+    id) or None (before every article). Version 1: ``uint32 n | n bytes of JSON: a list of [id,
+    story id, rank, expiry, signature length] | the signatures, one after another``. A value of
+    another shape is refused (``StateSchemaError``), never read half."""
 
     KIND = b"H"
     VERSION = 1
@@ -487,9 +489,26 @@ class HeldStoriesCoder(_VersionedCoder):
         (n,), at = _U32.unpack_from(data), _U32.size
         held = []
         at += n
-        for id_, story, rank, expiry, size in json.loads(bytes(data[_U32.size:_U32.size + n])):
+        for entry in json.loads(bytes(data[_U32.size:_U32.size + n])):
+            if not _held_entry(entry):
+                raise StateSchemaError(f"held-stories state: an entry of another shape: {entry!r}")
+            id_, story, rank, expiry, size = entry
             held.append((id_, story, rank, expiry, bytes(data[at:at + size])))
             at += size
         if at != len(data):
             raise StateSchemaError("held-stories state: the signatures do not fill the value")
         return held
+
+
+def _held_entry(entry) -> bool:
+    """[id, story id, rank ([int, int] or None), expiry (int), signature length (int >= 0)]."""
+    def integer(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not (isinstance(entry, list) and len(entry) == 5):
+        return False
+    id_, story, rank, expiry, size = entry
+    return (isinstance(id_, str) and isinstance(story, str)
+            and (rank is None or (isinstance(rank, list) and len(rank) == 2
+                                  and all(map(integer, rank))))
+            and integer(expiry) and integer(size) and size >= 0)

@@ -256,17 +256,22 @@ class StoryIndex:
 _UNDATED = 1 << 62  # after every date
 
 
-def story_rank(doc) -> tuple[int, str]:
-    """The order articles are marked in, the earliest first, in micros, then id: streaming, by
-    when newsvec could first see them, the Pub/Sub publish time (a publisher cannot backdate it);
+def story_rank(doc) -> tuple[int, int, str]:
+    """The order articles are marked in, the earliest first, as (micros, micros, id): streaming,
+    by when newsvec could first see them, the Pub/Sub publish time (a publisher cannot backdate
+    it), then ``published_at`` (the messages of one publish request share a publish time);
     batch (no publish time), by ``published_at`` (the publisher's word: within a run, a
-    backdated reprint becomes its story's original); undated, after every dated one. The first of
-    a story is its original; a copy is only ever marked a copy of an article earlier in this
-    order."""
-    when = _publish_time(doc) or doc.published_at
-    if when is None:
-        return (_UNDATED, doc.id)
-    return ((when - _EPOCH) // dt.timedelta(microseconds=1), doc.id)
+    backdated reprint becomes its story's original); undated, after every dated one; then id.
+    The first of a story is its original; a copy is only ever marked a copy of an article earlier
+    in this order."""
+    published, seen = _micros(doc.published_at), _micros(_publish_time(doc))
+    if seen is not None:
+        return (seen, _UNDATED if published is None else published, doc.id)
+    return (_UNDATED if published is None else published, 0, doc.id)
+
+
+def _micros(when) -> Optional[int]:
+    return None if when is None else (when - _EPOCH) // dt.timedelta(microseconds=1)
 
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
@@ -512,13 +517,19 @@ MAX_HELD_PER_BAND = 64
 """The most articles one band key holds (the earliest in ``story_rank``): a band value that many
 texts share (a short boilerplate text, a story reprinted hundreds of times) stays a small cell."""
 
-Verdict = tuple[str, Optional[str], Optional[str], Optional[float]]  # id, story, copy of, sim
+Verdict = tuple[str, Optional[str], Optional[str], Optional[float]]  # _doc_key, story, of, sim
 _REQUESTS, _HEADERS = "requests", "headers"
 
 
 def _rank_of(entry) -> tuple:
-    id_, _, rank_us, _, _ = entry
-    return (-1 if rank_us is None else rank_us, id_)  # None: before every article
+    id_, _, rank, _, _ = entry
+    return (-1, -1, id_) if rank is None else (*rank, id_)  # None: before every article
+
+
+def _doc_key(doc_id: str, text_sha256: str) -> str:
+    """A document's key in the verdicts: its id and text hash (two versions of an article in one
+    micro-batch are marked each on its own, as in batch)."""
+    return f"{doc_id}\0{text_sha256}"
 
 
 def band_signature(minhash: bytes) -> bytes:
@@ -546,9 +557,9 @@ def _best_held(entries, short: bytes, rank: tuple, threshold: float):
     # over, as a previous output's signature of another length is in batch; a rank of None is
     # before every article (as a previous output's).
     held = (Held(id_, story, np.frombuffer(sig, dtype=np.uint8),
-                 None if rank_us is None else (rank_us, id_))
-            for id_, story, rank_us, _, sig in entries if len(sig) == len(short))
-    return best_match(mine, held, threshold, rank[1], rank, band_similarity)
+                 None if held_rank is None else (*held_rank, id_))
+            for id_, story, held_rank, _, sig in entries if len(sig) == len(short))
+    return best_match(mine, held, threshold, rank[-1], rank, band_similarity)
 
 
 class _AskBands(beam.DoFn):
@@ -569,10 +580,11 @@ class _AskBands(beam.DoFn):
         bid = batch.batch_id
         yield pvalue.TaggedOutput(_HEADERS, (bid, dataclasses.replace(batch, docs=docs)))
         for doc in signed:
-            rank = story_rank(doc)
+            rank = list(story_rank(doc)[:2])
             short = band_signature(doc.minhash)
             for key in band_keys(from_bytes(doc.minhash), self._settings):
-                yield pvalue.TaggedOutput(_REQUESTS, (key, (bid, doc.id, rank[0], short)))
+                yield pvalue.TaggedOutput(_REQUESTS, (key, (bid, doc.id, rank, short,
+                                                            doc.text_sha256)))
 
 
 class _MatchPerBand(beam.DoFn):
@@ -592,18 +604,18 @@ class _MatchPerBand(beam.DoFn):
 
     def process(self, request, timestamp=beam.DoFn.TimestampParam,
                 held_state=beam.DoFn.StateParam(HELD), forget=beam.DoFn.TimerParam(FORGET)):
-        _, (bid, doc_id, rank_us, short) = request
+        _, (bid, doc_id, pair, short, text_sha256) = request
         held = held_state.read() or []
-        rank = (rank_us, doc_id)
-        mark = _best_held(held, short, rank, self._threshold)
+        mark = _best_held(held, short, (*pair, doc_id), self._threshold)
         if not skipped(mark, self._settings) and all(entry[0] != doc_id for entry in held):
             expiry = ms_ceiling(timestamp + self._horizon).micros
-            held.append((doc_id, mark.story_id if mark else doc_id, rank_us, expiry, short))
+            held.append((doc_id, mark.story_id if mark else doc_id, list(pair), expiry, short))
             held = sorted(held, key=_rank_of)[:MAX_HELD_PER_BAND]
             held_state.write(held)
             forget.set(Timestamp(micros=min(entry[3] for entry in held)))
-        yield bid, ((doc_id, mark.story_id, mark.near_duplicate_of, mark.similarity) if mark
-                    else (doc_id, None, None, None))
+        key = _doc_key(doc_id, text_sha256)
+        yield bid, ((key, mark.story_id, mark.near_duplicate_of, mark.similarity) if mark
+                    else (key, None, None, None))
 
     @on_timer(FORGET)
     def forget(self, fired=beam.DoFn.TimestampParam, held_state=beam.DoFn.StateParam(HELD),
@@ -642,15 +654,19 @@ def decide(batch, verdicts: Iterable[Verdict], settings: NearDuplicateSettings):
     found = _best_verdicts(verdicts)
     index = StoryIndex(settings)
     marks: dict[str, StoryMark] = {}
-    for doc in sorted(batch.docs, key=story_rank):
+    story_of: dict[str, str] = {}  # of the documents marked so far, by id
+    for doc in sorted(batch.docs, key=lambda d: (story_rank(d), d.text_sha256)):
         signature = None if doc.minhash is None else from_bytes(doc.minhash)
-        cross = found.get(doc.id)
-        if cross is not None and cross.near_duplicate_of in marks:  # an earlier one of this batch
-            cross = dataclasses.replace(cross, story_id=marks[cross.near_duplicate_of].story_id)
-        marks[doc.id] = index.mark(doc.id, signature, story_rank(doc), cross)
+        key = _doc_key(doc.id, doc.text_sha256)
+        cross = found.get(key)
+        if cross is not None and cross.near_duplicate_of in story_of:  # earlier in this batch
+            cross = dataclasses.replace(cross, story_id=story_of[cross.near_duplicate_of])
+        marks[key] = index.mark(doc.id, signature, story_rank(doc), cross,
+                                version=doc.text_sha256)
+        story_of.setdefault(doc.id, marks[key].story_id)
     kept, left_out = [], 0
     for doc in batch.docs:
-        mark = marks[doc.id]
+        mark = marks[_doc_key(doc.id, doc.text_sha256)]
         if skipped(mark, settings):
             left_out += 1
             continue
@@ -728,13 +744,14 @@ class _MarkInOneState(beam.DoFn):
             mark = _best_held(held, band_signature(doc.minhash), story_rank(doc),
                               self._settings.threshold)
             if mark is not None:
-                verdicts.append((doc.id, mark.story_id, mark.near_duplicate_of, mark.similarity))
+                verdicts.append((_doc_key(doc.id, doc.text_sha256), mark.story_id,
+                                 mark.near_duplicate_of, mark.similarity))
         marked = decide(batch, verdicts, self._settings)
         known = {entry[0] for entry in held}
         expiry = ms_ceiling(timestamp + self._horizon).micros
         for doc in marked.docs:  # those left out (action skip) are not held
             if doc.minhash is not None and doc.id not in known:
-                held.append((doc.id, doc.story_id or doc.id, story_rank(doc)[0], expiry,
+                held.append((doc.id, doc.story_id or doc.id, list(story_rank(doc)[:2]), expiry,
                              band_signature(doc.minhash)))
         if held:
             held_state.write(held)
@@ -775,7 +792,7 @@ class MarkStoriesStreaming(beam.PTransform):
                     .with_output_types(MicroBatch))
         asked = batches | "AskBands" >> beam.ParDo(_AskBands(settings)).with_outputs(
             _REQUESTS, _HEADERS, main="without_signatures").with_output_types(
-            MicroBatch, requests=tuple[str, tuple[BatchId, str, int, bytes]],
+            MicroBatch, requests=tuple[str, tuple[BatchId, str, list, bytes, str]],
             headers=tuple[BatchId, MicroBatch])
         verdicts = asked[_REQUESTS] | "MatchPerBand" >> beam.ParDo(
             _MatchPerBand(settings)).with_input_types(tuple[str, Any]).with_output_types(
