@@ -70,21 +70,22 @@ def test_a_dead_lettered_original_with_two_copies_leaves_its_story_one_row(tmp_p
     assert len(by_id) == 1 and counts["near_duplicates"] == 1, (sorted(by_id), counts)
 
 
-@pytest.mark.xfail(strict=True, reason="open: a rescued copy keeps the mark naming its failed "
-                                        "original")
-def test_a_rescued_copy_does_not_name_an_original_without_a_row(tmp_path, texts):
-    """docs/output.md: "A copy left out is never held for later copies to name, so
-    ``near_duplicate_of`` names an article with a row (batch)". A rescued copy is written with the
-    mark SkipCopies gave it: ``near_duplicate_of`` is the dead-lettered original, which has no row.
-    (Action mark has the same: a kept copy of an original the embedder fails names it; the
-    sentence holds for copies left out, not for the original's own failure.)"""
+def test_a_rescued_copy_names_its_dead_lettered_original(tmp_path, texts):
+    """docs/output.md: a copy names its original even when the embedder dead-lettered it (then in
+    ``dead_letter/``, not in ``vectors/``), in both actions. A rescued copy keeps the mark
+    SkipCopies gave it, so the story is findable from the original's dead letter."""
+    import json
+
+    from tests.test_reruns import listing
     text = _short(texts[0])
     rows = [event("o", text + " poison", "2026-12-01T08:00:00Z"),
             event("c", text, "2026-12-01T09:00:00Z")]
     summary, by_id = _run_skip(str(tmp_path), rows)
     assert set(by_id) == {"c"} and summary["invariant_holds"], (sorted(by_id), summary["counts"])
-    named = by_id["c"]["near_duplicate_of"]
-    assert named is None or named in by_id, f"c names {named}, which has no row"
+    assert (by_id["c"]["story_id"], by_id["c"]["near_duplicate_of"]) == ("o", "o")
+    letters = [json.loads(line) for name, data in listing(str(tmp_path / "out/dt=2026-12-01"))
+               .items() if name.startswith("dead_letter/") for line in data.decode().splitlines()]
+    assert [letter["event_id"] for letter in letters] == ["o"]
 
 
 def test_a_rescued_copy_that_fails_too_balances_the_ledger(tmp_path, texts):
