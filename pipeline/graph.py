@@ -145,7 +145,7 @@ def embed_and_write(payloads, config: Config, run_id: str,
         marked = docs | "MarkStories" >> MarkStories(stories, key_files)
         docs, marks = marked["docs"], marked[MARKS]
         if stories.action == "skip":  # the copies' marks are needed before the embedding
-            skipping = docs | "SkipCopies" >> SkipCopies(marks, stories.skip_threshold)
+            skipping = docs | "SkipCopies" >> SkipCopies(marks, stories)
             docs, held_back = skipping.docs, skipping[COPIES_SKIPPED]
     # No grouping between preparing and embedding: in a batch job it would be a barrier, every
     # article prepared before the first is embedded. Duplicates are dropped from the vector rows.

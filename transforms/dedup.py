@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import zlib
-from typing import Any, Callable, Literal, get_args
+from typing import Any, Callable, Literal, Optional, get_args
 
 import apache_beam as beam
 from apache_beam import pvalue
@@ -231,15 +231,39 @@ class _KeepFirstPerKey(beam.DoFn):
         expiry.clear()
 
 
+def regroup(item, expected: Callable[[MicroBatch], int], header_state, verdicts,
+            pending_state) -> Optional[tuple[MicroBatch, list]]:
+    """One arrival at a regroup by batch id (this module's, ``transforms.stories``'): the header
+    (a ``MicroBatch``, which awaits ``expected(header)`` verdicts) or one verdict, in any order.
+    Returns (the header, every verdict) once all are in, its state cleared; else None, the arrival
+    kept. ``pending_state`` counts what is still missing in one small cell (the header adds what
+    it awaits, each verdict takes one away; it is 0 only when both are complete), so an arrival
+    reads one small cell and appends to a bag; the header and the verdicts are read once, at the
+    end."""
+    header = item if isinstance(item, MicroBatch) else None
+    pending = (pending_state.read() or 0) + (expected(header) if header is not None else -1)
+    if pending:
+        pending_state.write(pending)
+        if header is not None:
+            header_state.write(header)
+        else:
+            verdicts.add(tuple(item))
+        return None
+    every = list(verdicts.read()) + ([] if header is not None else [tuple(item)])
+    header = header or header_state.read()
+    header_state.clear()
+    verdicts.clear()
+    pending_state.clear()
+    return header, every
+
+
 class _Regroup(beam.DoFn):
     """Per batch id: the header (a MicroBatch of candidates) and one verdict per candidate, in any
     order -> the MicroBatch with the kept candidates (in the header's order) and the dropped ones
     added to ``duplicates``, once all are in; then its state is cleared.
 
-    ``PENDING`` counts what is still missing in one small cell (the header adds its number of
-    candidates, each verdict takes one away; it is 0 only when both are complete), so an arrival
-    reads one small cell and appends to a bag; the header and the verdicts are read once, at the
-    end.
+    ``PENDING`` counts what is still missing (``regroup``: the header awaits a verdict per
+    candidate).
     Every element of a micro-batch carries its timestamp, and the last one to arrive is being
     processed when the micro-batch goes out, so the output is never behind the watermark.
     """
@@ -256,20 +280,11 @@ class _Regroup(beam.DoFn):
                 verdicts=beam.DoFn.StateParam(VERDICTS),
                 pending_state=beam.DoFn.StateParam(PENDING)):
         _, item = element
-        header = item if isinstance(item, MicroBatch) else None
-        pending = (pending_state.read() or 0) + (len(item.docs) if header else -1)
-        if pending:
-            pending_state.write(pending)
-            if header:
-                header_state.write(header)
-            else:
-                verdicts.add(item)
+        complete = regroup(item, lambda header: len(header.docs), header_state, verdicts,
+                           pending_state)
+        if complete is None:
             return
-        all_verdicts = list(verdicts.read()) + ([] if header else [item])
-        header = header or header_state.read()
-        header_state.clear()
-        verdicts.clear()
-        pending_state.clear()
+        header, all_verdicts = complete
         kept_keys = {key for key, kept in all_verdicts if kept}
         kept = tuple(doc for doc in header.docs if self._key_fn(doc) in kept_keys)
         dropped = len(header.docs) - len(kept)

@@ -56,7 +56,7 @@ try:
 except ImportError:  # pragma: no cover - an install without the dependency
     rensa = None
 
-from transforms.dedup import ms_ceiling
+from transforms.dedup import ms_ceiling, regroup
 from transforms.metrics import NEAR_DUPLICATES, NEAR_DUPLICATES_MARKED
 from transforms.output.layout import open_output_file
 from transforms.settings import NearDuplicateSettings
@@ -193,15 +193,10 @@ class StoryIndex:
         self._settings = settings
         self._by_band: dict[str, list[Held]] = {}
         self._by_id: dict[str, Held] = {}
-        self._marks: dict[str, StoryMark] = {}
         self._versions: dict[tuple[str, Optional[str]], StoryMark] = {}
 
     def __len__(self) -> int:
         return len(self._by_id)
-
-    def story_of(self, article_id: str) -> Optional[str]:
-        mark = self._marks.get(article_id)
-        return mark.story_id if mark else None
 
     def mark(self, article_id: str, signature: Optional[np.ndarray],
              rank: Optional[tuple] = None, found: Optional[StoryMark] = None,
@@ -233,7 +228,6 @@ class StoryIndex:
             mark = match or StoryMark(article_id)
             if not skipped(mark, self._settings):
                 self.hold(Held(article_id, mark.story_id, signature, rank), keys)
-        self._marks.setdefault(article_id, mark)
         self._versions[(article_id, version)] = mark
         return mark
 
@@ -372,7 +366,7 @@ class MarkStories(beam.PTransform):
         signed = docs | "Sign" >> beam.Map(Sign(settings))
         if self._key_files is not None:
             previous = self._key_files | "PreviousSignatures" >> beam.FlatMap(
-                lambda files: list(previous_signatures(files, version)))
+                previous_signatures, version)
         else:
             previous = docs.pipeline | "NoPreviousOutputs" >> beam.Create([])
         marks = (signed
@@ -421,12 +415,12 @@ class MarkRows(beam.PTransform):
 
 
 class _SkipCopiesFn(beam.DoFn):
-    def __init__(self, skip_threshold: float):
-        self._skip = skip_threshold
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
 
     def process(self, doc, marks):
         mark = marks.get((doc.id, doc.text_sha256))
-        if mark is not None and mark.is_copy and mark.similarity >= self._skip:
+        if skipped(mark, self._settings):
             yield pvalue.TaggedOutput(COPIES_SKIPPED, with_mark(doc, mark))
             return
         yield with_mark(doc, mark)
@@ -438,13 +432,13 @@ class SkipCopies(beam.PTransform):
     ``RescueCopies``). It waits for every article's mark: the embedding starts once every article
     is prepared."""
 
-    def __init__(self, marks, skip_threshold: float):
+    def __init__(self, marks, settings: NearDuplicateSettings):
         super().__init__()
-        self._marks, self._skip = marks, skip_threshold
+        self._marks, self._settings = marks, settings
 
     def expand(self, docs):
         return docs | "SkipCopies" >> beam.ParDo(
-            _SkipCopiesFn(self._skip), pvalue.AsDict(self._marks)).with_outputs(
+            _SkipCopiesFn(self._settings), pvalue.AsDict(self._marks)).with_outputs(
             COPIES_SKIPPED, main="docs")
 
 
@@ -484,9 +478,8 @@ class RescueCopies(beam.PTransform):
 
 
 def _rescued_rank(row) -> tuple:
-    when = row.published_at
-    micros = _UNDATED if when is None else (when - _EPOCH) // dt.timedelta(microseconds=1)
-    return (micros, row.id, row.text_sha256)
+    micros = _micros(row.published_at)
+    return (_UNDATED if micros is None else micros, row.id, row.text_sha256)
 
 
 def _keep_one(keyed):
@@ -524,6 +517,16 @@ _REQUESTS, _HEADERS = "requests", "headers"
 def _rank_of(entry) -> tuple:
     id_, _, rank, _, _ = entry
     return (-1, -1, id_) if rank is None else (*rank, id_)  # None: before every article
+
+
+def _keep_held(held: list, held_state, forget) -> None:
+    """Writes the entries a band key (or the local runner's one state) still holds, its timer at
+    the earliest expiry; none left, clears it."""
+    if held:
+        held_state.write(held)
+        forget.set(Timestamp(micros=min(entry[3] for entry in held)))
+    else:
+        held_state.clear()
 
 
 def _doc_key(doc_id: str, text_sha256: str) -> str:
@@ -610,9 +613,7 @@ class _MatchPerBand(beam.DoFn):
         if not skipped(mark, self._settings) and all(entry[0] != doc_id for entry in held):
             expiry = ms_ceiling(timestamp + self._horizon).micros
             held.append((doc_id, mark.story_id if mark else doc_id, list(pair), expiry, short))
-            held = sorted(held, key=_rank_of)[:MAX_HELD_PER_BAND]
-            held_state.write(held)
-            forget.set(Timestamp(micros=min(entry[3] for entry in held)))
+            _keep_held(sorted(held, key=_rank_of)[:MAX_HELD_PER_BAND], held_state, forget)
         key = _doc_key(doc_id, text_sha256)
         yield bid, ((key, mark.story_id, mark.near_duplicate_of, mark.similarity) if mark
                     else (key, None, None, None))
@@ -620,12 +621,8 @@ class _MatchPerBand(beam.DoFn):
     @on_timer(FORGET)
     def forget(self, fired=beam.DoFn.TimestampParam, held_state=beam.DoFn.StateParam(HELD),
                forget=beam.DoFn.TimerParam(FORGET)):
-        held = [entry for entry in held_state.read() or [] if entry[3] > fired.micros]
-        if held:
-            held_state.write(held)
-            forget.set(Timestamp(micros=min(entry[3] for entry in held)))
-        else:
-            held_state.clear()
+        _keep_held([entry for entry in held_state.read() or [] if entry[3] > fired.micros],
+                   held_state, forget)
 
 
 def _best_verdicts(verdicts: Iterable[Verdict]) -> dict[str, StoryMark]:
@@ -685,7 +682,8 @@ _VERDICT_CODER = TupleCoder((StrUtf8Coder(), NullableCoder(StrUtf8Coder()),
 class _Regroup(beam.DoFn):
     """Per batch id: the header (the signed micro-batch) and one verdict per document and band, in
     any order -> the micro-batch marked (``decide``) once all are in; then its state is cleared.
-    ``PENDING`` counts what is still missing (as ``transforms.dedup``'s regroup)."""
+    ``PENDING`` counts what is still missing (``transforms.dedup.regroup``: the header awaits a
+    verdict per signed document and band)."""
 
     HEADER = ReadModifyWriteStateSpec("header", MicroBatchCoder())
     VERDICTS = BagStateSpec("verdicts", _VERDICT_CODER)
@@ -698,25 +696,12 @@ class _Regroup(beam.DoFn):
                 verdicts=beam.DoFn.StateParam(VERDICTS),
                 pending_state=beam.DoFn.StateParam(PENDING)):
         _, item = element
-        header = item if isinstance(item, MicroBatch) else None
-        if header is not None:
-            asked = sum(doc.minhash is not None for doc in header.docs) * self._settings.bands
-            pending = (pending_state.read() or 0) + asked
-        else:
-            pending = (pending_state.read() or 0) - 1
-        if pending:
-            pending_state.write(pending)
-            if header is not None:
-                header_state.write(header)
-            else:
-                verdicts.add(tuple(item))
-            return
-        every = list(verdicts.read()) + ([] if header is not None else [tuple(item)])
-        header = header or header_state.read()
-        header_state.clear()
-        verdicts.clear()
-        pending_state.clear()
-        yield decide(header, every, self._settings)
+        bands = self._settings.bands
+        complete = regroup(
+            item, lambda header: sum(doc.minhash is not None for doc in header.docs) * bands,
+            header_state, verdicts, pending_state)
+        if complete is not None:
+            yield decide(*complete, self._settings)
 
 
 class _MarkInOneState(beam.DoFn):
@@ -754,19 +739,14 @@ class _MarkInOneState(beam.DoFn):
                 held.append((doc.id, doc.story_id or doc.id, list(story_rank(doc)[:2]), expiry,
                              band_signature(doc.minhash)))
         if held:
-            held_state.write(held)
-            forget.set(Timestamp(micros=min(entry[3] for entry in held)))
+            _keep_held(held, held_state, forget)
         yield marked
 
     @on_timer(FORGET)
     def forget(self, fired=beam.DoFn.TimestampParam, held_state=beam.DoFn.StateParam(HELD),
                forget=beam.DoFn.TimerParam(FORGET)):
-        held = [entry for entry in held_state.read() or [] if entry[3] > fired.micros]
-        if held:
-            held_state.write(held)
-            forget.set(Timestamp(micros=min(entry[3] for entry in held)))
-        else:
-            held_state.clear()
+        _keep_held([entry for entry in held_state.read() or [] if entry[3] > fired.micros],
+                   held_state, forget)
 
 
 class MarkStoriesStreaming(beam.PTransform):
