@@ -61,6 +61,7 @@ from transforms.stores.batch import LoadCommittedRun, load_key, run_day
 from transforms.stories import (
     COPIES_SKIPPED,
     MARKS,
+    PREVIOUS_ORIGINALS,
     KeepOneRescued,
     MarkRows,
     MarkStories,
@@ -68,6 +69,7 @@ from transforms.stories import (
     RescueCopies,
     SkipCopies,
     signature_version,
+    similarity_band,
 )
 from transforms.text import PrepareText
 from transforms.windowing import WindowByEventTime
@@ -133,6 +135,7 @@ def embed_and_write(payloads, config: Config, run_id: str,
     signature = signature_of(config)
     docs, tallies = prepared.docs, [tally(payloads, Tally.IN)]
     skipped_from, key_files, marks, held_back, copies = None, None, None, None, None
+    earlier = None
     stories = config.near_duplicates
     if config.incremental.previous_outputs:
         key_files = payloads.pipeline | "ReadKeys" >> ReadKeys(
@@ -143,7 +146,7 @@ def embed_and_write(payloads, config: Config, run_id: str,
         tallies.append(tally(skipped[UNCHANGED], Tally.UNCHANGED))
     if stories.enabled:  # against each other and the previous outputs' signatures
         marked = docs | "MarkStories" >> MarkStories(stories, key_files)
-        docs, marks = marked["docs"], marked[MARKS]
+        docs, marks, earlier = marked["docs"], marked[MARKS], marked[PREVIOUS_ORIGINALS]
         if stories.action == "skip":  # the copies' marks are needed before the embedding
             skipping = docs | "SkipCopies" >> SkipCopies(marks, stories)
             docs, held_back = skipping.docs, skipping[COPIES_SKIPPED]
@@ -154,13 +157,15 @@ def embed_and_write(payloads, config: Config, run_id: str,
     embedded_rows, embed_letters = embedded.embedded, embedded.dead_letter
     if held_back is not None:  # a copy whose original the embedder failed is embedded after all
         rescue = held_back | "RescueCopies" >> RescueCopies(embedded.dead_letter,
-                                                            embedded.embedded)
+                                                            embedded.embedded, earlier)
         again = rescue.rescued | "EmbedRescued" >> Embed(
             config.model, **_embed_settings(config, engine_factory))
         kept = again.embedded | "KeepOneRescued" >> KeepOneRescued()  # one row per story
         copies = ((rescue[COPIES_SKIPPED], kept[COPIES_SKIPPED])
                   | "AllCopiesSkipped" >> beam.Flatten())
-        tallies.append(tally(copies, Tally.NEAR_DUPLICATES))
+        tallies += [tally(copies, Tally.NEAR_DUPLICATES),
+                    copies | "SkippedBySimilarity" >> beam.Map(
+                        lambda copy: (f"{Tally.NEAR_DUPLICATES}:{similarity_band(copy[1])}", 1))]
         embedded_rows = ((embedded_rows, kept.rows)
                          | "AllEmbedded" >> beam.Flatten())
         embed_letters = ((embed_letters, again.dead_letter)

@@ -116,15 +116,18 @@ def test_two_micro_batches_at_once_never_make_two_articles_copies_of_each_other(
 
 @pytest.mark.parametrize("state", ["per_key", "per_shard"])
 def test_skip_counts_the_close_copies_in_the_micro_batch(state):
-    exact = BASE[2].replace("six percent", "6 percent")  # a near-verbatim reprint
+    exact = "(Reuters) - " + BASE[2]  # a verbatim reprint
+    # A near-verbatim reprint with a number the original does not have: a copy, not skipped
+    numbered = BASE[2].replace("six percent", "6 percent")
     settings = NearDuplicateSettings(action="skip", skip_threshold=0.7)
     batches = [mb(0, 0, [doc("c", BASE[2], 0)]),
                mb(60, 1, [doc("c-reprint", exact, 1), doc("c-rewrite", copy(BASE[2], 5), 2),
-                          doc("a", BASE[0], 3)])]
+                          doc("a", BASE[0], 3), doc("c-numbered", numbered, 4)])]
 
     def check(marks, skipped, n):
-        assert set(marks) == {"c", "c-rewrite", "a"}
+        assert set(marks) == {"c", "c-rewrite", "a", "c-numbered"}
         assert skipped == 1 and marks["c-rewrite"] == ("c", "c")
+        assert marks["c-numbered"] == ("c", "c")
 
     run_batches(batches, settings, state, check)
 
@@ -172,11 +175,31 @@ def test_the_held_stories_coder_reads_its_version_1_bytes():
             '["ключ","ключ",null,5,0]]').encode()
     version_1 = b"H\x01" + len(head).to_bytes(4, "little") + head + b"\x01\x02\x03\x04"
     coder = HeldStoriesCoder()
-    assert coder.encode(held) == version_1
-    assert coder.decode(version_1) == held
+    assert coder.encode(held) == version_1  # entries without a version or facts: as version 1
+    # Read as version 2's entries, their version and facts unknown (None)
+    assert coder.decode(version_1) == [(*entry, None, None) for entry in held]
     # Another shape (a rank of one number, a negative length) is refused, not read half.
     for odd in ('[["a","a",5,5,0]]', '[["a","a",null,5,-1]]', '[["a","a",null,5]]'):
         value = b"H\x01" + len(odd).to_bytes(4, "little") + odd.encode()
+        with pytest.raises(StateSchemaError):
+            coder.decode(value)
+
+
+def test_the_held_stories_coder_reads_its_version_2_bytes():
+    # Version 2 adds each entry's version (a short text hash) and facts, after its signature.
+    held = [("evt-1", "evt-0", [1_796_000_000_000_000, 1_795_999_000_000_000],
+             1_796_003_600_000_000, b"\x01\x02", "ab12", b"\x05\x00\x00\x09"),
+            ("k", "k", None, 5, b"", None, None)]
+    head = ('[["evt-1","evt-0",[1796000000000000,1795999000000000],1796003600000000,2,"ab12",4],'
+            '["k","k",null,5,0,null,null]]').encode()
+    version_2 = (b"H\x02" + len(head).to_bytes(4, "little") + head
+                 + b"\x01\x02" + b"\x05\x00\x00\x09")
+    coder = HeldStoriesCoder()
+    assert coder.encode(held) == version_2
+    assert coder.decode(version_2) == held
+    for odd in ('[["a","a",null,5,0,7,null]]', '[["a","a",null,5,0,null,-1]]',
+                '[["a","a",null,5,0,null]]'):
+        value = b"H\x02" + len(odd).to_bytes(4, "little") + odd.encode()
         with pytest.raises(StateSchemaError):
             coder.decode(value)
 

@@ -164,6 +164,10 @@ class _CommitFn(beam.DoFn):
             truncated=sent[Tally.TRUNCATED])
         summary = {**self._summary, "run_id": self._run_id, "counts": counts.to_summary(),
                    "invariant_holds": counts.balances()}
+        by_similarity = {name.split(":", 1)[1]: n for name, n in sorted(sent.items())
+                         if name.startswith(f"{Tally.NEAR_DUPLICATES}:")}
+        if by_similarity:  # what action skip left out, by similarity band
+            summary["near_duplicates_by_similarity"] = by_similarity
         if (not counts.balances() or counts.written != sent[Tally.ROWS]
                 or counts.chunks_written != sent[Tally.CHUNKS] or keys != counts.written):
             raise AccountingError(

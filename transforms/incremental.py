@@ -110,6 +110,7 @@ class KeysTable:
             "story_id": [r.story_id for r in rows],
             "minhash": [r.minhash for r in rows],
             "minhash_version": signed,
+            "story_facts": [r.story_facts if r.minhash is not None else None for r in rows],
         }, schema=schema)
 
 

@@ -355,8 +355,33 @@ class NearDuplicateSettings(_Section):
                             "or above are not embedded, counted `near_duplicates`")
     skip_threshold: float = Field(0.7, gt=0, le=1, description="action skip: the similarity "
                                                                "from which a copy is skipped")
-    horizon_s: float = Field(7 * 86400, gt=0, description="streaming: how long a story is "
-                                                          "remembered (event time)")
+    skip_min_shingles: int = Field(200, ge=1, description="action skip: the shingles of its own "
+                                                          "(boilerplate cut) a copy needs to be "
+                                                          "skipped; its numbers must also all be "
+                                                          "its original's")
+    min_shingles: int = Field(20, ge=1, description="the distinct shingles of its own "
+                                                    "(boilerplate cut) a text needs to be a copy "
+                                                    "or an original; fewer: its own story")
+    short_chars: int = Field(300, ge=0, description="a text with at most this many characters "
+                                                    "of its own (no whitespace, boilerplate cut) "
+                                                    "is short: a copy only of a short text it "
+                                                    "differs from trivially (case, punctuation, "
+                                                    "a spelling variant, a wire credit at an "
+                                                    "end), never in a word or number")
+    boilerplate_min_docs: int = Field(3, ge=2, le=255,
+                                      description="a block (the title line, a sentence) that "
+                                                  "this many different articles of one source "
+                                                  "hold is boilerplate, left out of the "
+                                                  "signatures (batch: over the run; streaming: "
+                                                  "within `horizon_s`)")
+    boilerplate_max_blocks: int = Field(20000, ge=100,
+                                        description="streaming: the most blocks counted per "
+                                                    "source (the least recently seen that are "
+                                                    "not boilerplate are dropped first)")
+    horizon_s: float = Field(7 * 86400, gt=0, description="how long a story is remembered "
+                                                          "(streaming: event time); batch: a copy "
+                                                          "is of an article published at most "
+                                                          "this long before it")
     seed: int = Field(1, ge=0, description="MinHash seed: signatures of different seeds never "
                                            "compare")
 
@@ -368,6 +393,9 @@ class NearDuplicateSettings(_Section):
         if self.skip_threshold < self.threshold:
             raise ValueError("near_duplicates.skip_threshold must be at least "
                              "near_duplicates.threshold")
+        if self.skip_min_shingles < self.min_shingles:
+            raise ValueError("near_duplicates.skip_min_shingles must be at least "
+                             "near_duplicates.min_shingles")
         return self
 
 

@@ -327,6 +327,7 @@ def _doc_out(doc: schema.PreparedDoc, arrays: _Arrays) -> dict:
         "token_ids": arrays.token_ids,
         "chunks": lambda chunks: [_plain(c, {"token_ids": arrays.token_ids}) for c in chunks],
         "minhash": _hex_out,
+        "story_facts": _hex_out,
     }) | {"lineage": _lineage_out(doc.event.lineage)}
 
 
@@ -342,6 +343,7 @@ def _doc_in(plain: dict, cursor: _Slices) -> schema.PreparedDoc:
         "chunks": lambda chunks: tuple(
             _build(ChunkSpan, c, {"token_ids": cursor.token_ids}) for c in chunks),
         "minhash": _hex_in,
+        "story_facts": _hex_in,
     })
 
 
@@ -359,6 +361,7 @@ def _row_out(row: schema.EmbeddedDoc, arrays: _Arrays) -> dict:
         "embedding": arrays.vector, "lineage": _lineage_out,
         "chunks": lambda chunks: [_chunk_row_out(c, arrays) for c in chunks],
         "minhash": _hex_out,
+        "story_facts": _hex_out,
     })
 
 
@@ -367,6 +370,7 @@ def _row_in(plain: dict, cursor: _Slices) -> schema.EmbeddedDoc:
         "embedding": cursor.vector, "lineage": _lineage_in,
         "chunks": lambda chunks: tuple(_chunk_row_in(c, cursor) for c in chunks),
         "minhash": _hex_in,
+        "story_facts": _hex_in,
     })
 
 
@@ -469,46 +473,74 @@ STATE_CODERS = (MicroBatchCoder, PendingIdCoder, SeenKeysCoder)
 
 
 class HeldStoriesCoder(_VersionedCoder):
-    """``[(id, story id, rank, expiry in micros, band signature)]``: the articles a band key of
-    ``MarkStoriesStreaming`` holds; a rank is ``[micros, micros]`` (``story_rank`` without the
-    id) or None (before every article). Version 1: ``uint32 n | n bytes of JSON: a list of [id,
-    story id, rank, expiry, signature length] | the signatures, one after another``. A value of
-    another shape is refused (``StateSchemaError``), never read half."""
+    """``[(id, story id, rank, expiry in micros, band signature, version, facts)]``: the articles
+    a band key of ``MarkStoriesStreaming`` holds (or the local runner's one state); a rank is
+    ``[micros, micros]`` (``story_rank`` without the id) or None (before every article); version
+    (a short form of its text's hash) and facts (``transforms.stories.facts.Facts`` as bytes)
+    may be None. Version 1 (the first five, the last two None): ``uint32 n | n bytes of JSON: a
+    list of [id, story id, rank, expiry, signature length] | the signatures, one after
+    another``, still written where no entry has a version or facts. Version 2: the JSON entries
+    are ``[id, story id, rank, expiry, signature length, version, facts length]``, each
+    signature followed by its facts. A value of another shape is refused
+    (``StateSchemaError``), never read half."""
 
     KIND = b"H"
-    VERSION = 1
+    VERSION = 2
 
-    def _write(self, held: list) -> bytes:
+    def encode(self, value) -> bytes:
+        if all(entry[5:] in ((), (None,), (None, None)) for entry in value):
+            return self.KIND + b"\x01" + self._write_1(value)
+        return super().encode(value)
+
+    def _write_1(self, held: list) -> bytes:
         head = _JSON.encode([[id_, story, rank, expiry, len(signature)]
-                             for id_, story, rank, expiry, signature in held])
+                             for id_, story, rank, expiry, signature, *_ in held])
         head_bytes = head.encode("utf-8", _LONE_SURROGATES)
         return b"".join([_U32.pack(len(head_bytes)), head_bytes,
-                         *(signature for *_, signature in held)])
+                         *(entry[4] for entry in held)])
+
+    def _write(self, held: list) -> bytes:
+        entries = [(*entry, None, None)[:7] for entry in held]
+        head = _JSON.encode([[id_, story, rank, expiry, len(signature), version,
+                              None if facts is None else len(facts)]
+                             for id_, story, rank, expiry, signature, version, facts in entries])
+        head_bytes = head.encode("utf-8", _LONE_SURROGATES)
+        body = [part for *_, signature, _, facts in entries for part in (signature, facts or b"")]
+        return b"".join([_U32.pack(len(head_bytes)), head_bytes, *body])
 
     def _read(self, version: int, data: memoryview) -> list:
         (n,), at = _U32.unpack_from(data), _U32.size
         held = []
         at += n
         for entry in json.loads(bytes(data[_U32.size:_U32.size + n])):
-            if not _held_entry(entry):
+            if not _held_entry(entry, version):
                 raise StateSchemaError(f"held-stories state: an entry of another shape: {entry!r}")
-            id_, story, rank, expiry, size = entry
-            held.append((id_, story, rank, expiry, bytes(data[at:at + size])))
+            id_, story, rank, expiry, size, *more = entry
+            signature = bytes(data[at:at + size])
             at += size
+            facts = None
+            if version >= 2 and more[1] is not None:
+                facts = bytes(data[at:at + more[1]])
+                at += more[1]
+            held.append((id_, story, rank, expiry, signature,
+                          more[0] if version >= 2 else None, facts))
         if at != len(data):
             raise StateSchemaError("held-stories state: the signatures do not fill the value")
         return held
 
 
-def _held_entry(entry) -> bool:
-    """[id, story id, rank ([int, int] or None), expiry (int), signature length (int >= 0)]."""
+def _held_entry(entry, version: int = 1) -> bool:
+    """[id, story id, rank ([int, int] or None), expiry (int), signature length (int >= 0)], and
+    in version 2 [..., version (str or None), facts length (int >= 0 or None)]."""
     def integer(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
-    if not (isinstance(entry, list) and len(entry) == 5):
+    if not (isinstance(entry, list) and len(entry) == (5 if version == 1 else 7)):
         return False
-    id_, story, rank, expiry, size = entry
+    id_, story, rank, expiry, size, *more = entry
     return (isinstance(id_, str) and isinstance(story, str)
             and (rank is None or (isinstance(rank, list) and len(rank) == 2
                                   and all(map(integer, rank))))
-            and integer(expiry) and integer(size) and size >= 0)
+            and integer(expiry) and integer(size) and size >= 0
+            and (version == 1 or ((more[0] is None or isinstance(more[0], str))
+                                  and (more[1] is None or (integer(more[1]) and more[1] >= 0)))))

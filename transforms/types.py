@@ -152,6 +152,7 @@ class PreparedDoc:
     near_duplicate_of: Optional[str] = None
     similarity: Optional[float] = None
     minhash: Optional[bytes] = None  # its text's signature (transforms.stories), for keys/
+    story_facts: Optional[bytes] = None  # what a copy must keep of it (transforms.stories.facts)
 
     @property
     def token_count(self) -> int:
@@ -194,6 +195,7 @@ class EmbeddedDoc:
     near_duplicate_of: Optional[str] = None
     similarity: Optional[float] = None
     minhash: Optional[bytes] = None  # its text's signature: a column of keys/, not of vectors/
+    story_facts: Optional[bytes] = None  # its text's facts (transforms.stories.facts): keys/
 
     @classmethod
     def of(cls, doc: PreparedDoc, embedding, model: str, embedded_at: dt.datetime, *,
@@ -212,7 +214,8 @@ class EmbeddedDoc:
                    # An event held in streaming state by a release before updated_at has none.
                    updated_at=getattr(e, "updated_at", None),
                    # A document held in streaming state by a release before stories has none.
-                   minhash=getattr(doc, "minhash", None), **story_of(doc))
+                   minhash=getattr(doc, "minhash", None),
+                   story_facts=getattr(doc, "story_facts", None), **story_of(doc))
 
 
 STORY_FIELDS = ("story_id", "near_duplicate_of", "similarity")

@@ -309,6 +309,10 @@ KEY_COLUMNS = (
     Column("minhash_version", pa.string(), True,
            "what the signature was made with (MinHash algorithm, shingle size, values, seed): "
            "only signatures of one version compare"),
+    Column("story_facts", pa.binary(), True,
+           "what a copy must keep of this article (`transforms.stories.facts`: its numbers with "
+           "action skip, its text when short, the shingles it was signed with); null with near "
+           "duplicates off, or where written before 0.5"),
 )
 """``keys/``: the key index (``transforms.incremental``), one row per article written."""
 

@@ -1,0 +1,317 @@
+"""Batch marking (``MarkStories``): the run's articles signed without their sources' boilerplate,
+then, with the signatures of ``incremental.previous_outputs`` (their ``keys/`` hold each
+article's signature, story and facts), marked in order on one worker: previous outputs first,
+then the run's articles by ``published_at`` (none: last), then id. The marks join the rows after
+the embedding (action ``mark``: ``MarkRows``), or the documents before it (``skip``:
+``SkipCopies``; the copies held back are counted ``near_duplicates``, or embedded after all where
+their original failed, ``RescueCopies`` and ``KeepOneRescued``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import urllib.parse
+from typing import Any, Iterable, Optional
+
+import apache_beam as beam
+import pyarrow.parquet as pq
+from apache_beam import pvalue
+
+from transforms.metrics import NEAR_DUPLICATES
+from transforms.output.layout import open_output_file
+from transforms.settings import NearDuplicateSettings
+from transforms.stories.boilerplate import LearnBoilerplate
+from transforms.stories.facts import Facts
+from transforms.stories.index import (
+    _UNDATED,
+    Held,
+    StoryIndex,
+    StoryMark,
+    micros,
+    skipped,
+    story_rank,
+)
+from transforms.stories.sign import Signed, block_keys, sign
+from transforms.stories.signature import from_bytes, signature_version
+
+
+def with_signed(doc, signed: Signed):
+    """A document with its signature and facts (``keys/``'s ``minhash`` and ``story_facts``)."""
+    return dataclasses.replace(
+        doc, minhash=signed.minhash,
+        story_facts=None if signed.facts is None else signed.facts.to_bytes())
+
+
+def facts_of(item) -> Optional[Facts]:
+    return Facts.from_bytes(getattr(item, "story_facts", None))
+
+
+def source_of(doc) -> Optional[str]:
+    """Whose boilerplate a document may hold: its ``source``, else its URL's host; None (an
+    article of no known publisher: nothing of it is taken for boilerplate) without either."""
+    event = doc.event
+    if event.source:
+        return event.source
+    host = urllib.parse.urlsplit(event.url or "").hostname
+    return f"host:{host}" if host else None
+
+
+class _SignFn(beam.DoFn):
+    """PreparedDoc -> the same signed without its source's boilerplate (``boilerplate``: source ->
+    sorted keys, a side input)."""
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
+
+    def process(self, doc, boilerplate):
+        (signed,) = sign([doc.text], [boilerplate.get(source_of(doc))], self._settings)
+        yield with_signed(doc, signed)
+
+
+def previous_signatures(files, version: str) -> Iterable[tuple]:
+    """(id, story id, signature, facts bytes or None) of every article in the previous outputs'
+    key files (a ``transforms.incremental.KeyFiles``) whose signature has ``version``; rows
+    without one (written before stories were kept, or with near duplicates off, or another
+    version) are passed over."""
+    wanted = ["id", "story_id", "minhash", "minhash_version"]
+    for snapshot, paths in zip(files.snapshots, files.files, strict=True):
+        for path in paths:
+            with open_output_file(snapshot.prefix, path) as f:
+                parquet = pq.ParquetFile(f)
+                names = set(parquet.schema_arrow.names)
+                if not set(wanted) <= names:
+                    continue
+                columns = wanted + (["story_facts"] if "story_facts" in names else [])
+                for batch in parquet.iter_batches(columns=columns):
+                    values = [column.to_pylist() for column in batch.columns]
+                    if len(values) == len(wanted):
+                        values.append([None] * batch.num_rows)
+                    for id_, story, minhash, made_with, facts in zip(*values, strict=True):
+                        if minhash is not None and made_with == version:
+                            yield id_, story or id_, minhash, facts
+
+
+PREVIOUS_ORIGINALS = "previous_originals"
+
+
+def find_stories(entries: list[tuple], previous,
+                 settings: NearDuplicateSettings) -> Iterable[Any]:
+    """The marks of a run's articles, given as (``story_rank``, id, signature, text hash, facts
+    bytes) (or without the last two), by (id, text hash) (by id without one): two versions of
+    an article in one run are marked each on its own, and each is held (versions of equal rank
+    in the order of their hashes, whatever order they came in). The previous outputs' articles
+    are held first (but a signature of another length than ``num_perm``, which would fail the
+    comparison: a keys/ row written by hand); their ids that a mark names are also given out
+    (``PREVIOUS_ORIGINALS``: such an original has a row in its output)."""
+    index = StoryIndex(settings)
+    size = settings.num_perm * 4
+    earlier: set[str] = set()
+    for id_, story, minhash, *facts in previous:
+        if len(minhash) == size:  # another length is no signature of this version (planted)
+            index.hold(Held(id_, story, from_bytes(minhash),
+                            facts=Facts.from_bytes(facts[0]) if facts else None))
+            earlier.add(id_)
+    named: set[str] = set()
+    for rank, id_, minhash, *more in sorted(entries, key=lambda entry: (entry[0], entry[3:4])):
+        version = more[0] if more else None
+        facts = Facts.from_bytes(more[1]) if len(more) > 1 else None
+        mark = index.mark(id_, None if minhash is None else from_bytes(minhash), rank,
+                          version=version, facts=facts)
+        if mark.near_duplicate_of in earlier and mark.near_duplicate_of not in named:
+            named.add(mark.near_duplicate_of)
+            yield pvalue.TaggedOutput(PREVIOUS_ORIGINALS, (mark.near_duplicate_of, True))
+        yield ((id_, version) if more else id_), mark
+
+
+def with_mark(item, mark: Optional[StoryMark]):
+    """A document or row with its story; a row's chunk rows follow it."""
+    if mark is None:
+        return item
+    fields = mark.columns
+    chunks = getattr(item, "chunks", ())
+    if chunks and hasattr(chunks[0], "story_id"):  # a row's ChunkRows (a document's are spans)
+        return dataclasses.replace(item, chunks=tuple(
+            dataclasses.replace(chunk, **fields) for chunk in chunks), **fields)
+    return dataclasses.replace(item, **fields)
+
+
+MARKS, COPIES_SKIPPED = "marks", "near_duplicates"
+
+
+class MarkStories(beam.PTransform):
+    """Batch: PreparedDoc -> the documents signed (``docs``) and each one's mark, ``((id, text
+    hash), StoryMark)`` (``marks``), found against each other and against the previous outputs'
+    signatures (``key_files``: ``ReadKeys``'s ``KeyFiles``, or None), and the previous outputs'
+    articles a mark names (``previous_originals``: (id, True)).
+
+    A source's boilerplate is learned first (``LearnBoilerplate``: the blocks of its articles,
+    counted per source), so the signing waits for every article to be prepared; the embedding
+    does not wait for it (action ``mark``). Every signature of the run goes to one worker
+    (``find_stories``), and its index holds about 6 KB an article (measured: 120 MB for 20,000
+    previous articles held), 6 GB for a million: keep ``incremental.previous_outputs`` to the
+    days that matter."""
+
+    def __init__(self, settings: NearDuplicateSettings, key_files=None):
+        super().__init__()
+        self._settings, self._key_files = settings, key_files
+
+    def expand(self, docs):
+        settings, version = self._settings, signature_version(self._settings)
+        boilerplate = (docs
+                       | "BlockKeys" >> beam.FlatMap(
+                           lambda d: [] if source_of(d) is None else
+                           [(source_of(d), (d.id, block_keys(d.text, settings)))])
+                       | "LearnBoilerplate" >> beam.CombinePerKey(
+                           LearnBoilerplate(settings.boilerplate_min_docs)))
+        signed = docs | "Sign" >> beam.ParDo(_SignFn(settings), pvalue.AsDict(boilerplate))
+        if self._key_files is not None:
+            previous = self._key_files | "PreviousSignatures" >> beam.FlatMap(
+                previous_signatures, version)
+        else:
+            previous = docs.pipeline | "NoPreviousOutputs" >> beam.Create([])
+        marks = (signed
+                 | "RankAndSignature" >> beam.Map(
+                     lambda d: (story_rank(d), d.id, d.minhash, d.text_sha256, d.story_facts))
+                 | "AllSignatures" >> beam.combiners.ToList()
+                 | "FindStories" >> beam.FlatMap(
+                     lambda entries, held: find_stories(entries, held, settings),
+                     pvalue.AsList(previous)).with_outputs(PREVIOUS_ORIGINALS, main=MARKS))
+        return {"docs": signed, MARKS: marks[MARKS],
+                PREVIOUS_ORIGINALS: marks[PREVIOUS_ORIGINALS]}
+
+
+def _surviving(mark: Optional[StoryMark], row, marks, survivors) -> Optional[StoryMark]:
+    """``mark`` with the ids ``DropDuplicates`` dropped (the same text under another id, with
+    ``dedup.key: text_sha256``) replaced by the id that has the row: a copy never names an
+    article without a row. A row marked a copy of its own dropped twin takes the twin's mark."""
+    if mark is None or not survivors:
+        return mark
+    near = mark.near_duplicate_of
+    if near is not None and survivors.get(near, near) == row.id:
+        twin = marks.get((near, row.text_sha256))
+        if twin is None or not twin.is_copy:
+            return StoryMark(row.id)
+        mark = twin
+        near = twin.near_duplicate_of
+    return StoryMark(survivors.get(mark.story_id, mark.story_id),
+                     None if near is None else survivors.get(near, near), mark.similarity)
+
+
+def _mark_row(row, marks, survivors):
+    return with_mark(row, _surviving(marks.get((row.id, row.text_sha256)), row, marks, survivors))
+
+
+class MarkRows(beam.PTransform):
+    """Batch: vector rows (and their chunk rows) with their articles' marks (action ``skip``: the
+    same marks the documents took), the ids ``DropDuplicates`` dropped replaced by their
+    survivors' (``survivors``: (dropped id, kept id))."""
+
+    def __init__(self, marks, survivors):
+        super().__init__()
+        self._marks, self._survivors = marks, survivors
+
+    def expand(self, rows):
+        return rows | "WithStory" >> beam.Map(_mark_row, pvalue.AsDict(self._marks),
+                                              pvalue.AsDict(self._survivors))
+
+
+class _SkipCopiesFn(beam.DoFn):
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
+
+    def process(self, doc, marks):
+        mark = marks.get((doc.id, doc.text_sha256))
+        if skipped(mark, self._settings):
+            yield pvalue.TaggedOutput(COPIES_SKIPPED, with_mark(doc, mark))
+            return
+        yield with_mark(doc, mark)
+
+
+class SkipCopies(beam.PTransform):
+    """Batch, action ``skip``: the documents to embed, with their marks (main output ``docs``),
+    and the copies skippable (``transforms.stories.index.Rules.skippable``), held back
+    (``near_duplicates``: then ``RescueCopies``). It waits for every article's mark: the embedding
+    starts once every article is prepared."""
+
+    def __init__(self, marks, settings: NearDuplicateSettings):
+        super().__init__()
+        self._marks, self._settings = marks, settings
+
+    def expand(self, docs):
+        return docs | "SkipCopies" >> beam.ParDo(
+            _SkipCopiesFn(self._settings), pvalue.AsDict(self._marks)).with_outputs(
+            COPIES_SKIPPED, main="docs")
+
+
+def _rescue(keyed):
+    _, grouped = keyed
+    copies = list(grouped["copies"])
+    if any(grouped["failed"]) and not any(grouped["written"]) and not any(grouped["earlier"]):
+        # The original has no row (a version of it dead-lettered, none embedded, none in a
+        # previous output): its copies are embedded after all (``KeepOneRescued`` keeps one).
+        yield from copies
+        return
+    NEAR_DUPLICATES.inc(len(copies))
+    for copy in copies:
+        yield pvalue.TaggedOutput(COPIES_SKIPPED, (copy.id, copy.similarity))
+
+
+class RescueCopies(beam.PTransform):
+    """Batch, action ``skip``: the copies ``SkipCopies`` held back, the embedder's dead letters, its
+    rows and the previous outputs' originals the marks name -> the copies whose original has no
+    row, the embedder having dead-lettered it and no previous output holding it (main output
+    ``rescued``: to embed after all, so that the story keeps a row), and (id, similarity) of the
+    others (``near_duplicates``: counted, not embedded). A dead letter of an original that also
+    has a row (another version of it, embedded now or in a previous output) rescues nothing."""
+
+    def __init__(self, dead_letters, embedded, previous_originals):
+        super().__init__()
+        self._letters, self._embedded = dead_letters, embedded
+        self._earlier = previous_originals
+
+    def expand(self, held_back):
+        copies = held_back | "ByOriginal" >> beam.Map(lambda doc: (doc.near_duplicate_of, doc))
+        failed = (self._letters
+                  | "DeadLetteredIds" >> beam.Filter(lambda letter: letter.event_id is not None)
+                  | "ById" >> beam.Map(lambda letter: (letter.event_id, True)))
+        written = self._embedded | "EmbeddedIds" >> beam.Map(lambda row: (row.id, True))
+        return ({"copies": copies, "failed": failed, "written": written, "earlier": self._earlier}
+                | "CopiesAndFailures" >> beam.CoGroupByKey()
+                | "Rescue" >> beam.FlatMap(_rescue).with_outputs(COPIES_SKIPPED, main="rescued"))
+
+
+def _rescued_rank(row) -> tuple:
+    published = micros(row.published_at)
+    return (_UNDATED if published is None else published, row.id, row.text_sha256)
+
+
+def _keep_one(keyed):
+    _, rows = keyed
+    rows = sorted(rows, key=_rescued_rank)
+    yield rows[0]
+    NEAR_DUPLICATES.inc(len(rows) - 1)
+    for row in rows[1:]:
+        yield pvalue.TaggedOutput(COPIES_SKIPPED, (row.id, row.similarity))
+
+
+class KeepOneRescued(beam.PTransform):
+    """Batch, action ``skip``: the rescued copies as embedded -> per original, the first of them in
+    ``story_rank`` order (main output ``rows``: the story's row), and (id, similarity) of the
+    others (``near_duplicates``, as the copies skip leaves out). All were embedded, so that one
+    that fails too leaves the others; in order, so that a retried bundle keeps the same one."""
+
+    def expand(self, rescued_rows):
+        return (rescued_rows
+                | "ByOriginal" >> beam.Map(lambda row: (row.near_duplicate_of, row))
+                | "PerOriginal" >> beam.GroupByKey()
+                | "KeepFirst" >> beam.FlatMap(_keep_one).with_outputs(COPIES_SKIPPED, main="rows"))
+
+
+SIMILARITY_BANDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
+
+
+def similarity_band(similarity: Optional[float]) -> str:
+    """The band a skipped copy's similarity falls in, as ``"0.90-0.95"`` (``"0.99-1.00"``: 1
+    included)."""
+    edges = (0.0, *SIMILARITY_BANDS, 1.0)
+    low = max(edge for edge in edges[:-1] if (similarity or 0.0) >= edge)
+    return f"{low:.2f}-{edges[edges.index(low) + 1]:.2f}"

@@ -1,0 +1,82 @@
+"""A document's signature and facts, its source's boilerplate cut: what the batch and streaming
+marking hold of each article (``Signed``)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from transforms.settings import NearDuplicateSettings
+from transforms.stories.facts import Facts, numbers
+from transforms.stories.signature import (
+    _fold,
+    blocks,
+    distinct_at_least,
+    minhashes,
+    shingle,
+    to_bytes,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Signed:
+    """A text's signature (``minhash``: uint32 little-endian; None for a text with fewer than
+    ``min_shingles`` distinct shingles of its own) and its ``Facts`` (None where unsigned)."""
+
+    minhash: Optional[bytes]
+    facts: Optional[Facts]
+
+
+UNSIGNED = Signed(None, None)
+
+
+def block_keys(text: str, settings: NearDuplicateSettings) -> np.ndarray:
+    """The keys of ``text``'s blocks (what a source's boilerplate is counted over)."""
+    return shingle(text, settings.shingle_chars).block_keys
+
+
+def sign(texts: list[str], boilerplate: list[Optional[np.ndarray]],
+         settings: NearDuplicateSettings) -> list[Signed]:
+    """Each text signed without the blocks whose keys its source's ``boilerplate`` holds (sorted
+    uint64, or None); numbers kept with action ``skip``."""
+    shingled = [shingle(text, settings.shingle_chars) for text in texts]
+    kept = [s.without(cut) for s, cut in zip(shingled, boilerplate, strict=True)]
+    enough = [distinct_at_least(hashes, settings.min_shingles) for hashes in kept]
+    sigs = minhashes([h if ok else h[:0] for h, ok in zip(kept, enough, strict=True)], settings)
+    out = []
+    for text, s, cut, hashes, signature in zip(texts, shingled, boilerplate, kept, sigs,
+                                                 strict=True):
+        if signature is None:
+            out.append(UNSIGNED)
+            continue
+        own = _own_chars(s, cut)
+        short = own <= settings.short_chars
+        plain = None
+        if short or settings.action == "skip":
+            plain = _fold(_own_text(text, s, cut))
+        out.append(Signed(to_bytes(signature), Facts(
+            numbers=numbers(plain) if settings.action == "skip" and plain is not None else None,
+            short=plain if short else None, shingles=int(hashes.size))))
+    return out
+
+
+def _cut_blocks(s, cut: Optional[np.ndarray]) -> np.ndarray:
+    if cut is None or not cut.size:
+        return np.zeros(s.keys.size, dtype=bool)
+    return np.isin(s.keys, cut) & (s.keys != 0)
+
+
+def _own_chars(s, cut: Optional[np.ndarray]) -> int:
+    """The characters (no whitespace) of the blocks not cut."""
+    lengths = s.ends - s.starts
+    return int(lengths[~_cut_blocks(s, cut)].sum())
+
+
+def _own_text(text: str, s, cut: Optional[np.ndarray]) -> str:
+    """``text`` without the blocks cut (its blocks joined by a space)."""
+    dropped = _cut_blocks(s, cut)
+    if not dropped.any():
+        return text
+    return " ".join(block for block, drop in zip(blocks(text), dropped, strict=True)
+                    if not drop)

@@ -1,0 +1,574 @@
+"""Streaming marking (``MarkStoriesStreaming``): each micro-batch's documents signed without their
+sources' boilerplate (learned within the horizon), then marked against the articles held within
+``near_duplicates.horizon_s`` of event time, by the batch rules.
+
+Dataflow's layout (``per_key``), in two rounds of the same pattern as the dedup state: a request
+per key, state per key, the micro-batch regrouped by its id.
+- ``_AskSources`` sends each source of the micro-batch its documents' block keys;
+  ``_LearnPerSource`` counts them in the source's ``BlockCounts`` and answers with each
+  document's boilerplate; ``_CutRegroup`` signs the micro-batch once every source has answered.
+- ``_AskBands`` sends one request per signed document and LSH band key; ``_MatchPerBand`` answers
+  with the best article held there and holds the document (``HeldStoriesCoder``); ``_Regroup``
+  marks the micro-batch (``decide``) once every verdict is in.
+Each request reads and writes its own key's state: a micro-batch costs the same whatever the
+number of stories held. A band key decides alone, before the micro-batch does: it holds a
+document under the story it found there, and holds one that the micro-batch then skips (two
+limits of state per key in a graph without cycles; docs/output.md).
+
+The local runner's layout (``per_shard``: ``_MarkLocally``): one state for everything, an index
+by band key in memory (``StoryIndex``), the state written as what each micro-batch adds; read
+back only when the runner starts the step afresh.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import struct
+import threading
+import uuid
+from typing import Any, Iterable, Optional
+
+import apache_beam as beam
+import numpy as np
+from apache_beam import pvalue
+from apache_beam.coders import BytesCoder, FloatCoder, NullableCoder, StrUtf8Coder, TupleCoder
+from apache_beam.coders import VarIntCoder
+from apache_beam.transforms.timeutil import TimeDomain
+from apache_beam.transforms.userstate import (
+    BagStateSpec,
+    ReadModifyWriteStateSpec,
+    TimerSpec,
+    on_timer,
+)
+from apache_beam.utils.timestamp import Duration, Timestamp
+
+from transforms.dedup import ms_ceiling, regroup
+from transforms.metrics import NEAR_DUPLICATES, NEAR_DUPLICATES_MARKED
+from transforms.settings import NearDuplicateSettings
+from transforms.state_coders import HeldStoriesCoder, MicroBatchCoder
+from transforms.stories.batch import facts_of, source_of, with_mark, with_signed
+from transforms.stories.boilerplate import BlockCounts, id_hash
+from transforms.stories.facts import Facts
+from transforms.stories.index import (
+    MAX_HELD_PER_BAND,
+    Held,
+    Rules,
+    StoryIndex,
+    StoryMark,
+    best_match,
+    skipped,
+    story_rank,
+)
+from transforms.stories.sign import block_keys, sign
+from transforms.stories.signature import (
+    band_keys,
+    band_signature,
+    band_similarity,
+    from_bytes,
+    to_bytes,
+)
+from transforms.types import BatchId, MicroBatch
+
+Verdict = tuple[str, Optional[str], Optional[str], Optional[float]]  # _doc_key, story, of, sim
+_REQUESTS, _HEADERS = "requests", "headers"
+_SKIPPABLE = "\x01"  # ends a verdict's document key where the copy is skippable
+
+
+def _rank_of(entry) -> tuple:
+    id_, _, rank, *_ = entry
+    return (-1, -1, id_) if rank is None else (*rank, id_)  # None: before every article
+
+
+def _keep_held(held: list, held_state, forget) -> None:
+    """Writes the entries a band key still holds, its timer at the earliest expiry; none left,
+    clears it."""
+    if held:
+        held_state.write(held)
+        forget.set(Timestamp(micros=min(entry[3] for entry in held)))
+    else:
+        held_state.clear()
+
+
+def _doc_key(doc_id: str, text_sha256: str) -> str:
+    """A document's key in the verdicts: its id and text hash (two versions of an article in one
+    micro-batch are marked each on its own, as in batch)."""
+    return f"{doc_id}\0{text_sha256}"
+
+
+def _version(text_sha256: Optional[str]) -> Optional[str]:
+    """What the state keeps of a version: 16 hex of its text's hash."""
+    return None if text_sha256 is None else text_sha256[:16]
+
+
+def _pack(short: bytes, facts: Optional[bytes]) -> bytes:
+    """A band request's signature with the document's facts after it (the request keeps 0.4's
+    shape, so a job updates in place; a request of 0.4 carries no facts)."""
+    return short + (facts or b"")
+
+
+def _held_of(entry, size: int) -> Optional[Held]:
+    """A state entry as a ``Held`` (its signature as uint8); None for one of another length (a
+    state written with other settings, or planted): passed over, as a previous output's
+    signature of another length is in batch."""
+    id_, story, rank, expiry, sig, *more = entry
+    if len(sig) != size:
+        return None
+    return Held(id_, story, np.frombuffer(sig, dtype=np.uint8),
+                None if rank is None else (*rank, id_),
+                more[0] if more else None,
+                Facts.from_bytes(more[1]) if len(more) > 1 else None, expiry)
+
+
+def _best_held(entries, short: bytes, rank: tuple, rules: Rules,
+               facts: Optional[Facts] = None) -> Optional[StoryMark]:
+    """The best match among a band key's entries for a ``band_signature`` (``short``) of the
+    article of ``rank``."""
+    held = (h for h in (_held_of(entry, len(short)) for entry in entries) if h is not None)
+    return best_match(np.frombuffer(short, dtype=np.uint8), held, rules, rank[-1], rank, facts,
+                      band_similarity)
+
+
+class _AskSources(beam.DoFn):
+    """MicroBatch -> a header (by batch id) and, per source of its documents, their block keys
+    (``(source, (batch id, [(doc key, id hash, keys bytes)]))``); one without a document of a
+    known publisher goes out signed."""
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
+
+    def process(self, batch):
+        per_source: dict[str, list] = collections.defaultdict(list)
+        for doc in batch.docs:
+            source = source_of(doc)
+            if source is not None:
+                keys = block_keys(doc.text, self._settings)
+                per_source[source].append((_doc_key(doc.id, doc.text_sha256), id_hash(doc.id),
+                                           keys.astype("<u8").tobytes()))
+        if not per_source:  # no document of a known publisher (or none): nothing to cut
+            yield sign_batch(batch, [], self._settings)
+            return
+        yield pvalue.TaggedOutput(_HEADERS, (batch.batch_id, batch))
+        for source, docs in per_source.items():
+            yield pvalue.TaggedOutput(_REQUESTS, (source, (batch.batch_id, docs)))
+
+
+def _keys(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<u8").astype(np.uint64)
+
+
+def _boilerplate_of(counts: BlockCounts, keys: bytes) -> bytes:
+    """Those of a document's block ``keys`` that are its source's boilerplate."""
+    mine = _keys(keys)
+    return mine[np.isin(mine, counts.boilerplate())].astype("<u8").tobytes()
+
+
+class _LearnPerSource(beam.DoFn):
+    """Per source, in the global window: the blocks its articles held within the horizon
+    (``BlockCounts``). A request's documents are counted, then answered each with its blocks that
+    are boilerplate now (``(batch id, (doc key, keys bytes))``). A watermark timer drops the
+    table once the source has been quiet for the horizon."""
+
+    COUNTS = ReadModifyWriteStateSpec("blocks", BytesCoder())
+    QUIET = TimerSpec("quiet", TimeDomain.WATERMARK)
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
+
+    def process(self, request, timestamp=beam.DoFn.TimestampParam,
+                counts_state=beam.DoFn.StateParam(COUNTS), quiet=beam.DoFn.TimerParam(QUIET)):
+        _, (bid, docs) = request
+        settings = self._settings
+        counts = BlockCounts.from_bytes(counts_state.read() or b"", settings.boilerplate_min_docs)
+        now = int(timestamp.micros // 10**6)
+        for _, article, keys in docs:
+            counts.add(article, _keys(keys), now)
+        counts.forget(now - int(settings.horizon_s), settings.boilerplate_max_blocks)
+        counts_state.write(counts.to_bytes())
+        quiet.set(Timestamp(micros=ms_ceiling(
+            timestamp + Duration(seconds=settings.horizon_s)).micros))
+        yield bid, [(key, _boilerplate_of(counts, keys)) for key, _, keys in docs]
+
+    @on_timer(QUIET)
+    def quiet(self, counts_state=beam.DoFn.StateParam(COUNTS)):
+        counts_state.clear()
+
+
+class _CutRegroup(beam.DoFn):
+    """Per batch id: the header and one answer per source, in any order -> the micro-batch, its
+    documents signed without their boilerplate, once all are in."""
+
+    HEADER = ReadModifyWriteStateSpec("header", MicroBatchCoder())
+    ANSWERS = BagStateSpec("answers", TupleCoder((StrUtf8Coder(), BytesCoder())))
+    PENDING = ReadModifyWriteStateSpec("pending", VarIntCoder())
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
+
+    def process(self, element, header_state=beam.DoFn.StateParam(HEADER),
+                answers=beam.DoFn.StateParam(ANSWERS),
+                pending_state=beam.DoFn.StateParam(PENDING)):
+        _, item = element
+        if not isinstance(item, MicroBatch):  # one source's answers count as one arrival
+            for cut in item[:-1]:
+                answers.add(tuple(cut))
+            item = item[-1]
+        complete = regroup(item, _sources_in, header_state, answers, pending_state)
+        if complete is not None:
+            yield sign_batch(*complete, self._settings)
+
+
+def _sources_in(batch: MicroBatch) -> int:
+    return len({source_of(doc) for doc in batch.docs} - {None})
+
+
+def sign_batch(batch: MicroBatch, cuts: Iterable[tuple[str, bytes]],
+               settings: NearDuplicateSettings) -> MicroBatch:
+    """The micro-batch with each document signed without the boilerplate ``cuts`` names (doc key,
+    keys bytes)."""
+    cut = {key: np.sort(_keys(keys)) for key, keys in cuts}
+    signed = sign([doc.text for doc in batch.docs],
+                  [cut.get(_doc_key(doc.id, doc.text_sha256)) for doc in batch.docs], settings)
+    return dataclasses.replace(batch, docs=tuple(
+        with_signed(doc, s) for doc, s in zip(batch.docs, signed, strict=True)))
+
+
+class _AskBands(beam.DoFn):
+    """A signed MicroBatch -> a header (by batch id) and one request per signed document and band
+    key; a micro-batch with no signed document goes out marked (each its own story)."""
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
+
+    def process(self, batch):
+        signed = [doc for doc in batch.docs if doc.minhash is not None]
+        if not signed:
+            yield decide(batch, [], self._settings)
+            return
+        bid = batch.batch_id
+        yield pvalue.TaggedOutput(_HEADERS, (bid, batch))
+        for doc in signed:
+            rank = list(story_rank(doc)[:2])
+            short = _pack(band_signature(doc.minhash), doc.story_facts)
+            for key in band_keys(from_bytes(doc.minhash), self._settings):
+                yield pvalue.TaggedOutput(_REQUESTS, (key, (bid, doc.id, rank, short,
+                                                            doc.text_sha256)))
+
+
+class _MatchPerBand(beam.DoFn):
+    """Per band key, in the global window: the articles held with this band value within the
+    horizon (``HeldStoriesCoder``). A request is answered with the most similar article held
+    that the rules take for its original (a verdict), and its article (this version of it) is
+    held under that article's story (or its own), until the event time of its micro-batch plus
+    the horizon; a watermark timer forgets it then."""
+
+    HELD = ReadModifyWriteStateSpec("held", HeldStoriesCoder())
+    FORGET = TimerSpec("forget", TimeDomain.WATERMARK)
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings, self._rules = settings, Rules(settings)
+        self._horizon = Duration(seconds=settings.horizon_s)
+
+    def process(self, request, timestamp=beam.DoFn.TimestampParam,
+                held_state=beam.DoFn.StateParam(HELD), forget=beam.DoFn.TimerParam(FORGET)):
+        _, (bid, doc_id, pair, packed, text_sha256) = request
+        size = self._settings.num_perm
+        short, facts_bytes = packed[:size], packed[size:] or None
+        facts = Facts.from_bytes(facts_bytes)
+        held = held_state.read() or []
+        mark = _best_held(held, short, (*pair, doc_id), self._rules, facts)
+        version = _version(text_sha256)
+        if not skipped(mark, self._settings) and all(
+                (entry[0], (entry[5:6] or (None,))[0]) != (doc_id, version) for entry in held):
+            expiry = ms_ceiling(timestamp + self._horizon).micros
+            held.append((doc_id, mark.story_id if mark else doc_id, list(pair), expiry, short,
+                         version, facts_bytes))
+            _keep_held(sorted(held, key=_rank_of)[:MAX_HELD_PER_BAND], held_state, forget)
+        key = _doc_key(doc_id, text_sha256) + (_SKIPPABLE if mark and mark.skippable else "")
+        yield bid, ((key, mark.story_id, mark.near_duplicate_of, mark.similarity) if mark
+                    else (key, None, None, None))
+
+    @on_timer(FORGET)
+    def forget(self, fired=beam.DoFn.TimestampParam, held_state=beam.DoFn.StateParam(HELD),
+               forget=beam.DoFn.TimerParam(FORGET)):
+        _keep_held([entry for entry in held_state.read() or [] if entry[3] > fired.micros],
+                   held_state, forget)
+
+
+def _best_verdicts(verdicts: Iterable[Verdict]) -> dict[str, StoryMark]:
+    """Per document, the most similar article its band keys found, under the story its band keys
+    hold that article in. A band key holds an article under the story it found there: one where
+    its own original was not held holds it as a story of its own. So of the stories given for the
+    article, one other than the article itself is taken (the one most bands gave)."""
+    by_doc: dict[str, list[tuple[str, str, float, bool]]] = {}
+    for key, story, of, sim in verdicts:
+        if of is not None and sim is not None:
+            doc_key = key.rstrip(_SKIPPABLE)
+            by_doc.setdefault(doc_key, []).append(
+                (story or of, of, sim, key.endswith(_SKIPPABLE)))
+    found = {}
+    for doc_key, matches in by_doc.items():
+        _, of, sim, skippable = max(matches, key=lambda match: match[2])
+        stories = collections.Counter(story for story, held, *_ in matches if held == of)
+        rooted = [story for story, _ in stories.most_common() if story != of]
+        found[doc_key] = StoryMark(rooted[0] if rooted else of, of, sim, skippable)
+    return found
+
+
+def decide(batch, verdicts: Iterable[Verdict], settings: NearDuplicateSettings,
+           index: Optional[StoryIndex] = None, expiry: Optional[int] = None,
+           now: Optional[int] = None):
+    """The micro-batch with each document's mark: the best of what the band keys found (earlier
+    micro-batches) and of what ``index`` holds (its earlier documents in this micro-batch; the
+    local runner's: every article held), marked in ``story_rank`` order, as in batch; action
+    ``skip`` leaves the skippable copies out, counted in ``near_duplicates``."""
+    found = _best_verdicts(verdicts)
+    index = index if index is not None else StoryIndex(settings)
+    marks: dict[str, StoryMark] = {}
+    story_of: dict[str, str] = {}  # of the documents marked so far, by id
+    for doc in sorted(batch.docs, key=lambda d: (story_rank(d), d.text_sha256)):
+        signature = None if doc.minhash is None else from_bytes(doc.minhash)
+        key = _doc_key(doc.id, doc.text_sha256)
+        cross = found.get(key)
+        if cross is not None and cross.near_duplicate_of in story_of:  # earlier in this batch
+            cross = dataclasses.replace(cross, story_id=story_of[cross.near_duplicate_of])
+        marks[key] = index.mark(doc.id, signature, story_rank(doc), cross,
+                                version=doc.text_sha256, facts=facts_of(doc), expiry=expiry,
+                                now=now)
+        story_of.setdefault(doc.id, marks[key].story_id)
+    kept, left_out = [], 0
+    for doc in batch.docs:
+        mark = marks[_doc_key(doc.id, doc.text_sha256)]
+        if skipped(mark, settings):
+            left_out += 1
+            continue
+        if mark.is_copy:
+            NEAR_DUPLICATES_MARKED.inc()
+        kept.append(with_mark(doc, mark))
+    NEAR_DUPLICATES.inc(left_out)
+    return dataclasses.replace(batch, docs=tuple(kept),
+                               near_duplicates=batch.near_duplicates + left_out)
+
+
+_VERDICT_CODER = TupleCoder((StrUtf8Coder(), NullableCoder(StrUtf8Coder()),
+                             NullableCoder(StrUtf8Coder()), NullableCoder(FloatCoder())))
+
+
+class _Regroup(beam.DoFn):
+    """Per batch id: the header (the signed micro-batch) and one verdict per document and band, in
+    any order -> the micro-batch marked (``decide``) once all are in; then its state is cleared.
+    ``PENDING`` counts what is still missing (``transforms.dedup.regroup``: the header awaits a
+    verdict per signed document and band)."""
+
+    HEADER = ReadModifyWriteStateSpec("header", MicroBatchCoder())
+    VERDICTS = BagStateSpec("verdicts", _VERDICT_CODER)
+    PENDING = ReadModifyWriteStateSpec("pending", VarIntCoder())
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
+
+    def process(self, element, header_state=beam.DoFn.StateParam(HEADER),
+                verdicts=beam.DoFn.StateParam(VERDICTS),
+                pending_state=beam.DoFn.StateParam(PENDING)):
+        _, item = element
+        bands = self._settings.bands
+        complete = regroup(
+            item, lambda header: sum(doc.minhash is not None for doc in header.docs) * bands,
+            header_state, verdicts, pending_state)
+        if complete is not None:
+            yield decide(*complete, self._settings)
+
+
+# --- the local runner's layout ----------------------------------------------------------------
+
+class _Local:
+    """What ``_MarkLocally`` holds in memory between micro-batches: the index, the sources'
+    block counts, and how many writes of its state it has made (``generation``)."""
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self.index = StoryIndex(settings, track_added=True)
+        self.sources: dict[str, BlockCounts] = {}
+        self.generation = 0
+
+
+_LOCAL: dict[str, _Local] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+class _MarkLocally(beam.DoFn):
+    """The local runner's layout (``transforms.dedup.state_layout_for``): every micro-batch through
+    one state, marked by the same rules as the per key layout. The articles held and the
+    sources' block counts live in memory (``_Local``), found again by the token the state holds
+    (a name and the generation of its last write); the state itself is written as what each
+    micro-batch adds (a bag of held entries) and the block counts, and read back whole only when
+    this process does not hold its generation (a fresh step). So a micro-batch costs what its
+    documents cost, whatever the number of stories held. The timer forgets what is past the
+    horizon in one pass, an eighth of the horizon after the earliest expiry; an article past its
+    expiry is never matched meanwhile."""
+
+    HELD = BagStateSpec("held", HeldStoriesCoder())
+    SOURCES = ReadModifyWriteStateSpec("sources", BytesCoder())
+    TOKEN = ReadModifyWriteStateSpec("token", StrUtf8Coder())
+    FORGET_AT = ReadModifyWriteStateSpec("forget_at", VarIntCoder())
+    FORGET = TimerSpec("forget", TimeDomain.WATERMARK)
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
+        self._horizon = Duration(seconds=settings.horizon_s)
+        self._slack = Duration(seconds=settings.horizon_s / 8)
+
+    def _local(self, token_state, held_state, sources_state) -> tuple[str, _Local]:
+        token = token_state.read()
+        name, _, generation = (token or f"{uuid.uuid4().hex}:0").partition(":")
+        with _LOCAL_LOCK:
+            local = _LOCAL.get(name)
+        if local is not None and local.generation == int(generation):
+            return name, local
+        local = _Local(self._settings)  # a fresh step: read the state back
+        size = self._settings.num_perm * 4
+        for entries in held_state.read():
+            for entry in entries:
+                held = _full_held(entry, size)
+                if held is not None:
+                    local.index.hold(held)
+        local.index.take_added()
+        local.sources = _read_sources(sources_state.read(), self._settings)
+        local.generation = int(generation)
+        with _LOCAL_LOCK:
+            _LOCAL[name] = local
+        return name, local
+
+    @staticmethod
+    def _written(name: str, local: _Local, token_state, sources_state) -> None:
+        local.generation += 1
+        sources_state.write(_write_sources(local.sources))
+        token_state.write(f"{name}:{local.generation}")
+
+    def process(self, keyed, timestamp=beam.DoFn.TimestampParam,
+                held_state=beam.DoFn.StateParam(HELD),
+                sources_state=beam.DoFn.StateParam(SOURCES),
+                token_state=beam.DoFn.StateParam(TOKEN),
+                forget_at=beam.DoFn.StateParam(FORGET_AT), forget=beam.DoFn.TimerParam(FORGET)):
+        _, batch = keyed
+        settings = self._settings
+        name, local = self._local(token_state, held_state, sources_state)
+        now_s = int(timestamp.micros // 10**6)
+        known = [(doc, source_of(doc)) for doc in batch.docs if source_of(doc) is not None]
+        for doc, source in known:  # counted first: a footer in this micro-batch counts
+            counts = local.sources.setdefault(source, BlockCounts(settings.boilerplate_min_docs))
+            counts.add(id_hash(doc.id), block_keys(doc.text, settings), now_s)
+        cuts = [(_doc_key(doc.id, doc.text_sha256),
+                 local.sources[source].boilerplate().astype("<u8").tobytes())
+                for doc, source in known]
+        expiry = ms_ceiling(timestamp + self._horizon).micros
+        marked = decide(sign_batch(batch, cuts, settings), [], settings, local.index, expiry,
+                        now=timestamp.micros)
+        added = local.index.take_added()
+        if added:
+            held_state.add([_entry_of(held) for held in added])
+            if forget_at.read() is None:
+                at = Timestamp(micros=expiry) + self._slack
+                forget.set(at)
+                forget_at.write(at.micros)
+        self._written(name, local, token_state, sources_state)
+        yield marked
+
+    @on_timer(FORGET)
+    def forget(self, fired=beam.DoFn.TimestampParam, held_state=beam.DoFn.StateParam(HELD),
+               sources_state=beam.DoFn.StateParam(SOURCES),
+               token_state=beam.DoFn.StateParam(TOKEN),
+               forget_at=beam.DoFn.StateParam(FORGET_AT), forget=beam.DoFn.TimerParam(FORGET)):
+        name, local = self._local(token_state, held_state, sources_state)
+        kept = local.index.forget(fired.micros)
+        held_state.clear()
+        forget_at.clear()
+        if kept:
+            held_state.add([_entry_of(held) for held in kept])
+            at = Timestamp(micros=min(held.expiry or 0 for held in kept)) + self._slack
+            forget.set(at)
+            forget_at.write(at.micros)
+        for counts in local.sources.values():
+            counts.forget(int(fired.micros // 10**6 - self._settings.horizon_s),
+                          self._settings.boilerplate_max_blocks)
+        self._written(name, local, token_state, sources_state)
+
+
+def _entry_of(held: Held) -> tuple:
+    """A held article as a state entry (its full signature: the local layout's)."""
+    rank = None if held.rank is None else list(held.rank[:2])
+    return (held.id, held.story_id, rank, held.expiry or 0, to_bytes(held.signature),
+            held.version, None if held.facts is None else held.facts.to_bytes())
+
+
+def _full_held(entry, size: int) -> Optional[Held]:
+    id_, story, rank, expiry, sig, version, facts = entry
+    if len(sig) != size * 4:
+        return None
+    return Held(id_, story, from_bytes(sig), None if rank is None else (*rank, id_), version,
+                Facts.from_bytes(facts), expiry)
+
+
+def _write_sources(sources: dict[str, BlockCounts]) -> bytes:
+    parts = []
+    for source, counts in sources.items():
+        name, table = source.encode("utf-8", "surrogatepass"), counts.to_bytes()
+        parts.append(struct.pack("<II", len(name), len(table)) + name + table)
+    return b"".join(parts)
+
+
+def _read_sources(data: Optional[bytes], settings: NearDuplicateSettings
+                  ) -> dict[str, BlockCounts]:
+    sources: dict[str, BlockCounts] = {}
+    at = 0
+    data = data or b""
+    while at + 8 <= len(data):
+        n, m = struct.unpack_from("<II", data, at)
+        at += 8
+        source = data[at:at + n].decode("utf-8", "surrogatepass")
+        sources[source] = BlockCounts.from_bytes(data[at + n:at + n + m],
+                                                 settings.boilerplate_min_docs)
+        at += n + m
+    return sources
+
+
+class MarkStoriesStreaming(beam.PTransform):
+    """MicroBatch -> the micro-batch with each document's story (and, action ``skip``, without the
+    skippable copies, counted ``near_duplicates`` in its ledger); see the module.
+    ``state="per_shard"``: the local runner's layout, one state for all (``_MarkLocally``)."""
+
+    def __init__(self, settings: NearDuplicateSettings, state: str = "per_key"):
+        super().__init__()
+        self._settings, self._state = settings, state
+
+    def expand(self, batches):
+        settings = self._settings
+        if self._state == "per_shard":
+            return (batches
+                    | "OneState" >> beam.Map(lambda batch: (0, batch)).with_output_types(
+                        tuple[int, MicroBatch])
+                    | "MarkInOneState" >> beam.ParDo(_MarkLocally(settings))
+                    .with_output_types(MicroBatch))
+        sources = batches | "AskSources" >> beam.ParDo(_AskSources(settings)).with_outputs(
+            _REQUESTS, _HEADERS, main="signed").with_output_types(
+            MicroBatch, requests=tuple[str, Any], headers=tuple[BatchId, MicroBatch])
+        answers = sources[_REQUESTS] | "LearnPerSource" >> beam.ParDo(
+            _LearnPerSource(settings)).with_input_types(tuple[str, Any]).with_output_types(
+            tuple[BatchId, Any])
+        cut = ((sources[_HEADERS], answers)
+               | "HeadersAndSources" >> beam.Flatten().with_output_types(tuple[BatchId, Any])
+               | "CutBoilerplate" >> beam.ParDo(_CutRegroup(settings))
+               .with_output_types(MicroBatch))
+        signed = (sources.signed, cut) | "AllSigned" >> beam.Flatten().with_output_types(
+            MicroBatch)
+        asked = signed | "AskBands" >> beam.ParDo(_AskBands(settings)).with_outputs(
+            _REQUESTS, _HEADERS, main="without_signatures").with_output_types(
+            MicroBatch, requests=tuple[str, tuple[BatchId, str, list, bytes, str]],
+            headers=tuple[BatchId, MicroBatch])
+        verdicts = asked[_REQUESTS] | "MatchPerBand" >> beam.ParDo(
+            _MatchPerBand(settings)).with_input_types(tuple[str, Any]).with_output_types(
+            tuple[BatchId, Any])
+        regrouped = ((asked[_HEADERS], verdicts)
+                     | "HeadersAndVerdicts" >> beam.Flatten().with_output_types(
+                         tuple[BatchId, Any])
+                     | "Regroup" >> beam.ParDo(_Regroup(settings)).with_output_types(MicroBatch))
+        return ((asked.without_signatures, regrouped)
+                | "AllMicroBatches" >> beam.Flatten().with_output_types(MicroBatch))
