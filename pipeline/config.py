@@ -401,17 +401,19 @@ _MODEL_FIELD = "{model}"
 
 
 def fill_model(config: Config) -> Config:
-    """Fill ``{model}`` in ``input``, ``output`` and ``incremental.previous_outputs`` with the
-    model's safe label (``transforms.engines.model.safe_model_label``): two models' outputs then
-    live side by side, and neither replaces the other's."""
+    """Fill ``{model}`` in ``input``, ``output`` and ``incremental.previous_outputs`` (and
+    ``incremental.may_be_absent``, which names entries of it as written) with the model's safe
+    label (``transforms.engines.model.safe_model_label``): two models' outputs then live side by
+    side, and neither replaces the other's."""
     fields = [config.input or "", config.output, *config.incremental.previous_outputs]
     if not any(_MODEL_FIELD in f for f in fields):
         return config
     from transforms.engines.model import safe_model_label
 
     label = safe_model_label(config.model)
-    incremental = config.incremental.model_copy(update={"previous_outputs": [
-        p.replace(_MODEL_FIELD, label) for p in config.incremental.previous_outputs]})
+    incremental = config.incremental.model_copy(update={
+        key: [p.replace(_MODEL_FIELD, label) for p in getattr(config.incremental, key)]
+        for key in ("previous_outputs", "may_be_absent")})
     return config.model_copy(update={
         "input": config.input.replace(_MODEL_FIELD, label) if config.input else config.input,
         "output": config.output.replace(_MODEL_FIELD, label), "incremental": incremental})

@@ -139,7 +139,8 @@ def embed_and_write(payloads, config: Config, run_id: str,
     stories = config.near_duplicates
     if config.incremental.previous_outputs:
         key_files = payloads.pipeline | "ReadKeys" >> ReadKeys(
-            config.incremental.previous_outputs, config.output)
+            config.incremental.previous_outputs, config.output,
+            config.incremental.may_be_absent)
         label = model_label(config.model, model_folder(config.model))
         skipped = docs | "SkipUnchanged" >> SkipUnchanged(key_files, label, signature)
         docs, skipped_from = skipped["docs"], skipped[SKIPPED_FROM]
@@ -207,7 +208,7 @@ def embed_and_write(payloads, config: Config, run_id: str,
         summary["store"] = {"kind": config.store.kind, "load_key": load_key(run_id)}
     committed = payloads.pipeline | "CommitRun" >> CommitRun(
         config.output, run_id, summary, files=files, tallies=tallies,
-        skipped_from=skipped_from, lease_s=config.sink.commit_lease_s)
+        skipped_from=skipped_from, key_files=key_files, lease_s=config.sink.commit_lease_s)
     if config.store.enabled:
         committed | "LoadCommittedRun" >> LoadCommittedRun(config.output, run_id, config.store)
     return committed

@@ -23,6 +23,7 @@ from pipeline.graph import build_batch, build_streaming
 from pipeline.options import NewsvecOptions
 from pipeline.progress import ProgressReporter
 from pipeline.summary import job_statistics
+from transforms import incremental as incremental_lib
 from transforms.engines.base import EngineFactory
 from transforms.output.layout import SUMMARY_FILE, join_path, new_run_id
 from transforms.output.manifest import SummaryUnavailable, published_summary, read_manifest
@@ -116,6 +117,7 @@ def run_batch(config: config_lib.Config, options: PipelineOptions,
     ``--dry_run=True`` builds the Dataflow request without sending it) is not waited for: its
     ``_summary.json`` is written by the job itself."""
     started = time.perf_counter()
+    check_previous_outputs(config)
     run_id = new_run_id()
     pipeline = test_pipeline or beam.Pipeline(options=options)
     build_batch(pipeline, config, run_id, engine_factory)
@@ -143,6 +145,21 @@ def run_batch(config: config_lib.Config, options: PipelineOptions,
         "run_s": finished - run_started,
         "total_s": finished - started,
     })}
+
+
+def check_previous_outputs(config: config_lib.Config) -> None:
+    """Each ``incremental.previous_outputs`` entry must match a newsvec output (or name the run's
+    own, or be in ``incremental.may_be_absent``): checked here, in the launcher, before the job
+    starts (``transforms.incremental.check_previous_outputs``). A ``ConfigError`` naming each
+    entry that does not, which ``newsvec run`` reports as a bad config (exit status 2)."""
+    settings = config.incremental
+    if not settings.previous_outputs:
+        return
+    try:
+        incremental_lib.check_previous_outputs(settings.previous_outputs, settings.may_be_absent,
+                                               config.output)
+    except incremental_lib.PreviousOutputMissing as exc:
+        raise config_lib.ConfigError(str(exc)) from None
 
 
 def _store_record(config: config_lib.Config, run_id: str) -> dict:

@@ -29,7 +29,7 @@ from typing import Optional
 
 import apache_beam as beam
 
-from transforms.incremental import Snapshot, SnapshotChanged
+from transforms.incremental import KeyFiles, Snapshot, SnapshotChanged
 from transforms.output.layout import (
     CHUNKS_DIR,
     DEAD_LETTER_DIR,
@@ -93,7 +93,7 @@ class _CommitFn(beam.DoFn):
     def __init__(self, output: str, run_id: str, summary: dict, lease_s: float):
         self._output, self._run_id, self._summary, self._lease_s = output, run_id, summary, lease_s
 
-    def process(self, _, staged, tallies, skipped_from=()):
+    def process(self, _, staged, tallies, skipped_from=(), key_files=None):
         # A staged file swapped for a symlink or a FIFO (a writer of the output) is refused here,
         # before the lease is taken (and again where it is read, under the lease). One gone is
         # not: a retried attempt of a commit that published finds its staging deleted.
@@ -106,8 +106,9 @@ class _CommitFn(beam.DoFn):
         # Everything below runs under the output's publish lease, so that two attempts of this
         # commit (a work item executed twice at once), another run, or a clean-up never act on
         # the output together, and each decision reads the manifest as the holder left it.
+        summary = self._summary if key_files is None else _with_previous(self._summary, key_files)
         with PublishLease(self._output, self._run_id, self._lease_s) as lease:
-            yield self._commit(staged, tallies, lease, list(skipped_from))
+            yield self._commit(staged, tallies, lease, list(skipped_from), summary)
 
     def _settled(self, lease: PublishLease) -> Optional[Manifest]:
         """The output's manifest once no publish of this run or a newer one is left cut off:
@@ -130,7 +131,8 @@ class _CommitFn(beam.DoFn):
                              "check and was withdrawn", self._run_id, current.run_id,
                              exc_info=True)
 
-    def _commit(self, staged, tallies, lease: PublishLease, skipped_from: list[Snapshot]) -> dict:
+    def _commit(self, staged, tallies, lease: PublishLease, skipped_from: list[Snapshot],
+                base: dict) -> dict:
         current = self._settled(lease)
         if current is not None and current.run_id == self._run_id:
             return self._published_summary()
@@ -148,7 +150,7 @@ class _CommitFn(beam.DoFn):
             # A run launched after this one holds the output: the newest run wins, whichever
             # commits last. This run publishes nothing.
             delete_tree_fenced(staging_prefix(self._output, self._run_id), lease)
-            return {**self._summary, "run_id": self._run_id, "published": False,
+            return {**base, "run_id": self._run_id, "published": False,
                     "superseded_by": current.run_id}
         files: dict[str, list[str]] = {subdir: [] for subdir in PUBLISHED_DIRS}
         for subdir, path in staged:
@@ -162,7 +164,7 @@ class _CommitFn(beam.DoFn):
             stored, articles_in=sent[Tally.IN], duplicates=sent[Tally.DUPLICATES],
             unchanged=sent[Tally.UNCHANGED], near_duplicates=sent[Tally.NEAR_DUPLICATES],
             truncated=sent[Tally.TRUNCATED])
-        summary = {**self._summary, "run_id": self._run_id, "counts": counts.to_summary(),
+        summary = {**base, "run_id": self._run_id, "counts": counts.to_summary(),
                    "invariant_holds": counts.balances()}
         by_similarity = {name.split(":", 1)[1]: n for name, n in sorted(sent.items())
                          if name.startswith(f"{Tally.NEAR_DUPLICATES}:")}
@@ -208,6 +210,17 @@ class _CommitFn(beam.DoFn):
         return published_summary(self._output)
 
 
+def _with_previous(summary: dict, key_files: KeyFiles) -> dict:
+    """The summary with what an incremental run read (``ReadKeys``'s ``KeyFiles``): how many
+    previous outputs, and the ``previous_outputs`` entries that matched none (allowed by
+    ``incremental.may_be_absent``; any other fails the run), so that a run that read nothing says
+    so where it is watched."""
+    return {**summary, "incremental": {**summary.get("incremental", {}),
+                                       "outputs_read": len(key_files.snapshots),
+                                       "absent": list(key_files.absent),
+                                       "absent_count": len(key_files.absent)}}
+
+
 def tally(pcoll, name: Tally, value=lambda _: 1):
     """(name, value) per element, for ``CommitRun``'s ``tallies`` (summed per name). The name
     travels as a plain str (a deterministic key for the shuffle), equal to its ``Tally``."""
@@ -220,17 +233,20 @@ class CommitRun(beam.PTransform):
     side inputs, the names of the files the run staged (``files``: the writes' outputs, so it runs
     after them, by folder: ``vectors``, ``dead_letter``, and ``chunks``, ``keys`` where written)
     and the ``Tally`` counts (``tally``), and, in an incremental run, the previous outputs it
-    skipped articles for (``skipped_from``: ``transforms.incremental.Snapshot``). Output: the
-    summary."""
+    skipped articles for (``skipped_from``: ``transforms.incremental.Snapshot``) and what it read
+    (``key_files``: ``ReadKeys``'s ``KeyFiles``, for the summary). Output: the summary."""
 
     def __init__(self, output: str, run_id: str, summary: dict, *, files: dict, tallies: list,
-                 skipped_from=None, lease_s: float = 600):
+                 skipped_from=None, key_files=None, lease_s: float = 600):
         super().__init__()
         unknown = set(files) - set(PUBLISHED_DIRS)
         if unknown:
             raise ValueError(f"not a published folder: {sorted(unknown)}")
+        if key_files is not None and skipped_from is None:
+            raise ValueError("key_files comes with skipped_from (both an incremental run's)")
         self._fn = _CommitFn(output, run_id, summary, lease_s)
         self._files, self._tallies, self._skipped_from = files, tallies, skipped_from
+        self._key_files = key_files
 
     def expand(self, pbegin):
         totals = (self._tallies | "FlattenTallies" >> beam.Flatten()
@@ -241,6 +257,8 @@ class CommitRun(beam.PTransform):
         side_inputs = [beam.pvalue.AsList(staged), beam.pvalue.AsDict(totals)]
         if self._skipped_from is not None:
             side_inputs.append(beam.pvalue.AsList(self._skipped_from))
+        if self._key_files is not None:
+            side_inputs.append(beam.pvalue.AsSingleton(self._key_files))
         return (pbegin
                 | "Once" >> beam.Create([None])
                 | "CheckAndPublish" >> beam.ParDo(self._fn, *side_inputs))

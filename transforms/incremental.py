@@ -13,7 +13,10 @@ manifest, a ``Snapshot``) into the list of their key files (``KeyFiles``, a smal
 each worker process loads those keys once (``key_index``: a
 ``transforms.output.key_index.KeyIndex``, 17 bytes a key), and ``SkipUnchanged`` counts the articles
 whose key is there as ``unchanged`` instead of embedding them: ``in = written + dead_lettered +
-duplicates + unchanged``. It also says which snapshots it skipped articles for; the commit
+duplicates + unchanged``. Each entry must match an output, or name the run's own (a daily job's
+``dt=*`` on its first day), unless ``incremental.may_be_absent`` lists it: checked at launch
+(``check_previous_outputs``) and again where the keys are read (``_ResolveFn``), so that a typo
+is said, never read as no keys. It also says which snapshots it skipped articles for; the commit
 (``transforms.commit``) publishes only if each still holds the run that was read, so an article
 counted unchanged is always in a committed output. """
 from __future__ import annotations
@@ -23,12 +26,14 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from typing import Optional
 
 import apache_beam as beam
 import pyarrow as pa
 from apache_beam import pvalue
+from apache_beam.io.filesystem import BeamIOError, FileSystem
 from apache_beam.io.filesystems import FileSystems
 
 from transforms.metrics import KEY_INDEX_LOAD_MS, KEY_INDEX_WAIT_MS, SKIP_LOOKUPS, SKIP_NS
@@ -212,6 +217,7 @@ class KeyFiles:
 
     snapshots: tuple[Snapshot, ...]
     files: tuple[tuple[str, ...], ...]
+    absent: tuple[str, ...] = ()  # the entries that matched no output and may (may_be_absent)
 
     @property
     def file_count(self) -> int:
@@ -249,29 +255,139 @@ def _streaming_prefix(path: str) -> Optional[str]:
     return prefix
 
 
-def output_prefixes(pattern: str, own_output: str) -> list[str]:
-    """The output prefixes a ``previous_outputs`` glob matches: batch outputs by their manifest,
-    streaming outputs by their key files (``keys/dt=…/hour=…/``, no manifest); never a staged
-    run's or a temporary file's folder, and the run's own output left out (a rerun replaces its
-    output: skipping what it held would drop it). Matched when the keys are read, not at
-    launch."""
+def _matches(pattern: str, own_output: str) -> tuple[list[str], list[str]]:
+    """(output prefixes, bare key folders) that a ``previous_outputs`` glob matches: batch outputs
+    by their manifest, streaming outputs by their key files (``keys/dt=…/hour=…/``, no
+    manifest); never a staged run's or a temporary file's folder, and the run's own output left
+    out (a rerun replaces its output: skipping what it held would drop it). A bare key folder is
+    a prefix whose ``keys/`` holds Parquet files directly and that has no manifest: what a batch
+    output's ``keys/`` copied alone looks like, which no run can read as committed."""
     own = _normal(own_output)
     pattern = pattern.rstrip("/")
     found: set[str] = set()
+    bare: set[str] = set()
     for result in FileSystems.match([f"{pattern}/{MANIFEST_FILE}", f"{pattern}/{KEYS_DIR}/**"]):
         for match in result.metadata_list:
             if match.path.endswith("/" + MANIFEST_FILE):
                 batch = match.path[:-len(MANIFEST_FILE) - 1]
                 if not _INTERNAL_DIRS.intersection(batch.split("/")):
                     found.add(batch)
-            else:
-                streaming = _streaming_prefix(match.path)
-                if streaming is not None:
-                    found.add(streaming)
+                continue
+            streaming = _streaming_prefix(match.path)
+            if streaming is not None:
+                found.add(streaming)
+                continue
+            parts = match.path.split("/")
+            if (len(parts) > 2 and parts[-2] == KEYS_DIR and parts[-1].endswith(".parquet")
+                    and not _INTERNAL_DIRS.intersection(parts[:-2])):
+                bare.add("/".join(parts[:-2]))
     # Local prefixes absolute and normalized, as a manifest records them (``skipped_from``:
     # ``transforms.output.manifest.check_snapshot``), whatever the working folder of whoever checks
     # them.
-    return sorted({_normal(p) for p in found} - {own})
+    outputs = {_normal(p) for p in found} - {own}
+    return sorted(outputs), sorted({_normal(p) for p in bare} - outputs - {own})
+
+
+def output_prefixes(pattern: str, own_output: str) -> list[str]:
+    """The output prefixes a ``previous_outputs`` glob matches (``_matches``), the run's own
+    output left out."""
+    return _matches(pattern, own_output)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class PreviousOutput:
+    """One ``incremental.previous_outputs`` entry as resolved: the outputs it matches, and, where
+    it matches none, why (``missing``). ``missing`` is None for an entry that matches only the
+    run's own output (the first day of a daily job's ``dt=*``: there is nothing before it)."""
+
+    entry: str
+    prefixes: tuple[str, ...]
+    missing: Optional[str] = None
+
+
+def _names_own_output(pattern: str, own_output: str) -> bool:
+    """Whether the glob ``pattern`` names ``own_output`` (by the path, not by a listing: the
+    run's own output may not exist yet), with Beam's glob rules (``*`` within a folder)."""
+    regex = FileSystem.translate_pattern(_normal(pattern))
+    return re.match(regex, _normal(own_output)) is not None
+
+
+def resolve_previous_output(entry: str, own_output: str) -> PreviousOutput:
+    """What ``entry`` matches. The rule (docs/incremental.md): an entry must match a newsvec
+    output other than the run's own, unless it names the run's own output (a daily job's
+    ``out/dt=*`` on its first day matches nothing else, legitimately; a typo in it names another
+    place, which holds nothing). A folder of bare ``keys/`` files is no output: said as such."""
+    prefixes, bare = _matches(entry, own_output)
+    shown = ", ".join(bare[:3]) + (f" and {len(bare) - 3} more" if len(bare) > 3 else "")
+    if prefixes:
+        if bare:  # the entry is not empty, but these folders' keys are not read
+            _LOG.warning("incremental.previous_outputs entry %s: %s holds %s/ files but no %s: "
+                         "not a newsvec output, its keys are not read", entry, shown, KEYS_DIR,
+                         MANIFEST_FILE)
+        return PreviousOutput(entry, tuple(prefixes))
+    if bare:
+        return PreviousOutput(entry, (), (
+            f"matches no newsvec output: {shown} holds {KEYS_DIR}/ files but no {MANIFEST_FILE}: "
+            f"not a newsvec output (a batch output's {KEYS_DIR}/ copied without the rest of it?); "
+            f"copy or point at the whole output, {MANIFEST_FILE} with it"))
+    if _names_own_output(entry, own_output):
+        return PreviousOutput(entry, ())
+    pattern = entry.rstrip("/")
+    other = [m.path for r in FileSystems.match([f"{pattern}/**"], limits=[1])
+             for m in r.metadata_list]
+    if other:
+        return PreviousOutput(entry, (), (
+            f"matches no newsvec output: files are there ({other[0]}), but no {MANIFEST_FILE} "
+            f"and no streaming key files ({KEYS_DIR}/dt=…/hour=…/) (only runs that never "
+            f"committed?)"))
+    return PreviousOutput(entry, (), "matches nothing (a typo? a disk or bucket not mounted?)")
+
+
+class PreviousOutputMissing(ValueError):
+    """``incremental.previous_outputs`` entries that match no newsvec output, none of them in
+    ``incremental.may_be_absent``: the run would read no keys from them and embed again every
+    article they hold, its stories linked to none of theirs."""
+
+
+def judge_previous_outputs(resolved: list[PreviousOutput],
+                           may_be_absent: list[str]) -> list[str]:
+    """The entries that match no output and may (``may_be_absent``), each logged as a warning;
+    ``PreviousOutputMissing`` naming every entry that matches none and may not."""
+    refused = [r for r in resolved if r.missing is not None and r.entry not in may_be_absent]
+    if refused:
+        raise PreviousOutputMissing("\n".join(
+            [f"incremental.previous_outputs entry {r.entry} {r.missing}" for r in refused]
+            + ["Correct it, or list it in incremental.may_be_absent if it may match nothing (a "
+               "streaming output that has not written its first key file yet): "
+               "docs/incremental.md"]))
+    absent = []
+    for r in resolved:
+        if r.missing is not None:
+            _LOG.warning("incremental.previous_outputs entry %s %s; it is in "
+                         "incremental.may_be_absent, so this run reads no keys from it",
+                         r.entry, r.missing)
+            absent.append(r.entry)
+        elif not r.prefixes:
+            _LOG.info("incremental.previous_outputs entry %s matches no output but this run's "
+                      "own: its first run, nothing before it to read", r.entry)
+    return absent
+
+
+def check_previous_outputs(previous_outputs: list[str], may_be_absent: list[str],
+                           own_output: str) -> list[str]:
+    """At launch, before the job starts: each entry resolved (``resolve_previous_output``) and
+    judged (``judge_previous_outputs``), so that a typo fails the launch (the launcher, a retried
+    Cloud Scheduler job, reports it) rather than a job whose workers have started. Returns the
+    entries that may be absent and are. An entry that cannot be listed (a bucket that does not
+    exist, no permission) is refused naming it, whether it may be absent or not."""
+    resolved = []
+    for entry in previous_outputs:
+        try:
+            resolved.append(resolve_previous_output(entry, own_output))
+        except BeamIOError as exc:
+            raise PreviousOutputMissing(
+                f"incremental.previous_outputs entry {entry} could not be listed: {exc}") from exc
+    return judge_previous_outputs(resolved, may_be_absent)
 
 
 def streaming_key_files(prefix: str) -> list[str]:
@@ -390,34 +506,58 @@ def key_index(files: KeyFiles) -> KeyIndex:
     return _INDEXES.get(files, lambda: _build_index(files))
 
 
-def _key_files(read: list) -> KeyFiles:
+def _key_files(read: list, absent: list) -> KeyFiles:
     """The resolved snapshots -> ``KeyFiles``; also starts loading them into this process's
     cache, which the skip finds there if it runs in this process (locally, it does: the load then
     overlaps the engine's)."""
     read = sorted(read, key=lambda item: item[0].prefix)
-    files = KeyFiles(tuple(s for s, _ in read), tuple(paths for _, paths in read))
+    files = KeyFiles(tuple(s for s, _ in read), tuple(paths for _, paths in read),
+                     tuple(sorted(absent)))
     _INDEXES.start(files, lambda: _build_index(files))
     return files
+
+
+ABSENT = "absent"
+
+
+class _ResolveFn(beam.DoFn):
+    """A ``previous_outputs`` entry -> the output prefixes it matches; an entry that matches none
+    and may (``may_be_absent``) to ``ABSENT``, one that may not fails the job
+    (``PreviousOutputMissing``): the launch's check (``check_previous_outputs``), made again
+    where the keys are read, so that the job reads what is there then."""
+
+    def __init__(self, own_output: str, may_be_absent: list[str]):
+        self._own, self._may_be_absent = own_output, list(may_be_absent)
+
+    def process(self, entry: str):
+        resolved = resolve_previous_output(entry, self._own)
+        for absent in judge_previous_outputs([resolved], self._may_be_absent):
+            yield pvalue.TaggedOutput(ABSENT, absent)
+        yield from resolved.prefixes
 
 
 class ReadKeys(beam.PTransform):
     """``incremental.previous_outputs`` -> one ``KeyFiles`` (a PCollection of one), resolved when
     the job runs: each output through its committed manifest, so that a rerun of that output
-    published before this job reads it is read as it now is."""
+    published before this job reads it is read as it now is. An entry that matches no output
+    fails the job unless it is in ``may_be_absent`` (``_ResolveFn``)."""
 
-    def __init__(self, previous_outputs: list[str], own_output: str):
+    def __init__(self, previous_outputs: list[str], own_output: str,
+                 may_be_absent: Optional[list[str]] = None):
         super().__init__()
         self._patterns, self._own = list(previous_outputs), own_output
+        self._may_be_absent = list(may_be_absent or [])
 
     def expand(self, pbegin):
-        own = self._own
-        return (pbegin
-                | "Patterns" >> beam.Create(self._patterns).with_output_types(str)
-                | "Outputs" >> beam.FlatMap(lambda pattern: output_prefixes(pattern, own))
+        resolved = (pbegin
+                    | "Patterns" >> beam.Create(self._patterns).with_output_types(str)
+                    | "Outputs" >> beam.ParDo(_ResolveFn(self._own, self._may_be_absent))
+                    .with_outputs(ABSENT, main="prefixes"))
+        return (resolved.prefixes
                 | "OnePerOutput" >> beam.Distinct()
                 | "ReadSnapshot" >> beam.ParDo(_ReadSnapshotFn())
                 | "All" >> beam.combiners.ToList()
-                | "KeyFiles" >> beam.Map(_key_files))
+                | "KeyFiles" >> beam.Map(_key_files, pvalue.AsList(resolved[ABSENT])))
 
 
 class _SkipFn(beam.DoFn):

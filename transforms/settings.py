@@ -323,7 +323,21 @@ class IncrementalSettings(_Section):
         description="batch: globs of output prefixes (may hold `{model}`) whose key index "
                     "(`keys/`) this run consults: an article already embedded there with the same "
                     "text, model and settings is counted `unchanged`, not embedded; the run's own "
-                    "output is never consulted")
+                    "output is never consulted. Each entry must match an output, or name the "
+                    "run's own (a daily `dt=*` on its first day): else the launch fails naming it")
+    may_be_absent: list[str] = Field(
+        default_factory=list,
+        description="entries of `previous_outputs`, as written there, that may match no output "
+                    "(a streaming output that has not written yet): a warning naming each, and "
+                    "`incremental.absent_count` in `_summary.json`, instead of a failed launch")
+
+    @model_validator(mode="after")
+    def _absent_ones_are_entries(self):
+        unknown = [p for p in self.may_be_absent if p not in self.previous_outputs]
+        if unknown:
+            raise ValueError(f"incremental.may_be_absent: {unknown[0]!r} is not an entry of "
+                             f"incremental.previous_outputs (name it as written there)")
+        return self
 
 
 NearDuplicateAction = Literal["mark", "skip"]
