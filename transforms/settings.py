@@ -373,7 +373,7 @@ class NearDuplicateSettings(_Section):
                                                           "(boilerplate cut) a copy needs to be "
                                                           "skipped; its numbers must also all be "
                                                           "its original's")
-    min_shingles: int = Field(20, ge=1, description="the distinct shingles of its own "
+    min_shingles: int = Field(10, ge=1, description="the distinct shingles of its own "
                                                     "(boilerplate cut) a text needs to be a copy "
                                                     "or an original; fewer: its own story")
     short_chars: int = Field(300, ge=0, description="a text with at most this many characters "
