@@ -53,7 +53,14 @@ from tools import japanese_stories
 from tools.bench_results import write_results
 from tools.near_copies import STRENGTHS, copy_of
 from transforms.settings import NearDuplicateSettings
-from transforms.stories import StoryIndex, shingle_hashes, shingle_text, signatures
+from transforms.stories import (
+    StoryIndex,
+    from_bytes,
+    shingle_hashes,
+    shingle_text,
+    sign,
+    signatures,
+)
 
 TARGETED = ("light", "medium", "heavy")  # copies keeping at least 70% of the text
 SWEEP_SHINGLES = (9, 12, 16, 24)
@@ -139,8 +146,9 @@ def evaluate(corpus: Corpus, settings: NearDuplicateSettings,
     group = {i: g for i, _, g in corpus.originals}
     # the originals alone, once: the same for every strength
     index = StoryIndex(settings)
-    original_marks = {oid: index.mark(oid, sig)
-                      for (oid, _, _), sig in zip(corpus.originals, originals_sig, strict=True)}
+    original_marks = {oid: index.mark(oid, sig, facts=facts)
+                      for (oid, _, _), sig, facts in zip(corpus.originals, originals_sig,
+                                                         sigs["facts"]["originals"], strict=True)}
     story = {oid: m.story_id for oid, m in original_marks.items()}
     # real duplicates: a pair's later article in the earlier one's story is right
     real_later = {later for later, _ in corpus.real_pairs}
@@ -163,7 +171,7 @@ def evaluate(corpus: Corpus, settings: NearDuplicateSettings,
                  "originals_marked_wrongly": original_fp, "wrong_same_group": fp_same_group,
                  "wrong_pairs": fp_pairs[:10], "strengths": {}}
     for strength, copies in corpus.copies.items():
-        right = wrong = missed = 0
+        right = wrong = missed = skippable = 0
         sims = []
         wrong_examples = []
         # each copy is marked against the originals, not against another copy of its original
@@ -180,12 +188,14 @@ def evaluate(corpus: Corpus, settings: NearDuplicateSettings,
             missed_story: dict[str, str] = {}
             for n in members:
                 original, sig = copies[n][1], sigs[strength][n]
-                mark = round_index.mark(f"copy-{strength}-{n}", sig)
+                mark = round_index.mark(f"copy-{strength}-{n}", sig,
+                                        facts=sigs["facts"][strength][n])
                 if not mark.is_copy:
                     missed += 1
                     missed_story[mark.story_id] = story[original]
                 elif missed_story.get(mark.story_id, mark.story_id) == story[original]:
                     right += 1
+                    skippable += mark.skippable
                     sims.append(mark.similarity)
                 else:
                     wrong += 1
@@ -193,6 +203,7 @@ def evaluate(corpus: Corpus, settings: NearDuplicateSettings,
         marked = right + wrong + original_tp + original_fp
         out["strengths"][strength] = {
             "copies": len(copies), "right": right, "wrong_story": wrong, "missed": missed,
+            "skip_left_out": skippable,
             "recall": right / len(copies) if copies else None,
             "precision": (right + original_tp) / marked if marked else None,
             "median_similarity": statistics.median(sims) if sims else None,
@@ -213,15 +224,22 @@ def _copy_index(index: StoryIndex) -> StoryIndex:
     """A StoryIndex holding what ``index`` holds (the originals), to mark one strength's copies."""
     clone = StoryIndex(index._settings)  # noqa: SLF001 - a benchmark's shortcut
     clone._by_band = {k: list(v) for k, v in index._by_band.items()}  # noqa: SLF001
-    clone._by_id = dict(index._by_id)  # noqa: SLF001
+    clone._held = dict(index._held)  # noqa: SLF001
     clone._marks = dict(index._marks)  # noqa: SLF001
     return clone
 
 
 def signature_table(corpus: Corpus, settings: NearDuplicateSettings) -> dict:
-    table = {"originals": signatures([t for _, t, _ in corpus.originals], settings)}
-    for strength, copies in corpus.copies.items():
-        table[strength] = signatures([t for t, _, _ in copies], settings)
+    """Per part of the corpus ("originals", each strength), its texts' signatures (as the batch
+    signs them: ``transforms.stories.sign``, no source, so nothing is cut) and, under "facts",
+    their facts."""
+    parts = {"originals": [t for _, t, _ in corpus.originals],
+             **{strength: [t for t, _, _ in copies] for strength, copies in corpus.copies.items()}}
+    table: dict = {"facts": {}}
+    for name, texts in parts.items():
+        signed = sign(texts, [None] * len(texts), settings)
+        table[name] = [None if s.minhash is None else from_bytes(s.minhash) for s in signed]
+        table["facts"][name] = [s.facts for s in signed]
     return table
 
 
@@ -333,6 +351,37 @@ def sweep(corpora: list[Corpus]) -> list[dict]:
     return rows
 
 
+# -- the review's sets: boilerplate and flashes --------------------------------------------------
+
+def review_sets() -> dict:
+    """Each set of tools/story_sets.py (footers, headers and "About" paragraphs around briefs and
+    headlines, in English and Japanese; flash pairs of different facts and of the same story),
+    marked as the batch marks a run of it (tools/story_figures.mark_items: each source's
+    boilerplate learned over the set), with action ``mark`` and ``skip``."""
+    from tools import story_sets
+    from tools.story_figures import mark_items, set_figures
+
+    out = {}
+    for name, make in story_sets.SETS.items():
+        items = make(story_sets.BBC_DIR)
+        out[name] = {action: set_figures(items, mark_items(
+            items, NearDuplicateSettings(action=action))) for action in ("mark", "skip")}
+    return out
+
+
+def print_review_sets(sets: dict) -> None:
+    print("\nthe review's sets (boilerplate and flashes), defaults, as the batch marks each set: "
+          "articles, real copies found, false merges (a copy marked into another story), "
+          "precision, recall; action skip: left out (of them wrongly)")
+    for name, r in sets.items():
+        m, k = r["mark"], r["skip"]
+        precision = "-" if m["precision"] is None else f"{m['precision']:.3f}"
+        recall = "-" if m["recall"] is None else f"{m['recall']:.3f}"
+        print(f"  {name:<20} {m['articles']:>4} {m['copies_found']:>3}/{m['real_copies']:<3} "
+              f"false merges {m['false_merges']:>2}  P {precision:>5}  R {recall:>5}  skip left "
+              f"out {k['skip_left_out']:>2} ({k['skip_left_out_wrongly']} wrongly)")
+
+
 # -- CPU ------------------------------------------------------------------------------------------
 
 def articles_of_length(n: int, chars: int) -> list[str]:
@@ -372,6 +421,88 @@ def cpu_signatures(texts: list[str], processes: int, batch: int = 100, repeats: 
             "wall_ms_per_article_all": [round(1000 * w / len(texts), 4) for w in walls],
             "cpu_ms_per_article": 1000 * min(cpus) / len(texts),
             "load_average": os.getloadavg()[0]}
+
+
+def cpu_step(texts: list[str], sources: int = 8, batch: int = 100) -> dict:
+    """One process, CPU µs per article of the batch marking's own work, in its order: the block
+    keys counted per source (``BlockKeys``, ``LearnBoilerplate``), the signing without the
+    boilerplate (``Sign``), and the marking of all on one worker (``FindStories``); the articles
+    spread over ``sources`` sources."""
+    from transforms.stories import find_stories
+    from transforms.stories.boilerplate import LearnBoilerplate
+    from transforms.stories.sign import block_keys
+
+    settings = _SETTINGS
+    ids = [f"a{i:06d}" for i in range(len(texts))]
+    source = [f"s{i % sources}" for i in range(len(texts))]
+    start = time.process_time()
+    learn = LearnBoilerplate(settings.boilerplate_min_docs)
+    tables: dict = {}
+    for id_, text, src in zip(ids, texts, source, strict=True):
+        table = tables.setdefault(src, learn.create_accumulator())
+        learn.add_input(table, (id_, block_keys(text, settings)))
+    cut = {src: learn.extract_output(table) for src, table in tables.items()}
+    learned = time.process_time()
+    signed = []
+    for i in range(0, len(texts), batch):
+        signed += sign(texts[i:i + batch], [cut[s] for s in source[i:i + batch]], settings)
+    signing = time.process_time()
+    entries = [((i, 0, id_), id_, s.minhash, id_,
+                None if s.facts is None else s.facts.to_bytes())
+               for i, (id_, s) in enumerate(zip(ids, signed, strict=True))]
+    for _ in find_stories(entries, [], settings):
+        pass
+    done = time.process_time()
+    n = len(texts)
+    return {"learn_us": 1e6 * (learned - start) / n, "sign_us": 1e6 * (signing - learned) / n,
+            "mark_us": 1e6 * (done - signing) / n, "total_us": 1e6 * (done - start) / n,
+            "boilerplate_blocks": int(sum(c.size for c in cut.values()))}
+
+
+def graph_cpu(runs: int, repeat: int = 2) -> dict:
+    """The batch graph (FnApiRunner, 2 SDK workers, one per core) over the BBC articles
+    (``repeat`` copies, each its own ids, 8 sources) with a FREE engine that costs nothing
+    (benchmarks/feed.py), ``near_duplicates.enabled`` false and true, alternated ``runs`` times:
+    wall ms per article of each run and the medians. The marking's cost is the difference."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    from benchmarks.batch import bbc_texts
+    from benchmarks.feed import ModeledEngineFactory
+    from pipeline.config import load
+    from pipeline.run import run_batch
+
+    texts = bbc_texts(None)
+    work = Path(tempfile.mkdtemp(prefix="newsvec-stories-graph-"))
+    events = work / "events.jsonl"
+    with open(events, "w", encoding="utf-8") as f:
+        for copy in range(repeat):
+            for i, text in enumerate(texts):
+                f.write(json.dumps({"id": f"bbc-{copy}-{i:05d}", "body": text,
+                                    "source": f"source-{i % 8}"}) + "\n")
+    n = len(texts) * repeat
+    config = load(str(REPO_ROOT / "configs" / "local.yaml"))
+    options = PipelineOptions(["--runner=FnApiRunner", "--direct_num_workers=2",
+                               "--direct_running_mode=multi_processing"])
+    walls: dict[str, list[float]] = {"off": [], "on": []}
+    for run in range(runs):
+        for name in ("off", "on"):
+            stories = config.near_duplicates.model_copy(update={"enabled": name == "on"})
+            run_config = config.model_copy(update={
+                "input": str(events), "output": str(work / f"out-{name}-{run}"),
+                "near_duplicates": stories})
+            start = time.perf_counter()
+            run_batch(run_config, options, engine_factory=ModeledEngineFactory(
+                None, 0.0, str(work / "engine.log")))
+            walls[name].append(1000 * (time.perf_counter() - start) / n)
+            print(f"  graph run {run + 1}, near_duplicates {name}: {walls[name][-1]:.3f} ms "
+                  "wall per article", flush=True)
+    off, on = statistics.median(walls["off"]), statistics.median(walls["on"])
+    return {"articles": n, "runs": runs, "wall_ms_per_article": walls, "off_ms": off,
+            "on_ms": on, "marking_ms": on - off, "load_average": os.getloadavg()[0]}
 
 
 def cpu_parts(texts: list[str]) -> dict:
@@ -423,35 +554,67 @@ def cpu_alternatives(texts: list[str]) -> dict:
 
 # -- state ----------------------------------------------------------------------------------------
 
+_VERSION = "0123456789abcdef"  # what a held entry keeps of its text's hash (16 hex)
+
+
+def _long_facts(settings: NearDuplicateSettings) -> bytes:
+    """The facts of a long article (no text kept; numbers with action skip: 20 of them)."""
+    from transforms.stories.facts import Facts
+
+    numbers = tuple(range(20)) if settings.action == "skip" else None
+    return Facts(numbers=numbers, shingles=1400).to_bytes()
+
+
 def state_size(settings: NearDuplicateSettings) -> dict:
     """Bytes per held story in the streaming state: ``bands`` entries, each with the article's
-    id, its story's id, its rank and expiry, and its ``num_perm`` uint32 signature."""
-    article_id, story_id = "reuters-2026-12-07-0001234", "reuters-2026-12-07-0001200"
+    id, its story's id, its rank and expiry, its band signature, its version and its facts (a
+    long article's; a short one's also holds its text, up to ``short_chars`` x 1.5)."""
+    from transforms.state_coders import HeldStoriesCoder
     from transforms.stories import band_signature
 
-    # what a band key holds of a signature: its low bytes (band_signature)
+    article_id, story_id = "reuters-2026-12-07-0001234", "reuters-2026-12-07-0001200"
     signature = band_signature(np.arange(settings.num_perm, dtype=np.uint32).tobytes())
     rank, expiry = [1_796_000_000_000_000, 1_795_999_000_000_000], 1_796_600_000_000_000
-    try:
-        from transforms.state_coders import HeldStoriesCoder  # type: ignore[attr-defined]
-    except ImportError:
-        HeldStoriesCoder = None  # noqa: N806
-    entry_fields = len(article_id) + len(story_id) + 8 + 8 + 8 + len(signature)
-    out = {"bands": settings.bands, "signature_bytes": len(signature),
-           "entry_fields_bytes": entry_fields,
-           "computed_bytes_per_story": settings.bands * entry_fields}
-    if HeldStoriesCoder is not None:
-        coder = HeldStoriesCoder()
-        one = len(coder.encode([(article_id, story_id, rank, expiry, signature)]))
-        two = len(coder.encode([(article_id, story_id, rank, expiry, signature)] * 2))
-        out.update({"coder": "HeldStoriesCoder", "encoded_one_entry": one,
-                    "encoded_per_added_entry": two - one,
-                    "encoded_bytes_per_story": settings.bands * (two - one)})
-    else:
-        out["coder"] = "none in transforms.state_coders: computed from the fields"
-    per_story = out.get("encoded_bytes_per_story", out["computed_bytes_per_story"])
-    out["gb_per_million_stories"] = per_story * 1_000_000 / 1e9
-    return out
+    facts = _long_facts(settings)
+    entry = (article_id, story_id, rank, expiry, signature, _VERSION, facts)
+    coder = HeldStoriesCoder()
+    one = len(coder.encode([entry]))
+    two = len(coder.encode([entry] * 2))
+    per_story = settings.bands * (two - one)
+    return {"bands": settings.bands, "signature_bytes": len(signature),
+            "facts_bytes": len(facts), "coder": "HeldStoriesCoder", "encoded_one_entry": one,
+            "encoded_per_added_entry": two - one, "encoded_bytes_per_story": per_story,
+            "gb_per_million_stories": per_story * 1_000_000 / 1e9}
+
+
+class _LazyHeld:
+    """Held story i (the oldest first) of the modeled band state: its signature and band keys,
+    its cells built the first time it is asked for."""
+
+    def __init__(self, settings, store, coder, facts: bytes, t0: int, horizon: int,
+                 per_batch: int):
+        self._settings, self._coder, self._facts = settings, coder, facts
+        self._cells = store.cells[("match", "held")]
+        self._timers = store.timers[("match", "forget")]
+        self._t0, self._horizon, self._per_batch = t0, horizon, per_batch
+        self._built: dict[int, tuple[np.ndarray, list[str]]] = {}
+
+    def story(self, i: int) -> tuple[np.ndarray, list[str]]:
+        from transforms.stories import band_keys, band_signature
+
+        if i not in self._built:
+            settings = self._settings
+            sig = np.random.default_rng(i).integers(0, 2**32, settings.num_perm,
+                                                    dtype=np.uint32)
+            keys = band_keys(sig, settings)
+            expiry = self._t0 + 1 + i // self._per_batch
+            entry = (f"held-{i:09d}", f"held-{i:09d}", [expiry - self._horizon, 0], expiry,
+                     band_signature(sig.astype("<u4").tobytes()), _VERSION, self._facts)
+            for key in keys:
+                self._cells[key] = self._coder.encode([entry])
+                self._timers[key] = expiry
+            self._built[i] = (sig, keys)
+        return self._built[i]
 
 
 def streaming_micro_batches(settings: NearDuplicateSettings, held_counts: list[int],
@@ -462,72 +625,130 @@ def streaming_micro_batches(settings: NearDuplicateSettings, held_counts: list[i
     with ``HeldStoriesCoder``), in a steady state of ``held`` stories, each in its ``bands``
     cells. Each micro-batch: 90% new articles, 10% copies of held ones; then the watermark
     forgets as many of the oldest as it added. Signatures are random values (those of distinct
-    texts are); a copy keeps 60% of its original's values."""
+    texts are); a copy keeps 60% of its original's values. A held story's cells are built when
+    first touched (a copy of it, its forgetting), outside the timing: a request reads its own
+    cells only, so cells no request reads are not built (a million stories would be 32 million
+    cells, about 8 GB)."""
     from apache_beam.utils.timestamp import Timestamp
 
     from tools.dedup_state_model import ModeledStateStore
     from transforms.stories import _MatchPerBand, band_keys, band_signature
 
+    facts = _long_facts(settings)
     rows = []
     for held in held_counts:
-        rng = np.random.default_rng(held)
         store = ModeledStateStore()
         fn = _MatchPerBand(settings)
         coder = _MatchPerBand.HELD.coder
         cells, timers = store.cells[("match", "held")], store.timers[("match", "forget")]
         t0 = 1_796_000_000_000_000
         horizon = int(settings.horizon_s * 1_000_000)
-        stories: list[tuple[str, np.ndarray, list[str], int]] = []
-
         new_per_batch = docs - docs // 10
-        for i in range(held):  # the oldest first, as many per micro-batch as one adds
-            story_id, expiry = f"held-{i:09d}", t0 + 1 + i // new_per_batch
-            sig = rng.integers(0, 2**32, settings.num_perm, dtype=np.uint32)
-            keys = band_keys(sig, settings)
-            entry = (story_id, story_id, [expiry - horizon, 0], expiry,
-                     band_signature(sig.astype("<u4").tobytes()))
-            for key in keys:
-                cells[key] = coder.encode([entry])
-                timers[key] = expiry
-            stories.append((story_id, sig, keys, expiry))
+        lazy = _LazyHeld(settings, store, coder, facts, t0, horizon, new_per_batch)
+        story = lazy.story
+        rng = np.random.default_rng(held)
+        first = 0  # the oldest story held
         times, decoded, encoded = [], [], []
         for b in range(batches):
-            dec0, enc0 = store.bytes_decoded, store.bytes_encoded
             now = t0 + horizon + (b + 1) * 1_000_000
             requests = []
-            added = []
             for j in range(docs):
                 if j < new_per_batch:
                     sig = rng.integers(0, 2**32, settings.num_perm, dtype=np.uint32)
                 else:  # a copy of a held story
-                    sig = stories[int(rng.integers(len(stories) // 2, len(stories)))][1].copy()
+                    sig = story(int(rng.integers(first + held // 2, first + held)))[0].copy()
                     changed = rng.random(sig.size) < 0.4
                     sig[changed] = rng.integers(0, 2**32, int(changed.sum()), dtype=np.uint32)
                 doc_id = f"new-{b:03d}-{j:04d}"
-                minhash = band_signature(sig.astype("<u4").tobytes())
-                keys = band_keys(sig, settings)
-                requests += [(key, (b, doc_id, [now, 0], minhash, doc_id)) for key in keys]
-                if j < new_per_batch:
-                    added.append((doc_id, sig, keys, now + horizon))
+                packed = band_signature(sig.astype("<u4").tobytes()) + facts
+                requests += [(key, (b, doc_id, [now, 0], packed, doc_id))
+                             for key in band_keys(sig, settings)]
+            oldest = [story(i)[1] for i in range(first, first + new_per_batch)]
+            fired = Timestamp(micros=t0 + 1 + (first + new_per_batch - 1) // new_per_batch)
+            dec0, enc0 = store.bytes_decoded, store.bytes_encoded
             start = time.process_time()
             for request in requests:
                 store.call("match", fn.process, request[0], request, Timestamp(micros=now))
-            oldest = stories[:new_per_batch]
-            del stories[:new_per_batch]
-            fired = Timestamp(micros=max(expiry for *_, expiry in oldest))
-            for _, _, keys, _ in oldest:
+            for keys in oldest:
                 for key in keys:
                     if timers.get(key, 1 << 62) <= fired.micros:
                         store.call("match", fn.forget, key, None, fired)
             times.append(time.process_time() - start)
             decoded.append(store.bytes_decoded - dec0)
             encoded.append(store.bytes_encoded - enc0)
-            stories.extend(added)  # what this batch held joins the steady state
+            first += new_per_batch  # what this batch held replaces the oldest
         rows.append({"stories_held": held, "docs": docs,
                      "cpu_ms_per_micro_batch": 1000 * statistics.median(times),
                      "bytes_decoded": statistics.median(decoded),
                      "bytes_encoded": statistics.median(encoded),
-                     "cells": len(cells)})
+                     "cells_built": len(cells)})
+    return rows
+
+
+def local_micro_batches(settings: NearDuplicateSettings, held_counts: list[int],
+                        docs: int = 100, batches: int = 7) -> list[dict]:
+    """The local runner's layout (``_MarkLocally``): one micro-batch of ``docs`` 2,000-character
+    articles (90% new, 10% copies of the previous micro-batch's) against ``held`` stories held
+    in its in-memory index (random signatures), its state through the MODELED state store, the
+    process warm (the index found by its token, as between the micro-batches of one local run).
+    CPU ms per micro-batch (signing included) and the bytes it encodes."""
+    import datetime as dt
+    import random
+
+    from apache_beam.utils.timestamp import Timestamp
+
+    from tools.dedup_state_model import ModeledStateStore
+    from transforms.stories.index import Held
+    from transforms.stories.streaming import _LOCAL, _Local, _MarkLocally
+    from transforms.types import MicroBatch, NewsEvent, PreparedDoc
+
+    texts = articles_of_length(docs * batches, 2000)
+    t0 = dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc)
+    rows = []
+    for held in held_counts:
+        rng = np.random.default_rng(held)
+        local = _Local(settings)
+        expiry = 1_796_600_000_000_000
+        for i in range(held):
+            sig = rng.integers(0, 2**32, settings.num_perm, dtype=np.uint32)
+            local.index.hold(Held(f"held-{i:09d}", f"held-{i:09d}", sig, (i, 0, f"h{i}"),
+                                  _VERSION, None, expiry))
+        local.index.take_added()
+        store = ModeledStateStore()
+        name = f"bench-{held}"
+        _LOCAL[name] = local
+        store.cells[("local", "token")][0] = _MarkLocally.TOKEN.coder.encode(f"{name}:0")
+        store.cells[("local", "forget_at")][0] = _MarkLocally.FORGET_AT.coder.encode(1 << 60)
+        fn = _MarkLocally(settings)
+        times, encoded = [], []
+        previous: list[str] = []
+        chooser = random.Random(held)
+        for b in range(batches):
+            batch_docs = []
+            for j in range(docs):
+                text = texts[b * docs + j]
+                if j >= docs - docs // 10 and previous:
+                    text = "(AP) " + chooser.choice(previous)
+                when = t0 + dt.timedelta(minutes=b, seconds=j)
+                event = NewsEvent(id=f"new-{b}-{j}", body=text, source=f"s{j % 8}",
+                                  published_at=when)
+                batch_docs.append(PreparedDoc(event=event, text=text, text_sha256=f"{b}-{j}",
+                                              token_ids=(101, 102), truncated=False))
+            previous = [d.text for d in batch_docs[:docs - docs // 10]]
+            batch = MicroBatch(window_start_us=0, window_end_us=60_000_000, pane=0, shard=0,
+                               shards=1, docs=tuple(batch_docs), messages_in=docs)
+            enc0 = store.bytes_encoded
+            start = time.process_time()
+            store.call("local", fn.process, 0, (0, batch),
+                       Timestamp(seconds=1_796_000_000 + 60 * b))
+            times.append(time.process_time() - start)
+            encoded.append(store.bytes_encoded - enc0)
+        del _LOCAL[name]
+        rows.append({"stories_held": held, "docs": docs,
+                     "cpu_ms_per_micro_batch": 1000 * statistics.median(times),
+                     "bytes_encoded": statistics.median(encoded)})
+        print(f"  local layout, {held:>9,} held: {rows[-1]['cpu_ms_per_micro_batch']:.1f} ms CPU "
+              f"per micro-batch, {rows[-1]['bytes_encoded']:,.0f} B encoded", flush=True)
     return rows
 
 
@@ -592,9 +813,28 @@ def table_figures(f: dict, argv) -> dict:
         rows["CPU per article: rensa fed a str per shingle; datasketch MinHash"] = row(
             f"{1000 * cpu['rensa_str_shingles_cpu_ms_per_article']:.0f} µs; "
             f"{1000 * cpu['datasketch_cpu_ms_per_article']:,.0f} µs")
-    per_story = state.get("encoded_bytes_per_story", state["computed_bytes_per_story"])
-    how = "encoded" if "encoded_bytes_per_story" in state else "computed from the fields"
-    rows[f"streaming state per held story ({state['bands']} bands, {how})"] = row(
+    step = cpu["step"]
+    rows["the batch marking's own work per 2,000-character article, one process (learn the "
+         "boilerplate; sign; mark)"] = row(
+        f"{step['total_us']:.0f} µs ({step['learn_us']:.0f}; {step['sign_us']:.0f}; "
+        f"{step['mark_us']:.0f})", "≤ 100 µs", "yes" if step["total_us"] <= 100 else "no")
+    if "graph" in cpu:
+        g = cpu["graph"]
+        rows[f"the batch graph with a FREE engine, {g['articles']:,} BBC articles, 2 SDK "
+             "workers: wall ms per article, marking off / on (median of "
+             f"{g['runs']})"] = row(
+            f"{g['off_ms']:.3f} / {g['on_ms']:.3f}: marking {g['marking_ms']:.3f} ms",
+            "≤ 0.1 ms", "yes" if g["marking_ms"] <= 0.1 else "no")
+    sets = f.get("review_sets") or {}
+    if sets:
+        merges = sum(r["mark"]["false_merges"] for r in sets.values())
+        wrong_skips = sum(r["skip"]["skip_left_out_wrongly"] for r in sets.values())
+        rows["the review's sets (footers, headers, About paragraphs, flashes; English and "
+             "Japanese): articles merged into another story; skips of another story"] = row(
+            f"{merges}; {wrong_skips} of {sum(r['mark']['articles'] for r in sets.values()):,}",
+            "0", "yes" if merges == 0 and wrong_skips == 0 else "no")
+    per_story = state["encoded_bytes_per_story"]
+    rows[f"streaming state per held story ({state['bands']} bands, encoded)"] = row(
         f"{per_story:,} B ({state['gb_per_million_stories']:.1f} GB per million)")
     batches = state.get("micro_batches") or []
     if len(batches) >= 2:
@@ -609,6 +849,15 @@ def table_figures(f: dict, argv) -> dict:
         rows["streaming band step: CPU per article (32 state cells read and written, MODELED "
              "state store)"] = row(f"{per_article:.2f} ms", "≤ 0.1 ms",
                                    "yes" if per_article <= 0.1 else "no")
+    local = state.get("local_micro_batches") or []
+    if len(local) >= 2:
+        low, high = local[0], local[-1]
+        rows[f"local runner's layout, micro-batch of 100 (signing included): CPU ms at "
+             f"{low['stories_held']:,} / {high['stories_held']:,} stories held"] = row(
+            f"{low['cpu_ms_per_micro_batch']:.0f} / {high['cpu_ms_per_micro_batch']:.0f} ms "
+            f"(×{high['cpu_ms_per_micro_batch'] / low['cpu_ms_per_micro_batch']:.2f})", "flat",
+            "yes" if high["cpu_ms_per_micro_batch"] <= 2 * low["cpu_ms_per_micro_batch"]
+            else "no")
     return rows
 
 
@@ -626,9 +875,12 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-articles", type=int, default=2000)
     parser.add_argument("--chars", type=int, default=2000, help="characters per CPU article")
     parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--held", type=int, nargs="+", default=[1000, 50_000],
-                        help="stories held in the streaming state (a million would take about "
-                             "7 GB of encoded state here, more as Python objects)")
+    parser.add_argument("--held", type=int, nargs="+", default=[1000, 50_000, 1_000_000],
+                        help="stories held in the per band key state (cells built when touched)")
+    parser.add_argument("--local-held", type=int, nargs="+", default=[10_000, 100_000, 1_000_000],
+                        help="stories held in the local runner's in-memory index")
+    parser.add_argument("--graph-runs", type=int, default=3,
+                        help="runs of the batch graph with marking off and on (0: none)")
     parser.add_argument("--seed", type=int, default=40)
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
     args = parser.parse_args(argv)
@@ -674,6 +926,11 @@ def main(argv=None) -> int:
                   f"{s} {v:.2f}" for s, v in result["copy_exact_jaccard_median"].items()))
         if result["wrong_pairs"]:
             print(f"  originals marked wrongly (id, of, similarity): {result['wrong_pairs']}")
+    for corpus in (bbc, ja):
+        skipped = {s: figures[corpus.name]["strengths"][s]["skip_left_out"] for s in STRENGTHS}
+        print(f"  {corpus.name}: copies action skip leaves out, per strength: {skipped}")
+    figures["review_sets"] = review_sets()
+    print_review_sets(figures["review_sets"])
     if not args.no_sweep:
         figures["sweep"] = sweep([bbc, ja])
 
@@ -682,6 +939,7 @@ def main(argv=None) -> int:
           f"({multiprocessing.cpu_count()} CPUs):")
     cpu = {"one_process": cpu_signatures(texts, 1), "two_processes": cpu_signatures(texts, 2)}
     cpu.update(cpu_parts(texts))
+    cpu["step"] = cpu_step(texts)
     cpu.update(cpu_alternatives(texts[:300]))
     for name in ("one_process", "two_processes"):
         c = cpu[name]
@@ -700,6 +958,17 @@ def main(argv=None) -> int:
               f"{cpu['datasketch_cpu_ms_per_article']:.4f} ms CPU per article")
     else:
         print("  datasketch: not installed (pip install datasketch to compare)")
+    step = cpu["step"]
+    print(f"  the batch marking's own work, one process, µs CPU per article: learn the "
+          f"boilerplate {step['learn_us']:.0f}, sign {step['sign_us']:.0f}, mark "
+          f"{step['mark_us']:.0f}: {step['total_us']:.0f} (target <= 100)")
+    if args.graph_runs:
+        print(f"\nthe batch graph, a FREE engine, marking off and on ({args.graph_runs} runs "
+              "each, 2 SDK workers):")
+        cpu["graph"] = graph_cpu(args.graph_runs)
+        g = cpu["graph"]
+        print(f"  median wall ms per article: off {g['off_ms']:.3f}, on {g['on_ms']:.3f}: "
+              f"marking {g['marking_ms']:.3f} ms (load average {g['load_average']:.1f})")
     figures["cpu"] = cpu
 
     state = state_size(settings)
@@ -713,9 +982,12 @@ def main(argv=None) -> int:
     print("the band step of one micro-batch of 100 (90 new, 10 copies) and its timers, MODELED "
           "state store (tools/dedup_state_model.py), median CPU time of 7:")
     for r in state["micro_batches"]:
-        print(f"  {r['stories_held']:>9,} stories held ({r['cells']:,} cells): "
+        print(f"  {r['stories_held']:>9,} stories held ({r['cells_built']:,} cells built): "
               f"{r['cpu_ms_per_micro_batch']:.1f} ms CPU, {r['bytes_decoded']:,.0f} B decoded, "
               f"{r['bytes_encoded']:,.0f} B encoded")
+    print("the local runner's layout, one micro-batch of 100 (signing included), median CPU "
+          "time of 7:")
+    state["local_micro_batches"] = local_micro_batches(settings, args.local_held)
     figures["counts"] = dict(Counter(g for _, _, g in bbc.originals))
     figures.update(table_figures(figures, argv))
     out = write_results(figures, args.results, "near_duplicates")

@@ -86,3 +86,53 @@ def story_figures(scores: np.ndarray, truth: list[str], targets: list[str],
             f"distinct_stories@{k}_min": int(np.min(distinct)),
             f"queries_with_a_story_twice@{k}": float(np.mean(np.array(distinct) < k)),
             "recall@1": float(np.mean(at_1)), f"recall@{k}": float(np.mean(at_k))}
+
+
+def mark_items(items, settings) -> dict:
+    """Marks ``tools.story_sets.Item``s as the batch marks a run of them (``MarkStories``, in
+    memory): each source's boilerplate learned over the run, the texts signed without it, then
+    marked in ``story_rank`` order. Returns id -> ``StoryMark``."""
+    import datetime as dt
+
+    from transforms.stories import find_stories, sign
+    from transforms.stories.boilerplate import BlockCounts, id_hash
+    from transforms.stories.sign import block_keys
+
+    counts: dict[str, BlockCounts] = {}
+    for item in items:
+        counts.setdefault(item.source, BlockCounts(settings.boilerplate_min_docs)).add(
+            id_hash(item.id), block_keys(item.text, settings))
+    cut = {source: table.boilerplate() for source, table in counts.items()}
+    signed = sign([item.text for item in items], [cut[item.source] for item in items], settings)
+    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+    entries = []
+    for item, s in zip(items, signed, strict=True):
+        when = dt.datetime.fromisoformat(item.published_at.replace("Z", "+00:00"))
+        micros = (when - epoch) // dt.timedelta(microseconds=1)
+        entries.append(((micros, 0, item.id), item.id, s.minhash, item.id,
+                        None if s.facts is None else s.facts.to_bytes()))
+    return {key[0]: mark for key, mark in find_stories(entries, [], settings)
+            if isinstance(key, tuple)}
+
+
+def set_figures(items, marks: dict) -> dict:
+    """A set's marks against its truth (``Item.story``): copy marks into the right story and into
+    another (false merges), real copies found, precision and recall; and, of the marks action
+    ``skip`` would leave out, how many, and how many of them wrongly."""
+    truth = {item.id: item.story for item in items}
+    right = wrong = skippable = skipped_wrongly = 0
+    for item in items:
+        mark = marks[item.id]
+        if not mark.is_copy:
+            continue
+        ok = truth[mark.near_duplicate_of] == item.story
+        right += ok
+        wrong += not ok
+        if mark.skippable:
+            skippable += 1
+            skipped_wrongly += not ok
+    copies = sum(item.story != item.id for item in items)
+    return {"articles": len(items), "real_copies": copies, "copies_found": right,
+            "false_merges": wrong, "precision": right / (right + wrong) if right + wrong else None,
+            "recall": right / copies if copies else None, "skip_left_out": skippable,
+            "skip_left_out_wrongly": skipped_wrongly}

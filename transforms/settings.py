@@ -377,7 +377,8 @@ class NearDuplicateSettings(_Section):
                                                     "(boilerplate cut) a text needs to be a copy "
                                                     "or an original; fewer: its own story")
     short_chars: int = Field(300, ge=0, description="a text with at most this many characters "
-                                                    "of its own (no whitespace, boilerplate cut) "
+                                                    "of its own (no whitespace, boilerplate cut; "
+                                                    "a CJK character counts 3) "
                                                     "is short: a copy only of a short text it "
                                                     "differs from trivially (case, punctuation, "
                                                     "a spelling variant, a wire credit at an "

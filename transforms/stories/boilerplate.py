@@ -90,7 +90,7 @@ class BlockCounts:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        articles, keys, seen = (np.concatenate(column) for column in zip(*pending))
+        articles, keys, seen = (np.concatenate(column) for column in zip(*pending, strict=True))
         order = np.lexsort((articles, keys))
         keys, articles, seen = keys[order], articles[order], seen[order]
         at = np.searchsorted(self.keys, keys)
@@ -108,7 +108,7 @@ class BlockCounts:
             first[1:] = keys[1:] != keys[:-1]
             starts = np.flatnonzero(first)
             ids = np.zeros((starts.size, self.min_docs), dtype=np.uint32)
-            for row, (lo, hi) in enumerate(zip(starts, [*starts[1:], keys.size])):
+            for row, (lo, hi) in enumerate(zip(starts, [*starts[1:], keys.size], strict=True)):
                 distinct = np.unique(articles[lo:hi])[:self.min_docs]
                 ids[row, :distinct.size] = distinct
             latest = np.maximum.reduceat(seen, starts)

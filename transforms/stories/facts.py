@@ -120,6 +120,16 @@ def _variant(a: str, b: str) -> bool:
             and a.isalpha() and b.isalpha() and _one_edit(a, b))
 
 
+def _as_variants(words: list[str], other: list[str]) -> list[str]:
+    known = set(other)
+    same = {}
+    for word in set(words) - known:
+        variants = [them for them in known if _variant(word, them)]
+        if len(variants) == 1:
+            same[word] = variants[0]
+    return [same.get(word, word) for word in words]
+
+
 def trivial_difference(a: str, b: str) -> bool:
     """Whether two short texts (``_fold``ed) say the same: their tokens equal but for spelling
     variants, and for tokens only one of them has, at its start or end (a wire credit,
@@ -128,14 +138,10 @@ def trivial_difference(a: str, b: str) -> bool:
     x, y = tokens(a), tokens(b)
     if not x or not y:
         return False
-    # A word of one that is a spelling variant of a word only the other has is taken as it
-    only_x, only_y = set(x) - set(y), set(y) - set(x)
-    same = {}
-    for word in only_y:
-        variants = [other for other in only_x if _variant(word, other)]
-        if len(variants) == 1:
-            same[word] = variants[0]
-    y = [same.get(word, word) for word in y]
+    # A word of one that the other lacks, a spelling variant of one word of the other, is taken
+    # as that word (both ways: the same verdict whichever text comes first)
+    y = _as_variants(y, x)
+    x = _as_variants(x, y)
     affix = 0
     for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, x, y, autojunk=False).get_opcodes():
         if op == "equal":

@@ -27,7 +27,7 @@ import numpy as np
 
 from transforms.settings import NearDuplicateSettings
 from transforms.stories.facts import Facts, numbers_kept, trivial_difference
-from transforms.stories.signature import band_keys, similarity
+from transforms.stories.signature import band_keys, similarity, units
 
 MAX_HELD_PER_BAND = 64
 """The most articles one band key holds (the earliest in ``story_rank``): a band value that many
@@ -93,15 +93,18 @@ class Rules:
         first, then = held.rank[0], rank[0]
         return first >= _UNDATED or then >= _UNDATED or then - first <= self._horizon_us
 
+    def _short(self, facts: Optional[Facts]) -> bool:
+        return (facts is not None and facts.short is not None
+                and units(facts.short) <= self.settings.short_chars)
+
     def confirms(self, facts: Optional[Facts], held: Optional[Facts]) -> bool:
         """Whether two texts at the threshold are copies by their facts: where either is short,
-        both are, and differ trivially."""
-        mine = facts is not None and facts.short is not None
-        theirs = held is not None and held.short is not None
-        if not (mine or theirs):
+        both are kept (short, or a little longer: ``transforms.stories.sign.CARRIED``) and differ
+        trivially."""
+        if not (self._short(facts) or self._short(held)):
             return True
-        return (mine and theirs and facts is not None and held is not None
-                and trivial_difference(facts.short or "", held.short or ""))
+        return (facts is not None and held is not None and facts.short is not None
+                and held.short is not None and trivial_difference(facts.short, held.short))
 
     def skippable(self, sim: float, facts: Optional[Facts], held: Optional[Facts]) -> bool:
         return (sim >= self.settings.skip_threshold and facts is not None

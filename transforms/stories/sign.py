@@ -29,6 +29,9 @@ class Signed:
 
 
 UNSIGNED = Signed(None, None)
+CARRIED = 1.5
+"""A text up to this many times ``short_chars`` long is kept in its facts: a short text is
+compared with one a little longer than short by their words, not taken apart for its length."""
 
 
 def block_keys(text: str, settings: NearDuplicateSettings) -> np.ndarray:
@@ -50,14 +53,13 @@ def sign(texts: list[str], boilerplate: list[Optional[np.ndarray]],
         if signature is None:
             out.append(UNSIGNED)
             continue
-        own = _own_chars(s, cut)
-        short = own <= settings.short_chars
+        carried = _own_units(s, cut) <= CARRIED * settings.short_chars
         plain = None
-        if short or settings.action == "skip":
+        if carried or settings.action == "skip":
             plain = _fold(_own_text(text, s, cut))
         out.append(Signed(to_bytes(signature), Facts(
             numbers=numbers(plain) if settings.action == "skip" and plain is not None else None,
-            short=plain if short else None, shingles=int(hashes.size))))
+            short=plain if carried else None, shingles=int(hashes.size))))
     return out
 
 
@@ -67,10 +69,9 @@ def _cut_blocks(s, cut: Optional[np.ndarray]) -> np.ndarray:
     return np.isin(s.keys, cut) & (s.keys != 0)
 
 
-def _own_chars(s, cut: Optional[np.ndarray]) -> int:
-    """The characters (no whitespace) of the blocks not cut."""
-    lengths = s.ends - s.starts
-    return int(lengths[~_cut_blocks(s, cut)].sum())
+def _own_units(s, cut: Optional[np.ndarray]) -> int:
+    """The length of the blocks not cut (no whitespace; ``WIDE_UNITS`` a CJK character)."""
+    return int(s.units[~_cut_blocks(s, cut)].sum())
 
 
 def _own_text(text: str, s, cut: Optional[np.ndarray]) -> str:

@@ -38,6 +38,10 @@ _MASK = (1 << 64) - 1
 _ENDS = ((". ", ".\0"), ("! ", "!\0"), ("? ", "?\0"), ("。", "。\0"), ("！", "！\0"),
          ("？", "？\0"), ("\n", "\0"))
 _SAMPLE = 128  # shingles sampled to count a long text's distinct ones
+WIDE_UNITS = 3
+"""What a CJK character (kana, Han, Hangul: from U+2E80) counts for in a text's length, against 1
+for a letter: a Japanese text says in 100 characters about what an English one says in 300."""
+_WIDE = 0x2E80
 
 
 def signature_version(settings: NearDuplicateSettings) -> str:
@@ -46,6 +50,13 @@ def signature_version(settings: NearDuplicateSettings) -> str:
     algorithm = getattr(getattr(rensa, "RMinHash", None), "ALGORITHM_VERSION", "none")
     return (f"rensa-r{algorithm}-k{settings.shingle_chars}-p{settings.num_perm}"
             f"-s{settings.seed}")
+
+
+def units(text: str) -> int:
+    """A text's length as ``Shingled.units`` counts it: no whitespace, ``WIDE_UNITS`` a CJK
+    character."""
+    folded = "".join(text.split())
+    return len(folded) + (WIDE_UNITS - 1) * sum(ch >= "\u2e80" for ch in folded)
 
 
 def _fold(text: str) -> str:
@@ -90,14 +101,16 @@ def _polynomial(codes: np.ndarray, starts: np.ndarray, ends: np.ndarray, prefix:
 @dataclasses.dataclass(frozen=True)
 class Shingled:
     """A text's shingle hashes (one per start, over ``shingle_text``), its blocks' spans in those
-    folded characters (``starts``, ``ends``) and their keys (``keys``: 0 for a block shorter than
-    a shingle, which has no shingle of its own)."""
+    folded characters (``starts``, ``ends``), their keys (``keys``: 0 for a block shorter than
+    a shingle, which has no shingle of its own) and their lengths in ``units`` (``WIDE_UNITS``
+    for a CJK character)."""
 
     hashes: np.ndarray
     k: int
     starts: np.ndarray
     ends: np.ndarray
     keys: np.ndarray
+    units: np.ndarray
 
     @property
     def block_keys(self) -> np.ndarray:
@@ -146,7 +159,7 @@ def shingle(text: str, shingle_chars: int) -> Shingled:
     n = codes.size
     empty = np.zeros(0, dtype=np.int64)
     if n == 0:
-        return Shingled(codes, shingle_chars, empty, empty, np.zeros(0, dtype=np.uint64))
+        return Shingled(codes, shingle_chars, empty, empty, np.zeros(0, dtype=np.uint64), empty)
     k = min(shingle_chars, n)
     up, down = _powers_for(n)
     prefix = np.zeros(n + 1, dtype=np.uint64)
@@ -159,11 +172,19 @@ def shingle(text: str, shingle_chars: int) -> Shingled:
         ends = np.unique(np.append(at - np.arange(at.size), n))
         ends = ends[ends > 0]
         starts = np.concatenate(([0], ends[:-1]))
-    # A block's key: the polynomial hash of its folded text, for a block with a shingle inside
-    # it; 0 (no key) for a shorter one.
+    # A block's key: the polynomial hash of its folded text with every digit taken as 0 (a
+    # publisher's "Updated 09:14, 7 December" line is one block whatever its time), for a block
+    # with a shingle inside it; 0 (no key) for a shorter one.
+    digits = (codes >= 0x31) & (codes <= 0x39)
+    if digits.any():
+        masked = np.where(digits, np.uint64(0x30), codes)
+        np.cumsum(masked * down[:n], out=prefix[1:])
     keys = _polynomial(codes, starts, ends, prefix, up)
     keys[ends - starts < shingle_chars] = 0
-    return Shingled(hashes, k, starts, ends, keys)
+    wide = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(codes >= _WIDE, out=wide[1:])
+    units = ends - starts + (WIDE_UNITS - 1) * (wide[ends] - wide[starts])
+    return Shingled(hashes, k, starts, ends, keys, units)
 
 
 def shingle_hashes(text: str, shingle_chars: int) -> np.ndarray:

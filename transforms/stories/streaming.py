@@ -31,8 +31,14 @@ from typing import Any, Iterable, Optional
 import apache_beam as beam
 import numpy as np
 from apache_beam import pvalue
-from apache_beam.coders import BytesCoder, FloatCoder, NullableCoder, StrUtf8Coder, TupleCoder
-from apache_beam.coders import VarIntCoder
+from apache_beam.coders import (
+    BytesCoder,
+    FloatCoder,
+    NullableCoder,
+    StrUtf8Coder,
+    TupleCoder,
+    VarIntCoder,
+)
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.transforms.userstate import (
     BagStateSpec,
@@ -452,7 +458,11 @@ class _MarkLocally(beam.DoFn):
         settings = self._settings
         name, local = self._local(token_state, held_state, sources_state)
         now_s = int(timestamp.micros // 10**6)
-        known = [(doc, source_of(doc)) for doc in batch.docs if source_of(doc) is not None]
+        known: list[tuple[Any, str]] = []
+        for doc in batch.docs:
+            source = source_of(doc)
+            if source is not None:
+                known.append((doc, source))
         for doc, source in known:  # counted first: a footer in this micro-batch counts
             counts = local.sources.setdefault(source, BlockCounts(settings.boilerplate_min_docs))
             counts.add(id_hash(doc.id), block_keys(doc.text, settings), now_s)
