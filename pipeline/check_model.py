@@ -8,11 +8,19 @@ A sample of news events (JSON Lines, the pipeline's input format) is embedded tw
   training side's checkpoint), with the model's own tokenizer, pooling and normalization, at
   float32, on the same prepared text with the model's declared document prompt (or the config's
   prefix where it declares none), cut at the same ``model.max_tokens``.
+The sample's titles are embedded as queries the same two ways: as ``newsvec search`` embeds a query
+(``pipeline.search.embed_queries``: the query path without vLLM where it applies, else the engine,
+after ``model.query_prefix``), and by the reference with the model's declared query prompt (or the
+config's prefix): a search's vectors are checked, not only the pipeline's.
 It reports the cosine of each text's two vectors (min, p05, median; by length: within and beyond
-the model's local attention window, near ``max_tokens``; the worst texts), whether newsvec's head
-tokenization gives the model tokenizer's own ids, and what it found in the model folder. Exit
-status 1 when the lowest cosine is below ``--min-cosine``, a head's ids disagree, a text failed to
-embed, or the vectors' normalization differs; 2 for a config or input it cannot use.
+the model's local attention window, near ``max_tokens``; the worst texts), the queries' cosines,
+whether newsvec's head tokenization gives the model tokenizer's own ids, every prompt the model
+declares and what the config does with it, and what it found in the model folder. Exit status 1
+when the lowest cosine of the texts or of the queries is below ``--min-cosine``, a head's ids
+disagree, a text failed to embed, the vectors' normalization differs, the model declares a prompt
+the config neither uses nor leaves out on purpose (``model.unused_prompts``), or a BERT model's
+``tokenizer.json`` says otherwise than the tokenizer transformers builds (which every side here
+uses, so no cosine can show it); 2 for a config or input it cannot use.
 """
 from __future__ import annotations
 
@@ -34,6 +42,9 @@ DEFAULT_INPUT = config_lib.REPO_ROOT / "pipeline" / "sample_data" / "news-events
 DEFAULT_MIN_COSINE = 0.99
 NEAR_MAX_TOKENS = 0.9  # a text of at least this share of max_tokens is "near max_tokens"
 _DOCUMENT_PROMPTS = ("document", "passage", "doc", "corpus")  # sentence-transformers prompt names
+_QUERY_PROMPTS = ("query",)
+QUERY_SAMPLE = 50  # titles of the sample embedded as queries
+LEFT_OUT = "left out on purpose (model.unused_prompts)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +71,16 @@ class ModelFacts:
     query_prefix: str
     dtype: str  # the engine's, resolved on this machine
     reference_dtype: str
+    query_reference_prefix: str = ""  # what the reference puts before every query
+
+
+@dataclasses.dataclass(frozen=True)
+class DeclaredPrompt:
+    """A prompt the model declares (``prompts`` in ``config_sentence_transformers.json``)."""
+    name: str
+    text: str
+    role: str  # "query", "document", or "unknown": a name check-model does not know
+    use: str  # "model.query_prefix", "model.document_prefix", LEFT_OUT or "unused"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +123,10 @@ class Report:
     heads_checked: int
     heads_agreeing: int
     token_disagreements: list[TokenDisagreement]
+    queries: Optional[Summary] = None  # the sample's titles embedded as newsvec search does
+    query_path: str = ""  # how newsvec search embedded them
+    worst_queries: list[TextCosine] = dataclasses.field(default_factory=list)
+    prompts: list[DeclaredPrompt] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
@@ -133,12 +158,53 @@ def _pooling_config(folder: Path) -> dict:
     return (configs[0] or {}) if configs else {}
 
 
-def document_prompt(prompts: dict[str, str]) -> Optional[str]:
-    """The model's declared prompt for documents (sentence-transformers' ``prompts``), if any."""
-    for name in _DOCUMENT_PROMPTS:
-        if name in prompts:
-            return prompts[name]
+def document_prompt(prompts: dict[str, str], left_out: Sequence[str] = ()) -> Optional[str]:
+    """The model's declared prompt for documents (sentence-transformers' ``prompts``), if any
+    that is not ``left_out``."""
+    return _prompt(prompts, _DOCUMENT_PROMPTS, left_out)
+
+
+def query_prompt(prompts: dict[str, str], left_out: Sequence[str] = ()) -> Optional[str]:
+    """The model's declared prompt for queries, if any that is not ``left_out``."""
+    return _prompt(prompts, _QUERY_PROMPTS, left_out)
+
+
+def _prompt(prompts: dict[str, str], names: Sequence[str], left_out: Sequence[str]
+            ) -> Optional[str]:
+    for name in names:
+        if name in prompts and name not in left_out:
+            return str(prompts[name])
     return None
+
+
+def declared_prompts(prompts: dict[str, str], settings: ModelSettings) -> list[DeclaredPrompt]:
+    """Every prompt the model declares, its role by its name, and what the config does with it:
+    the prefix of its role whose text is the prompt's (either prefix for a name of no known
+    role), else left out on purpose or unused."""
+    found = []
+    for name, text in prompts.items():
+        text = str(text)
+        role = ("query" if name in _QUERY_PROMPTS else "document" if name in _DOCUMENT_PROMPTS
+                else "unknown")
+        uses = [key for key, prefix in (("document", settings.document_prefix),
+                                         ("query", settings.query_prefix))
+                if text == prefix and role in (key, "unknown")]
+        use = (f"model.{uses[0]}_prefix" if uses else LEFT_OUT
+               if name in settings.unused_prompts else "unused")
+        found.append(DeclaredPrompt(name, text, role, use))
+    return found
+
+
+def _sample_queries(events: Sequence) -> list[tuple[str, str]]:
+    """(event id, title) of the first ``QUERY_SAMPLE`` events with a title of their own."""
+    seen: set[str] = set()
+    queries: list[tuple[str, str]] = []
+    for event in events:
+        title = (event.title or "").strip()
+        if title and title not in seen and len(queries) < QUERY_SAMPLE:
+            seen.add(title)
+            queries.append((str(event.id), title))
+    return queries
 
 
 def model_facts(settings: ModelSettings, folder: Path, pooling_engine: str, dim: int,
@@ -285,14 +351,17 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
                              model_kwargs={"dtype": torch.float32})
     prompts = (_read_json(reference_folder / "config_sentence_transformers.json")
                or {}).get("prompts") or {}
-    declared = document_prompt(prompts)
+    declared = document_prompt(prompts, settings.unused_prompts)
     prefix = (reference_prefix if reference_prefix is not None
               else declared if declared is not None else settings.document_prefix)
+    declared_query = query_prompt(prompts, settings.unused_prompts)
+    query_prefix = declared_query if declared_query is not None else settings.query_prefix
     st.max_seq_length = min(settings.max_tokens, st.max_seq_length or settings.max_tokens)
     own = st.tokenizer
     pooling_engine = _engine_pooling(settings, engine_factory)
     facts = model_facts(settings, folder, pooling_engine,
                         st.get_embedding_dimension() or settings.dim, prefix, reference_folder)
+    facts = dataclasses.replace(facts, query_reference_prefix=query_prefix)
     if reference_folder != folder:
         facts = dataclasses.replace(facts, path=f"{folder} (reference: {reference_folder})")
 
@@ -321,8 +390,7 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
         lengths = [len(ids) for ids in
                    own([prefix + t for t in texts], verbose=False)["input_ids"]]
         for label, vector, r, tokens in zip(labels, vectors, ref, lengths, strict=True):
-            cosine = float(vector @ r / (np.linalg.norm(vector) * np.linalg.norm(r) or 1.0))
-            cosines.append(TextCosine(label, round(cosine, 6), tokens,
+            cosines.append(TextCosine(label, _cosine(vector, r), tokens,
                                       _length(tokens, facts.local_reach, settings.max_tokens)))
     summaries = []
     if cosines:
@@ -331,6 +399,9 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
             group = [c.cosine for c in cosines if c.length == length]
             if group:
                 summaries.append(_summary(length, group))
+
+    query_cosines, query_path, query_error = _compare_queries(
+        config, events, st, query_prefix, engine_factory)
 
     disagreements, heads = [], 0
     for doc in docs:
@@ -349,6 +420,15 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
     elif summaries[0].min < min_cosine:
         problems.append(f"the lowest cosine, {summaries[0].min:.4f}, is below --min-cosine "
                         f"{min_cosine}")
+    query_summary = _summary("queries", [c.cosine for c in query_cosines]) if query_cosines \
+        else None
+    if query_error:
+        problems.append(f"the sample's titles failed to embed as newsvec search embeds a query: "
+                        f"{query_error}")
+    elif query_summary is not None and query_summary.min < min_cosine:
+        problems.append(f"the lowest cosine of the queries (the sample's titles, embedded as "
+                        f"newsvec search embeds them), {query_summary.min:.4f}, is below "
+                        f"--min-cosine {min_cosine}")
     if failed:
         problems.append(f"{failed} texts failed to embed")
     if disagreements:
@@ -357,12 +437,42 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
     if facts.normalize_reference != settings.normalize:
         problems.append(f"model.normalize is {str(settings.normalize).lower()} but the model's "
                         f"modules {'do' if facts.normalize_reference else 'do not'} normalize")
-    if declared is not None and declared != settings.document_prefix:
-        notes.append(f"the model declares the document prompt {declared!r}; the config's "
-                     f"model.document_prefix is {settings.document_prefix!r}")
-    if declared is None and reference_prefix is None:
-        notes.append("the model declares no document prompt: the reference uses the config's "
-                     f"model.document_prefix {settings.document_prefix!r}")
+    prompt_uses = declared_prompts(prompts, settings)
+    for declared_prompt in prompt_uses:
+        if declared_prompt.use == "unused":
+            problems.append(_unused_prompt(declared_prompt, settings))
+        elif declared_prompt.use == LEFT_OUT:
+            notes.append(f"the model declares the prompt {declared_prompt.name!r} "
+                         f"({declared_prompt.text!r}), left out on purpose "
+                         "(model.unused_prompts): the reference uses the config's prefix")
+    notes += [f"model.unused_prompts names {name!r}, which the model does not declare"
+              for name in settings.unused_prompts if name not in prompts]
+    if not prompts:
+        notes.append("the model declares no prompts: the reference uses the config's "
+                     f"model.document_prefix {settings.document_prefix!r} and model.query_prefix "
+                     f"{settings.query_prefix!r}")
+    else:
+        for texts_of, names, found, setting in (
+                ("documents", _DOCUMENT_PROMPTS,
+                 declared is not None or reference_prefix is not None, "document_prefix"),
+                ("queries", _QUERY_PROMPTS, declared_query is not None, "query_prefix")):
+            if not found:
+                notes.append(f"the reference puts the config's model.{setting} "
+                             f"{getattr(settings, setting)!r} before {texts_of}: of the model's "
+                             f"prompts ({', '.join(map(repr, prompts))}) none is named "
+                             f"{' or '.join(names)} (or each such is in model.unused_prompts)")
+    from transforms.engines.query import Unsupported, tokenizer_json_disagreements
+
+    try:
+        tokenizer_json = tokenizer_json_disagreements(folder)
+    except Unsupported as exc:  # a tokenizer file it cannot read: the model's loading says more
+        tokenizer_json = [str(exc)]
+    if tokenizer_json:
+        problems.append("the model's tokenizer.json says otherwise than the tokenizer transformers "
+                        "builds from its tokenizer_config.json, which newsvec, the engine and the "
+                        "reference all use (so no cosine here can show it): "
+                        f"{'; '.join(tokenizer_json)}; the model may have been trained with "
+                        "tokenizer.json's: make the two files agree")
     if facts.max_positions and settings.max_tokens > facts.max_positions:
         notes.append(f"max_tokens {settings.max_tokens} is over the model's "
                      f"{facts.max_positions} positions")
@@ -391,7 +501,60 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
                   dead_lettered=len(prepared) - len(docs) + unparsed, failed=failed,
                   summaries=summaries, worst=ranked[:worst], heads_checked=heads,
                   heads_agreeing=heads - len(disagreements),
-                  token_disagreements=disagreements[:worst])
+                  token_disagreements=disagreements[:worst], queries=query_summary,
+                  query_path=query_path,
+                  worst_queries=sorted(query_cosines, key=lambda c: c.cosine)[:worst],
+                  prompts=prompt_uses)
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return round(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) or 1.0)), 6)
+
+
+def _compare_queries(config: config_lib.Config, events: Sequence, st, query_prefix: str,
+                     engine_factory) -> tuple[list[TextCosine], str, Optional[str]]:
+    """(the cosine of each sample title's vector as ``newsvec search`` embeds it, with the
+    reference's after ``query_prefix``; how search embedded them; why they failed to embed)."""
+    from pipeline.search import embed_queries
+    from transforms.text import normalize_text
+
+    if engine_factory is not None:
+        return [], "not compared: a stand-in engine (newsvec search embeds with vLLM)", None
+    queries = _sample_queries(events)
+    if not queries:
+        return [], "not compared: no event of the sample has a title", None
+    try:
+        served, notes = embed_queries(config, [title for _, title in queries])
+    except Exception as exc:  # pylint: disable=broad-except  # the engine failed: the answer
+        return [], "failed", f"{type(exc).__name__}: {exc}"
+    texts = [normalize_text(title, config.text.unicode_form) for _, title in queries]
+    ref = st.encode(texts, prompt=query_prefix, convert_to_numpy=True,
+                    normalize_embeddings=False).astype(np.float64)[:, :config.model.output_dim]
+    lengths = [len(ids) for ids in
+               st.tokenizer([query_prefix + t for t in texts], verbose=False)["input_ids"]]
+    cosines = [TextCosine(f"{event_id} (title)", _cosine(np.asarray(vector, np.float64), r),
+                          tokens, "query")
+               for (event_id, _), vector, r, tokens in zip(queries, served, ref, lengths,
+                                                           strict=True)]
+    path = ("; ".join(dict.fromkeys(notes)) if notes
+            else "the query path, without vLLM (transforms/engines/query.py)")
+    return cosines, path, None
+
+
+def _unused_prompt(prompt: DeclaredPrompt, settings: ModelSettings) -> str:
+    """The problem of a declared prompt the config neither uses nor leaves out on purpose."""
+    if prompt.role == "unknown":
+        what = (f"the prompt {prompt.name!r} (a name check-model does not know: not "
+                f"{', '.join(_QUERY_PROMPTS + _DOCUMENT_PROMPTS)})")
+        said = (f"it is neither model.document_prefix {settings.document_prefix!r} nor "
+                f"model.query_prefix {settings.query_prefix!r}")
+    else:
+        key = f"{prompt.role}_prefix"
+        what = f"the {prompt.role} prompt {prompt.name!r}"
+        said = f"model.{key} is {getattr(settings, key)!r}"
+    return (f"the model declares {what}, {prompt.text!r}, which the config does not use "
+            f"({said}): set the prefix it is for, or name {prompt.name!r} in "
+            "model.unused_prompts if it is left out on purpose")
 
 
 def _same_pooling(reference: str, engine: str) -> bool:
@@ -438,6 +601,16 @@ def render(report: Report) -> str:
     for d in report.token_disagreements:
         lines.append(f"  {_escaped(d.id)}: newsvec {d.newsvec} tokens, model {d.model}, first "
                      f"difference at {d.first_difference}")
+    lines += ["", f"queries    {report.queries.texts if report.queries else 0} titles of the "
+              f"sample as newsvec search embeds them: {report.query_path}; reference prompt "
+              f"{m.query_reference_prefix!r}"]
+    if report.queries:
+        q = report.queries
+        lines.append(f"  {q.length:<16}{q.texts:>6}{q.min:>10.5f}{q.p05:>10.5f}{q.median:>10.5f}")
+        lines += [f"    {c.cosine:.5f}  {_escaped(c.id)}" for c in report.worst_queries[:3]]
+    lines += ["", "prompts    " + ("none declared" if not report.prompts else
+                                   f"{len(report.prompts)} declared (name, role, use, text)")]
+    lines += [f"  {p.name!r:<20}{p.role:<10}{p.use:<44}{p.text!r}" for p in report.prompts]
     lines += ["", f"worst texts (lowest cosine first; --min-cosine {report.min_cosine})",
               f"  {'cosine':>8}  {'tokens':>6}  {'length':<16}id"]
     for c in report.worst:
@@ -458,9 +631,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Embed a sample of news events as the pipeline would (the config's text "
         "preparation, prefix and vLLM engine) and with sentence-transformers on the model "
         "folder, and compare: cosine per text (min, p05, median, by length, the worst texts), "
-        "newsvec's token ids against the model tokenizer's, and what the model folder says. "
-        "Exit status 1 below --min-cosine or when token ids differ: run it before a model "
-        "serves.")
+        "the sample's titles embedded as newsvec search embeds a query against the reference "
+        "with the model's query prompt, newsvec's token ids against the model tokenizer's, the "
+        "prompts the model declares, and what the model folder says. Exit status 1 below "
+        "--min-cosine, when token ids differ, or for a declared prompt the config neither uses "
+        "nor leaves out (model.unused_prompts): run it before a model serves.")
     parser.add_argument("--config", default=str(config_lib.DEFAULT_CONFIG),
                         help="the config whose model and text settings to check (default: "
                         "configs/local.yaml)")

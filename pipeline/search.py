@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -229,17 +229,37 @@ def embed_query(config: Config, query: str):
     """The query's vector, as the engine embeds an article of the same text: computed without
     starting vLLM (``transforms.engines.query``) where the model allows it exactly, else by the
     engine (a note on standard error says why)."""
+    (vector,), notes = embed_queries(config, [query])
+    for note in notes:
+        print(f"newsvec search: {note}", file=sys.stderr)
+    return vector
+
+
+def embed_queries(config: Config, queries: Sequence[str]) -> tuple[list, list[str]]:
+    """(each query's vector as ``embed_query`` computes it, why any went to the engine): the
+    engine embeds every query of a model the query path refuses (``Unsupported``), and a query it
+    fails on (a tokenizer's error), so that a search never ends in a traceback the engine would
+    not have given."""
     from transforms.engines.query import QueryEmbedder, Unsupported
     from transforms.text import normalize_text
 
-    text = config.model.query_prefix + normalize_text(query, config.text.unicode_form)
+    texts = [config.model.query_prefix + normalize_text(query, config.text.unicode_form)
+             for query in queries]
     try:
         embedder = QueryEmbedder(config.model)
     except Unsupported as exc:
-        print(f"newsvec search: the query is embedded by the engine (vLLM: slower to start), "
-              f"as {config.model.name} is not one it embeds without it: {exc}", file=sys.stderr)
-        return embed_query_with_engine(config, text)
-    return embedder.embed(embedder.ids(text))
+        return ([embed_query_with_engine(config, text) for text in texts],
+                [f"the query is embedded by the engine (vLLM: slower to start), as "
+                 f"{config.model.name} is not one it embeds without it: {exc}"])
+    vectors, notes = [], []
+    for text in texts:
+        try:
+            vectors.append(embedder.embed(embedder.ids(text)))
+        except Exception as exc:  # pylint: disable=broad-except  # tokenizers raises Exception
+            notes.append(f"the query is embedded by the engine (vLLM: slower to start), as the "
+                         f"query path failed on it: {type(exc).__name__}: {exc}")
+            vectors.append(embed_query_with_engine(config, text))
+    return vectors, notes
 
 
 def embed_query_with_engine(config: Config, text: str):

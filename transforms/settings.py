@@ -86,6 +86,13 @@ class ModelSettings(BaseModel):
     query_prefix: str = Field(
         "", description="put before a query (`newsvec search`): the counterpart of "
                         "`document_prefix` (e5: `\"query: \"`; bge: an instruction)")
+    unused_prompts: list[str] = Field(
+        default_factory=list,
+        description="names of prompts the model declares (`prompts` in its "
+                    "`config_sentence_transformers.json`) that the config leaves out on purpose: "
+                    "`newsvec check-model` fails on a declared prompt used as neither "
+                    "`document_prefix` nor `query_prefix` unless it is named here (its reference "
+                    "then uses the config's prefix)")
     pooling_task: Literal["embed", "token_embed"] = Field(
         "embed", description="the vLLM pooling task the engine is loaded for (one `LLM` serves "
                              "one): `embed`, vLLM pools; `token_embed`, vLLM gives a vector per "

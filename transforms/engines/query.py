@@ -10,16 +10,19 @@ declare (mean or CLS: what vLLM reads from them), L2-normalized when ``model.nor
 ``bfloat16`` the weights and each layer's output are rounded to bfloat16, as the engine computes
 (tests/test_query_embedder.py checks the vectors against the engine's: cosine >= 0.999).
 
-Anything it cannot do exactly (another architecture or activation, a tokenizer whose config
-disagrees with its ``tokenizer.json``, ``dimensions``, ``float16``, remote code, a model that is not
-a local folder) is ``Unsupported``, and the caller embeds the query with the engine. Imports
-neither vLLM nor torch nor transformers."""
+Anything it cannot do exactly is ``Unsupported``, and the caller embeds the query with the engine:
+another architecture or activation; a sentence-transformers module other than Transformer,
+Pooling and Normalize (vLLM applies a ``Dense``; this path computes none); a special token outside
+the vocabulary; a ``tokenizer.json`` whose normalizer, pre-tokenizer or template is not the one
+transformers builds from ``tokenizer_config.json`` (``tokenizer_json_disagreements``: the model may
+have been trained with either); ``dimensions``, ``float16``, remote code, a model that is not a
+local folder. Imports neither vLLM nor torch nor transformers."""
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -60,10 +63,25 @@ def _json(path: Path) -> Any:
         raise Unsupported(f"{path.name}: {exc}") from exc
 
 
+# The sentence-transformers modules this path computes (the type's last name): any other one
+# (Dense, which vLLM applies after the pooling; LayerNorm; a team's own) sends the query to the
+# engine rather than be left out.
+_COMPUTED_MODULES = frozenset({"Transformer", "Pooling", "Normalize"})
+
+
 def _pooling(folder: Path) -> str:
-    """``mean`` or ``cls``, as the model's sentence-transformers modules declare it."""
+    """``mean`` or ``cls``, as the model's sentence-transformers modules declare it; ``Unsupported``
+    for a module it does not compute."""
     if not (folder / "modules.json").is_file():
         raise Unsupported("no sentence-transformers modules.json: the engine chooses the pooling")
+    modules = _json(folder / "modules.json")
+    if not isinstance(modules, list):
+        raise Unsupported("modules.json is not a list of modules")
+    for module in modules:
+        kind = str(module.get("type", "")) if isinstance(module, dict) else repr(module)
+        if kind.rsplit(".", 1)[-1] not in _COMPUTED_MODULES:
+            raise Unsupported(f"modules.json has a {kind} module; this path computes only "
+                              "Transformer, Pooling and Normalize")
     pools = module_configs(folder, "Pooling")
     if len(pools) != 1 or pools[0] is None:
         raise Unsupported("modules.json declares no single readable Pooling module")
@@ -78,6 +96,93 @@ def _pooling(folder: Path) -> str:
 # build it otherwise, so the query then goes to the engine (tests/test_query_embedder.py checks the
 # ids against ``HeadTokenizer``'s, which is that BertTokenizer).
 VERIFIED_TRANSFORMERS = "5.19."
+_SPECIAL_TOKENS = (("pad_token", "[PAD]"), ("unk_token", "[UNK]"), ("cls_token", "[CLS]"),
+                   ("sep_token", "[SEP]"), ("mask_token", "[MASK]"))
+
+
+def _special_token(wanted: dict, key: str, default: str) -> str:
+    """A special token of ``tokenizer_config.json``: a string, or an ``AddedToken`` object (as
+    transformers 4 wrote a token with flags) read by its ``content``, as transformers reads it."""
+    value = wanted.get(key, default)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if not isinstance(value, str):
+        raise Unsupported(f"tokenizer_config.json's {key} is not a token: {value!r}")
+    return value
+
+
+def _bert_normalizer(wanted: dict) -> dict[str, Any]:
+    """The BertNormalizer transformers' BertTokenizer builds from ``tokenizer_config.json``
+    (``wanted``), with its defaults for what it leaves out; ``strip_accents`` as it acts (None
+    follows ``lowercase``)."""
+    lowercase = wanted.get("do_lower_case", True)
+    strip = wanted.get("strip_accents")
+    return {"clean_text": True, "handle_chinese_chars": wanted.get("tokenize_chinese_chars", True),
+            "lowercase": lowercase, "strip_accents": lowercase if strip is None else strip}
+
+
+def _template(post_processor: Any) -> Optional[list[str]]:
+    """A ``tokenizer.json`` post-processor's template for one text (``["[CLS]", "$A", "[SEP]"]``);
+    None for one that is not a template, or not one it can read."""
+    try:
+        if post_processor["type"] == "BertProcessing":
+            return [str(post_processor["cls"][0]), "$A", str(post_processor["sep"][0])]
+        if post_processor["type"] != "TemplateProcessing":
+            return None
+        return [str(piece["SpecialToken"]["id"]) if "SpecialToken" in piece
+                else f"${piece['Sequence']['id']}" for piece in post_processor["single"]]
+    except (TypeError, KeyError, IndexError):
+        return None
+
+
+def tokenizer_json_disagreements(folder: Path) -> list[str]:
+    """Where a BERT model's ``tokenizer.json`` says otherwise than the tokenizer transformers'
+    BertTokenizer builds (from ``tokenizer_config.json``, not from it): its normalizer (lowercase,
+    accents, Chinese characters, control characters), pre-tokenizer and template. Every tokenizer
+    of newsvec (``HeadTokenizer``, this path) and the sentence-transformers reference are that
+    BertTokenizer, so their ids agree; but the model may have been trained with
+    ``tokenizer.json``'s, which no comparison of them can show. Empty for a model with no
+    ``tokenizer.json`` or another tokenizer class (transformers reads those otherwise)."""
+    wanted = _json(folder / "tokenizer_config.json") if (
+        folder / "tokenizer_config.json").is_file() else {}
+    if (wanted.get("tokenizer_class") not in ("BertTokenizer", "BertTokenizerFast")
+            or not (folder / "tokenizer.json").is_file()):
+        return []
+    return _disagreements(wanted, _json(folder / "tokenizer.json"))
+
+
+def _disagreements(wanted: dict, stored: dict) -> list[str]:
+    """``tokenizer_json_disagreements`` of a parsed ``tokenizer_config.json`` and
+    ``tokenizer.json``."""
+    found = []
+    normalizer = stored.get("normalizer")
+    if not isinstance(normalizer, dict) or normalizer.get("type") != "BertNormalizer":
+        kind = normalizer.get("type") if isinstance(normalizer, dict) else normalizer
+        found.append(f"normalizer {kind} (transformers builds a BertNormalizer)")
+    else:
+        built = _bert_normalizer(wanted)
+        stored_lowercase = normalizer.get("lowercase", True)
+        stored_strip = normalizer.get("strip_accents")
+        held = {"clean_text": normalizer.get("clean_text", True),
+                "handle_chinese_chars": normalizer.get("handle_chinese_chars", True),
+                "lowercase": stored_lowercase,
+                "strip_accents": stored_lowercase if stored_strip is None else stored_strip}
+        found += [f"normalizer {key} {held[key]} (transformers builds {built[key]})"
+                  for key in built if held[key] != built[key]]
+    pre_tokenizer = stored.get("pre_tokenizer")
+    if not isinstance(pre_tokenizer, dict) or pre_tokenizer.get("type") != "BertPreTokenizer":
+        kind = pre_tokenizer.get("type") if isinstance(pre_tokenizer, dict) else pre_tokenizer
+        found.append(f"pre-tokenizer {kind} (transformers builds BertPreTokenizer)")
+    try:
+        cls, sep = (_special_token(wanted, key, default) for key, default in (
+            ("cls_token", "[CLS]"), ("sep_token", "[SEP]")))
+    except Unsupported as exc:
+        return [*found, str(exc)]
+    template = _template(stored.get("post_processor"))
+    if template != [cls, "$A", sep]:
+        found.append(f"template {' '.join(template) if template else None} (transformers builds "
+                     f"{cls} $A {sep})")
+    return found
 
 
 def _tokenizer(folder: Path, settings: ModelSettings):
@@ -86,7 +191,9 @@ def _tokenizer(folder: Path, settings: ModelSettings):
     template transformers does not read, but its vocabulary under the normalizer, pre-tokenizer
     and template made from ``tokenizer_config.json`` (with transformers' defaults for what it
     leaves out); truncated on the right at ``max_tokens``. ``Unsupported`` for another tokenizer,
-    another transformers release, or added tokens that are not special."""
+    another transformers release, added tokens that are not special, a special token outside the
+    vocabulary (the unknown token included: WordPiece then fails on a query it does not know), or
+    a ``tokenizer.json`` that says otherwise than transformers builds."""
     from importlib import metadata
 
     from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
@@ -109,10 +216,15 @@ def _tokenizer(folder: Path, settings: ModelSettings):
     if any(not added.get("special") for added in stored.get("added_tokens") or []):
         raise Unsupported("tokenizer.json adds tokens that are not special")
     vocab: dict[str, int] = model["vocab"]
-    unk, cls, sep = (str(wanted.get(key, default)) for key, default in (
-        ("unk_token", "[UNK]"), ("cls_token", "[CLS]"), ("sep_token", "[SEP]")))
-    if cls not in vocab or sep not in vocab:
-        raise Unsupported(f"{cls} or {sep} is not in the vocabulary")
+    specials = {key: _special_token(wanted, key, default) for key, default in _SPECIAL_TOKENS}
+    missing = [token for token in specials.values() if token not in vocab]
+    if missing:
+        raise Unsupported(f"the special tokens {missing} are not in the vocabulary")
+    disagreements = _disagreements(wanted, stored)
+    if disagreements:
+        raise Unsupported("tokenizer.json says otherwise than the tokenizer transformers builds "
+                          f"from tokenizer_config.json: {'; '.join(disagreements)}")
+    unk, cls, sep = specials["unk_token"], specials["cls_token"], specials["sep_token"]
     tok = Tokenizer(WordPiece(vocab, unk_token=unk))
     tok.normalizer = normalizers.BertNormalizer(
         clean_text=True, handle_chinese_chars=wanted.get("tokenize_chinese_chars", True),
@@ -121,9 +233,7 @@ def _tokenizer(folder: Path, settings: ModelSettings):
     tok.post_processor = processors.TemplateProcessing(
         single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
         special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
-    tok.add_special_tokens([str(wanted.get(key, default)) for key, default in (
-        ("pad_token", "[PAD]"), ("unk_token", "[UNK]"), ("cls_token", "[CLS]"),
-        ("sep_token", "[SEP]"), ("mask_token", "[MASK]"))])
+    tok.add_special_tokens(list(specials.values()))
     tok.encode_special_tokens = True  # "[SEP]" in a query is text, as HeadTokenizer reads it
     tok.no_padding()
     tok.enable_truncation(max_length=settings.max_tokens, direction="right")
