@@ -424,39 +424,45 @@ def cpu_signatures(texts: list[str], processes: int, batch: int = 100, repeats: 
 
 
 def cpu_step(texts: list[str], sources: int = 8, batch: int = 100) -> dict:
-    """One process, CPU µs per article of the batch marking's own work, in its order: the block
-    keys counted per source (``BlockKeys``, ``LearnBoilerplate``), the signing without the
-    boilerplate (``Sign``), and the marking of all on one worker (``FindStories``); the articles
-    spread over ``sources`` sources."""
+    """One process, CPU µs per article of the batch marking's own work, in its order: each text
+    signed whole (``Sign``), its block keys counted per source (``LearnBoilerplate``) and the
+    texts holding their source's boilerplate signed again without it (``CutBoilerplate``), then
+    all marked on one worker (``FindStories``); the articles spread over ``sources`` sources."""
     from transforms.stories import find_stories
     from transforms.stories.boilerplate import LearnBoilerplate
-    from transforms.stories.sign import block_keys
+    from transforms.stories.sign import holds_boilerplate
 
     settings = _SETTINGS
     ids = [f"a{i:06d}" for i in range(len(texts))]
     source = [f"s{i % sources}" for i in range(len(texts))]
     start = time.process_time()
-    learn = LearnBoilerplate(settings.boilerplate_min_docs)
-    tables: dict = {}
-    for id_, text, src in zip(ids, texts, source, strict=True):
-        table = tables.setdefault(src, learn.create_accumulator())
-        learn.add_input(table, (id_, block_keys(text, settings)))
-    cut = {src: learn.extract_output(table) for src, table in tables.items()}
-    learned = time.process_time()
-    signed = []
+    whole = []  # Sign: each text signed whole, with its block keys
     for i in range(0, len(texts), batch):
-        signed += sign(texts[i:i + batch], [cut[s] for s in source[i:i + batch]], settings)
+        whole += sign(texts[i:i + batch], [None] * len(texts[i:i + batch]), settings)
     signing = time.process_time()
+    learn = LearnBoilerplate(settings.boilerplate_min_docs)  # BlockKeys, LearnBoilerplate
+    tables: dict = {}
+    for id_, signed, src in zip(ids, whole, source, strict=True):
+        learn.add_input(tables.setdefault(src, learn.create_accumulator()),
+                        (id_, signed.block_keys))
+    cut = {src: learn.extract_output(table) for src, table in tables.items()}
+    again = 0
+    for i, (signed, src) in enumerate(zip(whole, source, strict=True)):  # CutBoilerplate
+        if holds_boilerplate(signed.block_keys, cut[src]):
+            (whole[i],) = sign([texts[i]], [cut[src]], settings)
+            again += 1
+    learned = time.process_time()
     entries = [((i, 0, id_), id_, s.minhash, id_,
                 None if s.facts is None else s.facts.to_bytes())
-               for i, (id_, s) in enumerate(zip(ids, signed, strict=True))]
-    for _ in find_stories(entries, [], settings):
+               for i, (id_, s) in enumerate(zip(ids, whole, strict=True))]
+    for _ in find_stories(entries, [], settings):  # FindStories
         pass
     done = time.process_time()
     n = len(texts)
-    return {"learn_us": 1e6 * (learned - start) / n, "sign_us": 1e6 * (signing - learned) / n,
-            "mark_us": 1e6 * (done - signing) / n, "total_us": 1e6 * (done - start) / n,
-            "boilerplate_blocks": int(sum(c.size for c in cut.values()))}
+    return {"sign_us": 1e6 * (signing - start) / n, "learn_us": 1e6 * (learned - signing) / n,
+            "mark_us": 1e6 * (done - learned) / n, "total_us": 1e6 * (done - start) / n,
+            "boilerplate_blocks": int(sum(c.size for c in cut.values())),
+            "signed_again": again}
 
 
 def graph_cpu(runs: int, repeat: int = 2) -> dict:
@@ -814,9 +820,9 @@ def table_figures(f: dict, argv) -> dict:
             f"{1000 * cpu['rensa_str_shingles_cpu_ms_per_article']:.0f} µs; "
             f"{1000 * cpu['datasketch_cpu_ms_per_article']:,.0f} µs")
     step = cpu["step"]
-    rows["the batch marking's own work per 2,000-character article, one process (learn the "
-         "boilerplate; sign; mark)"] = row(
-        f"{step['total_us']:.0f} µs ({step['learn_us']:.0f}; {step['sign_us']:.0f}; "
+    rows["the batch marking's own work per 2,000-character article, one process (sign; learn "
+         "the boilerplate and cut it; mark)"] = row(
+        f"{step['total_us']:.0f} µs ({step['sign_us']:.0f}; {step['learn_us']:.0f}; "
         f"{step['mark_us']:.0f})", "≤ 100 µs", "yes" if step["total_us"] <= 100 else "no")
     if "graph" in cpu:
         g = cpu["graph"]
@@ -959,8 +965,9 @@ def main(argv=None) -> int:
     else:
         print("  datasketch: not installed (pip install datasketch to compare)")
     step = cpu["step"]
-    print(f"  the batch marking's own work, one process, µs CPU per article: learn the "
-          f"boilerplate {step['learn_us']:.0f}, sign {step['sign_us']:.0f}, mark "
+    print(f"  the batch marking's own work, one process, µs CPU per article: sign "
+          f"{step['sign_us']:.0f}, learn the boilerplate and sign again the "
+          f"{step['signed_again']} texts holding it {step['learn_us']:.0f}, mark "
           f"{step['mark_us']:.0f}: {step['total_us']:.0f} (target <= 100)")
     if args.graph_runs:
         print(f"\nthe batch graph, a FREE engine, marking off and on ({args.graph_runs} runs "

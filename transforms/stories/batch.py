@@ -30,7 +30,7 @@ from transforms.stories.index import (
     skipped,
     story_rank,
 )
-from transforms.stories.sign import Signed, block_keys, sign
+from transforms.stories.sign import Signed, holds_boilerplate, sign
 from transforms.stories.signature import from_bytes, signature_version
 
 
@@ -55,16 +55,27 @@ def source_of(doc) -> Optional[str]:
     return f"host:{host}" if host else None
 
 
-class _SignFn(beam.DoFn):
-    """PreparedDoc -> the same signed without its source's boilerplate (``boilerplate``: source ->
-    sorted keys, a side input)."""
+def _signed_whole(doc, settings: NearDuplicateSettings):
+    """PreparedDoc -> (the document signed whole, its block keys)."""
+    (signed,) = sign([doc.text], [None], settings)
+    return with_signed(doc, signed), signed.block_keys
+
+
+class _CutFn(beam.DoFn):
+    """(PreparedDoc signed whole, its block keys) -> the document, signed again without its
+    source's boilerplate where it holds some (``boilerplate``: source -> sorted keys, a side
+    input): most documents are signed once."""
 
     def __init__(self, settings: NearDuplicateSettings):
         self._settings = settings
 
-    def process(self, doc, boilerplate):
-        (signed,) = sign([doc.text], [boilerplate.get(source_of(doc))], self._settings)
-        yield with_signed(doc, signed)
+    def process(self, signed, boilerplate):
+        doc, keys = signed
+        cut = boilerplate.get(source_of(doc))
+        if holds_boilerplate(keys, cut):
+            (again,) = sign([doc.text], [cut], self._settings)
+            doc = with_signed(doc, again)
+        yield doc
 
 
 def previous_signatures(files, version: str) -> Iterable[tuple]:
@@ -143,9 +154,10 @@ class MarkStories(beam.PTransform):
     signatures (``key_files``: ``ReadKeys``'s ``KeyFiles``, or None), and the previous outputs'
     articles a mark names (``previous_originals``: (id, True)).
 
-    A source's boilerplate is learned first (``LearnBoilerplate``: the blocks of its articles,
-    counted per source), so the signing waits for every article to be prepared; the embedding
-    does not wait for it (action ``mark``). Every signature of the run goes to one worker
+    Each document is signed whole, and its blocks counted per source (``LearnBoilerplate``);
+    one that holds its source's boilerplate is signed again without it (``CutBoilerplate``,
+    which waits for every article to be prepared; the embedding does not wait for it, action
+    ``mark``). Every signature of the run goes to one worker
     (``find_stories``), and its index holds about 6 KB an article (measured: 120 MB for 20,000
     previous articles held), 6 GB for a million: keep ``incremental.previous_outputs`` to the
     days that matter."""
@@ -156,13 +168,15 @@ class MarkStories(beam.PTransform):
 
     def expand(self, docs):
         settings, version = self._settings, signature_version(self._settings)
-        boilerplate = (docs
+        whole = docs | "Sign" >> beam.Map(_signed_whole, settings)
+        boilerplate = (whole
                        | "BlockKeys" >> beam.FlatMap(
-                           lambda d: [] if source_of(d) is None else
-                           [(source_of(d), (d.id, block_keys(d.text, settings)))])
+                           lambda signed: [] if source_of(signed[0]) is None else
+                           [(source_of(signed[0]), (signed[0].id, signed[1]))])
                        | "LearnBoilerplate" >> beam.CombinePerKey(
                            LearnBoilerplate(settings.boilerplate_min_docs)))
-        signed = docs | "Sign" >> beam.ParDo(_SignFn(settings), pvalue.AsDict(boilerplate))
+        signed = whole | "CutBoilerplate" >> beam.ParDo(_CutFn(settings),
+                                                        pvalue.AsDict(boilerplate))
         if self._key_files is not None:
             previous = self._key_files | "PreviousSignatures" >> beam.FlatMap(
                 previous_signatures, version)

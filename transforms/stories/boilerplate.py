@@ -44,6 +44,7 @@ class BlockCounts:
         self.ids = np.zeros((0, min_docs), dtype=np.uint32) if ids is None else ids
         self.seen = np.zeros(0, dtype=np.uint32) if seen is None else seen
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # articles, keys, seen
+        self._added: list[tuple[int, np.ndarray, int]] = []  # one article's: added by add
 
     def __len__(self) -> int:
         self._settle()
@@ -51,11 +52,9 @@ class BlockCounts:
 
     def add(self, article: int, keys: np.ndarray, now: int = 0) -> None:
         """Counts one article (``id_hash``) as holding ``keys`` (block keys, 0s ignored)."""
-        keys = np.unique(keys[keys != 0])
         if keys.size:
-            self._pending.append((np.full(keys.size, article, dtype=np.uint32), keys,
-                                  np.full(keys.size, now, dtype=np.uint32)))
-            if len(self._pending) >= 1024:
+            self._added.append((article, keys, now))
+            if len(self._added) >= 1024:
                 self._settle()
 
     def boilerplate(self) -> np.ndarray:
@@ -87,10 +86,17 @@ class BlockCounts:
     def _settle(self) -> None:
         """Folds the articles added into the rows: new keys appended (then sorted), an article
         added to a known key's free slot when the key does not hold it yet."""
+        if self._added:
+            added, self._added = self._added, []
+            sizes = [keys.size for _, keys, _ in added]
+            self._pending.append((np.repeat(np.array([a for a, _, _ in added], np.uint32), sizes),
+                                  np.concatenate([keys for _, keys, _ in added]),
+                                  np.repeat(np.array([t for _, _, t in added], np.uint32), sizes)))
         if not self._pending:
             return
         pending, self._pending = self._pending, []
         articles, keys, seen = (np.concatenate(column) for column in zip(*pending, strict=True))
+        articles, keys, seen = articles[keys != 0], keys[keys != 0], seen[keys != 0]
         order = np.lexsort((articles, keys))
         keys, articles, seen = keys[order], articles[order], seen[order]
         at = np.searchsorted(self.keys, keys)
@@ -104,13 +110,17 @@ class BlockCounts:
         new = ~known
         if new.any():
             keys, articles, seen = keys[new], articles[new], seen[new]
+            pair = np.ones(keys.size, dtype=bool)  # sorted by key, then article: one of each
+            pair[1:] = (keys[1:] != keys[:-1]) | (articles[1:] != articles[:-1])
+            keys, articles, seen = keys[pair], articles[pair], seen[pair]
             first = np.ones(keys.size, dtype=bool)
             first[1:] = keys[1:] != keys[:-1]
             starts = np.flatnonzero(first)
+            group = np.cumsum(first) - 1
+            rank = np.arange(keys.size) - starts[group]  # an article's place among its key's
             ids = np.zeros((starts.size, self.min_docs), dtype=np.uint32)
-            for row, (lo, hi) in enumerate(zip(starts, [*starts[1:], keys.size], strict=True)):
-                distinct = np.unique(articles[lo:hi])[:self.min_docs]
-                ids[row, :distinct.size] = distinct
+            held = rank < self.min_docs
+            ids[group[held], rank[held]] = articles[held]
             latest = np.maximum.reduceat(seen, starts)
             all_keys = np.concatenate([self.keys, keys[starts]])
             order = np.argsort(all_keys, kind="stable")

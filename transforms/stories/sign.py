@@ -22,16 +22,23 @@ from transforms.stories.signature import (
 @dataclasses.dataclass(frozen=True)
 class Signed:
     """A text's signature (``minhash``: uint32 little-endian; None for a text with fewer than
-    ``min_shingles`` distinct shingles of its own) and its ``Facts`` (None where unsigned)."""
+    ``min_shingles`` distinct shingles of its own), its ``Facts`` (None where unsigned) and the
+    keys of its blocks (``block_keys``)."""
 
     minhash: Optional[bytes]
     facts: Optional[Facts]
+    block_keys: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.uint64))
 
 
 UNSIGNED = Signed(None, None)
 CARRIED = 1.5
 """A text up to this many times ``short_chars`` long is kept in its facts: a short text is
 compared with one a little longer than short by their words, not taken apart for its length."""
+
+
+def holds_boilerplate(keys: np.ndarray, boilerplate: Optional[np.ndarray]) -> bool:
+    """Whether a text of these block keys holds a block of ``boilerplate``."""
+    return boilerplate is not None and bool(np.isin(keys, boilerplate).any())
 
 
 def block_keys(text: str, settings: NearDuplicateSettings) -> np.ndarray:
@@ -51,7 +58,7 @@ def sign(texts: list[str], boilerplate: list[Optional[np.ndarray]],
     for text, s, cut, hashes, signature in zip(texts, shingled, boilerplate, kept, sigs,
                                                  strict=True):
         if signature is None:
-            out.append(UNSIGNED)
+            out.append(Signed(None, None, s.block_keys))
             continue
         carried = _own_units(s, cut) <= CARRIED * settings.short_chars
         plain = None
@@ -59,7 +66,7 @@ def sign(texts: list[str], boilerplate: list[Optional[np.ndarray]],
             plain = _fold(_own_text(text, s, cut))
         out.append(Signed(to_bytes(signature), Facts(
             numbers=numbers(plain) if settings.action == "skip" and plain is not None else None,
-            short=plain if carried else None, shingles=int(hashes.size))))
+            short=plain if carried else None, shingles=int(hashes.size)), s.block_keys))
     return out
 
 

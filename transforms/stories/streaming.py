@@ -65,7 +65,7 @@ from transforms.stories.index import (
     skipped,
     story_rank,
 )
-from transforms.stories.sign import block_keys, sign
+from transforms.stories.sign import sign
 from transforms.stories.signature import (
     band_keys,
     band_signature,
@@ -135,23 +135,25 @@ def _best_held(entries, short: bytes, rank: tuple, rules: Rules,
 
 
 class _AskSources(beam.DoFn):
-    """MicroBatch -> a header (by batch id) and, per source of its documents, their block keys
-    (``(source, (batch id, [(doc key, id hash, keys bytes)]))``); one without a document of a
-    known publisher goes out signed."""
+    """MicroBatch -> its documents signed whole, as a header (by batch id), and, per source of its
+    documents, their block keys (``(source, (batch id, [(doc key, id hash, keys bytes)]))``); one
+    without a document of a known publisher goes out signed."""
 
     def __init__(self, settings: NearDuplicateSettings):
         self._settings = settings
 
     def process(self, batch):
+        signed = sign([doc.text for doc in batch.docs], [None] * len(batch.docs), self._settings)
+        batch = dataclasses.replace(batch, docs=tuple(
+            with_signed(doc, s) for doc, s in zip(batch.docs, signed, strict=True)))
         per_source: dict[str, list] = collections.defaultdict(list)
-        for doc in batch.docs:
+        for doc, s in zip(batch.docs, signed, strict=True):
             source = source_of(doc)
             if source is not None:
-                keys = block_keys(doc.text, self._settings)
                 per_source[source].append((_doc_key(doc.id, doc.text_sha256), id_hash(doc.id),
-                                           keys.astype("<u8").tobytes()))
+                                           s.block_keys.astype("<u8").tobytes()))
         if not per_source:  # no document of a known publisher (or none): nothing to cut
-            yield sign_batch(batch, [], self._settings)
+            yield batch
             return
         yield pvalue.TaggedOutput(_HEADERS, (batch.batch_id, batch))
         for source, docs in per_source.items():
@@ -229,13 +231,17 @@ def _sources_in(batch: MicroBatch) -> int:
 
 def sign_batch(batch: MicroBatch, cuts: Iterable[tuple[str, bytes]],
                settings: NearDuplicateSettings) -> MicroBatch:
-    """The micro-batch with each document signed without the boilerplate ``cuts`` names (doc key,
-    keys bytes)."""
-    cut = {key: np.sort(_keys(keys)) for key, keys in cuts}
-    signed = sign([doc.text for doc in batch.docs],
-                  [cut.get(_doc_key(doc.id, doc.text_sha256)) for doc in batch.docs], settings)
+    """The micro-batch (its documents signed whole) with each document that ``cuts`` names
+    (doc key, its boilerplate block keys) signed again without those blocks."""
+    cut = {key: np.sort(_keys(keys)) for key, keys in cuts if keys}
+    again = [doc for doc in batch.docs if _doc_key(doc.id, doc.text_sha256) in cut]
+    if not again:
+        return batch
+    signed = dict(zip((id(doc) for doc in again), sign(
+        [doc.text for doc in again], [cut[_doc_key(doc.id, doc.text_sha256)] for doc in again],
+        settings), strict=True))
     return dataclasses.replace(batch, docs=tuple(
-        with_signed(doc, s) for doc, s in zip(batch.docs, signed, strict=True)))
+        with_signed(doc, signed[id(doc)]) if id(doc) in signed else doc for doc in batch.docs))
 
 
 class _AskBands(beam.DoFn):
@@ -458,17 +464,20 @@ class _MarkLocally(beam.DoFn):
         settings = self._settings
         name, local = self._local(token_state, held_state, sources_state)
         now_s = int(timestamp.micros // 10**6)
-        known: list[tuple[Any, str]] = []
-        for doc in batch.docs:
+        signed = sign([doc.text for doc in batch.docs], [None] * len(batch.docs), settings)
+        batch = dataclasses.replace(batch, docs=tuple(
+            with_signed(doc, s) for doc, s in zip(batch.docs, signed, strict=True)))
+        known: list[tuple[Any, str, np.ndarray]] = []
+        for doc, s in zip(batch.docs, signed, strict=True):
             source = source_of(doc)
             if source is not None:
-                known.append((doc, source))
-        for doc, source in known:  # counted first: a footer in this micro-batch counts
+                known.append((doc, source, s.block_keys))
+        for doc, source, keys in known:  # counted first: a footer in this micro-batch counts
             counts = local.sources.setdefault(source, BlockCounts(settings.boilerplate_min_docs))
-            counts.add(id_hash(doc.id), block_keys(doc.text, settings), now_s)
+            counts.add(id_hash(doc.id), keys, now_s)
         cuts = [(_doc_key(doc.id, doc.text_sha256),
-                 local.sources[source].boilerplate().astype("<u8").tobytes())
-                for doc, source in known]
+                 _boilerplate_of(local.sources[source], keys.astype("<u8").tobytes()))
+                for doc, source, keys in known]
         expiry = ms_ceiling(timestamp + self._horizon).micros
         marked = decide(sign_batch(batch, cuts, settings), [], settings, local.index, expiry,
                         now=timestamp.micros)
