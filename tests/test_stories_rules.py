@@ -252,3 +252,29 @@ def test_skip_counts_what_it_left_out_by_similarity_band(tmp_path, texts):
     assert sum(bands.values()) == 2 and all(band >= "0.70" for band in bands), bands
     keys = rows_of(files, "keys").to_pylist()
     assert all(Facts.from_bytes(row["story_facts"]).numbers is not None for row in keys)
+
+
+# --- per band key: a copy asks its original's decided story ----------------------------------
+
+def test_a_question_waits_for_its_originals_record_or_gives_up_at_the_watermark():
+    """``_StoryPerArticle``: a copy's question that comes before its original's record (the
+    original's micro-batch still being decided) is answered when the record comes; one whose
+    original never records (held before the step existed) is answered with nothing when the
+    watermark passes it."""
+    from apache_beam.utils.timestamp import Timestamp
+
+    from tools.dedup_state_model import ModeledStateStore
+    from transforms.stories.streaming import _StoryPerArticle
+
+    fn, store = _StoryPerArticle(NearDuplicateSettings()), ModeledStateStore()
+    at = Timestamp(seconds=1_796_000_000)
+
+    def send(key, item):
+        return store.call("story", fn.process, key, (key, item), at)
+
+    assert send("B", ("Q", (0, 0, 1), "C\0c")) == []  # B not decided yet: waits
+    assert send("B", ("R", "A", None)) == [((0, 0, 1), ("C\0c", "R", "A", None))]
+    assert send("B", ("Q", (0, 0, 2), "D\0d")) == [((0, 0, 2), ("D\0d", "R", "A", None))]
+    assert send("Z", ("Q", (0, 0, 3), "E\0e")) == []
+    assert store.call("story", fn.give_up, "Z", None, at) == [
+        ((0, 0, 3), ("E\0e", None, None, None))]

@@ -333,6 +333,13 @@ def decide(batch, verdicts: Iterable[Verdict], settings: NearDuplicateSettings,
     micro-batches) and of what ``index`` holds (its earlier documents in this micro-batch; the
     local runner's: every article held), marked in ``story_rank`` order, as in batch; action
     ``skip`` leaves the skippable copies out, counted in ``near_duplicates``."""
+    return decide_and_skip(batch, verdicts, settings, index, expiry, now)[0]
+
+
+def decide_and_skip(batch, verdicts: Iterable[Verdict], settings: NearDuplicateSettings,
+                    index: Optional[StoryIndex] = None, expiry: Optional[int] = None,
+                    now: Optional[int] = None) -> tuple[MicroBatch, list[tuple[str, StoryMark]]]:
+    """``decide``'s micro-batch, and (id, mark) of each document skip left out."""
     found = _best_verdicts(verdicts)
     index = index if index is not None else StoryIndex(settings)
     marks: dict[str, StoryMark] = {}
@@ -347,18 +354,18 @@ def decide(batch, verdicts: Iterable[Verdict], settings: NearDuplicateSettings,
                                 version=doc.text_sha256, facts=facts_of(doc), expiry=expiry,
                                 now=now)
         story_of.setdefault(doc.id, marks[key].story_id)
-    kept, left_out = [], 0
+    kept, left_out = [], []
     for doc in batch.docs:
         mark = marks[_doc_key(doc.id, doc.text_sha256)]
         if skipped(mark, settings):
-            left_out += 1
+            left_out.append((doc.id, mark))
             continue
         if mark.is_copy:
             NEAR_DUPLICATES_MARKED.inc()
         kept.append(with_mark(doc, mark))
-    NEAR_DUPLICATES.inc(left_out)
+    NEAR_DUPLICATES.inc(len(left_out))
     return dataclasses.replace(batch, docs=tuple(kept),
-                               near_duplicates=batch.near_duplicates + left_out)
+                               near_duplicates=batch.near_duplicates + len(left_out)), left_out
 
 
 _VERDICT_CODER = TupleCoder((StrUtf8Coder(), NullableCoder(StrUtf8Coder()),
@@ -387,7 +394,145 @@ class _Regroup(beam.DoFn):
             item, lambda header: sum(doc.minhash is not None for doc in header.docs) * bands,
             header_state, verdicts, pending_state)
         if complete is not None:
-            yield decide(*complete, self._settings)
+            marked, left_out = decide_and_skip(*complete, self._settings)
+            yield marked
+            for doc_id, mark in left_out:
+                yield pvalue.TaggedOutput(_LEFT_OUT, (doc_id, mark))
+
+
+# --- per band key: what the band keys could not know -------------------------------------------
+
+_LEFT_OUT = "left_out"
+_HELD_AS, _SKIPPED_AS, _ASKED = "R", "S", "Q"
+_RECORD_CODER = TupleCoder((StrUtf8Coder(), StrUtf8Coder(), NullableCoder(StrUtf8Coder())))
+
+
+class _AskOriginals(beam.DoFn):
+    """A marked micro-batch -> per document held, a record of its story by its id; per copy whose
+    original is not in the micro-batch, a question to that original's id; the micro-batch as a
+    header (by batch id) when it asks, else straight out. (A document skip left out, from
+    ``_Regroup``'s ``left_out`` output: a record that it was left out, and of what.)"""
+
+    def process(self, item):
+        if not isinstance(item, MicroBatch):  # (id, mark) of a document skip left out
+            doc_id, mark = item
+            yield pvalue.TaggedOutput(_REQUESTS, (doc_id, (_SKIPPED_AS, mark.story_id,
+                                                            mark.near_duplicate_of)))
+            return
+        batch, here = item, {doc.id for doc in item.docs}
+        asked = 0
+        for doc in batch.docs:
+            if doc.minhash is not None and doc.story_id is not None:
+                yield pvalue.TaggedOutput(_REQUESTS, (doc.id, (_HELD_AS, doc.story_id, None)))
+            if doc.near_duplicate_of is not None and doc.near_duplicate_of not in here:
+                asked += 1
+                yield pvalue.TaggedOutput(_REQUESTS, (doc.near_duplicate_of, (
+                    _ASKED, batch.batch_id, _doc_key(doc.id, doc.text_sha256))))
+        if asked:
+            yield pvalue.TaggedOutput(_HEADERS, (batch.batch_id, batch))
+        else:
+            yield batch
+
+
+class _StoryPerArticle(beam.DoFn):
+    """Per article id, in the global window: the story its micro-batch decided for it (or that
+    skip left it out, and as a copy of what), for the horizon. A question is answered with what
+    is recorded (``(batch id, (doc key, kind, story, of))``; kind None: nothing). One asked before
+    its original's record is in (the original's micro-batch is still being decided) waits for
+    it, until the watermark passes the question's time; then it is answered with nothing, and
+    the copy keeps what its band keys found."""
+
+    RECORD = ReadModifyWriteStateSpec("record", _RECORD_CODER)
+    WAITING = BagStateSpec("waiting", TupleCoder((VarIntCoder(), VarIntCoder(), VarIntCoder(),
+                                                   StrUtf8Coder())))
+    FORGET = TimerSpec("forget", TimeDomain.WATERMARK)
+    GIVE_UP = TimerSpec("give_up", TimeDomain.WATERMARK)
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._horizon = Duration(seconds=settings.horizon_s)
+
+    def process(self, element, timestamp=beam.DoFn.TimestampParam,
+                record=beam.DoFn.StateParam(RECORD), waiting=beam.DoFn.StateParam(WAITING),
+                forget=beam.DoFn.TimerParam(FORGET), give_up=beam.DoFn.TimerParam(GIVE_UP)):
+        _, item = element
+        if item[0] != _ASKED:
+            record.write(tuple(item))
+            forget.set(Timestamp(micros=ms_ceiling(timestamp + self._horizon).micros))
+            yield from _answers(waiting, tuple(item))
+            give_up.clear()
+            return
+        _, bid, doc_key = item
+        known = record.read()
+        if known is not None:
+            yield tuple(bid), (doc_key, *known)
+            return
+        waiting.add((*bid, doc_key))
+        give_up.set(timestamp)
+
+    @on_timer(GIVE_UP)
+    def give_up(self, waiting=beam.DoFn.StateParam(WAITING)):
+        yield from _answers(waiting, (None, None, None))
+
+    @on_timer(FORGET)
+    def forget(self, record=beam.DoFn.StateParam(RECORD)):
+        record.clear()
+
+
+def _answers(waiting, known: tuple):
+    """The answers to the questions waiting, each with ``known``; the questions cleared."""
+    asked = list(waiting.read())
+    waiting.clear()
+    for *bid, doc_key in asked:
+        yield tuple(bid), (doc_key, *known)
+
+
+_ANSWER_CODER = TupleCoder((StrUtf8Coder(), NullableCoder(StrUtf8Coder()),
+                            NullableCoder(StrUtf8Coder()), NullableCoder(StrUtf8Coder())))
+
+
+class _Resolve(beam.DoFn):
+    """Per batch id: the header (a marked micro-batch) and one answer per question -> the
+    micro-batch with each copy in the story its original's micro-batch decided (a band key held
+    the original under the story it found there), and a copy of an article skip left out naming
+    that article's original (which has a row; similarity unknown: null)."""
+
+    HEADER = ReadModifyWriteStateSpec("header", MicroBatchCoder())
+    ANSWERS = BagStateSpec("answers", _ANSWER_CODER)
+    PENDING = ReadModifyWriteStateSpec("pending", VarIntCoder())
+
+    def process(self, element, header_state=beam.DoFn.StateParam(HEADER),
+                answers=beam.DoFn.StateParam(ANSWERS),
+                pending_state=beam.DoFn.StateParam(PENDING)):
+        _, item = element
+        complete = regroup(item, _questions, header_state, answers, pending_state)
+        if complete is not None:
+            yield resolve(*complete)
+
+
+def _questions(batch: MicroBatch) -> int:
+    here = {doc.id for doc in batch.docs}
+    return sum(doc.near_duplicate_of is not None and doc.near_duplicate_of not in here
+               for doc in batch.docs)
+
+
+def resolve(batch: MicroBatch, answers: Iterable[tuple]) -> MicroBatch:
+    """The micro-batch's copies in their originals' decided stories (see ``_Resolve``); a copy of
+    a copy within it follows its original."""
+    told = {doc_key: (kind, story, of) for doc_key, kind, story, of in answers}
+    story_of: dict[str, str] = {}
+    docs = {}
+    for doc in sorted(batch.docs, key=lambda d: (story_rank(d), d.text_sha256)):
+        kind, story, of = told.get(_doc_key(doc.id, doc.text_sha256), (None, None, None))
+        if kind == _HELD_AS and story:
+            doc = dataclasses.replace(doc, story_id=story)
+        elif kind == _SKIPPED_AS and story and of:
+            doc = dataclasses.replace(doc, story_id=story, near_duplicate_of=of, similarity=None)
+        elif doc.near_duplicate_of in story_of:
+            doc = dataclasses.replace(doc, story_id=story_of[doc.near_duplicate_of])
+        story_of.setdefault(doc.id, doc.story_id or doc.id)
+        docs[_doc_key(doc.id, doc.text_sha256)] = doc
+    return dataclasses.replace(batch, docs=tuple(
+        docs[_doc_key(doc.id, doc.text_sha256)] for doc in batch.docs))
 
 
 # --- the local runner's layout ----------------------------------------------------------------
@@ -588,6 +733,20 @@ class MarkStoriesStreaming(beam.PTransform):
         regrouped = ((asked[_HEADERS], verdicts)
                      | "HeadersAndVerdicts" >> beam.Flatten().with_output_types(
                          tuple[BatchId, Any])
-                     | "Regroup" >> beam.ParDo(_Regroup(settings)).with_output_types(MicroBatch))
-        return ((asked.without_signatures, regrouped)
+                     | "Regroup" >> beam.ParDo(_Regroup(settings)).with_outputs(
+                         _LEFT_OUT, main="marked"))
+        originals = ((asked.without_signatures, regrouped.marked, regrouped[_LEFT_OUT])
+                     | "MarkedAndLeftOut" >> beam.Flatten()
+                     | "AskOriginals" >> beam.ParDo(_AskOriginals()).with_outputs(
+                         _REQUESTS, _HEADERS, main="settled").with_output_types(
+                         MicroBatch, requests=tuple[str, Any],
+                         headers=tuple[BatchId, MicroBatch]))
+        answers = originals[_REQUESTS] | "StoryPerArticle" >> beam.ParDo(
+            _StoryPerArticle(settings)).with_input_types(tuple[str, Any]).with_output_types(
+            tuple[BatchId, Any])
+        resolved = ((originals[_HEADERS], answers)
+                    | "HeadersAndAnswers" >> beam.Flatten().with_output_types(
+                        tuple[BatchId, Any])
+                    | "Resolve" >> beam.ParDo(_Resolve()).with_output_types(MicroBatch))
+        return ((originals.settled, resolved)
                 | "AllMicroBatches" >> beam.Flatten().with_output_types(MicroBatch))
