@@ -62,6 +62,7 @@ from transforms.stories import (
     COPIES_SKIPPED,
     MARKS,
     PREVIOUS_ORIGINALS,
+    SIGNED_AGAIN,
     KeepOneRescued,
     MarkRows,
     MarkStories,
@@ -147,10 +148,13 @@ def embed_and_write(payloads, config: Config, run_id: str,
         tallies.append(tally(skipped[UNCHANGED], Tally.UNCHANGED))
     if stories.enabled:  # against each other and the previous outputs' signatures
         marked = docs | "MarkStories" >> MarkStories(stories, key_files)
-        docs, marks, earlier = marked["docs"], marked[MARKS], marked[PREVIOUS_ORIGINALS]
+        marks, earlier = marked[MARKS], marked[PREVIOUS_ORIGINALS]
+        signed_again = marked[SIGNED_AGAIN]
         if stories.action == "skip":  # the copies' marks are needed before the embedding
-            skipping = docs | "SkipCopies" >> SkipCopies(marks, stories)
+            skipping = marked["docs"] | "SkipCopies" >> SkipCopies(marks, stories)
             docs, held_back = skipping.docs, skipping[COPIES_SKIPPED]
+        else:  # signed whole: the embedding waits for nothing
+            docs = marked["whole"]
     # No grouping between preparing and embedding: in a batch job it would be a barrier, every
     # article prepared before the first is embedded. Duplicates are dropped from the vector rows.
     embedded = docs | "Embed" >> Embed(
@@ -174,7 +178,8 @@ def embed_and_write(payloads, config: Config, run_id: str,
     unique = embedded_rows | "DropDuplicates" >> DropDuplicates(config.dedup.key)
     vector_rows = unique.docs
     if stories.enabled:  # after the embedding (action mark: no barrier before it)
-        vector_rows = vector_rows | "MarkRows" >> MarkRows(marks, unique[SURVIVORS_TAG])
+        vector_rows = vector_rows | "MarkRows" >> MarkRows(marks, unique[SURVIVORS_TAG],
+                                                           signed_again)
     minhash_version = signature_version(stories) if stories.enabled else None
     staging = staging_prefix(config.output, run_id)
     rows = config.sink.row_group_rows

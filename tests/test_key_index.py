@@ -40,7 +40,8 @@ def write_keys(path, keys: list[str]) -> str:
     none = [None] * len(keys)  # written with near duplicates off
     table = pa.table({"key": keys, "id": [f"i{n}" for n in range(len(keys))],
                       "text_sha256": ["0" * 64] * len(keys), "story_id": none,
-                      "minhash": none, "minhash_version": none}, schema=key_schema())
+                      "minhash": none, "minhash_version": none, "story_facts": none},
+                     schema=key_schema())
     pq.write_table(table, path)
     return str(path)
 

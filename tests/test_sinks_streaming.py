@@ -283,8 +283,8 @@ def test_an_embedded_row_carries_only_output_columns_through_the_shuffles():
                               dt.datetime(2026, 12, 1, 10, 5, tzinfo=dt.timezone.utc))
     encoded = registry.get_coder(EmbeddedDoc).encode(embedded)
     assert len(encoded) < 8 * 1024, f"{len(encoded)} bytes for a 1.5 KB vector"  # pickled: ~3.6 KB
-    # lineage: the pubsub_* columns; minhash: a column of keys/ (128 x 4 bytes)
-    columns = set(vector_schema(384).names) | {"lineage", "chunks", "minhash"}
+    # lineage: the pubsub_* columns; minhash, story_facts: columns of keys/ (128 x 4 bytes; a few)
+    columns = set(vector_schema(384).names) | {"lineage", "chunks", "minhash", "story_facts"}
     assert {f.name for f in dataclasses.fields(EmbeddedDoc)} <= columns
 
 

@@ -119,17 +119,18 @@ def _micro_batch_now() -> MicroBatch:
     """``_micro_batch_v1`` with every field added to its classes since set to something other
     than its default (``test_the_sample_sets_every_field`` checks): what today's coders must
     carry: ``updated_at`` of the event and of the row; the story of the document, the row and
-    the chunk row, and the signature of the document and the row; the skipped copies."""
+    the chunk row, and the signature and its facts of the document and the row; the skipped
+    copies."""
     batch = _micro_batch_v1()
     updated = dt.datetime(2026, 12, 1, 8, 30, 0, 500000, tzinfo=_IST)
     story = {"story_id": "evt-0", "near_duplicate_of": "evt-00", "similarity": 0.75}
     doc = batch.docs[0]
     doc = dataclasses.replace(doc, event=doc.event.model_copy(update={"updated_at": updated}),
-                              minhash=b"\x01\x00\xff\x7f", **story)
+                              minhash=b"\x01\x00\xff\x7f", story_facts=b"\x05\x01\x00", **story)
     row = batch.rows[0]
     chunks = tuple(dataclasses.replace(chunk, **story) for chunk in row.chunks)
     row = dataclasses.replace(row, updated_at=updated, chunks=chunks, minhash=b"\x00\x80",
-                              **story)
+                              story_facts=b"\x04\x00", **story)
     return dataclasses.replace(batch, docs=(doc,), rows=(row,), near_duplicates=2)
 
 

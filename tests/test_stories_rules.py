@@ -278,3 +278,30 @@ def test_a_question_waits_for_its_originals_record_or_gives_up_at_the_watermark(
     assert send("Z", ("Q", (0, 0, 3), "E\0e")) == []
     assert store.call("story", fn.give_up, "Z", None, at) == [
         ((0, 0, 3), ("E\0e", None, None, None))]
+
+
+def test_keys_hold_the_signature_without_the_sources_boilerplate(tmp_path, texts):
+    """Action mark embeds each document signed whole (nothing waits before the engine); a row
+    whose document held its source's boilerplate takes the signature it was marked with, so a
+    later day compares it without the footer."""
+    footer = ("Copyright 2026 The Courier. All rights reserved. This material may not be "
+              "published, broadcast, rewritten or redistributed without permission.")
+    rows = [{**event(f"b{i}", f"{text[:400]}\n{footer}", f"2026-12-01T0{i}:00:00Z"),
+             "source": "courier"} for i, text in enumerate(texts[:4])]
+    _, files = run(str(tmp_path), rows)
+    keys = {row["id"]: row for row in rows_of(files, "keys").to_pylist()}
+    settings = NearDuplicateSettings()
+    from transforms.text import compose_text
+    from transforms.types import NewsEvent
+    prepared = [compose_text(NewsEvent(id=row["id"], title=row["title"], body=row["body"]))
+                for row in rows]
+    counts = BlockCounts(settings.boilerplate_min_docs)
+    for i, text in enumerate(prepared):
+        counts.add(i + 1, shingle(text, 12).block_keys)
+    assert counts.boilerplate().size >= 2  # the footer's sentences
+    cut = sign(prepared, [counts.boilerplate()] * 4, settings)
+    whole = sign(prepared, [None] * 4, settings)
+    for i, (without, with_footer) in enumerate(zip(cut, whole, strict=True)):
+        assert keys[f"b{i}"]["minhash"] == without.minhash != with_footer.minhash
+    marks = {row["id"]: row["story_id"] for row in rows_of(files).to_pylist()}
+    assert marks == {f"b{i}": f"b{i}" for i in range(4)}, marks

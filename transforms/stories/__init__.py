@@ -17,6 +17,7 @@ from transforms.stories.batch import (
     COPIES_SKIPPED,
     MARKS,
     PREVIOUS_ORIGINALS,
+    SIGNED_AGAIN,
     KeepOneRescued,
     MarkRows,
     MarkStories,
@@ -58,7 +59,7 @@ from transforms.stories.streaming import (
 )
 
 __all__ = [
-    "COPIES_SKIPPED", "MARKS", "MAX_HELD_PER_BAND", "PREVIOUS_ORIGINALS", "Held",
+    "COPIES_SKIPPED", "MARKS", "MAX_HELD_PER_BAND", "PREVIOUS_ORIGINALS", "SIGNED_AGAIN", "Held",
     "KeepOneRescued", "MarkRows", "MarkStories", "MarkStoriesStreaming", "RescueCopies", "Rules",
     "Signed", "SkipCopies", "StoryIndex", "StoryMark", "_MatchPerBand", "_rank_of", "band_keys",
     "band_signature", "band_similarity", "best_match", "block_keys", "decide", "find_stories",
