@@ -1,4 +1,4 @@
-"""Same-story copies (transforms/stories.py): how well "is a copy of" is marked, what a signature
+"""Same-story copies (transforms/stories/): how well "is a copy of" is marked, what a signature
 costs on the CPU, and what the streaming state holds per story.
 ``python -m benchmarks.near_duplicates [--copies 400] [--ja-copies 3] [--cpu-articles 2000]``.
 

@@ -1,4 +1,4 @@
-"""Same-story copies (transforms/stories.py): a reprint is marked a copy of its original, a
+"""Same-story copies (transforms/stories/): a reprint is marked a copy of its original, a
 different article of the same topic is not, in English and Japanese; stories chain, an id is
 marked once and never its own copy; signatures are the same in every process."""
 from __future__ import annotations

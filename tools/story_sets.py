@@ -1,5 +1,5 @@
 """Short articles whose story a publisher's boilerplate or a one-word change decides: the sets of
-the same-story review (2026-12-07, F2 and F3) for transforms/stories.py's tests and benchmarks.
+the same-story review (2026-12-07, F2 and F3) for transforms/stories/'s tests and benchmarks.
 
 An ``Item`` is one article: ``id``, ``text``, ``source``, ``published_at`` (RFC 3339) and
 ``story``, the id of its true story's first article (its own id for an original). A set is a list
