@@ -61,6 +61,9 @@ def engine_rss_mb() -> float:
     return total / 2**20
 
 
+SOURCES = 37  # coprime with the BBC set's 2,225 texts: a text's reprints come from other sources
+
+
 def soak_events(texts: list[str], n: int, path: Path) -> dict:
     """``n`` messages: unique articles (texts cycled, ids soak-NNNNNN), every MALFORMED_EVERY-th a
     truncated JSON line, every DUPLICATE_EVERY-th a byte-identical copy of the article published
@@ -78,8 +81,11 @@ def soak_events(texts: list[str], n: int, path: Path) -> dict:
             expected["duplicate"] += 1
         else:
             article_id = f"soak-{i:06d}"
+            # The texts come round again every len(texts) messages, each time from another of
+            # SOURCES sources: a wire story its customers reprint (a copy, marked), never one
+            # source's boilerplate (a text one source prints under 3 ids would be).
             lines.append(json.dumps({"id": article_id, "body": texts[i % len(texts)],
-                                     "source": "bbc", "language": "en"}))
+                                     "source": f"source-{i % SOURCES:02d}", "language": "en"}))
             good_ids.append(article_id)
             expected["row"] += 1
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")

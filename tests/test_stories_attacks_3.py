@@ -1,34 +1,8 @@
 """Third attacks on same-story marking, 0.5's transforms/stories/ (boilerplate cut per source,
 facts for short texts and for skip, every version held, the per-band-key resolve stage). Each test
-is a sequence that breaks a stated rule (docs/output.md "The same story, once"); the open ones are
-strict xfails, each with the defect in its reason. The engine is FAKE where one runs.
-
-Findings, most severe first (each test's reason says where and why):
-- skip leaves out a copy whose number changed: a number that is not ASCII digits ("٤٥" and
-  "٨٠" are both "??"), a decimal ("5.25" holds "5"), a number in the first 40 characters (the
-  title's, or the lead's after a short title), kanji numerals, and a number in a sentence the
-  copy's source prints with other numbers (boilerplate: a block's digits count as one);
-- a hostile publisher that names another's source (or writes its URL host; "host:x" is the
-  same name) cuts the victim's own sentences as boilerplate in a batch run, and skip then leaves
-  the victim's article out;
-- the local layout's state read-back drops every held article (a size multiplied by 4 twice):
-  a retried bundle forgets every story;
-- a short flash with opposite or different facts is one story: a negating prefix or suffix
-  ("No", "Police deny", "Fact check:", "..., Israel denies") or a one-edit "variant" that is
-  another name or magnitude (Gambia/Zambia, Colombia/Columbia, Johnson/Johnston,
-  million/billion);
-- the previous outputs hold one version of an id (the review's F5, across three days);
-- per band key, a copy of a copy of a copy joins the middle one's story, and a copy of an
-  article's first version takes the story (or, skipped, the original) of its later version;
-- a previous output's article is an original whatever its age (no horizon);
-- a planted ``story_facts`` of another type stops every run that reads it; a text with 65,536
-  distinct numbers stops the run (action skip);
-- the local layout writes every source's block counts after every micro-batch, and its module
-  cache keeps every pipeline's index for the life of the process;
-- real short reprints missed: "U.S." / "US", "ceasefire" / "cease-fire".
-The last tests are checks that held (blocks and keys aligned, an article counted once, facts
-bytes).
-"""
+is a sequence that broke a stated rule (docs/output.md "The same story, once"), each fixed since
+(a comment says what it showed before) but one: a copy three hops down a chain per band key, a
+documented limit, its strict xfail's reason says why. The engine is FAKE where one runs."""
 from __future__ import annotations
 
 import copy as copy_module
@@ -127,12 +101,11 @@ _CHANGED_NUMBERS = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "facts.numbers (facts.py:44-52): non-ASCII digits all hash as '?' runs, a decimal is split "
-    "into runs of digits and compared as a set, numbers in the first 40 characters (a title's) "
-    "and numbers written in words or kanji are not facts: skip leaves out a copy whose number "
-    "changed, against docs/output.md ('a reprint whose toll, score or price changed is a marked "
-    "copy with a row of its own')"))
+# Fixed:  facts.numbers (facts.py:44-52): non-ASCII digits all hash as '?' runs, a decimal is split
+# into runs of digits and compared as a set, numbers in the first 40 characters (a title's)  and
+# numbers written in words or kanji are not facts: skip leaves out a copy whose number  changed,
+# against docs/output.md ('a reprint whose toll, score or price changed is a marked  copy with a
+# row of its own')
 @pytest.mark.parametrize("case", sorted(_CHANGED_NUMBERS))
 def test_skip_keeps_a_copy_whose_number_changed(case):
     original, copy_ = _CHANGED_NUMBERS[case]
@@ -218,32 +191,29 @@ def test_the_hostile_run_balances_its_ledger(hostile_run):
         counts["near_duplicates"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "batch.py:48-55 source_of trusts the event's source (or its URL's host, which the publisher "
-    "also writes; a source 'host:x' is the same name as the host x), and batch counts a source's "
-    "blocks over the whole run (batch.py:178-183), articles published after the victim's "
-    "included: three articles that name the victim's source cut its own sentences, and skip "
-    "leaves its article out as a copy of the text that remains"))
+# Fixed:  batch.py:48-55 source_of trusts the event's source (or its URL's host, which the
+# publisher  also writes; a source 'host:x' is the same name as the host x), and batch counts a
+# source's  blocks over the whole run (batch.py:178-183), articles published after the victim's
+# included: three articles that name the victim's source cut its own sentences, and skip  leaves
+# its article out as a copy of the text that remains
 def test_a_spoofed_source_cannot_make_skip_leave_out_another_sources_article(hostile_run):
     _, rows = hostile_run
     assert "victim-analysis" in rows, "the victim's article has no row"
     assert rows["victim-analysis"]["near_duplicate_of"] == "wire-story"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sign.py:63-69: a copy's numbers are taken of its text without its source's boilerplate, "
-    "and a block's digits count as one (signature.py:183-192): a number in a sentence its source "
-    "prints with other numbers is no fact, and skip leaves out the copy whose toll changed"))
+# Fixed:  sign.py:63-69: a copy's numbers are taken of its text without its source's boilerplate,
+# and a block's digits count as one (signature.py:183-192): a number in a sentence its source
+# prints with other numbers is no fact, and skip leaves out the copy whose toll changed
 def test_a_toll_in_a_sentence_the_source_templates_is_still_a_fact(hostile_run):
     _, rows = hostile_run
     assert "daily-quake" in rows, "the reprint with the updated toll (80) has no row"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "batch.py:48-55 source_of: a source is the event's source, else 'host:' and its URL's host, "
-    "in one namespace: an event whose source is 'host:www.reuters.com' counts towards the "
-    "boilerplate of every article from a www.reuters.com URL without a source (and the URL "
-    "itself is the publisher's word)"))
+# Fixed:  batch.py:48-55 source_of: a source is the event's source, else 'host:' and its URL's
+# host,  in one namespace: an event whose source is 'host:www.reuters.com' counts towards the
+# boilerplate of every article from a www.reuters.com URL without a source (and the URL  itself is
+# the publisher's word)
 def test_a_source_named_like_a_host_is_not_that_hosts_source():
     from types import SimpleNamespace
 
@@ -277,12 +247,11 @@ _DIFFERENT_FACTS = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "facts.trivial_difference (facts.py:116-159): words added at an end pass as an affix "
-    "whatever they say (No, Police deny, Fact check:, Israel denies), and a word of six letters "
-    "one edit from the other's passes as a spelling variant, proper names and magnitudes "
-    "included (Gambia/Zambia, Colombia/Columbia, Johnson/Johnston, million/billion): short "
-    "flashes with opposite or different facts are one story, and search shows one of them"))
+# Fixed:  facts.trivial_difference (facts.py:116-159): words added at an end pass as an affix
+# whatever they say (No, Police deny, Fact check:, Israel denies), and a word of six letters  one
+# edit from the other's passes as a spelling variant, proper names and magnitudes  included
+# (Gambia/Zambia, Colombia/Columbia, Johnson/Johnston, million/billion): short  flashes with
+# opposite or different facts are one story, and search shows one of them
 @pytest.mark.parametrize("case", sorted(_DIFFERENT_FACTS))
 def test_short_flashes_with_different_facts_are_two_stories(case):
     first, second = _DIFFERENT_FACTS[case]
@@ -298,10 +267,9 @@ _SAME_FLASH = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "facts.tokens (facts.py:32): 'U.S.' is two tokens (u, s), 'cease-fire' two (cease, fire): "
-    "a replace, never trivial; outlets' house styles differ exactly there, so a short reprint "
-    "in another style is a story of its own"))
+# Fixed:  facts.tokens (facts.py:32): 'U.S.' is two tokens (u, s), 'cease-fire' two (cease, fire):
+# a replace, never trivial; outlets' house styles differ exactly there, so a short reprint  in
+# another style is a story of its own
 @pytest.mark.parametrize("case", sorted(_SAME_FLASH))
 def test_a_short_reprint_in_another_house_style_is_a_copy(case):
     first, second = _SAME_FLASH[case]
@@ -316,44 +284,53 @@ def _versions(texts: list[str]) -> tuple[str, str, str]:
     return texts[0], x2, x2 + " (AP)"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "batch.py:83-103 previous_signatures yields no text hash and find_stories holds each with "
-    "version None (batch.py:121-125): of the versions of an id in the previous outputs only the "
-    "first read is held (StoryIndex.hold skips a known (id, None)), so a reprint of the update "
-    "(X on day 1, X' on day 2, R on day 3) is missed; keys/ has text_sha256"))
 def test_every_version_in_the_previous_outputs_is_held(texts):
+    """batch.py previous_signatures yielded no text hash and find_stories held each with version
+    None: of the versions of an id in the previous outputs only the first read was held
+    (StoryIndex.hold skips a known (id, None)), so a reprint of the update (X on day 1, X' on
+    day 2, R on day 3) was missed. Each is now held by its keys/ row's text hash."""
     x, x2, r = _versions(texts)
     settings = NearDuplicateSettings()
     sx, sx2 = sign([x, x2], [None, None], settings)
     # What previous_signatures yields for outputs dt=2026-12-01 (X) and dt=2026-12-02 (X'),
     # in the order ReadKeys sorts them (by prefix)
-    previous = [("x", "x", sx.minhash, sx.facts.to_bytes()),
-                ("x", "x", sx2.minhash, sx2.facts.to_bytes())]
+    previous = [("x", "x", sx.minhash, sx.facts.to_bytes(), "sha-x"),
+                ("x", "x", sx2.minhash, sx2.facts.to_bytes(), "sha-x2")]
     mark = _marks([r], settings, previous=previous)["a0"]
     assert mark.near_duplicate_of == "x" and mark.similarity > 0.9, mark
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "keys/ holds no date (incremental.py:111-119) and find_stories holds previous articles with "
-    "rank None (batch.py:123), which Rules.in_order (index.py:89) takes as within any horizon: "
-    "with previous_outputs 'dt=*', a reprint is a copy (and with skip, left out) of an article "
-    "of any age, while docs/output.md says 'A copy is of an article at most horizon_s before "
-    "it, in batch too' and streaming forgets it"))
 def test_a_previous_outputs_article_older_than_the_horizon_is_no_original(texts):
+    """keys/ held no date and find_stories held previous articles with rank None, which the
+    rules took as within any horizon: with previous_outputs 'dt=*', a reprint was a copy (and
+    with skip, left out) of an article of any age. A previous article's facts now hold its
+    published_at, and the horizon applies to it."""
+    import datetime as dt
+
+    from transforms.stories.index import micros
     settings = NearDuplicateSettings(horizon_s=7 * 86400)
     (old,) = sign([texts[4]], [None], settings)
-    # A daily run on 2026-12-31 reading dt=* : the original was written on 2026-11-01
-    mark = _marks(["(AP) " + texts[4]], settings,
-                  previous=[("nov-original", "nov-original", old.minhash, old.facts.to_bytes())])
-    assert not mark["a0"].is_copy, mark["a0"]
+    written = micros(dt.datetime(2026, 11, 1, tzinfo=dt.timezone.utc))
+    facts = dataclasses.replace(old.facts, published_us=written).to_bytes()
+    (new,) = sign(["(AP) " + texts[4]], [None], settings)
+
+    def mark_on(day: int):
+        when = micros(dt.datetime(2026, 11, day, tzinfo=dt.timezone.utc))
+        entries = [((when, 0, "a0"), "a0", new.minhash, "v0", new.facts.to_bytes())]
+        marks = [out for out in find_stories(entries, [("nov-original", "nov-original",
+                                                         old.minhash, facts, "s")], settings)
+                 if isinstance(out, tuple)]
+        return marks[0][1]
+
+    assert mark_on(5).near_duplicate_of == "nov-original"  # within the horizon
+    assert not mark_on(30).is_copy, mark_on(30)  # 29 days after it
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "previous_signatures (batch.py:94-103) checks keys/ column names, not types: a story_facts "
-    "(or minhash) column of strings, which a writer of a previous output can plant, reaches "
-    "Facts.from_bytes (struct.unpack_from on a str: TypeError) and FindStories fails, in every "
-    "run that reads that output, on every retry (the planted minhash of another length is "
-    "passed over since 0.4; another type is not)"))
+# Fixed:  previous_signatures (batch.py:94-103) checks keys/ column names, not types: a story_facts
+# (or minhash) column of strings, which a writer of a previous output can plant, reaches
+# Facts.from_bytes (struct.unpack_from on a str: TypeError) and FindStories fails, in every  run
+# that reads that output, on every retry (the planted minhash of another length is  passed over
+# since 0.4; another type is not)
 def test_a_planted_story_facts_of_another_type_does_not_stop_the_run(tmp_path, texts):
     from transforms.incremental import KeyFiles, Snapshot
     from transforms.stories import previous_signatures
@@ -372,12 +349,11 @@ def test_a_planted_story_facts_of_another_type_does_not_stop_the_run(tmp_path, t
     assert marks["a0"].near_duplicate_of == "planted"
 
 
-@pytest.mark.xfail(strict=True, raises=Exception, reason=(
-    "Facts.to_bytes (facts.py:65-71) packs the count of numbers as uint16 ('<BHH'): with action "
-    "skip, a text with 65,536 distinct runs of digits raises struct.error where its facts are "
-    "written (with_signed: batch's Sign step fails the job, streaming's AskSources and the "
-    "local layout retry it for ever; no dead letter); text.max_text_chars may be set above the "
-    "400,000 characters it takes (its only bound: > 0)"))
+# Fixed:  Facts.to_bytes (facts.py:65-71) packs the count of numbers as uint16 ('<BHH'): with
+# action  skip, a text with 65,536 distinct runs of digits raises struct.error where its facts are
+# written (with_signed: batch's Sign step fails the job, streaming's AskSources and the  local
+# layout retry it for ever; no dead letter); text.max_text_chars may be set above the  400,000
+# characters it takes (its only bound: > 0)
 def test_a_text_with_many_numbers_is_signed():
     from transforms.stories.batch import with_signed
 
@@ -391,10 +367,11 @@ def test_a_text_with_many_numbers_is_signed():
 
 @pytest.mark.parametrize("state", [
     pytest.param("per_key", marks=pytest.mark.xfail(strict=True, reason=(
-        "streaming.py:410-434 _AskOriginals records each document's story as its micro-batch "
-        "decided it, before _Resolve puts it right: C's record is the story its band keys gave "
-        "(B), not the one its question learned (A); D, a copy of C, asks C and joins story B, "
-        "whose article B is in story A. Batch and the local layout put D in A's story"))),
+        "open, a documented limit (docs/streaming.md): per band key, an article's record holds "
+        "the story its micro-batch decided before its own question was answered (recording the "
+        "answer would be a cycle in the graph): D, a copy of C, a copy of B, a copy of A, joins "
+        "story B; two hops are put right, not three. Batch and the local layout put D in A's "
+        "story"))),
     "per_shard"])
 def test_a_copy_of_a_copy_of_a_copy_joins_the_first_ones_story(texts, state):
     """A; B = A + T1 (a copy of A); C = T1 + T2 (a copy of B, nothing of A); D = T2 + T3 (a copy of
@@ -414,16 +391,13 @@ def test_a_copy_of_a_copy_of_a_copy_joins_the_first_ones_story(texts, state):
     run_batches(batches, settings, state, check)
 
 
-@pytest.mark.parametrize("state", [
-    pytest.param("per_key", marks=pytest.mark.xfail(strict=True, reason=(
-        "_StoryPerArticle (streaming.py:437-486) keeps one record per article id, the last "
-        "written: A's update (a copy of X) overwrites A's first version's record, and C, a copy "
-        "of the first version (held in story A), is put in X's story; batch and the local "
-        "layout keep C in A's story"))),
-    "per_shard"])
+@pytest.mark.parametrize("state", ["per_key", "per_shard"])
 def test_a_copy_of_an_articles_first_version_keeps_that_versions_story(state):
     """X; A; A updated (the same id, another text: X's text with a paragraph added, a copy of X);
-    C, a light copy of A's first version. Four micro-batches."""
+    C, a light copy of A's first version. Four micro-batches. _StoryPerArticle kept one record
+    per article id, the last written: A's update overwrote A's first version's record, and C
+    was put in X's story (batch and the local layout keep C in A's story). Records are now by
+    id and version."""
     update = BASE[1] + " " + BASE[2][:100]
     batches = [mb(0, 0, [doc("X", BASE[1], 0)]), mb(60, 1, [doc("A", BASE[0], 1)]),
                mb(120, 2, [dataclasses.replace(doc("A", update, 2), text_sha256="A-v2")]),
@@ -435,37 +409,44 @@ def test_a_copy_of_an_articles_first_version_keeps_that_versions_story(state):
     run_batches(batches, NearDuplicateSettings(), state, check)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_StoryPerArticle keeps one record per id: a later version of A that skip left out (a "
-    "copy of X) overwrites the record of A's first version, which has a row; C, a copy of that "
-    "first version, is rewritten (resolve, streaming.py:528-529) to name X, which it does not "
-    "resemble, with similarity null"))
 def test_a_skipped_update_does_not_rename_the_original_of_its_first_versions_copy():
-    """The per-key sequence as Dataflow runs it (one micro-batch after the other), through the
-    step's own code: _AskOriginals' records and question, _StoryPerArticle's state, resolve."""
+    """_StoryPerArticle kept one record per id: a later version of A that skip left out (a copy
+    of X) overwrote the record of A's first version, which has a row; C, a copy of that first
+    version, was rewritten to name X, which it does not resemble, with similarity null. Records
+    and questions are now by id and version. The per-key sequence as Dataflow runs it (one
+    micro-batch after the other), through the step's own code: _ask_originals' records and
+    question, _StoryPerArticle's state, resolve."""
     from apache_beam import pvalue
     from apache_beam.utils.timestamp import Timestamp
 
     from tools.dedup_state_model import ModeledStateStore
     from transforms.stories import StoryMark
-    from transforms.stories.streaming import _AskOriginals, _doc_key, _StoryPerArticle, resolve
+    from transforms.stories.streaming import (
+        _ask_originals,
+        _doc_key,
+        _StoryPerArticle,
+        _version,
+        resolve,
+    )
 
     fn, store = _StoryPerArticle(NearDuplicateSettings()), ModeledStateStore()
     answers = []
 
     def send(outputs, minute):
         for out in outputs:
-            if isinstance(out, pvalue.TaggedOutput) and out.tag == "requests":
+            if isinstance(out, pvalue.TaggedOutput) and out.tag == "originals":
                 key, item = out.value
                 answers.extend(store.call("story", fn.process, key, (key, item),
                                           Timestamp(seconds=1_796_000_000 + 60 * minute)))
 
     first = dataclasses.replace(doc("A", BASE[0], 1), minhash=b"m", story_id="A")
-    send(_AskOriginals().process(mb(60, 1, [first])), 1)  # A's first version: its own story
-    send(_AskOriginals().process(("A", StoryMark("X", "X", 0.93, True))), 2)  # update skipped
+    send(_ask_originals(mb(60, 1, [first]), [], {}), 1)  # A's first version: its own story
+    update = dataclasses.replace(first, text_sha256="A-update")
+    send(_ask_originals(mb(120, 2, []), [(update, StoryMark("X", "X", 0.93, True))], {}), 2)
     c = dataclasses.replace(doc("C", copy(BASE[0], 7), 3), minhash=b"m", story_id="A",
                             near_duplicate_of="A", similarity=0.8)
-    send(_AskOriginals().process(mb(180, 3, [c])), 3)
+    mark = StoryMark("A", "A", 0.8, False, _version("A"))  # found A's first version
+    send(_ask_originals(mb(180, 3, [c]), [], {_doc_key("C", "C"): mark}), 3)
     (answer,) = [a for _, a in answers if a[0] == _doc_key("C", "C")]
     (out,) = resolve(mb(180, 3, [c]), [answer]).docs
     assert (out.story_id, out.near_duplicate_of) == ("A", "A"), (out.story_id,
@@ -474,23 +455,22 @@ def test_a_skipped_update_does_not_rename_the_original_of_its_first_versions_cop
 
 # --- the local runner's layout -------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "streaming.py:550 _LOCAL, a module dict keyed by a fresh uuid per state, is never emptied: "
-    "every pipeline run in a process (tests, a notebook, a service that runs jobs) keeps its "
-    "whole index and block counts until the process ends"))
-def test_the_local_layouts_cache_is_released_after_its_pipeline():
+def test_the_local_layouts_cache_holds_a_bounded_number_of_states():
+    """_LOCAL, a module dict keyed by a fresh name per state, was never emptied: every pipeline
+    run in a process (tests, a notebook, a service that runs jobs) kept its whole index and
+    block counts until the process ended. It now keeps the LOCAL_STATES most recently used (the
+    runner's own state has the rest; a state dropped is read back)."""
     from transforms.stories import streaming
 
-    before = set(streaming._LOCAL)
-    run_batches([mb(0, 0, [doc("a", BASE[0], 0)]), mb(60, 1, [doc("b", BASE[1], 1)])],
-                NearDuplicateSettings(), "per_shard", lambda *_: None)
-    assert set(streaming._LOCAL) <= before, len(set(streaming._LOCAL) - before)
+    for _ in range(streaming.LOCAL_STATES + 2):
+        run_batches([mb(0, 0, [doc("a", BASE[0], 0)]), mb(60, 1, [doc("b", BASE[1], 1)])],
+                    NearDuplicateSettings(), "per_shard", lambda *_: None)
+    assert len(streaming._LOCAL) <= streaming.LOCAL_STATES
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "streaming.py:598-601 _written writes every source's BlockCounts (up to "
-    "boilerplate_max_blocks rows of 24 bytes each, 480 KB a source) after every micro-batch, "
-    "whatever sources it held: the class says a micro-batch costs what its documents cost"))
+# Fixed:  streaming.py:598-601 _written writes every source's BlockCounts (up to
+# boilerplate_max_blocks rows of 24 bytes each, 480 KB a source) after every micro-batch,  whatever
+# sources it held: the class says a micro-batch costs what its documents cost
 def test_a_local_micro_batch_writes_what_its_sources_changed():
     from apache_beam.utils.timestamp import Timestamp
 
@@ -528,11 +508,10 @@ def test_blocks_and_block_keys_stay_aligned_on_hostile_unicode():
         assert len(blocks(text)) == shingle(text, 12).keys.size, repr(text)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "streaming.py:584-587 and 666-669: _local passes size = num_perm * 4 (bytes) and _full_held "
-    "compares len(sig) with size * 4 again (2,048 against the 512 bytes _entry_of wrote): every "
-    "held entry is passed over, so each read-back of the state (a retried bundle, a fresh "
-    "process, the timer after one) starts from an empty index and every story held is lost"))
+# Fixed:  streaming.py:584-587 and 666-669: _local passes size = num_perm * 4 (bytes) and
+# _full_held  compares len(sig) with size * 4 again (2,048 against the 512 bytes _entry_of wrote):
+# every  held entry is passed over, so each read-back of the state (a retried bundle, a fresh
+# process, the timer after one) starts from an empty index and every story held is lost
 def test_a_retried_local_micro_batch_reads_the_state_back():
     """A bundle that fails after ``_MarkLocally`` wrote its state is retried with the state as it
     was (a runner discards a failed bundle's writes): the cache, a generation ahead, is not used;

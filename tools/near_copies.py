@@ -21,10 +21,10 @@ STRENGTHS = {
 }
 PREFIXES = ("LONDON (Reuters) - ", "By Staff Reporter\n", "(AP) ", "NEW YORK, Jan 5 (AFP) - ",
             "Updated 09:14 GMT\n", "EXCLUSIVE: ")
-_SENTENCE = re.compile(r"(?<=[.!?。！？])\s*")
+_SENTENCE = re.compile(r"(?<=[.!?。！？])(?!\d)\s*")  # "7.4bn" is no sentence's end
 _FULL_WIDTH = {c: chr(ord(c) + 0xFEE0) for c in "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"}
 _HALF_WIDTH = {full: half for half, full in _FULL_WIDTH.items()}
-_SENTENCE_END = re.compile(r"(?<=[.。])[ ]?")
+_SENTENCE_END = re.compile(r"(?<=[.。])(?!\d)[ ]?")
 
 
 def sentences(text: str) -> list[str]:

@@ -9,10 +9,12 @@ their original failed, ``RescueCopies`` and ``KeepOneRescued``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import urllib.parse
 from typing import Any, Iterable, Optional
 
 import apache_beam as beam
+import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam import pvalue
 
@@ -33,12 +35,17 @@ from transforms.stories.index import (
 from transforms.stories.sign import Signed, holds_boilerplate, sign
 from transforms.stories.signature import from_bytes, signature_version
 
+_LOG = logging.getLogger(__name__)
+
 
 def with_signed(doc, signed: Signed):
-    """A document with its signature and facts (``keys/``'s ``minhash`` and ``story_facts``)."""
-    return dataclasses.replace(
-        doc, minhash=signed.minhash,
-        story_facts=None if signed.facts is None else signed.facts.to_bytes())
+    """A document with its signature and facts (``keys/``'s ``minhash`` and ``story_facts``),
+    its ``published_at`` among them."""
+    facts = signed.facts
+    if facts is not None:
+        facts = dataclasses.replace(facts, published_us=micros(doc.event.published_at))
+    return dataclasses.replace(doc, minhash=signed.minhash,
+                               story_facts=None if facts is None else facts.to_bytes())
 
 
 def facts_of(item) -> Optional[Facts]:
@@ -46,13 +53,14 @@ def facts_of(item) -> Optional[Facts]:
 
 
 def source_of(doc) -> Optional[str]:
-    """Whose boilerplate a document may hold: its ``source``, else its URL's host; None (an
-    article of no known publisher: nothing of it is taken for boilerplate) without either."""
+    """Whose boilerplate a document may hold: its ``source`` ("s:" and it), else its URL's host
+    ("h:" and it: never a source's); None (an article of no known publisher: nothing of it is
+    taken for boilerplate) without either."""
     event = doc.event
     if event.source:
-        return event.source
+        return f"s:{event.source}"
     host = urllib.parse.urlsplit(event.url or "").hostname
-    return f"host:{host}" if host else None
+    return f"h:{host}" if host else None
 
 
 def _signed_whole(doc, settings: NearDuplicateSettings):
@@ -80,27 +88,42 @@ class _CutFn(beam.DoFn):
         yield doc
 
 
+_PREVIOUS_COLUMNS = {"id": pa.string(), "story_id": pa.string(), "minhash": pa.binary(),
+                     "minhash_version": pa.string()}
+_PREVIOUS_OPTIONAL = {"story_facts": pa.binary(), "text_sha256": pa.string()}
+
+
 def previous_signatures(files, version: str) -> Iterable[tuple]:
-    """(id, story id, signature, facts bytes or None) of every article in the previous outputs'
-    key files (a ``transforms.incremental.KeyFiles``) whose signature has ``version``; rows
-    without one (written before stories were kept, or with near duplicates off, or another
-    version) are passed over."""
-    wanted = ["id", "story_id", "minhash", "minhash_version"]
+    """(id, story id, signature, facts bytes or None, text hash or None) of every article in the
+    previous outputs' key files (a ``transforms.incremental.KeyFiles``) whose signature has
+    ``version``; rows without one (written before stories were kept, or with near duplicates
+    off, or another version) are passed over, and a file whose columns are not of newsvec's
+    types (written by hand) is passed over with a warning."""
+    wanted = list(_PREVIOUS_COLUMNS)
     for snapshot, paths in zip(files.snapshots, files.files, strict=True):
         for path in paths:
             with open_output_file(snapshot.prefix, path) as f:
                 parquet = pq.ParquetFile(f)
-                names = set(parquet.schema_arrow.names)
-                if not set(wanted) <= names:
+                schema = parquet.schema_arrow
+                if not set(wanted) <= set(schema.names):
                     continue
-                columns = wanted + (["story_facts"] if "story_facts" in names else [])
-                for batch in parquet.iter_batches(columns=columns):
-                    values = [column.to_pylist() for column in batch.columns]
-                    if len(values) == len(wanted):
-                        values.append([None] * batch.num_rows)
-                    for id_, story, minhash, made_with, facts in zip(*values, strict=True):
+                if any(schema.field(name).type != kind for name, kind in
+                       _PREVIOUS_COLUMNS.items()):
+                    _LOG.warning("%s: keys/ columns not of newsvec's types: its signatures are "
+                                 "passed over", path)
+                    continue
+                optional = [name for name, kind in _PREVIOUS_OPTIONAL.items()
+                            if name in schema.names and schema.field(name).type == kind]
+                for batch in parquet.iter_batches(columns=wanted + optional):
+                    values = dict(zip(wanted + optional, (column.to_pylist()
+                                                          for column in batch.columns),
+                                      strict=True))
+                    none = [None] * batch.num_rows
+                    for id_, story, minhash, made_with, facts, sha in zip(
+                            *(values[name] for name in wanted), values.get("story_facts", none),
+                            values.get("text_sha256", none), strict=True):
                         if minhash is not None and made_with == version:
-                            yield id_, story or id_, minhash, facts
+                            yield id_, story or id_, minhash, facts, sha
 
 
 PREVIOUS_ORIGINALS = "previous_originals"
@@ -118,10 +141,11 @@ def find_stories(entries: list[tuple], previous,
     index = StoryIndex(settings)
     size = settings.num_perm * 4
     earlier: set[str] = set()
-    for id_, story, minhash, *facts in previous:
+    for id_, story, minhash, *more in previous:
         if len(minhash) == size:  # another length is no signature of this version (planted)
             index.hold(Held(id_, story, from_bytes(minhash),
-                            facts=Facts.from_bytes(facts[0]) if facts else None))
+                            version=more[1] if len(more) > 1 else None,
+                            facts=Facts.from_bytes(more[0]) if more else None))
             earlier.add(id_)
     named: set[str] = set()
     for rank, id_, minhash, *more in sorted(entries, key=lambda entry: (entry[0], entry[3:4])):

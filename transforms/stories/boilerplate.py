@@ -46,6 +46,14 @@ class BlockCounts:
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # articles, keys, seen
         self._added: list[tuple[int, np.ndarray, int]] = []  # one article's: added by add
 
+    @classmethod
+    def known(cls, keys: bytes, min_docs: int) -> "BlockCounts":
+        """A table whose ``keys`` (uint64 little-endian) are boilerplate already (read back from
+        a state that kept only those)."""
+        known = np.unique(np.frombuffer(keys, dtype="<u8").astype(np.uint64))
+        ids = np.arange(1, known.size * min_docs + 1, dtype=np.uint32).reshape(-1, min_docs)
+        return cls(min_docs, known, ids, np.zeros(known.size, dtype=np.uint32))
+
     def __len__(self) -> int:
         self._settle()
         return int(self.keys.size)

@@ -4,16 +4,17 @@ Two short texts that differ in one word share most of their shingles: "Fed raise
 points" and "Fed cuts rates by 25 basis points" estimate 0.54, "Man arrested after stabbing" and
 "Woman arrested after stabbing" 0.95 ("man" is inside "woman"). So a short text (at most
 ``short_chars`` characters of its own, boilerplate cut) is a copy only of another short text from
-which it differs trivially (``trivial_difference``): in case, punctuation, width, a spelling
-variant or typo of a long word, or a wire prefix, byline or dateline added at its start or end;
-never in a number, a name or any other word.
+which it differs trivially (``trivial_difference``): in case, punctuation, width, house style
+("U.S."/"US", "cease-fire"/"ceasefire"), a spelling variant or typo of a long lower-case word, or a
+wire credit added at its start or end; never in a number, a name, a negation or any other word.
 
 And a copy is left out of the embedding (action ``skip``) only when its numbers are all its
-original's (``numbers``): a reprint whose toll, score or price changed is a marked copy, with a
-row of its own.
+original's (``numbers``: of the whole text, dates and times aside): a reprint whose toll, score or
+price changed is a marked copy, with a row of its own.
 
-``Facts`` is what is kept of a text for both: its numbers (action ``skip``) and, for a short text,
-the text itself (case folded); it travels as bytes (``to_bytes``) in ``keys/`` and in the streaming
+``Facts`` is what is kept of a text for both: its numbers (action ``skip``), for a short text the
+text itself, its ``published_at`` and, where its source's boilerplate was cut, the low bytes of
+its whole text's signature; it travels as bytes (``to_bytes``) in ``keys/`` and in the streaming
 state.
 """
 from __future__ import annotations
@@ -22,70 +23,126 @@ import dataclasses
 import difflib
 import re
 import struct
+import unicodedata
 import zlib
 from typing import Optional
 
-_NUMBER = re.compile(r"\d+")
-_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?:\D|$))")
+_CJK = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+_KANJI_NUMBER = "〇零一二三四五六七八九十百千万億兆"
+# Dates and times are not facts of a story (a dateline, an "Updated 09:14 GMT" line): left out.
+_MONTH = (r"(?:jan|feb|mar|apr|may|jun|jul|aug|sep|sept|oct|nov|dec)[a-z]*\.?")
+_DATES = re.compile(
+    rf"\b\d{{1,2}}:\d{{2}}(?::\d{{2}})?\b|\b\d{{4}}-\d{{2}}-\d{{2}}\b"
+    rf"|\b{_MONTH}\s+\d{{1,2}}(?:st|nd|rd|th)?\b(?:,?\s+\d{{4}}\b)?"
+    rf"|\b\d{{1,2}}(?:st|nd|rd|th)?\s+{_MONTH}\b(?:,?\s+\d{{4}}\b)?"
+    rf"|\d+\s*(?:年|月|日|時|分|秒)", re.IGNORECASE)
+_THOUSANDS = re.compile(r"(?<=\d)[,\u066c](?=\d{3}(?!\d))")
+_NUMBER = re.compile(rf"\d+(?:[.\u066b]\d+)?|[{_KANJI_NUMBER}]+")
+MAX_NUMBERS = 1024  # a text with more distinct numbers keeps none (it is never skipped)
+
 # A token: a run of letters of a script with spaces between words, a number, or one CJK
 # character (Japanese and Chinese have no spaces: a character is the unit a word is changed by).
-_TOKEN = re.compile(r"\d+(?:[.,:/]\d+)*|[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]"
-                    r"|[^\W\d_\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]+")
-AFFIX_CHARS = 24  # the most characters a prefix or suffix (wire credit, byline) may add
-_VARIANT_CHARS = 6  # a word this long may differ by one edit (centre/center, a typo)
+_TOKEN = re.compile(rf"\d+(?:[.,:/]\d+)*|[{_CJK}]|[^\W\d_{_CJK}]+")
+_IN_WORD = re.compile(r"(?<=[^\W\d_])[.\-‐‑’'](?=[^\W\d_])")  # U.S., cease-fire, don't
+_EDGE_BRACKETS = re.compile(r"^\W*[(\[【（「『〈《][^)\]】）」』〉》]{1,40}[)\]】）」』〉》]"
+                            r"|[(\[【（「『〈《][^)\]】）」』〉》]{1,40}[)\]】）」』〉》]\W*$")
+# What a wire credit or byline is made of, besides words in brackets at an end
+CREDIT_WORDS = frozenset(
+    "reuters ap afp upi dpa efe ansa xinhua kyodo jiji yonhap bloomberg bbc cnn pa aap "
+    "press associated agency agencies wire news by staff reporter reporters correspondent "
+    "writer writers desk updated update breaking exclusive live video watch photos photo "
+    "共 同 時 事 速 報 記 者 電 通 信 配".split())
+# Words that change a number's size: never spelling variants of each other
+NUMBER_WORDS = frozenset(
+    "hundred hundreds thousand thousands million millions billion billions trillion trillions "
+    "dozen dozens percent".split())
+AFFIX_CHARS = 24  # the most characters a credit at one end may add
+_VARIANT_CHARS = 6  # a lower-case word this long may differ by one edit (centre/center, a typo)
 
 _HEADER = struct.Struct("<BHH")  # version and flags, numbers, shingles
+_PUBLISHED = struct.Struct("<q")
+_WHOLE = struct.Struct("<H")
 _VERSION = 1
+_NUMBERS, _SHORT, _WHEN, _WHOLE_FLAG = 1, 2, 4, 8
 
 
-HEAD_CHARS = 40  # a dateline or credit at a text's start: "NEW YORK, Jan 5 (AFP) -"
+def numbers(text: str) -> Optional[tuple[int, ...]]:
+    """The distinct numbers of a (NFKC) text, dates and times left out: each a run of digits of
+    any script, with its decimals ("5.25" is one number; "1,000" and "1000" alike; "٤٥" is 45),
+    or a run of kanji numerals as written; as CRC-32s, sorted. None for a text of more than
+    ``MAX_NUMBERS`` (a table: never skipped)."""
+    text = _THOUSANDS.sub("", _DATES.sub(" ", text))
+    found = {_value(match) for match in _NUMBER.findall(text)}
+    if len(found) > MAX_NUMBERS:
+        return None
+    return tuple(sorted(zlib.crc32(number.encode("utf-8")) for number in found))
 
 
-def numbers(text: str) -> tuple[int, ...]:
-    """The distinct runs of digits of a (NFKC-folded) text, thousands separators dropped ("1,000"
-    and "1000" alike; "2.5" is 2 and 5), each as a CRC-32, sorted; a number only in its first
-    ``HEAD_CHARS`` characters (a dateline's date, an "Updated 09:14" line) is not one of its
-    facts."""
-    found = [(match.start(), match.group()) for match in
-             _NUMBER.finditer(_THOUSANDS.sub("", text))]
-    later = {number for start, number in found if start >= HEAD_CHARS}
-    return tuple(sorted(zlib.crc32(number.encode("ascii", "replace")) for number in later))
+def _value(number: str) -> str:
+    """A number's digits in ASCII, without leading zeros ("09" is 9); kanji as written."""
+    if number[0] in _KANJI_NUMBER:
+        return number
+    whole, _, decimals = number.replace("\u066b", ".").partition(".")
+    digits = "".join(str(unicodedata.digit(ch)) for ch in whole).lstrip("0") or "0"
+    return digits + ("." + "".join(str(unicodedata.digit(ch)) for ch in decimals)
+                     if decimals else "")
 
 
 @dataclasses.dataclass(frozen=True)
 class Facts:
     """A text's numbers (None: not kept, action ``mark``), for a short text the text itself
-    (``_fold``ed; None for a longer one), and how many shingles of its own it was signed with
-    (at most 65,535)."""
+    (NFKC, case kept; None for a longer one), how many shingles of its own it was signed with
+    (at most 65,535), its ``published_at`` (micros; None: undated) and, where its source's
+    boilerplate was cut from its signature, the low bytes of its whole text's (``whole``)."""
 
     numbers: Optional[tuple[int, ...]] = None
     short: Optional[str] = None
     shingles: int = 0
+    published_us: Optional[int] = None
+    whole: Optional[bytes] = None
 
     def to_bytes(self) -> bytes:
         values = self.numbers or ()
-        flags = (self.numbers is not None) | (self.short is not None) << 1
-        return b"".join((_HEADER.pack(_VERSION << 2 | flags, len(values),
-                                      min(self.shingles, 0xFFFF)),
-                         struct.pack(f"<{len(values)}I", *values),
-                         (self.short or "").encode("utf-8", "surrogatepass")))
+        flags = ((self.numbers is not None) * _NUMBERS | (self.short is not None) * _SHORT
+                 | (self.published_us is not None) * _WHEN | (self.whole is not None) * _WHOLE_FLAG)
+        parts = [_HEADER.pack(_VERSION << 4 | flags, len(values), min(self.shingles, 0xFFFF)),
+                 struct.pack(f"<{len(values)}I", *values)]
+        if self.published_us is not None:
+            parts.append(_PUBLISHED.pack(self.published_us))
+        if self.whole is not None:
+            parts += [_WHOLE.pack(len(self.whole)), self.whole]
+        parts.append((self.short or "").encode("utf-8", "surrogatepass"))
+        return b"".join(parts)
 
     @classmethod
     def from_bytes(cls, data: Optional[bytes]) -> Optional["Facts"]:
         """The facts, or None for none or for bytes of another version or shape (written by a
         later release, or planted): a text without facts is never skipped, nor a short copy."""
-        if not data or len(data) < _HEADER.size:
+        if not isinstance(data, bytes) or len(data) < _HEADER.size:
             return None
         head, count, shingles = _HEADER.unpack_from(data)
-        end = _HEADER.size + 4 * count
-        if head >> 2 != _VERSION or len(data) < end:
+        flags, at = head & 0xF, _HEADER.size + 4 * count
+        if head >> 4 != _VERSION or len(data) < at:
             return None
         values = struct.unpack_from(f"<{count}I", data, _HEADER.size)
+        published = whole = None
         try:
-            short = bytes(data[end:]).decode("utf-8", "surrogatepass")
-        except UnicodeDecodeError:
+            if flags & _WHEN:
+                (published,) = _PUBLISHED.unpack_from(data, at)
+                at += _PUBLISHED.size
+            if flags & _WHOLE_FLAG:
+                (size,) = _WHOLE.unpack_from(data, at)
+                whole = bytes(data[at + _WHOLE.size:at + _WHOLE.size + size])
+                at += _WHOLE.size + size
+                if len(whole) != size:
+                    return None
+            short = bytes(data[at:]).decode("utf-8", "surrogatepass")
+        except (struct.error, UnicodeDecodeError):
             return None
-        return cls(tuple(values) if head & 1 else None, short if head & 2 else None, shingles)
+        if short and not flags & _SHORT:
+            return None
+        return cls(tuple(values) if flags & _NUMBERS else None,
+                   short if flags & _SHORT else None, shingles, published, whole)
 
 
 def numbers_kept(copy: Optional[Facts], original: Optional[Facts]) -> bool:
@@ -95,8 +152,16 @@ def numbers_kept(copy: Optional[Facts], original: Optional[Facts]) -> bool:
     return set(copy.numbers) <= set(original.numbers)
 
 
-def tokens(text: str) -> list[str]:
-    return _TOKEN.findall(text)
+def tokens(text: str) -> list[tuple[str, bool]]:
+    """(the word case folded, whether it was written in lower case) of each token of ``text``,
+    a word's inner dots, hyphens and apostrophes dropped (house styles differ there)."""
+    return [(token.casefold(), token == token.casefold())
+            for token in _TOKEN.findall(_IN_WORD.sub("", text))]
+
+
+def _credits(text: str) -> set[str]:
+    """The words in brackets at ``text``'s start or end (a credit: "(Reuters)", "【共同】")."""
+    return {word for group in _EDGE_BRACKETS.findall(text) for word, _ in tokens(group)}
 
 
 def _one_edit(a: str, b: str) -> bool:
@@ -113,14 +178,18 @@ def _one_edit(a: str, b: str) -> bool:
     return short[i:] == long_[i + 1:]
 
 
-def _variant(a: str, b: str) -> bool:
-    """A spelling variant or typo: words of letters, the longer at least ``_VARIANT_CHARS`` long
-    (Iran and Iraq are not variants), one edit apart."""
-    return (max(len(a), len(b)) >= _VARIANT_CHARS and min(len(a), len(b)) >= _VARIANT_CHARS - 1
-            and a.isalpha() and b.isalpha() and _one_edit(a, b))
+def _variant(a: tuple[str, bool], b: tuple[str, bool]) -> bool:
+    """A spelling variant or typo: words of letters written in lower case (not a name: Gambia
+    and Zambia are two countries), the longer at least ``_VARIANT_CHARS`` long, one edit apart,
+    neither a word of a number's size (million, billion)."""
+    (x, x_lower), (y, y_lower) = a, b
+    return (x_lower and y_lower and max(len(x), len(y)) >= _VARIANT_CHARS
+            and min(len(x), len(y)) >= _VARIANT_CHARS - 1 and x.isalpha() and y.isalpha()
+            and x not in NUMBER_WORDS and y not in NUMBER_WORDS and _one_edit(x, y))
 
 
-def _as_variants(words: list[str], other: list[str]) -> list[str]:
+def _as_variants(words: list[tuple[str, bool]], other: list[tuple[str, bool]]
+                 ) -> list[tuple[str, bool]]:
     known = set(other)
     same = {}
     for word in set(words) - known:
@@ -131,10 +200,12 @@ def _as_variants(words: list[str], other: list[str]) -> list[str]:
 
 
 def trivial_difference(a: str, b: str) -> bool:
-    """Whether two short texts (``_fold``ed) say the same: their tokens equal but for spelling
-    variants, and for tokens only one of them has, at its start or end (a wire credit,
-    a byline), of at most ``AFFIX_CHARS`` characters a side with no number among them. A first or
-    last word changed ("Trump wins" / "Haley wins") is a change, not an affix."""
+    """Whether two short texts (NFKC) say the same: their words equal, case folded, but for
+    spelling variants (``_variant``), and for words only one of them has at its start or end that
+    are a credit (``CREDIT_WORDS``, or in brackets at that end), at most ``AFFIX_CHARS``
+    characters a side, no digit among them. A first or last word changed ("Trump wins" / "Haley
+    wins"), a word added inside or at an end that is not a credit ("No deal", "Israel denies")
+    is a change."""
     x, y = tokens(a), tokens(b)
     if not x or not y:
         return False
@@ -142,18 +213,16 @@ def trivial_difference(a: str, b: str) -> bool:
     # as that word (both ways: the same verdict whichever text comes first)
     y = _as_variants(y, x)
     x = _as_variants(x, y)
-    affix = 0
-    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, x, y, autojunk=False).get_opcodes():
+    credit = CREDIT_WORDS | _credits(a) | _credits(b)
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(
+            None, [w for w, _ in x], [w for w, _ in y], autojunk=False).get_opcodes():
         if op == "equal":
             continue
         at_edge = (i1 == 0 and j1 == 0) or (i2 == len(x) and j2 == len(y))
         if not at_edge or op == "replace":  # a word changed, or added within the text
             return False
-        added = x[i1:i2] + y[j1:j2]
-        if any(token[0].isdigit() for token in added):
+        added = [word for word, _ in x[i1:i2] + y[j1:j2]]
+        if (any(word[0].isdigit() or word not in credit for word in added)
+                or sum(map(len, added)) > AFFIX_CHARS):
             return False
-        affix += sum(map(len, added))
-        if affix > 2 * AFFIX_CHARS:
-            return False
-    # The texts' own words, not the affixes, must hold most of both
-    return sum(map(len, x)) + sum(map(len, y)) >= 4 * affix
+    return True

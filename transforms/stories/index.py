@@ -27,7 +27,7 @@ import numpy as np
 
 from transforms.settings import NearDuplicateSettings
 from transforms.stories.facts import Facts, numbers_kept, trivial_difference
-from transforms.stories.signature import band_keys, similarity, units
+from transforms.stories.signature import band_keys, band_similarity, similarity, units
 
 MAX_HELD_PER_BAND = 64
 """The most articles one band key holds (the earliest in ``story_rank``): a band value that many
@@ -38,12 +38,14 @@ texts share (a short template, a story reprinted hundreds of times) stays a smal
 class StoryMark:
     """An article's story: ``story_id`` (its own id if it copies nothing held), the article it
     copies (``near_duplicate_of``) and their estimated ``similarity`` (None where it copies
-    nothing); ``skippable``: action ``skip`` may leave it out (``Rules.skippable``)."""
+    nothing); ``skippable``: action ``skip`` may leave it out (``Rules.skippable``);
+    ``of_version``: which version of that article it copies, where known."""
 
     story_id: str
     near_duplicate_of: Optional[str] = None
     similarity: Optional[float] = None
     skippable: bool = False
+    of_version: Optional[str] = None  # the version (text hash) of the article it copies
 
     @property
     def is_copy(self) -> bool:
@@ -85,12 +87,18 @@ class Rules:
 
     def in_order(self, rank: Optional[tuple], held: Held) -> bool:
         """Whether ``held`` comes before an article of ``rank`` (a rank of None: before every
-        article) and within the horizon of it (where both are dated)."""
-        if rank is None or held.rank is None:
+        article, as a previous output's) and within the horizon of it (where both are dated: a
+        previous output's article by the ``published_at`` its facts hold)."""
+        if rank is None:
             return True
-        if held.rank >= rank:
+        if held.rank is None:
+            published = None if held.facts is None else held.facts.published_us
+            first = _UNDATED if published is None else published
+        elif held.rank >= rank:
             return False
-        first, then = held.rank[0], rank[0]
+        else:
+            first = held.rank[0]
+        then = rank[0]
         return first >= _UNDATED or then >= _UNDATED or then - first <= self._horizon_us
 
     def _short(self, facts: Optional[Facts]) -> bool:
@@ -106,10 +114,17 @@ class Rules:
         return (facts is not None and held is not None and facts.short is not None
                 and held.short is not None and trivial_difference(facts.short, held.short))
 
-    def skippable(self, sim: float, facts: Optional[Facts], held: Optional[Facts]) -> bool:
-        return (sim >= self.settings.skip_threshold and facts is not None
+    def skippable(self, sim: float, facts: Optional[Facts], held: Optional[Facts],
+                  whole_sim: Callable[[], float]) -> bool:
+        """Whether action ``skip`` may leave the copy out: the similarity, the copy's own length,
+        its numbers all its original's, and, where boilerplate was cut from either, the whole
+        texts as similar (``whole_sim``): a cut never makes a copy skippable."""
+        skip = self.settings.skip_threshold
+        return (sim >= skip and facts is not None
                 and facts.shingles >= self.settings.skip_min_shingles
-                and numbers_kept(facts, held))
+                and numbers_kept(facts, held)
+                and ((facts.whole is None and (held is None or held.whole is None))
+                     or whole_sim() >= skip))
 
 
 def best_match(signature: np.ndarray, candidates: Iterable[Held], rules: Rules, own_id: str,
@@ -129,8 +144,19 @@ def best_match(signature: np.ndarray, candidates: Iterable[Held], rules: Rules, 
             best, best_sim = held, sim
     if best is None:
         return None
-    return StoryMark(best.story_id, best.id, round(best_sim, 6),
-                     rules.skippable(best_sim, facts, best.facts))
+    found = best
+    return StoryMark(found.story_id, found.id, round(best_sim, 6), rules.skippable(
+        best_sim, facts, found.facts,
+        lambda: band_similarity(_whole(signature, facts), _whole(found.signature, found.facts))),
+        found.version)
+
+
+def _whole(signature: np.ndarray, facts: Optional[Facts]) -> np.ndarray:
+    """The low bytes of a text's whole signature: its facts' (where something was cut), else its
+    own signature's (uint32 values, or already their low bytes)."""
+    if facts is not None and facts.whole is not None:
+        return np.frombuffer(facts.whole, dtype=np.uint8)
+    return signature if signature.dtype == np.uint8 else signature.astype(np.uint8)
 
 
 def skipped(mark: Optional[StoryMark], settings: NearDuplicateSettings) -> bool:

@@ -3,6 +3,7 @@ marking hold of each article (``Signed``)."""
 from __future__ import annotations
 
 import dataclasses
+import unicodedata
 from typing import Optional
 
 import numpy as np
@@ -10,7 +11,7 @@ import numpy as np
 from transforms.settings import NearDuplicateSettings
 from transforms.stories.facts import Facts, numbers
 from transforms.stories.signature import (
-    _fold,
+    band_signature,
     blocks,
     distinct_at_least,
     minhashes,
@@ -49,24 +50,31 @@ def block_keys(text: str, settings: NearDuplicateSettings) -> np.ndarray:
 def sign(texts: list[str], boilerplate: list[Optional[np.ndarray]],
          settings: NearDuplicateSettings) -> list[Signed]:
     """Each text signed without the blocks whose keys its source's ``boilerplate`` holds (sorted
-    uint64, or None); numbers kept with action ``skip``."""
+    uint64, or None); its numbers (of the whole text) kept with action ``skip``; where something
+    was cut, the low bytes of the whole text's signature too (a skip needs the whole texts that
+    close as well: a cut never makes a copy skippable)."""
     shingled = [shingle(text, settings.shingle_chars) for text in texts]
     kept = [s.without(cut) for s, cut in zip(shingled, boilerplate, strict=True)]
     enough = [distinct_at_least(hashes, settings.min_shingles) for hashes in kept]
-    sigs = minhashes([h if ok else h[:0] for h, ok in zip(kept, enough, strict=True)], settings)
+    cut_any = [h is not s.hashes for h, s in zip(kept, shingled, strict=True)]
+    sigs = minhashes([h if ok else h[:0] for h, ok in zip(kept, enough, strict=True)]
+                     + [s.hashes for s, cut in zip(shingled, cut_any, strict=True) if cut],
+                     settings)
+    wholes = iter(sigs[len(texts):])
     out = []
-    for text, s, cut, hashes, signature in zip(texts, shingled, boilerplate, kept, sigs,
-                                                 strict=True):
+    for text, s, cut, hashes, signature, was_cut in zip(
+            texts, shingled, boilerplate, kept, sigs[:len(texts)], cut_any, strict=True):
+        whole = next(wholes) if was_cut else None
         if signature is None:
             out.append(Signed(None, None, s.block_keys))
             continue
         carried = _own_units(s, cut) <= CARRIED * settings.short_chars
-        plain = None
-        if carried or settings.action == "skip":
-            plain = _fold(_own_text(text, s, cut))
+        normal = unicodedata.normalize("NFKC", _own_text(text, s, cut)) if carried else None
         out.append(Signed(to_bytes(signature), Facts(
-            numbers=numbers(plain) if settings.action == "skip" and plain is not None else None,
-            short=plain if carried else None, shingles=int(hashes.size)), s.block_keys))
+            numbers=(numbers(unicodedata.normalize("NFKC", text))
+                     if settings.action == "skip" else None),
+            short=normal, shingles=int(hashes.size),
+            whole=None if whole is None else band_signature(to_bytes(whole))), s.block_keys))
     return out
 
 

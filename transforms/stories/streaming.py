@@ -106,6 +106,12 @@ def _version(text_sha256: Optional[str]) -> Optional[str]:
     return None if text_sha256 is None else text_sha256[:16]
 
 
+def _versioned(article_id: Optional[str], version: Optional[str]) -> Optional[str]:
+    """An article's id and version in one string ("id\0version"; the id alone without one): a
+    verdict's original (a 0.4 verdict names the id alone) and a story record's key."""
+    return article_id if article_id is None or version is None else f"{article_id}\0{version}"
+
+
 def _pack(short: bytes, facts: Optional[bytes]) -> bytes:
     """A band request's signature with the document's facts after it (the request keeps 0.4's
     shape, so a job updates in place; a request of 0.4 carries no facts)."""
@@ -296,8 +302,8 @@ class _MatchPerBand(beam.DoFn):
                          version, facts_bytes))
             _keep_held(sorted(held, key=_rank_of)[:MAX_HELD_PER_BAND], held_state, forget)
         key = _doc_key(doc_id, text_sha256) + (_SKIPPABLE if mark and mark.skippable else "")
-        yield bid, ((key, mark.story_id, mark.near_duplicate_of, mark.similarity) if mark
-                    else (key, None, None, None))
+        yield bid, ((key, mark.story_id, _versioned(mark.near_duplicate_of, mark.of_version),
+                     mark.similarity) if mark else (key, None, None, None))
 
     @on_timer(FORGET)
     def forget(self, fired=beam.DoFn.TimestampParam, held_state=beam.DoFn.StateParam(HELD),
@@ -316,13 +322,15 @@ def _best_verdicts(verdicts: Iterable[Verdict]) -> dict[str, StoryMark]:
         if of is not None and sim is not None:
             doc_key = key.rstrip(_SKIPPABLE)
             by_doc.setdefault(doc_key, []).append(
-                (story or of, of, sim, key.endswith(_SKIPPABLE)))
+                (story or of.partition("\0")[0], of, sim, key.endswith(_SKIPPABLE)))
     found = {}
     for doc_key, matches in by_doc.items():
         _, of, sim, skippable = max(matches, key=lambda match: match[2])
+        of_id, _, of_version = of.partition("\0")
         stories = collections.Counter(story for story, held, *_ in matches if held == of)
-        rooted = [story for story, _ in stories.most_common() if story != of]
-        found[doc_key] = StoryMark(rooted[0] if rooted else of, of, sim, skippable)
+        rooted = [story for story, _ in stories.most_common() if story != of_id]
+        found[doc_key] = StoryMark(rooted[0] if rooted else of_id, of_id, sim, skippable,
+                                   of_version or None)
     return found
 
 
@@ -338,8 +346,10 @@ def decide(batch, verdicts: Iterable[Verdict], settings: NearDuplicateSettings,
 
 def decide_and_skip(batch, verdicts: Iterable[Verdict], settings: NearDuplicateSettings,
                     index: Optional[StoryIndex] = None, expiry: Optional[int] = None,
-                    now: Optional[int] = None) -> tuple[MicroBatch, list[tuple[str, StoryMark]]]:
-    """``decide``'s micro-batch, and (id, mark) of each document skip left out."""
+                    now: Optional[int] = None
+                    ) -> tuple[MicroBatch, list[tuple[Any, StoryMark]], dict[str, StoryMark]]:
+    """``decide``'s micro-batch, (document, mark) of each document skip left out, and every
+    document's mark by its key."""
     found = _best_verdicts(verdicts)
     index = index if index is not None else StoryIndex(settings)
     marks: dict[str, StoryMark] = {}
@@ -358,14 +368,15 @@ def decide_and_skip(batch, verdicts: Iterable[Verdict], settings: NearDuplicateS
     for doc in batch.docs:
         mark = marks[_doc_key(doc.id, doc.text_sha256)]
         if skipped(mark, settings):
-            left_out.append((doc.id, mark))
+            left_out.append((doc, mark))
             continue
         if mark.is_copy:
             NEAR_DUPLICATES_MARKED.inc()
         kept.append(with_mark(doc, mark))
     NEAR_DUPLICATES.inc(len(left_out))
     return dataclasses.replace(batch, docs=tuple(kept),
-                               near_duplicates=batch.near_duplicates + len(left_out)), left_out
+                               near_duplicates=batch.near_duplicates + len(left_out)), \
+        left_out, marks
 
 
 _VERDICT_CODER = TupleCoder((StrUtf8Coder(), NullableCoder(StrUtf8Coder()),
@@ -394,53 +405,50 @@ class _Regroup(beam.DoFn):
             item, lambda header: sum(doc.minhash is not None for doc in header.docs) * bands,
             header_state, verdicts, pending_state)
         if complete is not None:
-            marked, left_out = decide_and_skip(*complete, self._settings)
-            yield marked
-            for doc_id, mark in left_out:
-                yield pvalue.TaggedOutput(_LEFT_OUT, (doc_id, mark))
+            yield from _ask_originals(*decide_and_skip(*complete, self._settings))
 
 
 # --- per band key: what the band keys could not know -------------------------------------------
 
-_LEFT_OUT = "left_out"
+_ORIGINALS, _ASKING = "originals", "asking"
 _HELD_AS, _SKIPPED_AS, _ASKED = "R", "S", "Q"
 _RECORD_CODER = TupleCoder((StrUtf8Coder(), StrUtf8Coder(), NullableCoder(StrUtf8Coder())))
 
 
-class _AskOriginals(beam.DoFn):
-    """A marked micro-batch -> per document held, a record of its story by its id; per copy whose
-    original is not in the micro-batch, a question to that original's id; the micro-batch as a
-    header (by batch id) when it asks, else straight out. (A document skip left out, from
-    ``_Regroup``'s ``left_out`` output: a record that it was left out, and of what.)"""
-
-    def process(self, item):
-        if not isinstance(item, MicroBatch):  # (id, mark) of a document skip left out
-            doc_id, mark = item
-            yield pvalue.TaggedOutput(_REQUESTS, (doc_id, (_SKIPPED_AS, mark.story_id,
-                                                            mark.near_duplicate_of)))
-            return
-        batch, here = item, {doc.id for doc in item.docs}
-        asked = 0
-        for doc in batch.docs:
-            if doc.minhash is not None and doc.story_id is not None:
-                yield pvalue.TaggedOutput(_REQUESTS, (doc.id, (_HELD_AS, doc.story_id, None)))
-            if doc.near_duplicate_of is not None and doc.near_duplicate_of not in here:
-                asked += 1
-                yield pvalue.TaggedOutput(_REQUESTS, (doc.near_duplicate_of, (
-                    _ASKED, batch.batch_id, _doc_key(doc.id, doc.text_sha256))))
-        if asked:
-            yield pvalue.TaggedOutput(_HEADERS, (batch.batch_id, batch))
-        else:
-            yield batch
+def _ask_originals(batch: MicroBatch, left_out: list, marks: dict[str, StoryMark]):
+    """A marked micro-batch -> per document signed, a record of its story by its id and version
+    (``_ORIGINALS``; a document skip left out: that it was, and as a copy of what); per copy
+    whose original is in an earlier micro-batch, a question to that original's id and version;
+    the micro-batch as a header by batch id when it asks (``_ASKING``), else as it is."""
+    for doc, mark in left_out:
+        yield pvalue.TaggedOutput(_ORIGINALS, (
+            _versioned(doc.id, _version(doc.text_sha256)),
+            (_SKIPPED_AS, mark.story_id, mark.near_duplicate_of)))
+    here, asked = {doc.id for doc in batch.docs}, 0
+    for doc in batch.docs:
+        key = _doc_key(doc.id, doc.text_sha256)
+        if doc.minhash is not None and doc.story_id is not None:
+            yield pvalue.TaggedOutput(_ORIGINALS, (_versioned(doc.id, _version(doc.text_sha256)),
+                                                   (_HELD_AS, doc.story_id, None)))
+        mark = marks.get(key)
+        if mark is not None and mark.is_copy and mark.near_duplicate_of not in here:
+            asked += 1
+            yield pvalue.TaggedOutput(_ORIGINALS, (
+                _versioned(mark.near_duplicate_of, mark.of_version),
+                (_ASKED, batch.batch_id, key)))
+    if asked:
+        yield pvalue.TaggedOutput(_ASKING, (batch.batch_id, (batch, asked)))
+    else:
+        yield batch
 
 
 class _StoryPerArticle(beam.DoFn):
-    """Per article id, in the global window: the story its micro-batch decided for it (or that
-    skip left it out, and as a copy of what), for the horizon. A question is answered with what
-    is recorded (``(batch id, (doc key, kind, story, of))``; kind None: nothing). One asked before
-    its original's record is in (the original's micro-batch is still being decided) waits for
-    it, until the watermark passes the question's time; then it is answered with nothing, and
-    the copy keeps what its band keys found."""
+    """Per article id and version, in the global window: the story its micro-batch decided for
+    it (or that skip left it out, and as a copy of what), for the horizon. A question is answered
+    with what is recorded (``(batch id, (doc key, kind, story, of))``; kind None: nothing). One
+    asked before its original's record is in (the original's micro-batch still being decided)
+    waits for it, until the watermark passes the question's time; then it is answered with
+    nothing, and the copy keeps what its band keys found."""
 
     RECORD = ReadModifyWriteStateSpec("record", _RECORD_CODER)
     WAITING = BagStateSpec("waiting", TupleCoder((VarIntCoder(), VarIntCoder(), VarIntCoder(),
@@ -491,10 +499,11 @@ _ANSWER_CODER = TupleCoder((StrUtf8Coder(), NullableCoder(StrUtf8Coder()),
 
 
 class _Resolve(beam.DoFn):
-    """Per batch id: the header (a marked micro-batch) and one answer per question -> the
-    micro-batch with each copy in the story its original's micro-batch decided (a band key held
-    the original under the story it found there), and a copy of an article skip left out naming
-    that article's original (which has a row; similarity unknown: null)."""
+    """Per batch id: the header (a marked micro-batch, and how many questions it asked) and one
+    answer per question -> the micro-batch with each copy in the story its original's
+    micro-batch decided (a band key held the original under the story it found there), and a
+    copy of an article skip left out naming that article's original (which has a row;
+    similarity unknown: null)."""
 
     HEADER = ReadModifyWriteStateSpec("header", MicroBatchCoder())
     ANSWERS = BagStateSpec("answers", _ANSWER_CODER)
@@ -504,15 +513,12 @@ class _Resolve(beam.DoFn):
                 answers=beam.DoFn.StateParam(ANSWERS),
                 pending_state=beam.DoFn.StateParam(PENDING)):
         _, item = element
-        complete = regroup(item, _questions, header_state, answers, pending_state)
+        asked = 0
+        if isinstance(item[0], MicroBatch):
+            item, asked = item
+        complete = regroup(item, lambda _: asked, header_state, answers, pending_state)
         if complete is not None:
             yield resolve(*complete)
-
-
-def _questions(batch: MicroBatch) -> int:
-    here = {doc.id for doc in batch.docs}
-    return sum(doc.near_duplicate_of is not None and doc.near_duplicate_of not in here
-               for doc in batch.docs)
 
 
 def resolve(batch: MicroBatch, answers: Iterable[tuple]) -> MicroBatch:
@@ -539,28 +545,35 @@ def resolve(batch: MicroBatch, answers: Iterable[tuple]) -> MicroBatch:
 
 class _Local:
     """What ``_MarkLocally`` holds in memory between micro-batches: the index, the sources'
-    block counts, and how many writes of its state it has made (``generation``)."""
+    block counts and their boilerplate as last written, and how many writes of its state it has
+    made (``generation``)."""
 
     def __init__(self, settings: NearDuplicateSettings):
         self.index = StoryIndex(settings, track_added=True)
         self.sources: dict[str, BlockCounts] = {}
+        self.written: dict[str, bytes] = {}  # each source's boilerplate keys, as in the state
         self.generation = 0
 
 
-_LOCAL: dict[str, _Local] = {}
+_LOCAL: collections.OrderedDict[str, _Local] = collections.OrderedDict()
 _LOCAL_LOCK = threading.Lock()
+LOCAL_STATES = 4
+"""The local layouts' states a process holds in memory, the most recently used: a local run (or
+a test session) runs a few pipelines; a state dropped is read back from the runner's state."""
 
 
 class _MarkLocally(beam.DoFn):
     """The local runner's layout (``transforms.dedup.state_layout_for``): every micro-batch through
     one state, marked by the same rules as the per key layout. The articles held and the
-    sources' block counts live in memory (``_Local``), found again by the token the state holds
-    (a name and the generation of its last write); the state itself is written as what each
-    micro-batch adds (a bag of held entries) and the block counts, and read back whole only when
-    this process does not hold its generation (a fresh step). So a micro-batch costs what its
-    documents cost, whatever the number of stories held. The timer forgets what is past the
-    horizon in one pass, an eighth of the horizon after the earliest expiry; an article past its
-    expiry is never matched meanwhile."""
+    sources' block counts live in memory (``_Local``, at most ``LOCAL_STATES`` a process), found
+    again by the token the state holds (a name and the generation of its last write); the state
+    itself is written as what each micro-batch adds (a bag of held entries) and, where a
+    source's boilerplate changed, the sources' boilerplate keys; it is read back only when this
+    process does not hold its generation (a fresh step, a retried bundle): the articles held and
+    the boilerplate come back, the counts of blocks not yet boilerplate start again. So a
+    micro-batch costs what its documents cost, whatever the number of stories held. The timer
+    forgets what is past the horizon in one pass, an eighth of the horizon after the earliest
+    expiry; an article past its expiry is never matched meanwhile."""
 
     HELD = BagStateSpec("held", HeldStoriesCoder())
     SOURCES = ReadModifyWriteStateSpec("sources", BytesCoder())
@@ -578,26 +591,36 @@ class _MarkLocally(beam.DoFn):
         name, _, generation = (token or f"{uuid.uuid4().hex}:0").partition(":")
         with _LOCAL_LOCK:
             local = _LOCAL.get(name)
+            if local is not None:
+                _LOCAL.move_to_end(name)
         if local is not None and local.generation == int(generation):
             return name, local
         local = _Local(self._settings)  # a fresh step: read the state back
-        size = self._settings.num_perm * 4
         for entries in held_state.read():
             for entry in entries:
-                held = _full_held(entry, size)
+                held = _full_held(entry, self._settings.num_perm)
                 if held is not None:
                     local.index.hold(held)
         local.index.take_added()
-        local.sources = _read_sources(sources_state.read(), self._settings)
+        local.written = _read_sources(sources_state.read())
+        local.sources = {source: BlockCounts.known(keys, self._settings.boilerplate_min_docs)
+                         for source, keys in local.written.items()}
         local.generation = int(generation)
         with _LOCAL_LOCK:
             _LOCAL[name] = local
+            while len(_LOCAL) > LOCAL_STATES:
+                _LOCAL.popitem(last=False)
         return name, local
 
     @staticmethod
     def _written(name: str, local: _Local, token_state, sources_state) -> None:
+        """The token written; the sources' boilerplate too where it changed."""
         local.generation += 1
-        sources_state.write(_write_sources(local.sources))
+        now = {source: counts.boilerplate().astype("<u8").tobytes()
+               for source, counts in local.sources.items()}
+        if now != local.written:
+            sources_state.write(_write_sources(now))
+            local.written = now
         token_state.write(f"{name}:{local.generation}")
 
     def process(self, keyed, timestamp=beam.DoFn.TimestampParam,
@@ -663,33 +686,29 @@ def _entry_of(held: Held) -> tuple:
             held.version, None if held.facts is None else held.facts.to_bytes())
 
 
-def _full_held(entry, size: int) -> Optional[Held]:
+def _full_held(entry, num_perm: int) -> Optional[Held]:
+    """A local layout's state entry as a ``Held`` (None for a signature of another length)."""
     id_, story, rank, expiry, sig, version, facts = entry
-    if len(sig) != size * 4:
+    if len(sig) != num_perm * 4:
         return None
     return Held(id_, story, from_bytes(sig), None if rank is None else (*rank, id_), version,
                 Facts.from_bytes(facts), expiry)
 
 
-def _write_sources(sources: dict[str, BlockCounts]) -> bytes:
-    parts = []
-    for source, counts in sources.items():
-        name, table = source.encode("utf-8", "surrogatepass"), counts.to_bytes()
-        parts.append(struct.pack("<II", len(name), len(table)) + name + table)
-    return b"".join(parts)
+def _write_sources(sources: dict[str, bytes]) -> bytes:
+    """Each source's name and boilerplate keys (uint64 little-endian), one after another."""
+    return b"".join(struct.pack("<II", len(name := source.encode("utf-8", "surrogatepass")),
+                                len(keys)) + name + keys for source, keys in sources.items())
 
 
-def _read_sources(data: Optional[bytes], settings: NearDuplicateSettings
-                  ) -> dict[str, BlockCounts]:
-    sources: dict[str, BlockCounts] = {}
+def _read_sources(data: Optional[bytes]) -> dict[str, bytes]:
+    sources: dict[str, bytes] = {}
     at = 0
     data = data or b""
     while at + 8 <= len(data):
         n, m = struct.unpack_from("<II", data, at)
         at += 8
-        source = data[at:at + n].decode("utf-8", "surrogatepass")
-        sources[source] = BlockCounts.from_bytes(data[at + n:at + n + m],
-                                                 settings.boilerplate_min_docs)
+        sources[data[at:at + n].decode("utf-8", "surrogatepass")] = data[at + n:at + n + m]
         at += n + m
     return sources
 
@@ -734,19 +753,14 @@ class MarkStoriesStreaming(beam.PTransform):
                      | "HeadersAndVerdicts" >> beam.Flatten().with_output_types(
                          tuple[BatchId, Any])
                      | "Regroup" >> beam.ParDo(_Regroup(settings)).with_outputs(
-                         _LEFT_OUT, main="marked"))
-        originals = ((asked.without_signatures, regrouped.marked, regrouped[_LEFT_OUT])
-                     | "MarkedAndLeftOut" >> beam.Flatten()
-                     | "AskOriginals" >> beam.ParDo(_AskOriginals()).with_outputs(
-                         _REQUESTS, _HEADERS, main="settled").with_output_types(
-                         MicroBatch, requests=tuple[str, Any],
-                         headers=tuple[BatchId, MicroBatch]))
-        answers = originals[_REQUESTS] | "StoryPerArticle" >> beam.ParDo(
+                         _ORIGINALS, _ASKING, main="marked").with_output_types(
+                         MicroBatch, originals=tuple[str, Any], asking=tuple[BatchId, Any]))
+        answers = regrouped[_ORIGINALS] | "StoryPerArticle" >> beam.ParDo(
             _StoryPerArticle(settings)).with_input_types(tuple[str, Any]).with_output_types(
             tuple[BatchId, Any])
-        resolved = ((originals[_HEADERS], answers)
+        resolved = ((regrouped[_ASKING], answers)
                     | "HeadersAndAnswers" >> beam.Flatten().with_output_types(
                         tuple[BatchId, Any])
                     | "Resolve" >> beam.ParDo(_Resolve()).with_output_types(MicroBatch))
-        return ((originals.settled, resolved)
+        return ((asked.without_signatures, regrouped.marked, resolved)
                 | "AllMicroBatches" >> beam.Flatten().with_output_types(MicroBatch))
