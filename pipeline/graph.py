@@ -62,7 +62,6 @@ from transforms.stories import (
     COPIES_SKIPPED,
     MARKS,
     PREVIOUS_ORIGINALS,
-    SIGNED_AGAIN,
     KeepOneRescued,
     MarkRows,
     MarkStories,
@@ -149,7 +148,6 @@ def embed_and_write(payloads, config: Config, run_id: str,
     if stories.enabled:  # against each other and the previous outputs' signatures
         marked = docs | "MarkStories" >> MarkStories(stories, key_files)
         marks, earlier = marked[MARKS], marked[PREVIOUS_ORIGINALS]
-        signed_again = marked[SIGNED_AGAIN]
         if stories.action == "skip":  # the copies' marks are needed before the embedding
             skipping = marked["docs"] | "SkipCopies" >> SkipCopies(marks, stories)
             docs, held_back = skipping.docs, skipping[COPIES_SKIPPED]
@@ -178,8 +176,7 @@ def embed_and_write(payloads, config: Config, run_id: str,
     unique = embedded_rows | "DropDuplicates" >> DropDuplicates(config.dedup.key)
     vector_rows = unique.docs
     if stories.enabled:  # after the embedding (action mark: no barrier before it)
-        vector_rows = vector_rows | "MarkRows" >> MarkRows(marks, unique[SURVIVORS_TAG],
-                                                           signed_again)
+        vector_rows = vector_rows | "MarkRows" >> MarkRows(marks, unique[SURVIVORS_TAG])
     minhash_version = signature_version(stories) if stories.enabled else None
     staging = staging_prefix(config.output, run_id)
     rows = config.sink.row_group_rows

@@ -17,7 +17,6 @@ from transforms.stories.batch import (
     COPIES_SKIPPED,
     MARKS,
     PREVIOUS_ORIGINALS,
-    SIGNED_AGAIN,
     KeepOneRescued,
     MarkRows,
     MarkStories,
@@ -59,7 +58,7 @@ from transforms.stories.streaming import (
 )
 
 __all__ = [
-    "COPIES_SKIPPED", "MARKS", "MAX_HELD_PER_BAND", "PREVIOUS_ORIGINALS", "SIGNED_AGAIN", "Held",
+    "COPIES_SKIPPED", "MARKS", "MAX_HELD_PER_BAND", "PREVIOUS_ORIGINALS", "Held",
     "KeepOneRescued", "MarkRows", "MarkStories", "MarkStoriesStreaming", "RescueCopies", "Rules",
     "Signed", "SkipCopies", "StoryIndex", "StoryMark", "_MatchPerBand", "_rank_of", "band_keys",
     "band_signature", "band_similarity", "best_match", "block_keys", "decide", "find_stories",

@@ -83,8 +83,6 @@ class _CutFn(beam.DoFn):
         if holds_boilerplate(keys, cut):
             (again,) = sign([doc.text], [cut], self._settings)
             doc = with_signed(doc, again)
-            yield pvalue.TaggedOutput(SIGNED_AGAIN, ((doc.id, doc.text_sha256),
-                                                     (doc.minhash, doc.story_facts)))
         yield doc
 
 
@@ -153,6 +151,8 @@ def find_stories(entries: list[tuple], previous,
         facts = Facts.from_bytes(more[1]) if len(more) > 1 else None
         mark = index.mark(id_, None if minhash is None else from_bytes(minhash), rank,
                           version=version, facts=facts)
+        if facts is not None and facts.whole is not None:  # signed without boilerplate
+            mark = dataclasses.replace(mark, signed=(minhash, more[1]))
         if mark.near_duplicate_of in earlier and mark.near_duplicate_of not in named:
             named.add(mark.near_duplicate_of)
             yield pvalue.TaggedOutput(PREVIOUS_ORIGINALS, (mark.near_duplicate_of, True))
@@ -171,18 +171,17 @@ def with_mark(item, mark: Optional[StoryMark]):
     return dataclasses.replace(item, **fields)
 
 
-MARKS, COPIES_SKIPPED, SIGNED_AGAIN = "marks", "near_duplicates", "signed_again"
+MARKS, COPIES_SKIPPED = "marks", "near_duplicates"
 
 
 class MarkStories(beam.PTransform):
     """Batch: PreparedDoc -> the documents signed (``docs``: without their sources' boilerplate,
     which waits for every document to be prepared; ``whole``: signed whole, which waits for
     nothing: what action ``mark`` embeds), each one's mark, ``((id, text hash), StoryMark)``
-    (``marks``), found against each other and against the previous outputs' signatures
-    (``key_files``: ``ReadKeys``'s ``KeyFiles``, or None), the signatures of the documents
-    signed again without boilerplate (``signed_again``: ((id, text hash), (minhash,
-    story_facts)), for their rows), and the previous outputs' articles a mark names
-    (``previous_originals``: (id, True)).
+    (``marks``: the mark of a document signed again without boilerplate carries that signature,
+    for its row), found against each other and against the previous outputs' signatures
+    (``key_files``: ``ReadKeys``'s ``KeyFiles``, or None), and the previous outputs' articles a
+    mark names (``previous_originals``: (id, True)).
 
     Each document is signed whole, and its blocks counted per source (``LearnBoilerplate``);
     one that holds its source's boilerplate is signed again without it (``CutBoilerplate``,
@@ -205,9 +204,8 @@ class MarkStories(beam.PTransform):
                            [(source_of(signed[0]), (signed[0].id, signed[1]))])
                        | "LearnBoilerplate" >> beam.CombinePerKey(
                            LearnBoilerplate(settings.boilerplate_min_docs)))
-        cut = whole | "CutBoilerplate" >> beam.ParDo(
-            _CutFn(settings), pvalue.AsDict(boilerplate)).with_outputs(SIGNED_AGAIN, main="docs")
-        signed = cut.docs
+        signed = whole | "CutBoilerplate" >> beam.ParDo(_CutFn(settings),
+                                                        pvalue.AsDict(boilerplate))
         if self._key_files is not None:
             previous = self._key_files | "PreviousSignatures" >> beam.FlatMap(
                 previous_signatures, version)
@@ -220,7 +218,7 @@ class MarkStories(beam.PTransform):
                  | "FindStories" >> beam.FlatMap(
                      lambda entries, held: find_stories(entries, held, settings),
                      pvalue.AsList(previous)).with_outputs(PREVIOUS_ORIGINALS, main=MARKS))
-        return {"docs": signed, MARKS: marks[MARKS], SIGNED_AGAIN: cut[SIGNED_AGAIN],
+        return {"docs": signed, MARKS: marks[MARKS],
                 "whole": whole | "Documents" >> beam.Map(lambda signed_whole: signed_whole[0]),
                 PREVIOUS_ORIGINALS: marks[PREVIOUS_ORIGINALS]}
 
@@ -242,27 +240,26 @@ def _surviving(mark: Optional[StoryMark], row, marks, survivors) -> Optional[Sto
                      None if near is None else survivors.get(near, near), mark.similarity)
 
 
-def _mark_row(row, marks, survivors, signed_again):
-    again = signed_again.get((row.id, row.text_sha256))
-    if again is not None:  # its signature without its source's boilerplate, for keys/
-        row = dataclasses.replace(row, minhash=again[0], story_facts=again[1])
-    return with_mark(row, _surviving(marks.get((row.id, row.text_sha256)), row, marks, survivors))
+def _mark_row(row, marks, survivors):
+    mark = marks.get((row.id, row.text_sha256))
+    if mark is not None and mark.signed is not None:  # signed again without boilerplate: keys/
+        row = dataclasses.replace(row, minhash=mark.signed[0], story_facts=mark.signed[1])
+    return with_mark(row, _surviving(mark, row, marks, survivors))
 
 
 class MarkRows(beam.PTransform):
     """Batch: vector rows (and their chunk rows) with their articles' marks (action ``skip``: the
     same marks the documents took), the ids ``DropDuplicates`` dropped replaced by their
     survivors' (``survivors``: (dropped id, kept id)); a row embedded from its document signed
-    whole takes the signature it was marked with (``signed_again``)."""
+    whole takes the signature it was marked with (``StoryMark.signed``)."""
 
-    def __init__(self, marks, survivors, signed_again):
+    def __init__(self, marks, survivors):
         super().__init__()
-        self._marks, self._survivors, self._again = marks, survivors, signed_again
+        self._marks, self._survivors = marks, survivors
 
     def expand(self, rows):
         return rows | "WithStory" >> beam.Map(_mark_row, pvalue.AsDict(self._marks),
-                                              pvalue.AsDict(self._survivors),
-                                              pvalue.AsDict(self._again))
+                                              pvalue.AsDict(self._survivors))
 
 
 class _SkipCopiesFn(beam.DoFn):

@@ -46,6 +46,7 @@ class StoryMark:
     similarity: Optional[float] = None
     skippable: bool = False
     of_version: Optional[str] = None  # the version (text hash) of the article it copies
+    signed: Optional[tuple] = None  # batch: (minhash, facts) it was marked with, where cut
 
     @property
     def is_copy(self) -> bool:

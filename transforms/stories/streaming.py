@@ -170,10 +170,10 @@ def _keys(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<u8").astype(np.uint64)
 
 
-def _boilerplate_of(counts: BlockCounts, keys: bytes) -> bytes:
-    """Those of a document's block ``keys`` that are its source's boilerplate."""
+def _boilerplate_of(boilerplate: np.ndarray, keys: bytes) -> bytes:
+    """Those of a document's block ``keys`` that are its source's ``boilerplate``."""
     mine = _keys(keys)
-    return mine[np.isin(mine, counts.boilerplate())].astype("<u8").tobytes()
+    return mine[np.isin(mine, boilerplate)].astype("<u8").tobytes()
 
 
 class _LearnPerSource(beam.DoFn):
@@ -200,7 +200,8 @@ class _LearnPerSource(beam.DoFn):
         counts_state.write(counts.to_bytes())
         quiet.set(Timestamp(micros=ms_ceiling(
             timestamp + Duration(seconds=settings.horizon_s)).micros))
-        yield bid, [(key, _boilerplate_of(counts, keys)) for key, _, keys in docs]
+        boilerplate = counts.boilerplate()
+        yield bid, [(key, _boilerplate_of(boilerplate, keys)) for key, _, keys in docs]
 
     @on_timer(QUIET)
     def quiet(self, counts_state=beam.DoFn.StateParam(COUNTS)):
@@ -643,8 +644,9 @@ class _MarkLocally(beam.DoFn):
         for doc, source, keys in known:  # counted first: a footer in this micro-batch counts
             counts = local.sources.setdefault(source, BlockCounts(settings.boilerplate_min_docs))
             counts.add(id_hash(doc.id), keys, now_s)
+        boilerplate = {source: local.sources[source].boilerplate() for _, source, _ in known}
         cuts = [(_doc_key(doc.id, doc.text_sha256),
-                 _boilerplate_of(local.sources[source], keys.astype("<u8").tobytes()))
+                 _boilerplate_of(boilerplate[source], keys.astype("<u8").tobytes()))
                 for doc, source, keys in known]
         expiry = ms_ceiling(timestamp + self._horizon).micros
         marked = decide(sign_batch(batch, cuts, settings), [], settings, local.index, expiry,
