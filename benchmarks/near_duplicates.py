@@ -981,11 +981,10 @@ def main(argv=None) -> int:
     state = state_size(settings)
     state["micro_batches"] = streaming_micro_batches(settings, args.held)
     figures["state"] = state
-    print(f"\nstate per held story: {state['bands']} band entries; {state['coder']}; "
-          f"fields {state['entry_fields_bytes']} B per entry "
-          f"({state['signature_bytes']} B of signature) -> "
-          f"{state.get('encoded_bytes_per_story', state['computed_bytes_per_story']):,} B per "
-          f"story, {state['gb_per_million_stories']:.1f} GB per million stories")
+    print(f"\nstate per held story: {state['bands']} band entries, {state['coder']}: "
+          f"{state['encoded_per_added_entry']} B an entry ({state['signature_bytes']} B of "
+          f"signature, {state['facts_bytes']} B of facts) -> {state['encoded_bytes_per_story']:,} "
+          f"B per story, {state['gb_per_million_stories']:.1f} GB per million stories")
     print("the band step of one micro-batch of 100 (90 new, 10 copies) and its timers, MODELED "
           "state store (tools/dedup_state_model.py), median CPU time of 7:")
     for r in state["micro_batches"]:

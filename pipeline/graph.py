@@ -148,11 +148,10 @@ def embed_and_write(payloads, config: Config, run_id: str,
     if stories.enabled:  # against each other and the previous outputs' signatures
         marked = docs | "MarkStories" >> MarkStories(stories, key_files)
         marks, earlier = marked[MARKS], marked[PREVIOUS_ORIGINALS]
+        docs = marked["docs"]  # signed whole: with action mark, the embedding waits for nothing
         if stories.action == "skip":  # the copies' marks are needed before the embedding
-            skipping = marked["docs"] | "SkipCopies" >> SkipCopies(marks, stories)
+            skipping = docs | "SkipCopies" >> SkipCopies(marks, stories)
             docs, held_back = skipping.docs, skipping[COPIES_SKIPPED]
-        else:  # signed whole: the embedding waits for nothing
-            docs = marked["whole"]
     # No grouping between preparing and embedding: in a batch job it would be a barrier, every
     # article prepared before the first is embedded. Duplicates are dropped from the vector rows.
     embedded = docs | "Embed" >> Embed(

@@ -159,9 +159,10 @@ def test_a_copy_of_a_copy_joins_the_first_ones_story_in_streaming(state):
     local runner's one state, mark C in A's story (B is held under A's story). Per band key
     (Dataflow): B is held under A's story only in the band keys where it found A; in the others,
     under a story of its own, and C only shares those: C came out in story "B", which has no
-    article of that id as its original (B is in story "A"). A band key cannot learn B's story after B's micro-batch decides it (a
-    cycle in the graph): the step now records each article's decided story by its id
-    (``_StoryPerArticle``), and a copy asks its original's."""
+    article of that id as its original (B is in story "A"). A band key cannot learn B's story
+    after B's micro-batch decides it (a cycle in the graph): the step now records each
+    article's decided story by its id and version (``_StoryPerArticle``), and a copy asks its
+    original's."""
     from tests.test_stories_streaming import BASE, doc, mb, run_batches
     a, b = BASE[0], BASE[0] + " " + BASE[1]
     c = BASE[1] + " Reporting by the wire desk."

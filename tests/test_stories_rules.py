@@ -155,7 +155,7 @@ def test_facts_round_trip_and_planted_bytes_are_no_facts():
         assert Facts.from_bytes(planted) is None
 
 
-# --- the rules in batch ------------------------------------------------------------------------------
+# --- the rules in batch --------------------------------------------------------------------------
 
 def _marks(entries, previous, settings) -> dict:
     """find_stories' marks, by key (not the previous originals it also names)."""

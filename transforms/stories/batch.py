@@ -14,6 +14,7 @@ import urllib.parse
 from typing import Any, Iterable, Optional
 
 import apache_beam as beam
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam import pvalue
@@ -63,27 +64,45 @@ def source_of(doc) -> Optional[str]:
     return f"h:{host}" if host else None
 
 
-def _signed_whole(doc, settings: NearDuplicateSettings):
-    """PreparedDoc -> (the document signed whole, its block keys)."""
-    (signed,) = sign([doc.text], [None], settings)
-    return with_signed(doc, signed), signed.block_keys
+ENTRIES = "entries"
 
 
-class _CutFn(beam.DoFn):
-    """(PreparedDoc signed whole, its block keys) -> the document, signed again without its
-    source's boilerplate where it holds some (``boilerplate``: source -> sorted keys, a side
-    input): most documents are signed once."""
+class _SignFn(beam.DoFn):
+    """PreparedDoc -> the document signed whole (main output), and what the marking needs of it,
+    in plain values that cost little to move (``entries``: (source, id, text hash,
+    ``story_rank``, signature, facts bytes, block keys bytes, text))."""
 
     def __init__(self, settings: NearDuplicateSettings):
         self._settings = settings
 
-    def process(self, signed, boilerplate):
-        doc, keys = signed
-        cut = boilerplate.get(source_of(doc))
-        if holds_boilerplate(keys, cut):
-            (again,) = sign([doc.text], [cut], self._settings)
-            doc = with_signed(doc, again)
+    def process(self, doc):
+        (signed,) = sign([doc.text], [None], self._settings)
+        doc = with_signed(doc, signed)
         yield doc
+        yield pvalue.TaggedOutput(ENTRIES, (
+            source_of(doc), doc.id, doc.text_sha256, story_rank(doc), doc.minhash,
+            doc.story_facts, signed.block_keys.astype("<u8").tobytes(), doc.text))
+
+
+class _CutFn(beam.DoFn):
+    """An entry of ``_SignFn`` -> (``story_rank``, id, signature, text hash, facts bytes): the
+    text signed again without its source's boilerplate where it holds some (``boilerplate``:
+    source -> sorted keys, a side input), else as signed whole (most are signed once)."""
+
+    def __init__(self, settings: NearDuplicateSettings):
+        self._settings = settings
+
+    def process(self, entry, boilerplate):
+        source, id_, sha, rank, minhash, facts, keys, text = entry
+        cut = boilerplate.get(source)
+        if holds_boilerplate(np.frombuffer(keys, dtype="<u8").astype(np.uint64), cut):
+            (again,) = sign([text], [cut], self._settings)
+            before = Facts.from_bytes(facts)
+            minhash = again.minhash
+            facts = None if again.facts is None else dataclasses.replace(
+                again.facts,
+                published_us=None if before is None else before.published_us).to_bytes()
+        yield rank, id_, minhash, sha, facts
 
 
 _PREVIOUS_COLUMNS = {"id": pa.string(), "story_id": pa.string(), "minhash": pa.binary(),
@@ -175,18 +194,17 @@ MARKS, COPIES_SKIPPED = "marks", "near_duplicates"
 
 
 class MarkStories(beam.PTransform):
-    """Batch: PreparedDoc -> the documents signed (``docs``: without their sources' boilerplate,
-    which waits for every document to be prepared; ``whole``: signed whole, which waits for
-    nothing: what action ``mark`` embeds), each one's mark, ``((id, text hash), StoryMark)``
-    (``marks``: the mark of a document signed again without boilerplate carries that signature,
-    for its row), found against each other and against the previous outputs' signatures
-    (``key_files``: ``ReadKeys``'s ``KeyFiles``, or None), and the previous outputs' articles a
-    mark names (``previous_originals``: (id, True)).
+    """Batch: PreparedDoc -> the documents signed whole (``docs``: what is embedded, waiting for
+    nothing), each one's mark, ``((id, text hash), StoryMark)`` (``marks``: the mark of a
+    document signed again without boilerplate carries that signature, for its row), found
+    against each other and against the previous outputs' signatures (``key_files``:
+    ``ReadKeys``'s ``KeyFiles``, or None), and the previous outputs' articles a mark names
+    (``previous_originals``: (id, True)).
 
     Each document is signed whole, and its blocks counted per source (``LearnBoilerplate``);
     one that holds its source's boilerplate is signed again without it (``CutBoilerplate``,
-    which waits for every article to be prepared; the embedding does not wait for it, action
-    ``mark``). Every signature of the run goes to one worker
+    which waits for every article to be prepared). The marking moves plain values (``_SignFn``'s
+    entries), not documents. Every signature of the run goes to one worker
     (``find_stories``), and its index holds about 6 KB an article (measured: 120 MB for 20,000
     previous articles held), 6 GB for a million: keep ``incremental.previous_outputs`` to the
     days that matter."""
@@ -197,29 +215,28 @@ class MarkStories(beam.PTransform):
 
     def expand(self, docs):
         settings, version = self._settings, signature_version(self._settings)
-        whole = docs | "Sign" >> beam.Map(_signed_whole, settings)
-        boilerplate = (whole
+        signed = docs | "Sign" >> beam.ParDo(_SignFn(settings)).with_outputs(ENTRIES,
+                                                                              main="docs")
+        entries = signed[ENTRIES]
+        boilerplate = (entries
                        | "BlockKeys" >> beam.FlatMap(
-                           lambda signed: [] if source_of(signed[0]) is None else
-                           [(source_of(signed[0]), (signed[0].id, signed[1]))])
+                           lambda entry: [] if entry[0] is None else [(entry[0], (
+                               entry[1], np.frombuffer(entry[6], dtype="<u8").astype(np.uint64)
+                           ))])
                        | "LearnBoilerplate" >> beam.CombinePerKey(
                            LearnBoilerplate(settings.boilerplate_min_docs)))
-        signed = whole | "CutBoilerplate" >> beam.ParDo(_CutFn(settings),
-                                                        pvalue.AsDict(boilerplate))
         if self._key_files is not None:
             previous = self._key_files | "PreviousSignatures" >> beam.FlatMap(
                 previous_signatures, version)
         else:
             previous = docs.pipeline | "NoPreviousOutputs" >> beam.Create([])
-        marks = (signed
-                 | "RankAndSignature" >> beam.Map(
-                     lambda d: (story_rank(d), d.id, d.minhash, d.text_sha256, d.story_facts))
+        marks = (entries
+                 | "CutBoilerplate" >> beam.ParDo(_CutFn(settings), pvalue.AsDict(boilerplate))
                  | "AllSignatures" >> beam.combiners.ToList()
                  | "FindStories" >> beam.FlatMap(
                      lambda entries, held: find_stories(entries, held, settings),
                      pvalue.AsList(previous)).with_outputs(PREVIOUS_ORIGINALS, main=MARKS))
-        return {"docs": signed, MARKS: marks[MARKS],
-                "whole": whole | "Documents" >> beam.Map(lambda signed_whole: signed_whole[0]),
+        return {"docs": signed.docs, MARKS: marks[MARKS],
                 PREVIOUS_ORIGINALS: marks[PREVIOUS_ORIGINALS]}
 
 
