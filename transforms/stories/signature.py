@@ -245,13 +245,11 @@ def signatures(texts: list[str], settings: NearDuplicateSettings) -> list[Option
 
 def band_keys(signature: np.ndarray, settings: NearDuplicateSettings) -> list[str]:
     """The signature's LSH band keys, ``<band>:<16 hex>`` (band b: values ``b*band_rows`` up to
-    ``(b+1)*band_rows``): two signatures sharing one are candidates."""
-    rows = settings.band_rows
-    return [f"{b}:{_digest(signature[b * rows:(b + 1) * rows])}" for b in range(settings.bands)]
-
-
-def _digest(values: np.ndarray) -> str:
-    return hashlib.blake2b(values.tobytes(), digest_size=8).hexdigest()
+    ``(b+1)*band_rows``, as little-endian bytes): two signatures sharing one are candidates."""
+    data, size = signature.astype("<u4").tobytes(), 4 * settings.band_rows
+    blake2b = hashlib.blake2b
+    return [f"{b}:{blake2b(data[b * size:(b + 1) * size], digest_size=8).hexdigest()}"
+            for b in range(settings.bands)]
 
 
 def similarity(a: np.ndarray, b: np.ndarray) -> float:
