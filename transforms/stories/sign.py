@@ -31,7 +31,6 @@ class Signed:
     block_keys: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.uint64))
 
 
-UNSIGNED = Signed(None, None)
 CARRIED = 1.5
 """A text up to this many times ``short_chars`` long is kept in its facts: a short text is
 compared with one a little longer than short by their words, not taken apart for its length."""
