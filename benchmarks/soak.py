@@ -24,6 +24,7 @@ import datetime as dt
 import json
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -138,6 +139,41 @@ def written_rate_by_span(progress: list[tuple[float, int]], until_s: float,
         spans.append((start / 60, (rows_at(start + span_s) - rows_at(start)) / span_s))
         start += span_s
     return spans
+
+
+def table_figures(results: dict, argv: list[str], minutes: str) -> dict:
+    """The figures docs/benchmarks.md shows, keyed by the table's wording."""
+    from tools.bench_results import machine
+
+    m = machine()
+    cpu = (m["cpu"] or "CPU not noted").replace("(R)", "").replace(" Processor", "")
+    where = f"{' '.join(cpu.split()[:3]) if 'EPYC' in cpu else cpu}, {m['cores']} vCPU"
+    when = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    command = "python -m benchmarks.soak" + (" " + " ".join(argv) if argv else "")
+
+    def row(value: str, target=None, met=None) -> dict:
+        return {"value": value, "target": target, "met": met, "machine": where,
+                "measured": when, "command": command}
+
+    rate, lat = results["written_rate"], results["latency_s"]
+    acc, mem = results["accounting"], results["memory_mib"]
+    worst = rate["worst_later_vs_first_10"]
+    rows = {}
+    if worst is not None:
+        rows[f"{minutes} minutes at 0.8 of saturation ({results['soak']['rate_msgs_per_s']:.1f} "
+             f"msg/s), stories on: worst 5-minute written rate over the first 10 minutes'"] = row(
+            f"{worst:.3f}", "≥ 0.9", "yes" if worst >= 0.9 else "no")
+    rows["publish-to-Parquet latency, p50 / p95 / p99, stories on"] = row(
+        f"{lat['p50']:.1f} s / {lat['p95']:.1f} s / {lat['p99']:.1f} s")
+    rows["messages accounted for (rows + dead letters + duplicates), ledger, stories on"] = row(
+        f"{acc['rows'] + acc['dead_letters'] + acc['duplicates_dropped']:,} of "
+        f"{acc['published']:,}, {'balanced' if not acc['ledger_problems'] else 'NOT balanced'}",
+        "all", "yes" if acc["every_message_accounted_for"] else "no")
+    runner = mem["runner_process"]["slope_after_settle_mib_per_min"]
+    if runner is not None:
+        rows["runner's process (local runner, stories held in memory): resident memory "
+             "trend"] = row(f"{runner:+.2f} MiB/min")
+    return rows
 
 
 def main(argv=None) -> int:
@@ -271,6 +307,8 @@ def main(argv=None) -> int:
                        "every_message_accounted_for": accounted},
         "progress": progress,
     })
+    results.update(table_figures(results, sys.argv[1:] if argv is None else argv,
+                                 f"{args.minutes:g}"))
     out_file = write_results(results, args.results, "soak")
     print(f"plot: {plots.soak(results, out_file)}")
     lat, mem = results["latency_s"], results["memory_mib"]
@@ -315,6 +353,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main())
