@@ -57,7 +57,8 @@ from transforms.sinks import (
     WriteStreaming,
     WriteVectors,
 )
-from transforms.stores.batch import LoadCommittedRun, load_key, run_day
+from transforms.stores.base import batch_load_key
+from transforms.stores.batch import LoadCommittedRun, run_day
 from transforms.stories import (
     COPIES_SKIPPED,
     MARKS,
@@ -206,7 +207,7 @@ def embed_and_write(payloads, config: Config, run_id: str,
     # The day the run stands for (its rows' dt in the store): --input_date, not the launch day.
     summary["day"] = run_day(config.output, run_id, config.filled_day).isoformat()
     if config.store.enabled:  # the key the store holds the run under once LoadCommittedRun ran
-        summary["store"] = {"kind": config.store.kind, "load_key": load_key(run_id)}
+        summary["store"] = {"kind": config.store.kind, "load_key": batch_load_key(run_id)}
     committed = payloads.pipeline | "CommitRun" >> CommitRun(
         config.output, run_id, summary, files=files, tallies=tallies,
         skipped_from=skipped_from, key_files=key_files, lease_s=config.sink.commit_lease_s)

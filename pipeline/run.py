@@ -29,8 +29,7 @@ from transforms.output.layout import SUMMARY_FILE, join_path, new_run_id
 from transforms.output.manifest import SummaryUnavailable, published_summary, read_manifest
 from transforms.read import count_lines
 from transforms.stores import store_for
-from transforms.stores.base import StoreError, StoreLoadFailed, loaded
-from transforms.stores.batch import load_key
+from transforms.stores.base import StoreError, StoreLoadFailed, batch_load_key, loaded
 
 _LOG = logging.getLogger("newsvec")
 
@@ -166,7 +165,7 @@ def _store_record(config: config_lib.Config, run_id: str) -> dict:
     """The store's record of the run's load, which the job's LoadCommittedRun step made (a job
     whose load failed has failed before this): what the summary's ``store`` shows here. Read
     only; a store this process cannot read is said, never a failure of the run."""
-    key = load_key(run_id)
+    key = batch_load_key(run_id)
     failure = None
     try:
         record = loaded(store_for(config.store), key)

@@ -58,7 +58,7 @@ from transforms.output.parquet import chunk_schema, key_schema, vector_schema
 from transforms.settings import VectorDtype
 from transforms.stores import Settings as StoreSettings
 from transforms.stores import store_for
-from transforms.stores.base import LoadRows, VectorStore
+from transforms.stores.base import LoadRows, VectorStore, streaming_load_key
 from transforms.types import ChunkRow, Counts, DeadLetter, EmbeddedDoc, LedgerRecord, MicroBatch
 
 
@@ -273,16 +273,10 @@ def micro_batch_digest(batch: MicroBatch) -> str:
     return hashlib.sha256("\n".join(identities).encode("utf-8")).hexdigest()[:16]
 
 
-def load_key(window_start: dt.datetime, pane: int, shard: int, digest: str) -> str:
-    """The store's load key of a micro-batch: ``mb:<window start>:<pane>:<shard>:<digest>``, the
-    same for every attempt at it (as its file names); ``newsvec ledger`` makes it from a record."""
-    return f"mb:{window_start:%Y%m%dT%H%M%SZ}:{pane}:{shard}:{digest}"
-
-
 def micro_batch_load_key(batch: MicroBatch, digest: str) -> str:
-    """``load_key`` of a micro-batch."""
-    return load_key(micro_batch_window(batch).start.to_utc_datetime(), batch.pane, batch.shard,
-                    digest)
+    """The store's load key of a micro-batch (``stores.base.streaming_load_key``)."""
+    return streaming_load_key(micro_batch_window(batch).start.to_utc_datetime(), batch.pane,
+                              batch.shard, digest)
 
 
 class _WriteStreamingFn(beam.DoFn):

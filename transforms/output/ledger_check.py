@@ -34,6 +34,7 @@ from transforms.output.parquet import VERSION_ORDER, version_key
 from transforms.stores import Settings as StoreSettings
 from transforms.stores import store_for
 from transforms.stores.base import printable as _printable
+from transforms.stores.base import streaming_load_key
 from transforms.types import Counts, utc_time
 
 
@@ -245,10 +246,8 @@ def _load_key(r) -> Optional[str]:
         return r.store_load_key
     if r.digest is None:
         return None
-    from transforms.sinks import load_key
-
     start = utc_time(r.window_start)
-    return None if start is None else load_key(start, r.pane, r.shard, r.digest)
+    return None if start is None else streaming_load_key(start, r.pane, r.shard, r.digest)
 
 
 _ORDER_COLUMNS = [c for c in VERSION_ORDER if c != "dt"]

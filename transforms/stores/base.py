@@ -2,21 +2,23 @@
 contract every stage and command uses, and the values that cross it.
 
 A store takes a load of rows (``LoadRows``: a batch run's committed files, a streaming
-micro-batch's rows) under a load key, and a load is idempotent by its key: a load retried or
-repeated with the same key and the same rows changes nothing (``StoreLoad.already_loaded``), so a
-bundle that Beam retries, a lost commit response or a rerun of ``newsvec load`` never stores a
-row twice. Each load is all or nothing: its rows and its record under the key are stored together
-or not at all. A batch run's load (``BatchOutput``) replaces the previous run's load of the same
-output, and an older run's load never replaces a newer one's (it fails, ``StoreLoadFailed``). The
-store keeps each article's current version (``schema.VERSION_ORDER``).
+micro-batch's rows) under a load key (``batch_load_key``, ``streaming_load_key``), and a load is
+idempotent by its key: a load retried or repeated with the same key and the same rows changes
+nothing (``StoreLoad.already_loaded``), so a bundle that Beam retries, a lost commit response or a
+rerun of ``newsvec load`` never stores a row twice. Each load is all or nothing: its rows and its
+record under the key are stored together or not at all. A batch run's load (``BatchOutput``)
+replaces the previous run's load of the same output, and an older run's load never replaces a
+newer one's (it fails, ``StoreLoadFailed``). The store keeps each article's current version
+(``schema.VERSION_ORDER``).
 
 Reading: ``search`` (``newsvec search --store``), and ``reader`` for ``newsvec ledger --store``:
 the record of given loads and the stored version of given articles, against which the ledger's
 records and files are checked (``pipeline.ledger``).
 
-A backend is one module with its settings model (a ``kind`` field) and a factory, registered by
-one line in ``transforms/stores/__init__.py`` (docs/design.md, "Adding a store backend").
-"""
+A backend is one package or module with its settings model (a ``kind`` field) and a factory,
+registered by one line in ``transforms/stores/__init__.py`` (docs/design.md, "Adding a store
+backend"); what backends share beside this contract is in ``secret`` (reading the connection
+string), ``scrub`` (keeping it out of messages) and ``retry`` (transient and data errors)."""
 from __future__ import annotations
 
 import contextlib
@@ -67,6 +69,19 @@ class LoadRows:
             table.column("id").to_pylist(), table.column("text_sha256").to_pylist(),
             table.column("embedded_at").cast(pa.int64()).to_pylist(), strict=True))
         return hashlib.sha256("\n".join(lines).encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def batch_load_key(run_id: str) -> str:
+    """A batch run's load key, ``run:<run_id>``: the same for the graph's step
+    (``LoadCommittedRun``) and ``newsvec load``."""
+    return f"run:{run_id}"
+
+
+def streaming_load_key(window_start: dt.datetime, pane: int, shard: int, digest: str) -> str:
+    """The load key of a streaming micro-batch, ``mb:<window start>:<pane>:<shard>:<digest>``:
+    the same for every attempt at it (as its file names, ``transforms.sinks``); ``newsvec
+    ledger`` makes it from a record."""
+    return f"mb:{window_start:%Y%m%dT%H%M%SZ}:{pane}:{shard}:{digest}"
 
 
 REJECTED_FIELDS = ("id", "text_sha256", "reason", "detail")

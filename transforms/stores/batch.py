@@ -45,6 +45,7 @@ from transforms.stores.base import (
     StoreLoad,
     StoreLoadFailed,
     VectorStore,
+    batch_load_key,
 )
 
 _LOG = logging.getLogger("newsvec")
@@ -85,11 +86,6 @@ def recorded_day(output: str, run_id: str, manifest: Any) -> Optional[dt.date]:
                      "output's dt= folder, else the run's launch day", run_id, path,
                      type(exc).__name__, exc)
         return None
-
-
-def load_key(run_id: str) -> str:
-    """A batch run's load key: the same for the graph's step and ``newsvec load``."""
-    return f"run:{run_id}"
 
 
 def _read(output: str, relative: list[str]) -> Optional[pa.Table]:
@@ -182,7 +178,7 @@ def load_run(store: VectorStore, output: str, run_id: str, rows: LoadRows,
              reload: bool = False) -> StoreLoad:
     """``rows``, run ``run_id``'s of ``output``, into ``store`` under the run's load key,
     replacing the previous run's load of the output; what it did is logged."""
-    result = store.load(rows, load_key(run_id), output=batch_output(output, run_id),
+    result = store.load(rows, batch_load_key(run_id), output=batch_output(output, run_id),
                         reload=reload)
     _LOG.info("store: run %s %s (%d rows, %d chunk rows, %d articles current, %d rows refused, "
               "%d articles of %s withdrawn) in %.2f s", run_id,
@@ -233,7 +229,7 @@ class _LoadCommittedRunFn(beam.DoFn):
         beam.metrics.Metrics.counter("newsvec", "store_loads_skipped").inc()
         _LOG.warning("run %s: not loaded into the store: the newer run %s holds %s, and its own "
                      "load stores it", self._run_id, newer, self._output)
-        yield {"load_key": load_key(self._run_id), "skipped": True, "superseded_by": newer}
+        yield {"load_key": batch_load_key(self._run_id), "skipped": True, "superseded_by": newer}
 
 
 class LoadCommittedRun(beam.PTransform):
