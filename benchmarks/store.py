@@ -41,7 +41,8 @@ from pipeline.config import REPO_ROOT, load
 from tools.bench_results import write_results
 from tools.emulators import postgres_server
 from transforms.output.parquet import vector_schema
-from transforms.stores.pgvector import LoadRows, Store, StoreSettings, pgvector_schema
+from transforms.stores.base import LoadRows
+from transforms.stores.pgvector import Store, StoreSettings, pgvector_schema
 
 DSN_ENV = "NEWSVEC_BENCH_STORE_DSN"
 

@@ -859,7 +859,7 @@ def test_newsvec_load_never_stores_a_file_swapped_in_the_output(committed_pair, 
     # A published vectors file swapped for a symlink to another output's: newsvec load stored
     # that output's rows (secret-0..2) as this run's; a FIFO there made it wait for ever.
     from pipeline.load import run_rows
-    from transforms.stores.pgvector import StoreLoadFailed
+    from transforms.stores.base import StoreLoadFailed
 
     _, out, private = committed_pair
     part = _published(out, "vectors")

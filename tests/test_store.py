@@ -16,15 +16,8 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline import config as config_lib
 from tests.conftest import SAMPLE_EVENTS, STORE_DSN_ENV, make_config
 from transforms.output.parquet import chunk_schema, vector_schema
-from transforms.stores.pgvector import (
-    LoadRows,
-    Store,
-    StoreLoadFailed,
-    StoreSettings,
-    resolve_dsn,
-    scrub,
-    vector_sql_type,
-)
+from transforms.stores.base import LoadRows, StoreLoadFailed
+from transforms.stores.pgvector import Store, StoreSettings, resolve_dsn, scrub, vector_sql_type
 
 DIM = 8
 T0 = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.timezone.utc)

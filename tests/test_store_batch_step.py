@@ -23,7 +23,8 @@ from tests.conftest import STORE_DSN_ENV, make_config
 from tests.fakes import FakeEngine
 from transforms.output.layout import SUMMARY_FILE, new_run_id
 from transforms.output.manifest import read_manifest, write_manifest
-from transforms.stores.pgvector import StoreLoadFailed, StoreSettings
+from transforms.stores.base import StoreLoadFailed
+from transforms.stores.pgvector import StoreSettings
 
 
 def _events(tmp_path, n: int = 5, lines: tuple = ()):

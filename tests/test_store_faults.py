@@ -30,7 +30,8 @@ import pytest
 
 from tests.conftest import STORE_DSN_ENV
 from transforms.output.parquet import chunk_schema, vector_schema
-from transforms.stores.pgvector import LoadRows, Store, StoreLoadFailed, StoreSettings, scrub
+from transforms.stores.base import LoadRows, StoreLoadFailed
+from transforms.stores.pgvector import Store, StoreSettings, scrub
 from transforms.types import STORY_FIELDS
 
 DIM = 8
@@ -276,16 +277,19 @@ def test_a_load_gives_up_waiting_for_a_table_another_connection_holds(store_sett
     assert Store(settings).load(LoadRows(rows(["a"]), None, DAY), "run:1").rows == 1
 
 
-def test_a_loader_stalled_inside_its_transaction_loses_the_table_to_the_next(store_settings, pg):
+def test_a_loader_stalled_inside_its_transaction_loses_the_table_to_the_next(store_settings, pg,
+                                                                             monkeypatch):
     """Loader A takes the table's lock and stalls (a frozen process: its connection stays open,
     nothing is sent). The server ends A's session once it has been idle in its transaction for
     lock_timeout_s, so loader B gets the table. When A wakes, its connection is gone: a transient
     error, so A tries again and loads. Before, B waited for A for ever."""
+    from transforms.stores.pgvector import upsert
+
     settings = settings_with(store_settings, lock_timeout_s=1.0, retry_s=60)
     Store(settings).load(LoadRows(rows(["first"]), None, DAY), "run:0")
     stalled, wake = threading.Event(), threading.Event()
     a = Store(settings)
-    real_upsert = a._upsert
+    real_upsert = upsert._upsert
 
     def stall(*args, **kwargs):
         if not stalled.is_set():
@@ -293,7 +297,7 @@ def test_a_loader_stalled_inside_its_transaction_loses_the_table_to_the_next(sto
             wake.wait(120)
         return real_upsert(*args, **kwargs)
 
-    a._upsert = stall  # type: ignore[method-assign]
+    monkeypatch.setattr(upsert, "_upsert", stall)  # the first upsert (loader A's) stalls
     thread_a, out_a = _in_thread(lambda: a.load(LoadRows(rows(["a"]), None, DAY), "run:a"))
     try:
         assert stalled.wait(60), "loader A took the lock"
@@ -596,7 +600,7 @@ def test_finding_the_rows_the_server_refuses_has_a_deadline(store_settings, pg, 
     """The halving's total time is bounded by ``statement_timeout_s`` (here a clock that jumps
     20 minutes at each look, and 2 refused rows of 64: under the cap on refusals). Before,
     nothing bounded it (81 s for 8,000 rows, growing with the refusals)."""
-    from transforms.stores import pgvector as store_module
+    from transforms.stores import retry
 
     store = Store(store_settings)
     store.load(LoadRows(rows(["first"]), None, DAY), "run:0")
@@ -607,7 +611,7 @@ def test_finding_the_rows_the_server_refuses_has_a_deadline(store_settings, pg, 
         now[0] += 1200
         return now[0]
 
-    monkeypatch.setattr(store_module, "_clock", clock, raising=False)
+    monkeypatch.setattr(retry, "_clock", clock, raising=False)
     ids = [f"id-{i:02d}" for i in range(64)]
     table = with_column(rows(ids), "source", ["refused" if i in (3, 40) else "s"
                                               for i in range(64)])
@@ -770,7 +774,7 @@ def test_a_load_waits_for_nothing_a_vacuum_holds(store_settings, pg):
         store.load(LoadRows(rows(["a", "b"], text="v2", embedded_at=later, chunk_count=[1, 1]),
                             chunks({("a", "v2"): 1, ("b", "v2"): 1}, later), DAY), "mb:2",
                    ids=["a", "b"])
-        from transforms.stores.pgvector import BatchOutput
+        from transforms.stores.base import BatchOutput
 
         store.load(LoadRows(rows(["a"], text="v3", updated_at=later, chunk_count=[1]),
                             chunks({("a", "v3"): 1}), DAY), "run:R",
@@ -816,7 +820,8 @@ def test_a_first_large_load_leaves_its_tables_with_planner_statistics(store_sett
     minute later, or never while it is off): without statistics, the planner of the next load's
     joins on ``id`` takes every id for a match of the whole table, and scans it. Before,
     ``reltuples`` stayed -1 (never analyzed)."""
-    from transforms.stores.pgvector import StoreSettings, _create_statements
+    from transforms.stores.pgvector import StoreSettings
+    from transforms.stores.pgvector.schema import _create_statements
 
     with psycopg.connect(pg, autocommit=True) as conn:
         for statement in _create_statements(StoreSettings(), DIM):

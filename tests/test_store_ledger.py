@@ -198,7 +198,8 @@ def test_a_batch_run_whose_load_meets_a_row_the_table_refuses_completes_and_name
     from tests.fakes import FakeEngine
     from transforms.output.parquet import vector_schema
     from transforms.sinks import to_table
-    from transforms.stores.pgvector import LoadRows, Store
+    from transforms.stores.base import LoadRows
+    from transforms.stores.pgvector import Store
 
     events = tmp_path / "in.jsonl"
     events.write_text("".join(json.dumps({"id": f"e{i}", "title": f"title {i}",
@@ -266,7 +267,8 @@ def test_a_redo_brings_back_a_batch_runs_version_with_its_chunks(store_settings,
     redone without x. x is v1 again, with v1's 2 chunks. Before, x and its chunks were gone."""
     from tests.test_store_faults import DAY, chunks
     from tests.test_store_faults import stored as store_rows
-    from transforms.stores.pgvector import LoadRows, Store
+    from transforms.stores.base import LoadRows
+    from transforms.stores.pgvector import Store
 
     store = Store(store_settings)
     store.load(LoadRows(_store_rows(["x"], text="v1", chunk_count=[2]), chunks({("x", "v1"): 2}),
@@ -292,7 +294,8 @@ def test_a_redo_brings_back_the_latest_version_that_lost_to_it(store_settings, p
     gets the latest version the files hold, v2 (m4's, the run's), not v1 and not nothing."""
     from tests.test_store_faults import DAY
     from tests.test_store_faults import stored as store_rows
-    from transforms.stores.pgvector import LoadRows, Store
+    from transforms.stores.base import LoadRows
+    from transforms.stores.pgvector import Store
 
     store = Store(store_settings)
     store.load(LoadRows(_store_rows(["x", "z"], text="v1"), None, DAY), "mb:m1", ids=["x", "z"])
@@ -319,7 +322,8 @@ def test_a_redo_whose_version_a_later_load_replaced_leaves_the_later_one(store_s
     x had no row after m3's redo."""
     from tests.test_store_faults import DAY
     from tests.test_store_faults import stored as store_rows
-    from transforms.stores.pgvector import LoadRows, Store
+    from transforms.stores.base import LoadRows
+    from transforms.stores.pgvector import Store
 
     store = Store(store_settings)
     for key, text, minute in (("mb:m1", "v1", 0), ("mb:m2", "v2", 10), ("mb:m3", "v3", 20)):
@@ -339,7 +343,8 @@ def test_the_versions_kept_for_a_redo_are_pruned(store_settings, pg):
     may withdraw it: docs/store.md); what is older than ``superseded_keep_days`` is deleted by the
     next load."""
     from tests.test_store_faults import DAY, chunks
-    from transforms.stores.pgvector import LoadRows, Store
+    from transforms.stores.base import LoadRows
+    from transforms.stores.pgvector import Store
 
     def kept() -> tuple:
         with psycopg.connect(pg) as conn:

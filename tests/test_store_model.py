@@ -31,14 +31,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from transforms.output.parquet import chunk_schema, vector_schema
-from transforms.stores.pgvector import (
-    BatchOutput,
-    LoadRows,
-    Store,
-    StoreLoadFailed,
-    StoreSettings,
-    _create_statements,
-)
+from transforms.stores.base import BatchOutput, LoadRows, StoreLoadFailed
+from transforms.stores.pgvector import Store, StoreSettings
+from transforms.stores.pgvector.schema import _create_statements
 from transforms.types import STORY_FIELDS
 
 DIM = 4

@@ -14,16 +14,11 @@ import pytest
 
 from tests.test_store import DIM
 from tests.test_store_search_path import _execute, _rows
-from transforms.stores.pgvector import (
-    Store,
-    StoreError,
-    StoreLoadFailed,
-    StoreSettings,
-    _missing_ddl,
-    _read_catalog,
-    _tables,
-    _vector_dumper,
-)
+from transforms.stores.base import StoreError, StoreLoadFailed
+from transforms.stores.pgvector import Store, StoreSettings
+from transforms.stores.pgvector.catalog import missing_ddl, read_catalog
+from transforms.stores.pgvector.rows import vector_dumper
+from transforms.stores.pgvector.schema import store_tables
 
 CALLS = "public.hostile_calls"
 
@@ -46,16 +41,16 @@ def _precreate(dsn: str, mallory: str, settings: StoreSettings) -> list[str]:
     """``mallory`` makes the store's tables and indexes (newsvec's own statements), grants them
     to everyone, and puts ``grab()`` as a trigger on each table. Returns the tables."""
     with psycopg.connect(f"{dsn} user={mallory}", autocommit=True) as conn:
-        for statement in _missing_ddl(settings, _read_catalog(conn, settings), DIM):
+        for statement in missing_ddl(settings, read_catalog(conn, settings), DIM):
             try:
                 conn.execute(statement)
             except psycopg.errors.InsufficientPrivilege:  # the schema: there already
                 pass
-        from transforms.stores.pgvector import _index_statement
+        from transforms.stores.pgvector.schema import index_statement
 
-        for table in _tables(settings):
-            conn.execute(_index_statement(settings, table, "vector", "public"))
-        tables = [t.name for t in _tables(settings)] + [
+        for table in store_tables(settings):
+            conn.execute(index_statement(settings, table, "vector", "public"))
+        tables = [t.name for t in store_tables(settings)] + [
             f"{settings.table}{s}" for s in ("_loads", "_superseded", "_chunks_superseded")]
         for table in tables:
             conn.execute(f"CREATE TRIGGER grab BEFORE INSERT OR UPDATE OR DELETE ON "
@@ -119,7 +114,7 @@ def test_a_search_of_tables_another_role_made_is_refused(pg, roles):
     _precreate(pg, mallory, settings)
     with psycopg.connect(f"{pg} user={mallory}", autocommit=True) as conn:
         conn.execute("DROP TRIGGER grab ON public.news_vectors")
-        conn.adapters.register_dumper(np.ndarray, _vector_dumper(conn.execute(
+        conn.adapters.register_dumper(np.ndarray, vector_dumper(conn.execute(
             "SELECT 'vector'::regtype::oid").fetchone()[0]))
         conn.execute("INSERT INTO public.news_vectors (id, title, embedding, embedded_at, dt, "
                      "load_key) VALUES ('m', 'mallory', %s, now(), current_date, 'x')",

@@ -24,13 +24,9 @@ import yaml
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from tests.test_store_faults import DAY, chunks, rows, stored
-from transforms.stores.pgvector import (
-    BatchOutput,
-    LoadRows,
-    Store,
-    StoreLoadFailed,
-    _create_statements,
-)
+from transforms.stores.base import BatchOutput, LoadRows, StoreLoadFailed
+from transforms.stores.pgvector import Store
+from transforms.stores.pgvector.schema import _create_statements
 
 T0 = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.timezone.utc)
 DAY_1 = "gs://b/vectors/dt=2026-12-01"

@@ -18,7 +18,8 @@ import pytest
 
 from tests.test_store import DIM, chunks, vectors
 from transforms.output.parquet import chunk_schema, vector_schema
-from transforms.stores.pgvector import LoadRows, Store, StoreSettings
+from transforms.stores.base import LoadRows
+from transforms.stores.pgvector import Store, StoreSettings
 
 DAY = dt.date(2026, 12, 1)
 T0 = dt.datetime(2026, 12, 1, 9, 0, tzinfo=dt.timezone.utc)
@@ -199,7 +200,7 @@ def test_a_second_load_needs_no_ddl_and_a_search_only_select(postgres_server, pg
     later = _rows(["b", "e"], text="2", at=T0 + dt.timedelta(hours=1), seed=5)
     assert as_loader.load(later, "mb:1").articles_current == 2
     assert as_loader.load(_rows(["f"], seed=6), "mb:1").withdrawn == ("b", "e")
-    from transforms.stores.pgvector import BatchOutput
+    from transforms.stores.base import BatchOutput
 
     batch = _rows(["g", "h"], seed=7)
     as_loader.load(batch, "run:20261201T000000Z-1", output=BatchOutput("o", "20261201T000000Z-1"))

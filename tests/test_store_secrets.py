@@ -16,7 +16,8 @@ import yaml
 from tests.conftest import STORE_DSN_ENV, make_config
 from tests.test_store_faults import DAY, rows
 from tools.emulators import free_port
-from transforms.stores.pgvector import LoadRows, StoreSettings, store_of
+from transforms.stores.base import LoadRows
+from transforms.stores.pgvector import StoreSettings, store_of
 
 RUN_ID = "20261201T000000Z-00000000"
 
@@ -99,7 +100,8 @@ def test_a_url_libpq_would_misread_is_refused_with_the_fixed_message(dsn):
     """libpq reads the user of such a URL as the host, and the password's parts as the port, the
     database name or a host: it would connect with them, and name them where it names a port or a
     database, unscrubbed. Before: the DSN was taken, its password parts left to libpq."""
-    from transforms.stores.pgvector import UNPARSABLE_DSN, Store, StoreError
+    from transforms.stores.base import StoreError
+    from transforms.stores.pgvector import UNPARSABLE_DSN, Store
 
     with pytest.raises(StoreError) as refused:
         Store(StoreSettings(enabled=True), dsn=dsn)
@@ -180,7 +182,8 @@ def test_the_dsn_is_read_from_secret_manager_at_run_time(monkeypatch, tmp_path):
 ])
 def test_a_secret_that_cannot_be_read_says_why_and_never_quotes_the_body(monkeypatch, response,
                                                                           expected):
-    from transforms.stores.pgvector import StoreError, resolve_dsn
+    from transforms.stores.base import StoreError
+    from transforms.stores.pgvector import resolve_dsn
 
     _secret_manager(monkeypatch, response)
     with pytest.raises(StoreError) as failed:

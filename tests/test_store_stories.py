@@ -13,7 +13,8 @@ import pyarrow as pa
 import pytest
 
 from tests.test_store import DIM, T0, chunks, stored, vectors
-from transforms.stores.pgvector import LoadRows, Store
+from transforms.stores.base import LoadRows
+from transforms.stores.pgvector import Store
 
 DAY = dt.date(2026, 12, 1)
 QUERY = np.eye(DIM, dtype=np.float32)[0]
@@ -70,7 +71,7 @@ def _as_before_0_4(pg: str) -> None:
 def test_a_table_of_0_3_is_upgraded_in_place_by_two_loads_starting_at_once(store_settings, pg):
     """Both loads succeed (the second finds the columns the first added), rows loaded before
     keep a null story, and a later load issues no DDL. Old code: the first load failed."""
-    from transforms.stores.pgvector import _missing_ddl, _read_catalog
+    from transforms.stores.pgvector.catalog import missing_ddl, read_catalog
 
     store = Store(store_settings)
     store.load(LoadRows(vectors(["old"]), None, DAY), "run:0")
@@ -102,7 +103,7 @@ def test_a_table_of_0_3_is_upgraded_in_place_by_two_loads_starting_at_once(store
                                           ("w1-orig", "w1-orig"), ("w2-copy", "w2-orig"),
                                           ("w2-orig", "w2-orig")]
     with psycopg.connect(pg) as conn:
-        assert _missing_ddl(store_settings, _read_catalog(conn, store_settings), DIM) == []
+        assert missing_ddl(store_settings, read_catalog(conn, store_settings), DIM) == []
 
 
 def test_search_store_returns_one_hit_per_story_with_its_copies_as_the_parquet_search(

@@ -24,7 +24,8 @@ from tests.emulators import pubsub_emulator
 from tests.test_store import vectors
 from tools.emulators import local_streaming_job
 from tools.publish import publish_file
-from transforms.stores.pgvector import LoadRows, Store, StoreSettings
+from transforms.stores.base import LoadRows
+from transforms.stores.pgvector import Store, StoreSettings
 from transforms.types import LedgerRecord
 
 PROJECT = "newsvec-store-test"

@@ -89,7 +89,6 @@ REJECTED_FIELDS = ("id", "text_sha256", "reason", "detail")
 ``rejected`` column of ``<table>_loads``, each one a dict of these."""
 
 
-
 def printable(text: Any) -> Any:
     """``text`` with control characters written as ``\\xNN``: ids in a rejection are shown and
     stored (jsonb cannot hold U+0000) in this form."""
@@ -135,8 +134,8 @@ class BatchOutput:
     time, and an output only ever goes from a run to a newer one (a run that finds the output
     held by a newer run publishes nothing: ``transforms.commit``), so of two runs of one output
     the greater id is the one the output holds, or held last. A run's load replaces the previous
-    run's load of the same output (``Store._previous_load``), as its files replaced that run's
-    files."""
+    run's load of the same output (``pgvector.withdraw.previous_load``), as its files replaced
+    that run's files."""
 
     prefix: str
     run_id: str

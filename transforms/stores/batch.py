@@ -39,6 +39,7 @@ import pyarrow.parquet as pq
 
 from transforms.output.layout import join_path, open_output_file
 from transforms.output.manifest import COMMITTED, read_manifest
+from transforms.stores import store_for
 from transforms.stores.base import (
     BatchOutput,
     LoadRows,
@@ -207,8 +208,6 @@ class _LoadCommittedRunFn(beam.DoFn):
         self._store: Optional[VectorStore] = None
 
     def setup(self):
-        from transforms.stores import store_for
-
         self._store = store_for(self._settings)  # the connection string read here, never pickled
 
     def process(self, summary: dict):
