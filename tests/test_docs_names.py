@@ -573,3 +573,33 @@ def test_the_checks_pass_what_exists():
                  "tests/test_docs.py::test_pages_are_found", "gs://BUCKET/PATH/", "out/local",
                  "LLM.embed()", "text_sha256", "near_duplicates"):
         assert problem(span) is None, (span, problem(span))
+
+
+def _parser_flags(module: str, function: Optional[str] = None) -> set[str]:
+    """The flags one module's parsers define (or one top-level function's, in pipeline/cli.py)."""
+    tree = code().trees[module]
+    if function:
+        tree = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+    return {a.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and getattr(node.func, "attr", "") == "add_argument"
+            for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
+            and a.value.startswith("--")} - {"--verbose", "--help"}
+
+
+def test_the_sub_command_table_shows_every_flag():
+    """docs/configuration.md's sub-command table: each command's usage cells name every flag its
+    parser defines (`run` takes the pipeline's options, listed under "Flags")."""
+    shown: dict[str, set[str]] = {}
+    for line in (REPO / "docs" / "configuration.md").read_text().splitlines():
+        if match := re.match(r"^\| `newsvec ([\w-]+)([^`]*)` \|", line):
+            shown.setdefault(match.group(1), set()).update(
+                _FLAG.findall(match.group(2)))
+    from pipeline.cli import _DELEGATED
+
+    parsers = {name: _parser_flags(module) for name, module in _DELEGATED.items()
+               if name != "run"}
+    parsers["config"] = _parser_flags("pipeline.cli", "_config_command")
+    parsers["search"] = _parser_flags("pipeline.cli", "_search_command")
+    missing = {name: sorted(flags - shown.get(name, set()))
+               for name, flags in parsers.items() if flags - shown.get(name, set())}
+    assert not missing, f"docs/configuration.md's sub-command table lacks: {missing}"
