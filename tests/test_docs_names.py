@@ -8,7 +8,7 @@ pipeline/, transforms/, tools/ and benchmarks/; tests/ for test names, fixtures 
 the tests read), the config schema (``pipeline.config.explain``), the argparse definitions of the
 ``newsvec`` sub-commands and the Makefile:
 
-- a path under a repository folder (``transforms/text.py``, ``configs/``, ``tests/x.py::test_y``)
+- a path under a repository folder (``transforms/parse.py``, ``configs/``, ``tests/x.py::test_y``)
   exists, the test too; a bare file name (``index.py``, ``local.yaml``) exists somewhere;
 - a dotted project name (``transforms.output.parquet.schema_markdown``, ``pipeline.search``)
   resolves: the longest module prefix, then classes and their members;
@@ -547,7 +547,7 @@ def test_the_checks_catch_what_moves_leave_behind():
 
 
 def test_the_checks_pass_what_exists():
-    for span in ("transforms.output.parquet.schema_markdown", "transforms/text.py", "configs/",
+    for span in ("transforms.output.parquet.schema_markdown", "transforms/parse.py", "configs/",
                  "Embedder", "Embedder.batch_elements_kwargs", "store.ef_search",
                  "chunking.mode: chunks", "newsvec search --all-copies", "newsvec load --reload",
                  "newsvec ledger --no-verify", "make test", "python -m benchmarks.batch --runs 3",
