@@ -343,6 +343,9 @@ def _path(span: str, first: str):
         return None
     file_part, _, test = first.partition("::")
     if not (REPO / file_part).exists():
+        package = REPO / file_part.removesuffix(".py")
+        if file_part.endswith(".py") and package.is_dir():
+            return f"no file {file_part}: it is a package now, {package.relative_to(REPO)}/"
         return f"no file or folder {file_part}" + code().hint(Path(file_part).name)
     if test and test not in code().tests:
         return f"no test {test} in {file_part}"
@@ -544,6 +547,7 @@ def test_the_checks_catch_what_moves_leave_behind():
     assert problem("make no-such-target")
     assert problem("python -m benchmarks.no_such_benchmark")
     assert problem("tests/test_docs.py::test_no_such_test")
+    assert "a package now" in problem("transforms/engines.py")
 
 
 def test_the_checks_pass_what_exists():
