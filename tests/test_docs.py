@@ -1,7 +1,8 @@
 """The docs hold what the code defines, and every link inside them leads somewhere.
 
-- The Parquet schema tables of docs/output.md are generated from ``transforms/types.py`` (as the
-  config table of docs/configuration.md is from the config schema: tests/test_cli.py).
+- The Parquet schema tables of docs/output.md are generated from ``transforms/output/parquet.py``
+  (as the config table of docs/configuration.md is from the config schema: tests/test_cli.py).
+- (tests/test_docs_names.py: every code name written in backticks exists.)
 - Every relative link in README.md and docs/**/*.md names a file that exists and, with an
   ``#anchor``, a heading of that file (GitHub's anchors).
 """
