@@ -20,6 +20,7 @@ from transforms.private_files import read_private, write_private
 
 _LOG = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass(frozen=True)
 class _EngineState:
     """What the shared engine's process says of itself in its busy file (``_BusyFile``), written

@@ -39,6 +39,7 @@ from transforms.private_files import (
 
 _LOG = logging.getLogger(__name__)
 
+
 def _engine_folder() -> str:
     """The machine's private folder for the engine's files (``private_folder``), or
     ``EngineFailedError`` where it is not safe (another user's, a symlink, open to others)."""
