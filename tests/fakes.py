@@ -197,7 +197,7 @@ class StartsAChild(LoggingEngine):
 def reach_engine(settings, factory, tag: str, out: str) -> None:
     """An SDK process that asks for the shared engine ``tag``; writes "ok" or its error to
     ``out``."""
-    from transforms.engines.shared import SharedEngineClient
+    from transforms.engines.shared.client import SharedEngineClient
 
     try:
         SharedEngineClient(settings, factory, tag)
@@ -254,7 +254,7 @@ def _sdk_process_main(settings_json: str, factory_name: str, tag: str) -> None:
     import signal
     import sys
 
-    from transforms.engines.shared import SharedEngineClient
+    from transforms.engines.shared.client import SharedEngineClient
     from transforms.settings import ModelSettings
 
     module, name = factory_name.split(":")

@@ -140,7 +140,7 @@ class DeviceEngine(FakeEngine):
 
 def _sdk_process(settings, tag, results) -> None:
     """One SDK process of the worker: reach its engine, embed once, say where, wait."""
-    from transforms.engines.shared import shared_engine
+    from transforms.engines.shared.client import shared_engine
 
     client = shared_engine(settings, DeviceEngine, tag)
     (vector,) = client.embed([[5, 7, 11]])

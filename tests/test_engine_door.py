@@ -38,10 +38,10 @@ import pytest
 
 from tests.conftest import make_config
 from tests.fakes import FakeEngine
-from transforms.engines import shared as module
 from transforms.engines.base import EngineFailedError
 from transforms.engines.devices import DeviceSlots
-from transforms.engines.shared import SharedEngineClient
+from transforms.engines.shared.client import SharedEngineClient
+from transforms.engines.shared.processes import _end_process, _process_identity
 from transforms.private_files import write_private
 
 NOBODY = 65534
@@ -111,7 +111,7 @@ def _client(tag: str) -> SharedEngineClient:
 
 
 def _end(client: SharedEngineClient) -> None:
-    module._end_process(client._process)
+    _end_process(client._process)
 
 
 def test_a_connection_without_the_engines_key_is_refused(temp):
@@ -153,7 +153,7 @@ def test_a_planted_address_file_is_never_connected_to(temp, how):
     listener = socket.create_server(("127.0.0.1", 0))
     connections, stop = _counting_connections(listener)
     tag = f"newsvec-test-{uuid.uuid4().hex}"
-    me = module._process_identity(os.getpid())
+    me = _process_identity(os.getpid())
     _plant(temp, f"{tag}.engine", json.dumps({"number": 1, "spawner": list(me), "engine": None}),
            how)
     _plant(temp, f"{tag}-g1.address", f"127.0.0.1:{listener.getsockname()[1]}", how)
@@ -184,7 +184,7 @@ def test_a_planted_state_file_never_makes_a_client_kill_an_unrelated_process(tem
     victim = subprocess.Popen(["sleep", "600"])
     client = None
     try:
-        pid, started = module._process_identity(victim.pid)
+        pid, started = _process_identity(victim.pid)
         tag = f"newsvec-test-{uuid.uuid4().hex}"
         content = {
             "engine": json.dumps({"number": 1, "spawner": [pid, started],
@@ -212,7 +212,7 @@ def test_a_symlink_in_place_of_a_state_file_is_not_followed(temp):
     victim = subprocess.Popen(["sleep", "600"])
     client = None
     try:
-        pid, started = module._process_identity(victim.pid)
+        pid, started = _process_identity(victim.pid)
         target = temp / "record-elsewhere.json"
         target.write_text(json.dumps({"number": 1, "spawner": [pid, started],
                                       "engine": [pid, started]}))
@@ -421,7 +421,7 @@ def test_an_address_file_naming_anything_but_the_engines_socket_is_never_connect
         address = {"outside": path, "relative": "../x.sock", "other-socket": "x.sock"}[where]
     connections, stop = _counting_connections(listener)
     tag = f"newsvec-test-{uuid.uuid4().hex}"
-    me = module._process_identity(os.getpid())
+    me = _process_identity(os.getpid())
     for name, content in ((f"{tag}.engine", json.dumps({"number": 1, "spawner": list(me),
                                                           "engine": None})),
                           (f"{tag}-g1.address", address), (f"{tag}-g1.key", "k" * 32)):

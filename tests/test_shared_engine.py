@@ -42,7 +42,8 @@ from tests.fakes import (
 from tests.test_embed_failures import Breaks, doc
 from transforms.embed import Embedder, EmbedFailure
 from transforms.engines.base import EngineFailedError
-from transforms.engines.shared import SharedEngineClient, _process_state
+from transforms.engines.shared.client import SharedEngineClient
+from transforms.engines.shared.processes import _process_state
 from transforms.settings import ModelSettings
 
 
@@ -353,12 +354,12 @@ def test_an_engine_that_ends_in_every_call_and_its_canary_still_fails_the_bundle
 def test_a_temp_dir_that_cannot_be_written_is_an_engine_failure_not_the_inputs(monkeypatch):
     # A guard: an error reaching the engine is never raised as something the handler would take
     # for the inputs' failure (and bisect, dead-lettering every document).
-    from transforms.engines import shared as module
+    from transforms.engines.shared.records import _EngineRecord
 
     def full(self, generation):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(module._EngineRecord, "write", full)
+    monkeypatch.setattr(_EngineRecord, "write", full)
     with pytest.raises(EngineFailedError, match="No space left"):
         SharedEngineClient(make_config().model, LoggingEngine, f"newsvec-test-{uuid.uuid4().hex}")
 
@@ -527,19 +528,21 @@ def test_an_engine_whose_heartbeat_stopped_is_taken_for_hung(monkeypatch):
     # An engine that is alive, not stopped, not in a call, but silent (its heartbeat, written every
     # second, is older than model.call_timeout_s: frozen, or stuck outside any call) does not
     # answer: the call that waits for it gives up on it (the client then ends it).
-    from transforms.engines import shared as module
+    from transforms.engines.shared.life import _EngineGone
+    from transforms.engines.shared.processes import _process_identity
+    from transforms.engines.shared.records import _EngineState
 
     settings = make_config().model.model_copy(update={"call_timeout_s": 1.0})
     client = SharedEngineClient(settings, LoggingEngine, f"newsvec-test-{uuid.uuid4().hex}",
                                 connect=False)
     stand_in = _stand_in()
     try:
-        process = module._process_identity(stand_in.pid)
+        process = _process_identity(stand_in.pid)
         # As the engine ``process`` writes it: idle, its last heartbeat 100 s ago.
-        client._busy.write(module._EngineState(process, 1, heartbeat=time.monotonic() - 100))
+        client._busy.write(_EngineState(process, 1, heartbeat=time.monotonic() - 100))
         never = threading.Event()
         outcome, error = _in_thread(client._timed, lambda: never.wait(), (), process)
-        assert outcome == "raised" and isinstance(error, module._EngineGone), (outcome, error)
+        assert outcome == "raised" and isinstance(error, _EngineGone), (outcome, error)
         assert "silent" in str(error) and error.call is None and error.blame is None
     finally:
         stand_in.kill()
@@ -551,7 +554,7 @@ def test_a_call_that_gets_no_answer_fails_at_its_ceiling(tmp_path, monkeypatch):
     # answer (lost on the way, or its answer lost): past its ceiling (its turn, then
     # model.call_timeout_s, then a margin) it is an EngineFailedError, and the engine, which serves
     # other processes, is left running.
-    from transforms.engines import shared as module
+    from transforms.engines.shared import client as module
 
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
     monkeypatch.setattr(module, "_CEILING_SLACK_S", 1.0, raising=False)
@@ -567,7 +570,7 @@ _ABANDONS_A_CALL = """
 import sys, threading, uuid
 from tests.conftest import make_config
 from tests.fakes import LoggingEngine
-from transforms.engines import shared as module
+from transforms.engines.shared import client as module
 module._CEILING_SLACK_S = 1.0
 settings = make_config().model.model_copy(update={"call_timeout_s": 1.0})
 client = module.SharedEngineClient(settings, LoggingEngine, f"newsvec-test-{uuid.uuid4().hex}")
@@ -597,7 +600,7 @@ def test_a_burst_of_calls_on_a_healthy_engine_all_get_their_answer(tmp_path, mon
     # a Dataflow process's threads at the start of a burst): the engine, healthy, serves them in
     # turn, each call within call_timeout_s. A call that first reads the engine's state as it was
     # written before the burst arrived must not take the calls queued then for its turn.
-    from transforms.engines import shared as module
+    from transforms.engines.shared import client as module
 
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
     monkeypatch.setenv("NEWSVEC_TEST_CALL_S", "1.5")
@@ -675,7 +678,7 @@ def test_an_engine_killed_from_outside_in_a_call_retries_it_instead_of_blaming_i
     # out-of-memory killer, which the engine's memory cgroup counts (simulated: an injected
     # cgroup root), or by a signal nobody in newsvec sent (the exit status its spawner saw). The
     # article is embedded on the third engine, not dead-lettered as poison.
-    from transforms.engines import shared as module
+    from transforms.engines.shared import processes as module
 
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
     monkeypatch.setenv("NEWSVEC_TEST_KILLS", "2")
@@ -739,7 +742,7 @@ def test_an_engine_that_ends_in_every_real_call_fails_the_bundle_after_a_few(
     # Its canary passes, yet every real call ends its process: after more ends in a row than one
     # input that ends it can cause, the bundle fails (EngineFailedError) instead of starting an
     # engine per input and dead-lettering every article.
-    from transforms.engines.shared import deaths_allowed
+    from transforms.engines.shared.client import deaths_allowed
 
     log = tmp_path / "engine.log"
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(log))
@@ -796,7 +799,7 @@ def test_a_load_that_fails_leaves_no_file_descriptors_behind(tmp_path, monkeypat
     # is released all the same.
     import gc
 
-    from transforms.engines import shared as module
+    from transforms.engines.shared import life as module
 
     monkeypatch.setenv("NEWSVEC_TEST_ENGINE_LOG", str(tmp_path / "engine.log"))
     monkeypatch.setattr(module, "_REMEMBER_FAILURE_S", 0.0, raising=False)

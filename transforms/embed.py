@@ -66,7 +66,7 @@ from transforms.engines.base import (
     finite_rows,
     process_engine,
 )
-from transforms.engines.shared import EngineEndedInCall, deaths_allowed, shared_engine
+from transforms.engines.shared.client import EngineEndedInCall, deaths_allowed, shared_engine
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
 from transforms.settings import ChunkingSettings, ModelSettings
 from transforms.state_coders import MicroBatchCoder, PendingIdCoder
@@ -95,7 +95,7 @@ class EmbedFailure:
 class _EngineEnds:
     """The shared engine's ends in calls of one bisection (``EngineEndedInCall``), in a row with
     no call succeeding between them. One input that ends the engine makes at most ``allowed`` of
-    them (``transforms.engines.shared.deaths_allowed``: one per halving, and its retry); past
+    them (``transforms.engines.shared.client.deaths_allowed``: one per halving, and its retry); past
     that, the engine is asked to embed an input it embedded before: if it cannot (or there is
     none yet), the engine is what fails, and the bundle fails (``EngineFailedError``) instead of
     starting an engine per input and dead-lettering every article of the call; if it can, the
