@@ -26,9 +26,8 @@ from tests.conftest import make_config
 from tests.test_concurrent_commits import committed_manifest, embedded, hand_staged_run
 from tests.test_reruns import listing, rows_of, write_input
 from transforms import commit
-from transforms.incremental import SnapshotChanged
 from transforms.output.layout import new_run_id
-from transforms.output.manifest import read_manifest
+from transforms.output.manifest import SnapshotChanged, read_manifest
 from transforms.settings import IncrementalSettings
 
 
@@ -163,7 +162,7 @@ def test_a_cut_off_incremental_publish_is_checked_by_whoever_finishes_it(tmp_pat
     each checks the recorded snapshots first, puts the previous manifest back, and the run
     fails."""
     from transforms.commit import _CommitFn
-    from transforms.incremental import Snapshot
+    from transforms.output.manifest import Snapshot
 
     out_a, out_b = f"{tmp_path}/a", f"{tmp_path}/b"
     committed_manifest(out_b, B1)
@@ -343,7 +342,7 @@ def test_a_pinned_key_file_reached_through_a_symlinked_keys_folder_is_not_held(t
     import hashlib
     import os
 
-    from transforms.incremental import Snapshot
+    from transforms.output.manifest import Snapshot
 
     name = "keys/dt=2026-12-01/hour=09/part-20261201T095900Z-001-00000-of-00004-0a.parquet"
     elsewhere = tmp_path / "elsewhere"
@@ -354,7 +353,7 @@ def test_a_pinned_key_file_reached_through_a_symlinked_keys_folder_is_not_held(t
     prev.mkdir()
     os.symlink(elsewhere / "keys", prev / "keys")
     assert not Snapshot(str(prev), None, ((name, checksum),)).still_holds()
-    from transforms.incremental import key_file_checksums
+    from transforms.output.key_checksums import key_file_checksums
 
     assert key_file_checksums(str(prev)) == {}, "the files a symlinked keys/ leads to are hashed"
     os.unlink(prev / "keys")

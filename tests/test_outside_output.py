@@ -704,7 +704,7 @@ def test_a_skipped_from_naming_the_output_itself_is_refused(tmp_path):
 
 
 def test_a_fifo_among_a_previous_outputs_key_files_is_not_waited_on(stream, tmp_path):
-    from transforms.incremental import key_file_checksums
+    from transforms.output.key_checksums import key_file_checksums
 
     out = tmp_path / "prev"
     shutil.copytree(stream, out)
@@ -910,8 +910,9 @@ def test_the_incremental_key_index_never_reads_a_key_file_swapped(committed_pair
     # counted those articles (secret-0..2) as already embedded there, and left them out of the
     # run; a FIFO hung every worker's index load (and the run) for ever.
     from transforms import incremental
-    from transforms.incremental import KeyFiles, Snapshot
+    from transforms.incremental import KeyFiles
     from transforms.output.key_index import ProcessCache
+    from transforms.output.manifest import Snapshot
 
     monkeypatch.setattr(incremental, "_INDEXES", ProcessCache())
     _, out, private = committed_pair

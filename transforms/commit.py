@@ -29,7 +29,7 @@ from typing import Optional
 
 import apache_beam as beam
 
-from transforms.incremental import KeyFiles, Snapshot, SnapshotChanged
+from transforms.incremental import KeyFiles
 from transforms.output.layout import (
     CHUNKS_DIR,
     DEAD_LETTER_DIR,
@@ -51,6 +51,8 @@ from transforms.output.manifest import (
     PUBLISHING,
     STALE_AFTER_S,
     Manifest,
+    Snapshot,
+    SnapshotChanged,
     clean_stale,
     count_stored,
     delete_tree_fenced,
@@ -233,7 +235,7 @@ class CommitRun(beam.PTransform):
     side inputs, the names of the files the run staged (``files``: the writes' outputs, so it runs
     after them, by folder: ``vectors``, ``dead_letter``, and ``chunks``, ``keys`` where written)
     and the ``Tally`` counts (``tally``), and, in an incremental run, the previous outputs it
-    skipped articles for (``skipped_from``: ``transforms.incremental.Snapshot``) and what it read
+    skipped articles for (``skipped_from``: ``Snapshot``) and what it read
     (``key_files``: ``ReadKeys``'s ``KeyFiles``, for the summary). Output: the summary."""
 
     def __init__(self, output: str, run_id: str, summary: dict, *, files: dict, tallies: list,

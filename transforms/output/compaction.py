@@ -74,6 +74,7 @@ from transforms.output.layout import (
     RUN_ID_FORMAT,
     VECTORS_DIR,
     InvalidManifest,
+    is_compacted,
     is_local,
     join_path,
     list_files,
@@ -101,11 +102,6 @@ _SUFFIX = {VECTORS_DIR: ".parquet", CHUNKS_DIR: ".parquet", KEYS_DIR: ".parquet"
 _READ_SUFFIXES: dict[str, tuple[str, ...]] = {
     **{kind: (suffix,) for kind, suffix in _SUFFIX.items()}, LEDGER_DIR: (".json", ".jsonl")}
 _RECORD_FIELD = {**PARQUET_KINDS, DEAD_LETTER_DIR: "dead_letter_file"}
-
-
-def is_compacted(path: str) -> bool:
-    """Whether a file (a path or a bare name) is a compacted file rather than a micro-batch's."""
-    return path.rsplit("/", 1)[-1].startswith(COMPACTED_PREFIX)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -355,6 +355,11 @@ def staging_prefix(output: str, run_id: str) -> str:
     return join_path(output, STAGING_DIR, run_id)
 
 
+def is_compacted(path: str) -> bool:
+    """Whether a file (a path or a bare name) is a compacted file rather than a micro-batch's."""
+    return path.rsplit("/", 1)[-1].startswith(COMPACTED_PREFIX)
+
+
 _PARTITION = "dt=%Y-%m-%d/hour=%H"  # the one format of a partition's name: written and read here
 
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.output.compaction import PartitionView, is_compacted, ledger_records, partition_of
+from transforms.output.compaction import PartitionView, ledger_records, partition_of
 from transforms.output.layout import (
     CHUNKS_DIR,
     DEAD_LETTER_DIR,
@@ -25,6 +25,7 @@ from transforms.output.layout import (
     VECTORS_DIR,
     PartFileName,
     UnsafePath,
+    is_compacted,
     join_path,
     open_output_file,
     parquet_rows,
