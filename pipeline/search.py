@@ -38,11 +38,10 @@ import sys
 from typing import Any, Sequence
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
 from pipeline.config import Config, ConfigError
-from transforms.output.layout import CHUNKS_DIR, VECTORS_DIR, join_path, open_output_file
+from transforms.output.layout import CHUNKS_DIR, VECTORS_DIR, join_path, read_parquet
 from transforms.output.manifest import (
     SUMMARY_FILE,
     SummaryUnavailable,
@@ -56,18 +55,15 @@ def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
     files written before 0.4) reads as nulls of its type."""
     files = [m.path for m in FileSystems.match([join_path(output, subdir, "**")])[0].metadata_list
              if m.path.endswith(".parquet")]
-    tables = []
-    for path in sorted(files):  # regular files of the output only (never one outside, no FIFO)
-        with open_output_file(output, path) as f:
-            parquet = pq.ParquetFile(f)
-            held = set(parquet.schema_arrow.names)
-            table = parquet.read(columns=[c for c in columns if c in held])
-            for name in columns:
-                if name not in held:
-                    table = table.append_column(name, pa.nulls(table.num_rows,
-                                                               _COLUMN_TYPES[name]))
-            tables.append(float32_embeddings(table.select(columns)))
-    return pa.concat_tables(tables) if tables else None
+
+    def whole(table: pa.Table) -> pa.Table:
+        for name in columns:
+            if name not in table.column_names:
+                table = table.append_column(name, pa.nulls(table.num_rows, _COLUMN_TYPES[name]))
+        return float32_embeddings(table.select(columns))
+
+    # regular files of the output only (never one outside, no FIFO)
+    return read_parquet(output, sorted(files), columns, each=whole)
 
 
 _COLUMN_TYPES = {column.name: column.field(0).type for column in STORY_COLUMNS}

@@ -9,7 +9,6 @@ import collections
 import dataclasses
 import datetime as dt
 import json
-import re
 from typing import Any, Optional, Union
 
 import pyarrow as pa
@@ -25,11 +24,13 @@ from transforms.output.layout import (
     VECTORS_DIR,
     PartFileName,
     UnsafePath,
+    day_of_path,
     is_compacted,
     join_path,
     open_output_file,
     parquet_rows,
     partitions_between,
+    read_parquet,
 )
 from transforms.output.parquet import VERSION_ORDER, version_key
 from transforms.stores import Settings as StoreSettings
@@ -261,9 +262,6 @@ _FILE_COLUMNS = ("id", "text_sha256", *_ORDER_COLUMNS)
 _CHUNK = 5000  # article ids per query of the store, and file rows compared at a time
 
 
-_DAY = re.compile(r"/dt=([0-9]{4}-[0-9]{2}-[0-9]{2})/")
-
-
 def _file_columns(output: str, path: str, columns) -> Optional[pa.Table]:
     """``columns`` of a Parquet file of the output, those it has (a file written before
     ``updated_at`` lacks it), never the others (its embeddings); None if it is gone (named
@@ -272,12 +270,9 @@ def _file_columns(output: str, path: str, columns) -> Optional[pa.Table]:
     if not FileSystems.exists(path):
         return None
     try:
-        f = open_output_file(output, path)
+        return read_parquet(output, [path], columns)
     except UnsafePath:
         return None
-    with f:
-        parquet = pq.ParquetFile(f)
-        return parquet.read(columns=[c for c in columns if c in parquet.schema_arrow.names])
 
 
 def _letter_ids(output: str, holders: set[str]) -> set[str]:
@@ -353,8 +348,7 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
             table = _file_columns(output, prefix + holder, _FILE_COLUMNS)
             if table is None:
                 continue
-            day = _DAY.search(holder)
-            day_value = dt.date.fromisoformat(day.group(1)) if day else None
+            day_value = day_of_path(holder)
             values: dict[str, list[Any]] = {
                 name: ((table.column(name).cast(pa.int64()) if name in _ORDER_COLUMNS
                         else table.column(name)).to_pylist()

@@ -29,15 +29,13 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import re
 import shlex
 from typing import Any, Optional
 
 import apache_beam as beam
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from transforms.output.layout import join_path, open_output_file
+from transforms.output.layout import day_of_path, join_path, open_output_file, read_parquet
 from transforms.output.manifest import COMMITTED, read_manifest
 from transforms.stores.base import (
     BatchOutput,
@@ -48,7 +46,6 @@ from transforms.stores.base import (
 )
 
 _LOG = logging.getLogger("newsvec")
-_DAY_IN_PATH = re.compile(r"(?:^|/)dt=([0-9]{4}-[0-9]{2}-[0-9]{2})(?:/|$)")
 
 
 def run_day(output: str, run_id: str, filled: Optional[dt.date] = None) -> dt.date:
@@ -62,9 +59,9 @@ def run_day(output: str, run_id: str, filled: Optional[dt.date] = None) -> dt.da
     own days."""
     if filled is not None:
         return filled
-    found = _DAY_IN_PATH.findall(output.rstrip("/"))
-    if found:
-        return dt.date.fromisoformat(found[-1])
+    day = day_of_path(output)
+    if day is not None:
+        return day
     return dt.datetime.strptime(run_id[:8], "%Y%m%d").date()
 
 
@@ -93,13 +90,8 @@ def load_key(run_id: str) -> str:
 
 
 def _read(output: str, relative: list[str]) -> Optional[pa.Table]:
-    """The files the manifest names, each a regular file of the output (``open_output_file``: a
-    symlink or FIFO in place of one is an ``UnsafePath`` naming it, never read or waited on)."""
-    tables = []
-    for path in relative:
-        with open_output_file(output, join_path(output, path)) as f:
-            tables.append(pq.read_table(f))
-    return pa.concat_tables(tables) if tables else None
+    """The files the manifest names, as one table (``layout.read_parquet``)."""
+    return read_parquet(output, [join_path(output, path) for path in relative])
 
 
 def load_command(output: str, run_id: str) -> str:
