@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 import pyarrow as pa
 from apache_beam.io.filesystems import FileSystems
@@ -48,6 +48,7 @@ from transforms.output.manifest import (
     published_summary,
 )
 from transforms.output.parquet import STORY_COLUMNS, float32_embeddings
+from transforms.output.summary import RunSummary
 
 
 def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
@@ -101,7 +102,7 @@ _CHUNKING_KEYS = frozenset({"mode", "chunking", "doc_vector"})
 _SIGNATURE_DEFAULTS = {"unicode_form": "NFC", "dimensions": "the model's dim"}
 
 
-def committed_summary(output: str) -> dict[str, Any] | None:
+def committed_summary(output: str) -> RunSummary | None:
     """The summary of the output's committed batch run; None for an output without one
     (streaming, no run committed yet). ``OutputUncheckable`` for a committed run whose summary
     cannot be read (torn, gone, another run's)."""
@@ -109,10 +110,10 @@ def committed_summary(output: str) -> dict[str, Any] | None:
         summary = published_summary(output)  # it reads the manifest itself
     except SummaryUnavailable:  # no run committed
         return None
-    if "summary_unavailable" in summary:
+    if summary.summary_unavailable is not None:
         raise OutputUncheckable(
             f"{output}: its committed run's {SUMMARY_FILE} cannot be read "
-            f"({summary['summary_unavailable']}), so the config's prefixes, embedding settings "
+            f"({summary.summary_unavailable}), so the config's prefixes, embedding settings "
             "and model cannot be checked against the output's: refused rather than searched "
             "unchecked. Run newsvec cleanup on the output (it names what is missing), or run the "
             "pipeline again to write it anew")
@@ -126,8 +127,8 @@ def recorded_prefixes(output: str) -> dict[str, str]:
     return _prefixes(committed_summary(output))
 
 
-def _prefixes(summary: dict[str, Any] | None) -> dict[str, str]:
-    model = (summary or {}).get("model")
+def _prefixes(summary: RunSummary | None) -> dict[str, str]:
+    model = summary.model if summary is not None else None
     if not isinstance(model, dict):
         return {}
     return {key: model[key] for key in PREFIXES if isinstance(model.get(key), str)}
@@ -148,7 +149,7 @@ def check_output(config: Config, output: str) -> Config:
     return pin_model(config, output, summary)
 
 
-def check_prefixes(config: Config, output: str, summary: dict[str, Any] | None = None) -> None:
+def check_prefixes(config: Config, output: str, summary: RunSummary | None = None) -> None:
     """``PrefixMismatch`` if the output recorded a ``document_prefix`` or ``query_prefix`` other
     than the config's: a query must be embedded as the model was trained to meet the output's
     articles, with the query prefix that goes with their document prefix."""
@@ -161,16 +162,15 @@ def check_prefixes(config: Config, output: str, summary: dict[str, Any] | None =
                              f"({shown}): search it with the config it was written with")
 
 
-def check_signature(config: Config, output: str, summary: dict[str, Any]) -> None:
+def check_signature(config: Config, output: str, summary: RunSummary) -> None:
     """``SettingsMismatch`` naming each setting of the embedding signature (``signature_of``)
     whose value the output recorded (``incremental.embedding_signature``) is not the config's:
     those that decide how a query is prepared and embedded (``_SIGNATURE_SETTINGS``), not the
     chunking's (``_CHUNKING_KEYS``)."""
     from pipeline.graph import signature_of
 
-    incremental = summary.get("incremental")
-    recorded = incremental.get("embedding_signature") if isinstance(incremental, dict) else None
-    if not isinstance(recorded, str):
+    recorded = summary.embedding_signature
+    if recorded is None:
         return  # a summary of a release before the signature was recorded
     ours = json.loads(signature_of(config))
     theirs = json.loads(recorded)
@@ -189,7 +189,7 @@ def check_signature(config: Config, output: str, summary: dict[str, Any]) -> Non
                                "written with")
 
 
-def pin_model(config: Config, output: str, summary: dict[str, Any]) -> Config:
+def pin_model(config: Config, output: str, summary: RunSummary) -> Config:
     """The config with ``model.sha256`` the content hash of the model that wrote the output
     (``model.content_sha256`` of its summary), its folder checked against it (``model_folder``:
     a ``gs://`` folder fetched pinned, a local one hashed). ``ModelMismatch`` when the folder's
@@ -198,7 +198,7 @@ def pin_model(config: Config, output: str, summary: dict[str, Any]) -> Config:
     from transforms.engines.fetch import ModelPinMismatch
     from transforms.engines.model import model_folder
 
-    model = summary.get("model")
+    model = summary.model
     if not isinstance(model, dict):
         return config
     recorded = model.get("content_sha256")

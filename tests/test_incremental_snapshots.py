@@ -28,6 +28,7 @@ from tests.test_reruns import listing, rows_of, write_input
 from transforms import commit
 from transforms.output.layout import new_run_id
 from transforms.output.manifest import SnapshotChanged, read_manifest
+from transforms.output.summary import RunSummary
 from transforms.settings import IncrementalSettings
 
 
@@ -171,7 +172,7 @@ def test_a_cut_off_incremental_publish_is_checked_by_whoever_finishes_it(tmp_pat
         older_staged, older_tallies = hand_staged_run(out_a, OLDER, ["o1"])
     staged, tallies = hand_staged_run(out_a, RUN_A, ["a1"], unchanged=1)  # x: skipped
     skipped = [Snapshot(out_b, B1)]
-    attempt = _CommitFn(out_a, RUN_A, {}, lease_s=30)
+    attempt = _CommitFn(out_a, RUN_A, RunSummary(), lease_s=30)
     with monkeypatch.context() as patch:
         patch.setattr(Snapshot, "still_holds", _fails_with(OSError("503 Service Unavailable")))
         with pytest.raises(OSError, match="503"):
@@ -185,9 +186,9 @@ def test_a_cut_off_incremental_publish_is_checked_by_whoever_finishes_it(tmp_pat
     elif finisher == "newsvec cleanup":
         assert cleanup.main(["--output", out_a]) == 1, "it says the run was withdrawn"
     else:
-        summary = list(_CommitFn(out_a, OLDER, {}, lease_s=30).process(
+        summary = list(_CommitFn(out_a, OLDER, RunSummary(), lease_s=30).process(
             None, older_staged, older_tallies))[0]
-        assert summary["run_id"] == OLDER and "superseded_by" not in summary
+        assert summary.run_id == OLDER and summary.superseded_by is None
     after = read_manifest(out_a)
     if finisher == "an older run":
         assert (after.run_id, after.state) == (OLDER, "committed"), \

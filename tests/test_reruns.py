@@ -245,4 +245,4 @@ def test_backfill_judges_a_day_by_its_committed_runs_summary(tmp_path):
         {**same_settings, "run_id": "20261101T000000Z-bbbbbbbb"}))
     assert backfill.already_done(config) is None, "another run's summary proves nothing"
     (tmp_path / "_summary.json").write_text(json.dumps({**same_settings, "run_id": run_id}))
-    assert backfill.already_done(config)["run_id"] == run_id
+    assert backfill.already_done(config).run_id == run_id

@@ -83,6 +83,7 @@ from transforms.output.lease import (
     gcs_read_generation,
     unsafe_test_timings,
 )
+from transforms.output.summary import RunSummary
 from transforms.types import Counts
 
 _LOG = logging.getLogger(__name__)
@@ -608,7 +609,7 @@ class SummaryUnavailable(FileNotFoundError):
     """An output has no committed run, so no summary of one."""
 
 
-def published_summary(output: str) -> dict:
+def published_summary(output: str) -> RunSummary:
     """The summary of the output's committed run: ``_summary.json`` if it is that run's (its
     ``run_id`` the manifest's); else, with a warning, what the manifest says of the run
     (``run_id``, ``counts``, and ``summary_unavailable`` saying why), which holds no model or
@@ -624,20 +625,17 @@ def published_summary(output: str) -> dict:
     try:
         # a regular file, through no symlink: never a file outside echoed
         with open_output_file(output, path) as f:
-            summary = json.loads(f.read().decode("utf-8"))
-        if not isinstance(summary, dict):
-            raise ValueError(f"a summary is a JSON object, not {type(summary).__name__}")
+            summary: Optional[RunSummary] = RunSummary.from_json(f.read())
     except (OSError, ValueError) as exc:  # gone (FileNotFoundError, BeamIOError), torn, refused
         summary, reason = None, f"{path} could not be read ({type(exc).__name__})"
-    if summary is not None and summary.get("run_id") != current.run_id:
-        reason = (f"{path} is run {summary.get('run_id')}'s, not the committed run "
-                  f"{current.run_id}'s")
+    if summary is not None and summary.run_id != current.run_id:
+        reason = f"{path} is run {summary.run_id}'s, not the committed run {current.run_id}'s"
         summary = None
     if summary is not None:
         return summary
     _LOG.warning("%s: %s; the committed run's counts are taken from its manifest (newsvec "
                  "cleanup names what is missing)", output, reason)
-    return {"run_id": current.run_id, "counts": current.counts, "summary_unavailable": reason}
+    return RunSummary(run_id=current.run_id, counts=current.counts, summary_unavailable=reason)
 
 
 def min_stale_age_s() -> float:

@@ -27,7 +27,6 @@ The connection string is read where the step runs (``setup``: on Dataflow, the w
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import shlex
 from typing import Any, Optional
@@ -37,6 +36,7 @@ import pyarrow as pa
 
 from transforms.output.layout import day_of_path, join_path, open_output_file, read_parquet
 from transforms.output.manifest import COMMITTED, read_manifest
+from transforms.output.summary import RunSummary
 from transforms.stores.base import (
     BatchOutput,
     LoadRows,
@@ -72,11 +72,10 @@ def recorded_day(output: str, run_id: str, manifest: Any) -> Optional[dt.date]:
     path = join_path(output, manifest.summary)
     try:
         with open_output_file(output, path) as f:
-            summary = json.loads(f.read().decode("utf-8"))
-        if not isinstance(summary, dict) or summary.get("run_id") != run_id:
+            summary = RunSummary.from_json(f.read())
+        if summary.run_id != run_id:
             raise ValueError(f"it is not run {run_id}'s summary")
-        day = summary.get("day")
-        return None if day is None else dt.date.fromisoformat(day)
+        return summary.recorded_day
     except (OSError, ValueError, TypeError) as exc:  # gone, torn, refused, not a date
         _LOG.warning("run %s: its day could not be read from %s (%s: %s); its rows' dt is the "
                      "output's dt= folder, else the run's launch day", run_id, path,
@@ -207,10 +206,10 @@ class _LoadCommittedRunFn(beam.DoFn):
 
         self._store = store_for(self._settings)  # the connection string read here, never pickled
 
-    def process(self, summary: dict):
+    def process(self, summary: RunSummary):
         assert self._store is not None
-        newer = summary.get("superseded_by")
-        if summary.get("run_id") == self._run_id and summary.get("published", True):
+        newer = summary.superseded_by
+        if summary.run_id == self._run_id and summary.is_published:
             try:
                 rows = run_rows(self._output, self._run_id)
                 yield load_run(self._store, self._output, self._run_id, rows).to_json()
