@@ -30,7 +30,6 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline import config as config_lib
 from pipeline import parse_command
 from transforms.engines.model import model_folder, model_label
-from transforms.incremental import embedding_signature
 from transforms.output.manifest import SummaryUnavailable, published_summary
 from transforms.output.summary import RunSummary
 from transforms.read import count_lines
@@ -54,8 +53,8 @@ def already_done(config: config_lib.Config) -> Optional[RunSummary]:
     except SummaryUnavailable:  # nothing committed there (yet)
         return None
     label = model_label(config.model, model_folder(config.model))
-    same = (summary.model_label == label and summary.embedding_signature
-            == embedding_signature(config.model, config.chunking, config.text.unicode_form))
+    same = (summary.model_label == label
+            and summary.embedding_signature == config_lib.signature_of(config))
     return summary if same else None
 
 

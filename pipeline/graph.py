@@ -21,7 +21,7 @@ from typing import Optional
 
 import apache_beam as beam
 
-from pipeline.config import Config
+from pipeline.config import Config, signature_of
 from transforms.commit import CommitRun, Tally, tally
 from transforms.dedup import (
     SURVIVORS_TAG,
@@ -37,7 +37,6 @@ from transforms.incremental import (
     UNCHANGED,
     ReadKeys,
     SkipUnchanged,
-    embedding_signature,
 )
 from transforms.metrics import CountDone
 from transforms.microbatch import GroupMicroBatches
@@ -102,11 +101,6 @@ def _embed_settings(config: Config, engine_factory) -> dict:
     return dict(chunking=config.chunking, store_chunk_text=config.sink.store_chunk_text,
                 dead_letter_payload_bytes=config.sink.dead_letter_payload_bytes,
                 engine_factory=engine_factory)
-
-
-def signature_of(config: Config) -> str:
-    """The embedding signature of a config's articles (``transforms.incremental``)."""
-    return embedding_signature(config.model, config.chunking, config.text.unicode_form)
 
 
 def summary_base(config: Config, run_id: str) -> RunSummary:

@@ -40,7 +40,7 @@ from typing import Sequence
 import pyarrow as pa
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline.config import Config, ConfigError
+from pipeline.config import Config, ConfigError, signature_of
 from transforms.output.layout import CHUNKS_DIR, VECTORS_DIR, join_path, read_parquet
 from transforms.output.manifest import (
     SUMMARY_FILE,
@@ -79,7 +79,7 @@ class PrefixMismatch(ConfigError):
 
 
 class SettingsMismatch(ConfigError):
-    """The config's embedding signature (``pipeline.graph.signature_of``) is not the one the
+    """The config's embedding signature (``pipeline.config.signature_of``) is not the one the
     output was written with: its queries would be prepared or embedded otherwise."""
 
 
@@ -167,8 +167,6 @@ def check_signature(config: Config, output: str, summary: RunSummary) -> None:
     whose value the output recorded (``incremental.embedding_signature``) is not the config's:
     those that decide how a query is prepared and embedded (``_SIGNATURE_SETTINGS``), not the
     chunking's (``_CHUNKING_KEYS``)."""
-    from pipeline.graph import signature_of
-
     recorded = summary.embedding_signature
     if recorded is None:
         return  # a summary of a release before the signature was recorded

@@ -207,7 +207,7 @@ def test_a_micro_batch_redone_without_an_article_fails_the_run_that_skipped_it(r
     and the batch published x as unchanged, held by no output. Now the snapshot pins each
     micro-batch key file it read by its checksum: a redo with the same outcome (the same bytes)
     changes nothing, one that withdraws a key fails the run."""
-    from pipeline.graph import signature_of
+    from pipeline.config import signature_of
     from tests.fakes import FakeEngine
     from tests.test_sinks_streaming import letter, micro_batch
     from tools import streaming_output
@@ -277,7 +277,7 @@ def test_a_micro_batch_not_finished_yet_is_never_skipped_against(tmp_path):
     import glob
     import os
 
-    from pipeline.graph import signature_of
+    from pipeline.config import signature_of
     from tests.fakes import FakeEngine
     from tests.test_sinks_streaming import letter, micro_batch
     from tools import streaming_output

@@ -230,7 +230,7 @@ def test_backfill_judges_a_day_by_its_committed_runs_summary(tmp_path):
     settings: skipped as done though its committed run may have been made otherwise."""
     from pipeline import backfill
     from transforms.engines.model import model_label, resolve_model_path
-    from transforms.incremental import embedding_signature
+    from transforms.settings import embedding_signature
 
     config = make_config(output=str(tmp_path))
     label = model_label(config.model, resolve_model_path(config.model.path))

@@ -4,8 +4,9 @@ Every output that newsvec writes holds a key index beside its vectors: ``keys/``
 ``keys/part-<run_id>-*.parquet``, published with the run; streaming: one file per micro-batch
 under ``keys/dt=…/hour=…/``), one row per article written, ``key_schema``. An article's key is
 ``sha256(id, text_sha256, model label, embedding signature)``: the signature holds every setting
-that changes its vectors (``embedding_signature``), so a new model, a new token limit or new
-chunking settings embed again, and a corrected text (another ``text_sha256``) does too.
+that changes its vectors (``transforms.settings.embedding_signature``), so a new model, a new
+token limit or new chunking settings embed again, and a corrected text (another ``text_sha256``)
+does too.
 
 A batch run given ``incremental.previous_outputs`` (globs of output prefixes, its own output never
 among them) resolves them when it runs (``ReadKeys``: each batch output through its committed
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import re
@@ -53,7 +53,6 @@ from transforms.output.layout import (
 )
 from transforms.output.lease import unsafe_test_timings
 from transforms.output.manifest import COMMITTED, Snapshot, SnapshotChanged, read_manifest
-from transforms.settings import ChunkingSettings, ModelSettings
 from transforms.types import EmbeddedDoc, PreparedDoc
 
 UNCHANGED = "unchanged"
@@ -69,26 +68,6 @@ _LOG = logging.getLogger(__name__)
 # suite's override (``transforms.output.lease.UNSAFE_TEST_TIMINGS_ENV``).
 STREAMING_SETTLE_S = 3600.0
 
-
-
-def embedding_signature(model: ModelSettings, chunking: ChunkingSettings,
-                        unicode_form: str = "NFC") -> str:
-    """The settings besides the model's files that decide an article's vectors (the dtype aside:
-    bfloat16 and float32 vectors agree to a cosine of 0.9999; so is ``sink.vector_dtype``: float16
-    vectors agree with float32 to its precision). ``model.dimensions`` is in it when set, and
-    ``unicode_form`` (``text.unicode_form``) when not the default NFC, so keys made before they
-    were settings stay valid (a text the form changes changes ``text_sha256`` too, and switching
-    the form embeds every article again, its text changed or not)."""
-    settings = {"max_tokens": model.max_tokens, "normalize": model.normalize,
-                "document_prefix": model.document_prefix, "mode": chunking.mode}
-    if unicode_form != "NFC":
-        settings["unicode_form"] = unicode_form
-    if model.output_dim != model.dim:  # so that keys made before it was a setting stay valid
-        settings["dimensions"] = model.output_dim
-    if chunking.mode != "head":
-        settings.update(chunking=chunking.chunk_recipe(model.max_tokens, model.document_prefix),
-                        doc_vector=chunking.doc_vector)
-    return json.dumps(settings, sort_keys=True)
 
 
 def embedding_key(doc_id: str, text_sha256: str, model_label: str, signature: str) -> str:
