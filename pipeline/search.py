@@ -281,22 +281,38 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None,
 
     output = output or config.output
     config = check_output(config, output)
+    dim = config.model.output_dim
+    vectors, chunks = _vectors_and_chunks(output, dim)
+    con = duckdb.connect()
+    con.register("vectors", vectors)
+    if chunks is not None:
+        con.register("chunks", chunks)
+    params = [embed_query(config, query).tolist(), k]
+    rows = con.execute(_nearest_sql(dim, chunks is not None, all_copies), params).fetchall()
+    return [{"id": i, "title": t, "score": round(float(s), 4), "chunk_index": c,
+             "story_id": story, "copies": int(n)} for i, t, s, c, story, n in rows]
+
+
+def _vectors_and_chunks(output: str, dim: int) -> tuple[pa.Table, pa.Table | None]:
+    """The output's ``vectors/`` and ``chunks/`` (None: a head output), each of ``dim``-dimensional
+    vectors: a ``ValueError`` if not (the config's queries would be of another size)."""
     vectors = _read(output, VECTORS_DIR, ["id", "title", "story_id", "embedding"])
     if vectors is None:
         raise FileNotFoundError(f"no vectors under {output}/{VECTORS_DIR}/: run the pipeline first")
     chunks = _read(output, CHUNKS_DIR, ["id", "chunk_index", "embedding"])
-    dim = config.model.output_dim
     for table in (vectors, chunks):
         written = table.schema.field("embedding").type.list_size if table is not None else dim
         if written != dim:
             raise ValueError(f"{output} holds {written}-dimensional vectors, but the config's "
                              f"queries are {dim}-dimensional (model.dimensions): search it with "
                              "the config it was written with")
-    con = duckdb.connect()
-    con.register("vectors", vectors)
-    params = [embed_query(config, query).tolist(), k]
-    if chunks is not None:  # each article by its best chunk
-        con.register("chunks", chunks)
+    return vectors, chunks
+
+
+def _nearest_sql(dim: int, by_chunk: bool, all_copies: bool) -> str:
+    """DuckDB's query of the nearest stories (``$1`` the query's vector, ``$2`` k) over the
+    tables ``vectors`` and, ``by_chunk``, ``chunks``."""
+    if by_chunk:  # each article by its best chunk
         best = f"""
             scored AS (
               SELECT id, chunk_index, array_cosine_similarity(
@@ -312,7 +328,7 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None,
     # written before 0.4 or with near_duplicates.enabled false).
     one_each = "" if all_copies else \
         "QUALIFY row_number() OVER (PARTITION BY story ORDER BY score DESC, id) = 1"
-    sql = f"""
+    return f"""
         WITH {best},
         articles AS (SELECT id, any_value(title) AS title,
                             coalesce(max(story_id), id) AS story FROM vectors GROUP BY id),
@@ -322,9 +338,6 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None,
         SELECT h.id, h.title, h.score, h.chunk_index, h.story, greatest(coalesce(s.n, 1) - 1, 0)
         FROM hits h LEFT JOIN stories s USING (story) {one_each}
         ORDER BY h.score DESC, h.id LIMIT $2"""
-    return [{"id": i, "title": t, "score": round(float(s), 4), "chunk_index": c,
-             "story_id": story, "copies": int(n)}
-            for i, t, s, c, story, n in con.execute(sql, params).fetchall()]
 
 
 def search_store(config: Config, query: str, k: int = 10, all_copies: bool = False
