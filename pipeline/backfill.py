@@ -30,8 +30,8 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline import config as config_lib
 from pipeline import parse_command
 from transforms.engines.model import model_folder, model_label
-from transforms.incremental import embedding_signature
 from transforms.output.manifest import SummaryUnavailable, published_summary
+from transforms.output.summary import RunSummary
 from transforms.read import count_lines
 from transforms.types import Counts
 
@@ -44,7 +44,7 @@ def days(start: dt.date, end: dt.date) -> list[dt.date]:
     return [start + dt.timedelta(days=i) for i in range((end - start).days + 1)]
 
 
-def already_done(config: config_lib.Config) -> Optional[dict]:
+def already_done(config: config_lib.Config) -> Optional[RunSummary]:
     """The summary of the committed run in this day's output, if it was made with this model and
     these embedding settings. A summary that is not the committed run's (``published_summary``
     then gives only the manifest's counts) says neither: the day is run again."""
@@ -53,9 +53,8 @@ def already_done(config: config_lib.Config) -> Optional[dict]:
     except SummaryUnavailable:  # nothing committed there (yet)
         return None
     label = model_label(config.model, model_folder(config.model))
-    same = (summary.get("model", {}).get("label") == label
-            and summary.get("incremental", {}).get("embedding_signature")
-            == embedding_signature(config.model, config.chunking, config.text.unicode_form))
+    same = (summary.model_label == label
+            and summary.embedding_signature == config_lib.signature_of(config))
     return summary if same else None
 
 
@@ -76,19 +75,21 @@ def backfill(config: config_lib.Config, start: dt.date, end: dt.date, options: P
         if summary is not None:
             skipped += 1
             log(f"[{i}/{len(plan)}] {day}: already embedded with this model and these settings "
-                f"(run {summary['run_id']}), skipped")
+                f"(run {summary.run_id}), skipped")
         else:
-            summary = run_batch(day_config, options, engine_factory=engine_factory)
+            summary = RunSummary.from_dict(run_batch(day_config, options,
+                                                     engine_factory=engine_factory))
             ran += 1
-            embedded_articles += summary["counts"]["in"]
-        totals += Counts.from_summary(summary["counts"])
+            embedded_articles += summary.counted().articles_in
+        counts = summary.counted()
+        totals += counts
         done += sizes[day]
         elapsed = time.monotonic() - started
         rate = embedded_articles / elapsed if embedded_articles else 0.0
         left = total - done
         eta = f"{left / rate:.0f} s" if rate else "unknown"
-        log(f"[{i}/{len(plan)}] {day}: {summary['counts']['written']} written, "
-            f"{summary['counts'].get('unchanged', 0)} unchanged; {done}/{total} articles "
+        log(f"[{i}/{len(plan)}] {day}: {counts.written} written, "
+            f"{counts.unchanged} unchanged; {done}/{total} articles "
             f"({100 * done / total if total else 100:.0f}%), {rate:.1f} articles/s, ETA {eta}")
     elapsed = time.monotonic() - started
     return {"from": start.isoformat(), "until": end.isoformat(), "days": len(plan),

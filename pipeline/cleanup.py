@@ -34,10 +34,10 @@ import json
 import logging
 import sys
 
-from transforms.incremental import SnapshotChanged
 from transforms.output.layout import InvalidManifest, UnsafePath
 from transforms.output.lease import PublishLease, require_lease_s
 from transforms.output.manifest import (
+    SnapshotChanged,
     clean_stale,
     missing_files,
     remove_strays,

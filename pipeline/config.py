@@ -38,6 +38,7 @@ from transforms.settings import (
     SinkSettings,
     StreamingSettings,
     TextSettings,
+    embedding_signature,
 )
 from transforms.stores import Settings as StoreSettings
 
@@ -116,6 +117,12 @@ class Config(BaseModel):
                 else:
                     flags.append(f"--{key}={item}")
         return flags
+
+
+def signature_of(config: Config) -> str:
+    """The embedding signature of a config's articles (``transforms.settings.embedding_signature``):
+    what the key index and a run's summary record, and what ``newsvec search`` checks."""
+    return embedding_signature(config.model, config.chunking, config.text.unicode_form)
 
 
 def _placeholders(node: Any, path: str = "") -> list[str]:

@@ -21,7 +21,7 @@ from typing import Optional
 
 import apache_beam as beam
 
-from pipeline.config import Config
+from pipeline.config import Config, signature_of
 from transforms.commit import CommitRun, Tally, tally
 from transforms.dedup import (
     SURVIVORS_TAG,
@@ -37,7 +37,6 @@ from transforms.incremental import (
     UNCHANGED,
     ReadKeys,
     SkipUnchanged,
-    embedding_signature,
 )
 from transforms.metrics import CountDone
 from transforms.microbatch import GroupMicroBatches
@@ -48,6 +47,7 @@ from transforms.output.layout import (
     VECTORS_DIR,
     staging_prefix,
 )
+from transforms.output.summary import RunSummary
 from transforms.parse import ParseEvents
 from transforms.read import ReadJsonLines
 from transforms.sinks import (
@@ -104,26 +104,26 @@ def _embed_settings(config: Config, engine_factory) -> dict:
                 engine_factory=engine_factory)
 
 
-def signature_of(config: Config) -> str:
-    """The embedding signature of a config's articles (``transforms.incremental``)."""
-    return embedding_signature(config.model, config.chunking, config.text.unicode_form)
-
-
-def summary_base(config: Config) -> dict:
-    """What a run's ``_summary.json`` says about its settings (CommitRun adds the counts)."""
+def summary_base(config: Config, run_id: str) -> RunSummary:
+    """What run ``run_id``'s ``_summary.json`` says about its settings, the day it stands for (its
+    rows' dt in the store: ``--input_date``, not the launch day) and, with the store on, the key
+    the store holds it under once LoadCommittedRun ran (CommitRun adds the counts)."""
     model_path = model_folder(config.model)
     stories = config.near_duplicates
-    return {"near_duplicates": {**stories.model_dump(),
-                                "signature_version": signature_version(stories)},
-            "input": config.input, "output": config.output,
-            "vectors": {"dim": config.model.output_dim, "vector_dtype": config.sink.vector_dtype},
-            "chunking": config.chunking.model_dump(), "text": config.text.model_dump(),
-            "incremental": {**config.incremental.model_dump(),
-                            "embedding_signature": signature_of(config)},
-            "model": {**config.model.model_dump(), "resolved_path": model_path,
-                      "label": model_label(config.model, model_path),
-                      "resolved_dtype": config.model.resolved_dtype(),
-                      "content_sha256": model_content_hash(model_path) or None}}
+    return RunSummary(
+        near_duplicates={**stories.model_dump(), "signature_version": signature_version(stories)},
+        input=config.input, output=config.output,
+        vectors={"dim": config.model.output_dim, "vector_dtype": config.sink.vector_dtype},
+        chunking=config.chunking.model_dump(), text=config.text.model_dump(),
+        incremental={**config.incremental.model_dump(),
+                     "embedding_signature": signature_of(config)},
+        model={**config.model.model_dump(), "resolved_path": model_path,
+               "label": model_label(config.model, model_path),
+               "resolved_dtype": config.model.resolved_dtype(),
+               "content_sha256": model_content_hash(model_path) or None},
+        day=run_day(config.output, run_id, config.filled_day).isoformat(),
+        store=({"kind": config.store.kind, "load_key": batch_load_key(run_id)}
+               if config.store.enabled else None))
 
 
 def embed_and_write(payloads, config: Config, run_id: str,
@@ -203,13 +203,8 @@ def embed_and_write(payloads, config: Config, run_id: str,
                 tally(vector_rows, Tally.ROWS),
                 tally(vector_rows, Tally.TRUNCATED, lambda row: int(row.truncated)),
                 tally(chunk_rows, Tally.CHUNKS)]
-    summary = summary_base(config)
-    # The day the run stands for (its rows' dt in the store): --input_date, not the launch day.
-    summary["day"] = run_day(config.output, run_id, config.filled_day).isoformat()
-    if config.store.enabled:  # the key the store holds the run under once LoadCommittedRun ran
-        summary["store"] = {"kind": config.store.kind, "load_key": batch_load_key(run_id)}
     committed = payloads.pipeline | "CommitRun" >> CommitRun(
-        config.output, run_id, summary, files=files, tallies=tallies,
+        config.output, run_id, summary_base(config, run_id), files=files, tallies=tallies,
         skipped_from=skipped_from, key_files=key_files, lease_s=config.sink.commit_lease_s)
     if config.store.enabled:
         committed | "LoadCommittedRun" >> LoadCommittedRun(config.output, run_id, config.store)

@@ -27,6 +27,7 @@ from transforms import incremental as incremental_lib
 from transforms.engines.base import EngineFactory
 from transforms.output.layout import SUMMARY_FILE, join_path, new_run_id
 from transforms.output.manifest import SummaryUnavailable, published_summary, read_manifest
+from transforms.output.summary import RunSummary
 from transforms.read import count_lines
 from transforms.stores import store_for
 from transforms.stores.base import StoreError, StoreLoadFailed, batch_load_key, loaded
@@ -131,15 +132,14 @@ def run_batch(config: config_lib.Config, options: PipelineOptions,
     finished = time.perf_counter()
     # The committed run's summary, never another run's (``manifest.published_summary``).
     summary = _summary_after(config.output, run_id)
-    if summary["run_id"] != run_id:
+    if summary.run_id != run_id:
         _LOG.warning("run %s succeeded, but run %s has published into %s since", run_id,
-                     summary["run_id"], config.output)
+                     summary.run_id, config.output)
     else:
         _LOG.info("run %s committed: %s", run_id, join_path(config.output, SUMMARY_FILE))
-    store: dict = {}
-    if config.store.enabled and summary["run_id"] == run_id and summary.get("published", True):
-        store = {"store": {**summary.get("store", {}), **_store_record(config, run_id)}}
-    return {**summary, **store, **job_statistics(result, config.model.token_budget, {
+    if config.store.enabled and summary.run_id == run_id and summary.is_published:
+        summary = summary.replace(store={**(summary.store or {}), **_store_record(config, run_id)})
+    return {**summary.to_dict(), **job_statistics(result, config.model.token_budget, {
         "startup_s": run_started - started,
         "run_s": finished - run_started,
         "total_s": finished - started,
@@ -219,7 +219,7 @@ def lift_emulator_receive_limit() -> None:
     subscriber.grpc = _UnlimitedReceive()
 
 
-def _summary_after(output: str, run_id: str) -> dict:
+def _summary_after(output: str, run_id: str) -> RunSummary:
     """The committed run's summary once run ``run_id`` has ended; where a newer run is publishing
     into the output meanwhile (this one, older, published nothing, or was cut off by it), what
     this run can say: that it was superseded, by whom."""
@@ -231,7 +231,7 @@ def _summary_after(output: str, run_id: str) -> dict:
             raise
         _LOG.warning("run %s succeeded, but the newer run %s is publishing into %s", run_id,
                      current.run_id, output)
-        return {"run_id": run_id, "published": False, "superseded_by": current.run_id}
+        return RunSummary(run_id=run_id, published=False, superseded_by=current.run_id)
 
 
 def _only_described(options: PipelineOptions) -> bool:

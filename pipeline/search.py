@@ -35,20 +35,20 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
-from pipeline.config import Config, ConfigError
-from transforms.output.layout import CHUNKS_DIR, VECTORS_DIR, join_path, open_output_file
+from pipeline.config import Config, ConfigError, signature_of
+from transforms.output.layout import CHUNKS_DIR, VECTORS_DIR, join_path, read_parquet
 from transforms.output.manifest import (
     SUMMARY_FILE,
     SummaryUnavailable,
     published_summary,
 )
 from transforms.output.parquet import STORY_COLUMNS, float32_embeddings
+from transforms.output.summary import RunSummary
 
 
 def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
@@ -56,18 +56,15 @@ def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
     files written before 0.4) reads as nulls of its type."""
     files = [m.path for m in FileSystems.match([join_path(output, subdir, "**")])[0].metadata_list
              if m.path.endswith(".parquet")]
-    tables = []
-    for path in sorted(files):  # regular files of the output only (never one outside, no FIFO)
-        with open_output_file(output, path) as f:
-            parquet = pq.ParquetFile(f)
-            held = set(parquet.schema_arrow.names)
-            table = parquet.read(columns=[c for c in columns if c in held])
-            for name in columns:
-                if name not in held:
-                    table = table.append_column(name, pa.nulls(table.num_rows,
-                                                               _COLUMN_TYPES[name]))
-            tables.append(float32_embeddings(table.select(columns)))
-    return pa.concat_tables(tables) if tables else None
+
+    def whole(table: pa.Table) -> pa.Table:
+        for name in columns:
+            if name not in table.column_names:
+                table = table.append_column(name, pa.nulls(table.num_rows, _COLUMN_TYPES[name]))
+        return float32_embeddings(table.select(columns))
+
+    # regular files of the output only (never one outside, no FIFO)
+    return read_parquet(output, sorted(files), columns, each=whole)
 
 
 _COLUMN_TYPES = {column.name: column.field(0).type for column in STORY_COLUMNS}
@@ -82,7 +79,7 @@ class PrefixMismatch(ConfigError):
 
 
 class SettingsMismatch(ConfigError):
-    """The config's embedding signature (``pipeline.graph.signature_of``) is not the one the
+    """The config's embedding signature (``pipeline.config.signature_of``) is not the one the
     output was written with: its queries would be prepared or embedded otherwise."""
 
 
@@ -105,7 +102,7 @@ _CHUNKING_KEYS = frozenset({"mode", "chunking", "doc_vector"})
 _SIGNATURE_DEFAULTS = {"unicode_form": "NFC", "dimensions": "the model's dim"}
 
 
-def committed_summary(output: str) -> dict[str, Any] | None:
+def committed_summary(output: str) -> RunSummary | None:
     """The summary of the output's committed batch run; None for an output without one
     (streaming, no run committed yet). ``OutputUncheckable`` for a committed run whose summary
     cannot be read (torn, gone, another run's)."""
@@ -113,10 +110,10 @@ def committed_summary(output: str) -> dict[str, Any] | None:
         summary = published_summary(output)  # it reads the manifest itself
     except SummaryUnavailable:  # no run committed
         return None
-    if "summary_unavailable" in summary:
+    if summary.summary_unavailable is not None:
         raise OutputUncheckable(
             f"{output}: its committed run's {SUMMARY_FILE} cannot be read "
-            f"({summary['summary_unavailable']}), so the config's prefixes, embedding settings "
+            f"({summary.summary_unavailable}), so the config's prefixes, embedding settings "
             "and model cannot be checked against the output's: refused rather than searched "
             "unchecked. Run newsvec cleanup on the output (it names what is missing), or run the "
             "pipeline again to write it anew")
@@ -130,8 +127,8 @@ def recorded_prefixes(output: str) -> dict[str, str]:
     return _prefixes(committed_summary(output))
 
 
-def _prefixes(summary: dict[str, Any] | None) -> dict[str, str]:
-    model = (summary or {}).get("model")
+def _prefixes(summary: RunSummary | None) -> dict[str, str]:
+    model = summary.model if summary is not None else None
     if not isinstance(model, dict):
         return {}
     return {key: model[key] for key in PREFIXES if isinstance(model.get(key), str)}
@@ -152,7 +149,7 @@ def check_output(config: Config, output: str) -> Config:
     return pin_model(config, output, summary)
 
 
-def check_prefixes(config: Config, output: str, summary: dict[str, Any] | None = None) -> None:
+def check_prefixes(config: Config, output: str, summary: RunSummary | None = None) -> None:
     """``PrefixMismatch`` if the output recorded a ``document_prefix`` or ``query_prefix`` other
     than the config's: a query must be embedded as the model was trained to meet the output's
     articles, with the query prefix that goes with their document prefix."""
@@ -165,16 +162,13 @@ def check_prefixes(config: Config, output: str, summary: dict[str, Any] | None =
                              f"({shown}): search it with the config it was written with")
 
 
-def check_signature(config: Config, output: str, summary: dict[str, Any]) -> None:
+def check_signature(config: Config, output: str, summary: RunSummary) -> None:
     """``SettingsMismatch`` naming each setting of the embedding signature (``signature_of``)
     whose value the output recorded (``incremental.embedding_signature``) is not the config's:
     those that decide how a query is prepared and embedded (``_SIGNATURE_SETTINGS``), not the
     chunking's (``_CHUNKING_KEYS``)."""
-    from pipeline.graph import signature_of
-
-    incremental = summary.get("incremental")
-    recorded = incremental.get("embedding_signature") if isinstance(incremental, dict) else None
-    if not isinstance(recorded, str):
+    recorded = summary.embedding_signature
+    if recorded is None:
         return  # a summary of a release before the signature was recorded
     ours = json.loads(signature_of(config))
     theirs = json.loads(recorded)
@@ -193,7 +187,7 @@ def check_signature(config: Config, output: str, summary: dict[str, Any]) -> Non
                                "written with")
 
 
-def pin_model(config: Config, output: str, summary: dict[str, Any]) -> Config:
+def pin_model(config: Config, output: str, summary: RunSummary) -> Config:
     """The config with ``model.sha256`` the content hash of the model that wrote the output
     (``model.content_sha256`` of its summary), its folder checked against it (``model_folder``:
     a ``gs://`` folder fetched pinned, a local one hashed). ``ModelMismatch`` when the folder's
@@ -202,7 +196,7 @@ def pin_model(config: Config, output: str, summary: dict[str, Any]) -> Config:
     from transforms.engines.fetch import ModelPinMismatch
     from transforms.engines.model import model_folder
 
-    model = summary.get("model")
+    model = summary.model
     if not isinstance(model, dict):
         return config
     recorded = model.get("content_sha256")
@@ -287,22 +281,38 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None,
 
     output = output or config.output
     config = check_output(config, output)
+    dim = config.model.output_dim
+    vectors, chunks = _vectors_and_chunks(output, dim)
+    con = duckdb.connect()
+    con.register("vectors", vectors)
+    if chunks is not None:
+        con.register("chunks", chunks)
+    params = [embed_query(config, query).tolist(), k]
+    rows = con.execute(_nearest_sql(dim, chunks is not None, all_copies), params).fetchall()
+    return [{"id": i, "title": t, "score": round(float(s), 4), "chunk_index": c,
+             "story_id": story, "copies": int(n)} for i, t, s, c, story, n in rows]
+
+
+def _vectors_and_chunks(output: str, dim: int) -> tuple[pa.Table, pa.Table | None]:
+    """The output's ``vectors/`` and ``chunks/`` (None: a head output), each of ``dim``-dimensional
+    vectors: a ``ValueError`` if not (the config's queries would be of another size)."""
     vectors = _read(output, VECTORS_DIR, ["id", "title", "story_id", "embedding"])
     if vectors is None:
         raise FileNotFoundError(f"no vectors under {output}/{VECTORS_DIR}/: run the pipeline first")
     chunks = _read(output, CHUNKS_DIR, ["id", "chunk_index", "embedding"])
-    dim = config.model.output_dim
     for table in (vectors, chunks):
         written = table.schema.field("embedding").type.list_size if table is not None else dim
         if written != dim:
             raise ValueError(f"{output} holds {written}-dimensional vectors, but the config's "
                              f"queries are {dim}-dimensional (model.dimensions): search it with "
                              "the config it was written with")
-    con = duckdb.connect()
-    con.register("vectors", vectors)
-    params = [embed_query(config, query).tolist(), k]
-    if chunks is not None:  # each article by its best chunk
-        con.register("chunks", chunks)
+    return vectors, chunks
+
+
+def _nearest_sql(dim: int, by_chunk: bool, all_copies: bool) -> str:
+    """DuckDB's query of the nearest stories (``$1`` the query's vector, ``$2`` k) over the
+    tables ``vectors`` and, ``by_chunk``, ``chunks``."""
+    if by_chunk:  # each article by its best chunk
         best = f"""
             scored AS (
               SELECT id, chunk_index, array_cosine_similarity(
@@ -318,7 +328,7 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None,
     # written before 0.4 or with near_duplicates.enabled false).
     one_each = "" if all_copies else \
         "QUALIFY row_number() OVER (PARTITION BY story ORDER BY score DESC, id) = 1"
-    sql = f"""
+    return f"""
         WITH {best},
         articles AS (SELECT id, any_value(title) AS title,
                             coalesce(max(story_id), id) AS story FROM vectors GROUP BY id),
@@ -328,9 +338,6 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None,
         SELECT h.id, h.title, h.score, h.chunk_index, h.story, greatest(coalesce(s.n, 1) - 1, 0)
         FROM hits h LEFT JOIN stories s USING (story) {one_each}
         ORDER BY h.score DESC, h.id LIMIT $2"""
-    return [{"id": i, "title": t, "score": round(float(s), 4), "chunk_index": c,
-             "story_id": story, "copies": int(n)}
-            for i, t, s, c, story, n in con.execute(sql, params).fetchall()]
 
 
 def search_store(config: Config, query: str, k: int = 10, all_copies: bool = False

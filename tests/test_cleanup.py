@@ -16,6 +16,7 @@ from pipeline import cleanup
 from tests.conftest import REPO
 from transforms.output import manifest
 from transforms.output.lease import PublishLease
+from transforms.output.summary import RunSummary
 
 RUN_ID = "20261201T093000Z-1a2b3c4d"
 LIFECYCLE = REPO / "configs" / "gcs-lifecycle.json"
@@ -155,7 +156,7 @@ def test_cleanup_names_the_files_the_committed_manifest_names_that_are_gone(tmp_
     output = str(tmp_path / "out")
     run_id = "20261201T000000Z-0000000c"
     staged, tallies = hand_staged_run(output, run_id, ["a", "b"])
-    list(_CommitFn(output, run_id, {}, lease_s=30).process(None, staged, tallies))
+    list(_CommitFn(output, run_id, RunSummary(), lease_s=30).process(None, staged, tallies))
     assert cleanup.main(["--output", output]) == 0
     capsys.readouterr()
     lost = f"vectors/part-{run_id}-00000-of-00001.parquet"

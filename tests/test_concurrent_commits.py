@@ -39,6 +39,7 @@ from tests.test_reruns import DAY_1, DAY_2, check_is_run, listing, write_input
 from transforms import commit
 from transforms.output import manifest
 from transforms.output.lease import GcsLockStore, LeaseLost, LocalLockStore, PublishLease
+from transforms.output.summary import RunSummary
 
 BUCKET = "newsvec-leases"
 
@@ -351,7 +352,7 @@ def test_two_attempts_of_one_commit_publish_once(tmp_path, monkeypatch):
     summaries = [r["value"][0] for r in results]
     assert summaries[0] == summaries[1], "both attempts return the one published summary"
     assert len(copies) == len(set(copies)), "each file copied once: one attempt published"
-    check_is_run(output, DAY_2, summaries[0])
+    check_is_run(output, DAY_2, summaries[0].to_dict())
 
 
 def test_an_attempt_of_an_older_run_never_publishes_over_a_newer_one(tmp_path, monkeypatch):
@@ -359,7 +360,7 @@ def test_an_attempt_of_an_older_run_never_publishes_over_a_newer_one(tmp_path, m
     newer = run_batch(_config(write_input(str(tmp_path), "in1", DAY_1), output), _options(),
                       engine_factory=FakeEngine)
     late = list(captured["fn"].process(None, captured["staged"], captured["tallies"]))[0]
-    assert late["published"] is False and late["superseded_by"] == newer["run_id"]
+    assert late.published is False and late.superseded_by == newer["run_id"]
     check_is_run(output, DAY_1, newer)
 
 
@@ -978,8 +979,8 @@ def test_a_late_copy_undone_never_deletes_the_file_its_other_attempt_published(g
 
     def attempt_1():
         try:
-            first["value"] = list(commit._CommitFn(output, NEW_RUN, {}, lease_s=1.0).process(
-                None, staged, tallies))
+            first["value"] = list(commit._CommitFn(output, NEW_RUN, RunSummary(),
+                                                   lease_s=1.0).process(None, staged, tallies))
         except Exception as exc:  # pylint: disable=broad-except
             first["error"] = exc
 
@@ -997,11 +998,11 @@ def test_a_late_copy_undone_never_deletes_the_file_its_other_attempt_published(g
         freezer.thread = threading.Thread(target=attempt_1, name="attempt-1")
         freezer.thread.start()
         assert freezer.frozen.wait(60), first
-        second = list(commit._CommitFn(output, NEW_RUN, {}, lease_s=1.0).process(
+        second = list(commit._CommitFn(output, NEW_RUN, RunSummary(), lease_s=1.0).process(
             None, staged, tallies))[0]
     assert not freezer.thread.is_alive()
     assert isinstance(first.get("error"), lease_lib.LeaseLost), first
-    assert second["run_id"] == NEW_RUN
+    assert second.run_id == NEW_RUN
     final = manifest.read_manifest(output)
     assert (final.run_id, final.state) == (NEW_RUN, "committed")
     assert all(_published_exists(output).values()), _published_exists(output)
@@ -1047,8 +1048,9 @@ def test_a_stalled_older_runs_summary_never_replaces_or_removes_the_newer_runs(g
 
     def older_run():
         try:
-            older["value"] = list(commit._CommitFn(output, OLD_RUN, {}, lease_s=1.0).process(
-                None, old_staged, old_tallies))
+            older["value"] = list(commit._CommitFn(output, OLD_RUN, RunSummary(),
+                                                   lease_s=1.0).process(None, old_staged,
+                                                                        old_tallies))
         except BaseException as exc:  # pylint: disable=broad-except  # Killed included
             older["error"] = exc
 
@@ -1056,12 +1058,12 @@ def test_a_stalled_older_runs_summary_never_replaces_or_removes_the_newer_runs(g
         freezer.thread = threading.Thread(target=older_run, name="older-run")
         freezer.thread.start()
         assert freezer.frozen.wait(60), older
-        newer = list(commit._CommitFn(output, NEW_RUN, {}, lease_s=1.0).process(
+        newer = list(commit._CommitFn(output, NEW_RUN, RunSummary(), lease_s=1.0).process(
             None, new_staged, new_tallies))[0]
         freezer.go.set()
         freezer.thread.join(60)
     assert not freezer.thread.is_alive()
-    assert newer["run_id"] == NEW_RUN and "error" in older
+    assert newer.run_id == NEW_RUN and "error" in older
     final = manifest.read_manifest(output)
     assert (final.run_id, final.state) == (NEW_RUN, "committed")
     assert FileSystems.exists(f"{output}/_summary.json"), "the newer run's summary is there"
@@ -1173,8 +1175,10 @@ def test_a_commit_attempt_after_the_publish_returns_its_summary(tmp_path):
     output = str(tmp_path / "out")
     run_id = "20261201T000000Z-0000000c"
     staged, tallies = hand_staged_run(output, run_id, ["a", "b"])
-    first = list(_CommitFn(output, run_id, {}, lease_s=360).process(None, staged, tallies))
+    first = list(_CommitFn(output, run_id, RunSummary(), lease_s=360).process(
+        None, staged, tallies))
     assert not (tmp_path / "out" / "_staging" / run_id).exists()
-    again = list(_CommitFn(output, run_id, {}, lease_s=360).process(None, staged, tallies))
-    assert again[0]["run_id"] == first[0]["run_id"] == run_id
-    assert again[0]["counts"] == first[0]["counts"]
+    again = list(_CommitFn(output, run_id, RunSummary(), lease_s=360).process(
+        None, staged, tallies))
+    assert again[0].run_id == first[0].run_id == run_id
+    assert again[0].counts == first[0].counts

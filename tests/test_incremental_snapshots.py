@@ -26,9 +26,9 @@ from tests.conftest import make_config
 from tests.test_concurrent_commits import committed_manifest, embedded, hand_staged_run
 from tests.test_reruns import listing, rows_of, write_input
 from transforms import commit
-from transforms.incremental import SnapshotChanged
 from transforms.output.layout import new_run_id
-from transforms.output.manifest import read_manifest
+from transforms.output.manifest import SnapshotChanged, read_manifest
+from transforms.output.summary import RunSummary
 from transforms.settings import IncrementalSettings
 
 
@@ -163,7 +163,7 @@ def test_a_cut_off_incremental_publish_is_checked_by_whoever_finishes_it(tmp_pat
     each checks the recorded snapshots first, puts the previous manifest back, and the run
     fails."""
     from transforms.commit import _CommitFn
-    from transforms.incremental import Snapshot
+    from transforms.output.manifest import Snapshot
 
     out_a, out_b = f"{tmp_path}/a", f"{tmp_path}/b"
     committed_manifest(out_b, B1)
@@ -172,7 +172,7 @@ def test_a_cut_off_incremental_publish_is_checked_by_whoever_finishes_it(tmp_pat
         older_staged, older_tallies = hand_staged_run(out_a, OLDER, ["o1"])
     staged, tallies = hand_staged_run(out_a, RUN_A, ["a1"], unchanged=1)  # x: skipped
     skipped = [Snapshot(out_b, B1)]
-    attempt = _CommitFn(out_a, RUN_A, {}, lease_s=30)
+    attempt = _CommitFn(out_a, RUN_A, RunSummary(), lease_s=30)
     with monkeypatch.context() as patch:
         patch.setattr(Snapshot, "still_holds", _fails_with(OSError("503 Service Unavailable")))
         with pytest.raises(OSError, match="503"):
@@ -186,9 +186,9 @@ def test_a_cut_off_incremental_publish_is_checked_by_whoever_finishes_it(tmp_pat
     elif finisher == "newsvec cleanup":
         assert cleanup.main(["--output", out_a]) == 1, "it says the run was withdrawn"
     else:
-        summary = list(_CommitFn(out_a, OLDER, {}, lease_s=30).process(
+        summary = list(_CommitFn(out_a, OLDER, RunSummary(), lease_s=30).process(
             None, older_staged, older_tallies))[0]
-        assert summary["run_id"] == OLDER and "superseded_by" not in summary
+        assert summary.run_id == OLDER and summary.superseded_by is None
     after = read_manifest(out_a)
     if finisher == "an older run":
         assert (after.run_id, after.state) == (OLDER, "committed"), \
@@ -207,7 +207,7 @@ def test_a_micro_batch_redone_without_an_article_fails_the_run_that_skipped_it(r
     and the batch published x as unchanged, held by no output. Now the snapshot pins each
     micro-batch key file it read by its checksum: a redo with the same outcome (the same bytes)
     changes nothing, one that withdraws a key fails the run."""
-    from pipeline.graph import signature_of
+    from pipeline.config import signature_of
     from tests.fakes import FakeEngine
     from tests.test_sinks_streaming import letter, micro_batch
     from tools import streaming_output
@@ -277,7 +277,7 @@ def test_a_micro_batch_not_finished_yet_is_never_skipped_against(tmp_path):
     import glob
     import os
 
-    from pipeline.graph import signature_of
+    from pipeline.config import signature_of
     from tests.fakes import FakeEngine
     from tests.test_sinks_streaming import letter, micro_batch
     from tools import streaming_output
@@ -343,7 +343,7 @@ def test_a_pinned_key_file_reached_through_a_symlinked_keys_folder_is_not_held(t
     import hashlib
     import os
 
-    from transforms.incremental import Snapshot
+    from transforms.output.manifest import Snapshot
 
     name = "keys/dt=2026-12-01/hour=09/part-20261201T095900Z-001-00000-of-00004-0a.parquet"
     elsewhere = tmp_path / "elsewhere"
@@ -354,7 +354,7 @@ def test_a_pinned_key_file_reached_through_a_symlinked_keys_folder_is_not_held(t
     prev.mkdir()
     os.symlink(elsewhere / "keys", prev / "keys")
     assert not Snapshot(str(prev), None, ((name, checksum),)).still_holds()
-    from transforms.incremental import key_file_checksums
+    from transforms.output.key_checksums import key_file_checksums
 
     assert key_file_checksums(str(prev)) == {}, "the files a symlinked keys/ leads to are hashed"
     os.unlink(prev / "keys")

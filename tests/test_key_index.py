@@ -19,12 +19,11 @@ from transforms.incremental import (
     SKIPPED_FROM,
     UNCHANGED,
     KeyFiles,
-    Snapshot,
-    SnapshotChanged,
     embedding_key,
     key_index,
 )
 from transforms.output.key_index import KeyIndex, ProcessCache, hex_key_to_words, hex_keys_to_words
+from transforms.output.manifest import Snapshot, SnapshotChanged
 from transforms.output.parquet import key_schema
 from transforms.types import NewsEvent, PreparedDoc
 

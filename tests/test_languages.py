@@ -25,8 +25,13 @@ from pipeline.run import run_batch
 from tests.conftest import bbc_file, make_config
 from tests.fakes import FakeEngine
 from transforms.dedup import dedup_key_function
-from transforms.incremental import embedding_key, embedding_signature
-from transforms.settings import ChunkingSettings, StreamingSettings, TextSettings
+from transforms.incremental import embedding_key
+from transforms.settings import (
+    ChunkingSettings,
+    StreamingSettings,
+    TextSettings,
+    embedding_signature,
+)
 from transforms.text import _PrepareTextFn, normalize_text
 from transforms.types import DeadLetter, NewsEvent, PreparedDoc
 
@@ -248,7 +253,7 @@ def test_the_embedding_signature_holds_the_form():
     legacy = embedding_signature(model, chunking)
     assert embedding_signature(model, chunking, "NFC") == legacy, "keys made before stay valid"
     assert "NFKC" in embedding_signature(model, chunking, "NFKC")
-    from pipeline.graph import signature_of
+    from pipeline.config import signature_of
 
     nfkc = make_config(text=TextSettings(unicode_form="NFKC"))
     assert signature_of(nfkc) != signature_of(config)

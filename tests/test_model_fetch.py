@@ -78,6 +78,7 @@ def gcs_config(path: str, **model_changes):
 def test_the_launch_pins_the_content_hash_and_the_summary_records_it(fake_gcs, cache, tmp_path):
     from pipeline.graph import summary_base
     from transforms.engines.model import model_content_hash, model_folder
+    from transforms.output.layout import new_run_id
 
     path = upload("pinned", TINY)
     expected = model_content_hash.__wrapped__(str(local_copy(tmp_path, TINY)))
@@ -87,7 +88,7 @@ def test_the_launch_pins_the_content_hash_and_the_summary_records_it(fake_gcs, c
     config = config_lib.check_model(gcs_config(path), "test.yaml")  # the launcher
 
     assert config.model.sha256 == expected, "pinned into the config the workers get"
-    model = summary_base(config)["model"]
+    model = summary_base(config, new_run_id()).model
     assert model["content_sha256"] == expected and model["sha256"] == expected
     assert model["label"] == f"tiny@sha256:{expected[:16]}"
     folder = Path(model_folder(config.model))

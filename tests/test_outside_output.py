@@ -22,6 +22,7 @@ from tools import streaming_output as so
 from transforms.output import compaction, manifest
 from transforms.output.layout import PartFileName, UnsafePath
 from transforms.output.lease import PublishLease
+from transforms.output.summary import RunSummary
 
 RUN = "20261201T093000Z-1a2b3c4d"
 SECRET = "AWS_SECRET_ACCESS_KEY=abc123"
@@ -357,7 +358,7 @@ def test_the_batch_commit_refuses_a_crafted_manifest(tmp_path):
         _manifest(run_id="zz/../../../../victim", summary="_summary.json")))
     before = outside_hash(root, out)
     with pytest.raises(ValueError, match="_manifest.json"):
-        list(commit._CommitFn(str(out), RUN, {}, lease_s=30).process(None, [], {}))
+        list(commit._CommitFn(str(out), RUN, RunSummary(), lease_s=30).process(None, [], {}))
     assert outside_hash(root, out) == before
 
 
@@ -671,8 +672,8 @@ def test_a_summary_symlinked_outside_is_never_echoed(tmp_path):
     (out / "_manifest.json").write_text(json.dumps(_manifest(
         state="committed", vectors=["vectors/part-x.parquet"], summary="_summary.json")))
     summary = manifest.published_summary(str(out))
-    assert SECRET not in json.dumps(summary)
-    assert summary["summary_unavailable"]
+    assert SECRET not in json.dumps(summary.to_dict())
+    assert summary.summary_unavailable
 
 
 @pytest.mark.parametrize("skipped", [
@@ -704,7 +705,7 @@ def test_a_skipped_from_naming_the_output_itself_is_refused(tmp_path):
 
 
 def test_a_fifo_among_a_previous_outputs_key_files_is_not_waited_on(stream, tmp_path):
-    from transforms.incremental import key_file_checksums
+    from transforms.output.key_checksums import key_file_checksums
 
     out = tmp_path / "prev"
     shutil.copytree(stream, out)
@@ -794,8 +795,8 @@ def test_the_batch_commit_never_reads_or_waits_on_a_staged_file_swapped(tmp_path
     _swap(path, entry, outside)
     before = outside_hash(root, out)
     try:
-        outcome = _within(30, lambda: list(_CommitFn(str(out), STAGED_RUN, {}, lease_s=360)
-                                           .process(None, staged, tallies)))
+        outcome = _within(30, lambda: list(_CommitFn(str(out), STAGED_RUN, RunSummary(),
+                                                     lease_s=360).process(None, staged, tallies)))
     finally:
         if entry == "a fifo":
             _unblock(path)
@@ -830,7 +831,7 @@ def committed_pair(tmp_path) -> tuple[Path, Path, Path]:
     out, private = tmp_path / "a" / "out", tmp_path / "private"
     for where, run, ids in ((out, STAGED_RUN, ["a", "b"]),
                             (private, "20261130T000000Z-0000000a", SECRET_IDS)):
-        list(_CommitFn(str(where), run, {}, lease_s=360).process(
+        list(_CommitFn(str(where), run, RunSummary(), lease_s=360).process(
             None, *hand_staged_run(str(where), run, ids)))
     return tmp_path, out, private
 
@@ -910,8 +911,9 @@ def test_the_incremental_key_index_never_reads_a_key_file_swapped(committed_pair
     # counted those articles (secret-0..2) as already embedded there, and left them out of the
     # run; a FIFO hung every worker's index load (and the run) for ever.
     from transforms import incremental
-    from transforms.incremental import KeyFiles, Snapshot
+    from transforms.incremental import KeyFiles
     from transforms.output.key_index import ProcessCache
+    from transforms.output.manifest import Snapshot
 
     monkeypatch.setattr(incremental, "_INDEXES", ProcessCache())
     _, out, private = committed_pair

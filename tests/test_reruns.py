@@ -230,7 +230,7 @@ def test_backfill_judges_a_day_by_its_committed_runs_summary(tmp_path):
     settings: skipped as done though its committed run may have been made otherwise."""
     from pipeline import backfill
     from transforms.engines.model import model_label, resolve_model_path
-    from transforms.incremental import embedding_signature
+    from transforms.settings import embedding_signature
 
     config = make_config(output=str(tmp_path))
     label = model_label(config.model, resolve_model_path(config.model.path))
@@ -245,4 +245,4 @@ def test_backfill_judges_a_day_by_its_committed_runs_summary(tmp_path):
         {**same_settings, "run_id": "20261101T000000Z-bbbbbbbb"}))
     assert backfill.already_done(config) is None, "another run's summary proves nothing"
     (tmp_path / "_summary.json").write_text(json.dumps({**same_settings, "run_id": run_id}))
-    assert backfill.already_done(config)["run_id"] == run_id
+    assert backfill.already_done(config).run_id == run_id

@@ -60,10 +60,11 @@ def _ids(pg) -> list:
 
 
 def _load_step(config, run_id: str, summary: dict) -> None:
+    from transforms.output.summary import RunSummary
     from transforms.stores.batch import LoadCommittedRun
 
     with beam.Pipeline(options=PipelineOptions(["--runner=FnApiRunner"])) as pipeline:
-        _ = (pipeline | beam.Create([summary])
+        _ = (pipeline | beam.Create([RunSummary.from_dict(summary)])
              | LoadCommittedRun(config.output, run_id, config.store))
 
 

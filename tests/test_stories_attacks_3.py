@@ -332,7 +332,8 @@ def test_a_previous_outputs_article_older_than_the_horizon_is_no_original(texts)
 # that reads that output, on every retry (the planted minhash of another length is  passed over
 # since 0.4; another type is not)
 def test_a_planted_story_facts_of_another_type_does_not_stop_the_run(tmp_path, texts):
-    from transforms.incremental import KeyFiles, Snapshot
+    from transforms.incremental import KeyFiles
+    from transforms.output.manifest import Snapshot
     from transforms.stories import previous_signatures
 
     settings = NearDuplicateSettings()

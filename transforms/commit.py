@@ -29,7 +29,7 @@ from typing import Optional
 
 import apache_beam as beam
 
-from transforms.incremental import KeyFiles, Snapshot, SnapshotChanged
+from transforms.incremental import KeyFiles
 from transforms.output.layout import (
     CHUNKS_DIR,
     DEAD_LETTER_DIR,
@@ -51,6 +51,8 @@ from transforms.output.manifest import (
     PUBLISHING,
     STALE_AFTER_S,
     Manifest,
+    Snapshot,
+    SnapshotChanged,
     clean_stale,
     count_stored,
     delete_tree_fenced,
@@ -59,6 +61,7 @@ from transforms.output.manifest import (
     read_manifest,
     write_manifest,
 )
+from transforms.output.summary import RunSummary
 
 _LOG = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ class Tally(enum.StrEnum):
 
 
 class _CommitFn(beam.DoFn):
-    def __init__(self, output: str, run_id: str, summary: dict, lease_s: float):
+    def __init__(self, output: str, run_id: str, summary: RunSummary, lease_s: float):
         self._output, self._run_id, self._summary, self._lease_s = output, run_id, summary, lease_s
 
     def process(self, _, staged, tallies, skipped_from=(), key_files=None):
@@ -132,7 +135,7 @@ class _CommitFn(beam.DoFn):
                              exc_info=True)
 
     def _commit(self, staged, tallies, lease: PublishLease, skipped_from: list[Snapshot],
-                base: dict) -> dict:
+                base: RunSummary) -> RunSummary:
         current = self._settled(lease)
         if current is not None and current.run_id == self._run_id:
             return self._published_summary()
@@ -150,8 +153,8 @@ class _CommitFn(beam.DoFn):
             # A run launched after this one holds the output: the newest run wins, whichever
             # commits last. This run publishes nothing.
             delete_tree_fenced(staging_prefix(self._output, self._run_id), lease)
-            return {**base, "run_id": self._run_id, "published": False,
-                    "superseded_by": current.run_id}
+            return base.replace(run_id=self._run_id, published=False,
+                                superseded_by=current.run_id)
         files: dict[str, list[str]] = {subdir: [] for subdir in PUBLISHED_DIRS}
         for subdir, path in staged:
             files[subdir].append(path)
@@ -164,12 +167,12 @@ class _CommitFn(beam.DoFn):
             stored, articles_in=sent[Tally.IN], duplicates=sent[Tally.DUPLICATES],
             unchanged=sent[Tally.UNCHANGED], near_duplicates=sent[Tally.NEAR_DUPLICATES],
             truncated=sent[Tally.TRUNCATED])
-        summary = {**base, "run_id": self._run_id, "counts": counts.to_summary(),
-                   "invariant_holds": counts.balances()}
         by_similarity = {name.split(":", 1)[1]: n for name, n in sorted(sent.items())
                          if name.startswith(f"{Tally.NEAR_DUPLICATES}:")}
-        if by_similarity:  # what action skip left out, by similarity band
-            summary["near_duplicates_by_similarity"] = by_similarity
+        summary = base.replace(run_id=self._run_id, counts=counts.to_summary(),
+                               invariant_holds=counts.balances(),
+                               # what action skip left out, by similarity band
+                               near_duplicates_by_similarity=by_similarity or None)
         if (not counts.balances() or counts.written != sent[Tally.ROWS]
                 or counts.chunks_written != sent[Tally.CHUNKS] or keys != counts.written):
             raise AccountingError(
@@ -181,7 +184,7 @@ class _CommitFn(beam.DoFn):
                 f"(sent: {sent[Tally.CHUNKS]})")
         staging = staging_prefix(self._output, self._run_id)
         summary_path = join_path(staging, SUMMARY_FILE)
-        data = json.dumps(summary, indent=2, default=str).encode("utf-8")
+        data = summary.to_json()
         lease.change(write_whole, self._output, summary_path, lambda f: f.write(data))
         relative = {subdir: [relative_to(self._output, p) for p in paths]
                     for subdir, paths in files.items()}
@@ -204,21 +207,21 @@ class _CommitFn(beam.DoFn):
         clean_stale(self._output, STALE_AFTER_S, lease)
         return summary
 
-    def _published_summary(self) -> dict:
+    def _published_summary(self) -> RunSummary:
         """This run's summary, as published (``manifest.published_summary``: never another
         run's)."""
         return published_summary(self._output)
 
 
-def _with_previous(summary: dict, key_files: KeyFiles) -> dict:
+def _with_previous(summary: RunSummary, key_files: KeyFiles) -> RunSummary:
     """The summary with what an incremental run read (``ReadKeys``'s ``KeyFiles``): how many
     previous outputs, and the ``previous_outputs`` entries that matched none (allowed by
     ``incremental.may_be_absent``; any other fails the run), so that a run that read nothing says
     so where it is watched."""
-    return {**summary, "incremental": {**summary.get("incremental", {}),
-                                       "outputs_read": len(key_files.snapshots),
-                                       "absent": list(key_files.absent),
-                                       "absent_count": len(key_files.absent)}}
+    return summary.replace(incremental={**(summary.incremental or {}),
+                                        "outputs_read": len(key_files.snapshots),
+                                        "absent": list(key_files.absent),
+                                        "absent_count": len(key_files.absent)})
 
 
 def tally(pcoll, name: Tally, value=lambda _: 1):
@@ -233,11 +236,11 @@ class CommitRun(beam.PTransform):
     side inputs, the names of the files the run staged (``files``: the writes' outputs, so it runs
     after them, by folder: ``vectors``, ``dead_letter``, and ``chunks``, ``keys`` where written)
     and the ``Tally`` counts (``tally``), and, in an incremental run, the previous outputs it
-    skipped articles for (``skipped_from``: ``transforms.incremental.Snapshot``) and what it read
+    skipped articles for (``skipped_from``: ``Snapshot``) and what it read
     (``key_files``: ``ReadKeys``'s ``KeyFiles``, for the summary). Output: the summary."""
 
-    def __init__(self, output: str, run_id: str, summary: dict, *, files: dict, tallies: list,
-                 skipped_from=None, key_files=None, lease_s: float = 600):
+    def __init__(self, output: str, run_id: str, summary: RunSummary, *, files: dict,
+                 tallies: list, skipped_from=None, key_files=None, lease_s: float = 600):
         super().__init__()
         unknown = set(files) - set(PUBLISHED_DIRS)
         if unknown:

@@ -4,13 +4,14 @@ Every output that newsvec writes holds a key index beside its vectors: ``keys/``
 ``keys/part-<run_id>-*.parquet``, published with the run; streaming: one file per micro-batch
 under ``keys/dt=…/hour=…/``), one row per article written, ``key_schema``. An article's key is
 ``sha256(id, text_sha256, model label, embedding signature)``: the signature holds every setting
-that changes its vectors (``embedding_signature``), so a new model, a new token limit or new
-chunking settings embed again, and a corrected text (another ``text_sha256``) does too.
+that changes its vectors (``transforms.settings.embedding_signature``), so a new model, a new
+token limit or new chunking settings embed again, and a corrected text (another ``text_sha256``)
+does too.
 
 A batch run given ``incremental.previous_outputs`` (globs of output prefixes, its own output never
 among them) resolves them when it runs (``ReadKeys``: each batch output through its committed
-manifest, a ``Snapshot``) into the list of their key files (``KeyFiles``, a small side input);
-each worker process loads those keys once (``key_index``: a
+manifest, a ``transforms.output.manifest.Snapshot``) into the list of their key files
+(``KeyFiles``, a small side input); each worker process loads those keys once (``key_index``: a
 ``transforms.output.key_index.KeyIndex``, 17 bytes a key), and ``SkipUnchanged`` counts the articles
 whose key is there as ``unchanged`` instead of embedding them: ``in = written + dead_lettered +
 duplicates + unchanged``. Each entry must match an output, or name the run's own (a daily job's
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import re
@@ -37,7 +37,8 @@ from apache_beam.io.filesystem import BeamIOError, FileSystem
 from apache_beam.io.filesystems import FileSystems
 
 from transforms.metrics import KEY_INDEX_LOAD_MS, KEY_INDEX_WAIT_MS, SKIP_LOOKUPS, SKIP_NS
-from transforms.output.compaction import current_key_files, is_compacted
+from transforms.output.compaction import current_key_files
+from transforms.output.key_checksums import key_file_checksums
 from transforms.output.key_index import KeyIndex, MissingKeyFile, ProcessCache
 from transforms.output.layout import (
     COMPACTION_DIR,
@@ -46,15 +47,12 @@ from transforms.output.layout import (
     MANIFEST_FILE,
     STAGING_DIR,
     TEMP_DIR,
-    UnsafePath,
-    is_local,
+    is_compacted,
     join_path,
-    open_inside,
     relative_to,
 )
-from transforms.output.lease import gcs_bucket_and_name, unsafe_test_timings
-from transforms.output.manifest import COMMITTED, read_manifest
-from transforms.settings import ChunkingSettings, ModelSettings
+from transforms.output.lease import unsafe_test_timings
+from transforms.output.manifest import COMMITTED, Snapshot, SnapshotChanged, read_manifest
 from transforms.types import EmbeddedDoc, PreparedDoc
 
 UNCHANGED = "unchanged"
@@ -70,26 +68,6 @@ _LOG = logging.getLogger(__name__)
 # suite's override (``transforms.output.lease.UNSAFE_TEST_TIMINGS_ENV``).
 STREAMING_SETTLE_S = 3600.0
 
-
-
-def embedding_signature(model: ModelSettings, chunking: ChunkingSettings,
-                        unicode_form: str = "NFC") -> str:
-    """The settings besides the model's files that decide an article's vectors (the dtype aside:
-    bfloat16 and float32 vectors agree to a cosine of 0.9999; so is ``sink.vector_dtype``: float16
-    vectors agree with float32 to its precision). ``model.dimensions`` is in it when set, and
-    ``unicode_form`` (``text.unicode_form``) when not the default NFC, so keys made before they
-    were settings stay valid (a text the form changes changes ``text_sha256`` too, and switching
-    the form embeds every article again, its text changed or not)."""
-    settings = {"max_tokens": model.max_tokens, "normalize": model.normalize,
-                "document_prefix": model.document_prefix, "mode": chunking.mode}
-    if unicode_form != "NFC":
-        settings["unicode_form"] = unicode_form
-    if model.output_dim != model.dim:  # so that keys made before it was a setting stay valid
-        settings["dimensions"] = model.output_dim
-    if chunking.mode != "head":
-        settings.update(chunking=chunking.chunk_recipe(model.max_tokens, model.document_prefix),
-                        doc_vector=chunking.doc_vector)
-    return json.dumps(settings, sort_keys=True)
 
 
 def embedding_key(doc_id: str, text_sha256: str, model_label: str, signature: str) -> str:
@@ -120,96 +98,6 @@ class KeysTable:
 
 
 @dataclasses.dataclass(frozen=True)
-class Snapshot:
-    """One previous output as a run read its keys: a batch output's committed run (``run_id``),
-    or a streaming output (``run_id`` None; no manifest). A streaming output's files can change
-    under a reader: a micro-batch redone with another outcome rewrites its key file without a key,
-    or deletes it (``transforms.sinks``); compaction replaces micro-batch files by one file an
-    hour. So its snapshot pins each micro-batch key file it read by a checksum of its bytes
-    (``pins``: (path relative to the output, checksum)); compacted files are not pinned (a
-    compaction only ever adds to an hour's compacted file)."""
-
-    prefix: str
-    run_id: Optional[str]
-    pins: tuple[tuple[str, str], ...] = ()
-
-    def still_holds(self) -> bool:
-        """Whether the output still holds what was read: the same run, committed; for a streaming
-        output, every pinned key file still there with the same bytes."""
-        if self.run_id is None:
-            if is_local(self.prefix):  # each pinned file alone, reached through no symlink
-                return all(_local_checksum(self.prefix, path) == checksum
-                           for path, checksum in self.pins)
-            now = key_file_checksums(self.prefix)
-            return all(now.get(path) == checksum for path, checksum in self.pins)
-        current = read_manifest(self.prefix)
-        return current is not None and current.state == COMMITTED and current.run_id == self.run_id
-
-    def describe(self) -> str:
-        return (f"{self.prefix} (run {self.run_id})" if self.run_id is not None
-                else f"{self.prefix} (streaming, {len(self.pins)} micro-batch key files)")
-
-    def to_dict(self) -> dict:
-        """As a ``publishing`` manifest records it (``transforms.output.manifest``)."""
-        out: dict = {"prefix": self.prefix, "run_id": self.run_id}
-        if self.pins:
-            out["pins"] = [list(pin) for pin in self.pins]
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "Snapshot":
-        return cls(data["prefix"], data.get("run_id"),
-                   tuple((str(p), str(c)) for p, c in data.get("pins", ())))
-
-
-def _local_checksum(prefix: str, path: str) -> Optional[str]:
-    """The sha256 of the key file ``path`` (relative to the local output ``prefix``), as
-    ``key_file_checksums`` hashes it, or None where it is not a regular file reached through no
-    symlink (a publishing manifest's snapshot names its prefix: a symlinked ``keys/`` there would
-    otherwise have every file it leads to hashed, under the lease)."""
-    digest = hashlib.sha256()
-    try:
-        with open_inside(prefix, join_path(prefix, path)) as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    except (OSError, UnsafePath):
-        return None
-    return digest.hexdigest()
-
-
-def key_file_checksums(prefix: str) -> dict[str, str]:
-    """{path relative to the output: checksum} of a streaming output's micro-batch key files (not
-    the compacted ones): one listing on GCS (its CRC32C, kept by the object), the bytes hashed on
-    local disk. A micro-batch redone with the same outcome writes the same bytes (the same keys in
-    the same order), so only a change of what it holds changes its checksum."""
-    keys = join_path(prefix, KEYS_DIR)
-    out = {}
-    if keys.startswith("gs://"):
-        bucket, name = gcs_bucket_and_name(keys + "/")
-        for blob in bucket.list_blobs(prefix=name):
-            path = f"gs://{bucket.name}/{blob.name}"
-            if path.endswith(".parquet") and not is_compacted(path):
-                out[relative_to(prefix, path)] = (blob.crc32c or blob.md5_hash
-                                                  or f"{blob.size}:{blob.updated}")
-        return out
-    if FileSystems.get_scheme(keys) is not None:
-        raise ValueError(f"{prefix}: streaming outputs as previous outputs are read on gs:// or "
-                         f"local disk")
-    if os.path.islink(keys):
-        return out  # its files are not this output's: none is held (nor hashed)
-    for folder, _, names in os.walk(keys):
-        for file_name in names:
-            path = os.path.join(folder, file_name)
-            if file_name.endswith(".parquet") and not is_compacted(file_name):
-                # A regular file only, through no symlink, without waiting on a FIFO: one
-                # deleted while listed, a symlink, a FIFO is not held.
-                digest = _local_checksum(prefix, relative_to(prefix, path))
-                if digest is not None:
-                    out[relative_to(prefix, path)] = digest
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
 class KeyFiles:
     """The previous outputs as ``ReadKeys`` resolved them: each snapshot and the key files it
     holds (``files[i]`` for ``snapshots[i]``). The side input ``SkipUnchanged`` gets: some bytes
@@ -226,10 +114,6 @@ class KeyFiles:
 
 class SnapshotUnavailable(RuntimeError):
     """A previous output could not be read whole: its publish did not settle in time."""
-
-
-class SnapshotChanged(RuntimeError):
-    """A previous output that this run skipped articles for was republished while it ran."""
 
 
 def _normal(path: str) -> str:

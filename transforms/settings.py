@@ -253,7 +253,7 @@ class ChunkingSettings(BaseModel):
 
     def chunk_recipe(self, max_tokens: int, document_prefix: str) -> str:
         """Every setting that decides the chunks' ids and text, as a string: part of every chunk id
-        and of the embedding signature (``transforms.incremental.embedding_signature``)."""
+        and of the embedding signature (``embedding_signature``)."""
         recipe = {"chunk_tokens": self.chunk_tokens or max_tokens,
                   "overlap_tokens": self.overlap_tokens,
                   "sentence_end_slack_tokens": self.sentence_end_slack_tokens,
@@ -262,6 +262,26 @@ class ChunkingSettings(BaseModel):
             recipe["mode"] = "late"  # recipe is as it was, so its ids stay)
         return json.dumps(recipe, sort_keys=True)
 
+
+
+def embedding_signature(model: ModelSettings, chunking: ChunkingSettings,
+                        unicode_form: str = "NFC") -> str:
+    """The settings besides the model's files that decide an article's vectors (the dtype aside:
+    bfloat16 and float32 vectors agree to a cosine of 0.9999; so is ``sink.vector_dtype``: float16
+    vectors agree with float32 to its precision). ``model.dimensions`` is in it when set, and
+    ``unicode_form`` (``text.unicode_form``) when not the default NFC, so keys made before they
+    were settings stay valid (a text the form changes changes ``text_sha256`` too, and switching
+    the form embeds every article again, its text changed or not)."""
+    settings = {"max_tokens": model.max_tokens, "normalize": model.normalize,
+                "document_prefix": model.document_prefix, "mode": chunking.mode}
+    if unicode_form != "NFC":
+        settings["unicode_form"] = unicode_form
+    if model.output_dim != model.dim:  # so that keys made before it was a setting stay valid
+        settings["dimensions"] = model.output_dim
+    if chunking.mode != "head":
+        settings.update(chunking=chunking.chunk_recipe(model.max_tokens, model.document_prefix),
+                        doc_vector=chunking.doc_vector)
+    return json.dumps(settings, sort_keys=True)
 
 
 class ParseSettings(_Section):

@@ -409,7 +409,7 @@ def _rfc3339(t: Timestamp) -> str:
 class WriteStreaming(beam.PTransform):
     """Streaming: MicroBatch -> zstd Parquet vectors (and chunks), JSON Lines dead letters and a
     JSON ledger record per micro-batch, under ``vectors/`` (``chunks/``), ``dead_letter/`` and
-    ``ledger/``, and with ``signature`` (``transforms.incremental.embedding_signature``) the keys
+    ``ledger/``, and with ``signature`` (``transforms.settings.embedding_signature``) the keys
     of its rows under ``keys/``, each in ``dt=YYYY-MM-DD/hour=HH/`` of the window start, named by
     ``layout.PartFileName``; with ``store`` enabled, each micro-batch's rows also into the store
     (``transforms.stores``). Returns the ledger records."""

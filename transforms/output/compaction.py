@@ -74,6 +74,7 @@ from transforms.output.layout import (
     RUN_ID_FORMAT,
     VECTORS_DIR,
     InvalidManifest,
+    is_compacted,
     is_local,
     join_path,
     list_files,
@@ -101,11 +102,6 @@ _SUFFIX = {VECTORS_DIR: ".parquet", CHUNKS_DIR: ".parquet", KEYS_DIR: ".parquet"
 _READ_SUFFIXES: dict[str, tuple[str, ...]] = {
     **{kind: (suffix,) for kind, suffix in _SUFFIX.items()}, LEDGER_DIR: (".json", ".jsonl")}
 _RECORD_FIELD = {**PARQUET_KINDS, DEAD_LETTER_DIR: "dead_letter_file"}
-
-
-def is_compacted(path: str) -> bool:
-    """Whether a file (a path or a bare name) is a compacted file rather than a micro-batch's."""
-    return path.rsplit("/", 1)[-1].startswith(COMPACTED_PREFIX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -473,17 +469,11 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
     Idempotent: a partition with nothing new is left as it is (but for a killed run's
     leftovers)."""
     hook = hook or (lambda step: None)
-    on_gcs = output.startswith("gs://")
-
-    def absolute(paths: Iterable[str]) -> list[str]:
-        return [join_path(output, p) for p in paths]
-
     # A partition folder linked elsewhere is refused before it is listed: its files are not ours.
     layout.require_inside(output, *(join_path(output, kind, partition) for kind in KINDS),
-                   join_path(output, COMPACTION_DIR, partition))
+                          join_path(output, COMPACTION_DIR, partition))
     old = read_compaction(output, partition, lease)  # on GCS its generation, for the write
-    replaced = old.replaced() if old else {}
-    current = old.current() if old else set()
+    replaced, current = (old.replaced(), old.current()) if old else ({}, set())
     # The ledger first: a record is written after its files, so every file a listed record names
     # is in the listings that follow.
     listed = {kind: _relative_files(output, kind, partition)
@@ -495,72 +485,15 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
     # last (see the module docstring).
     leftovers = [p for kind in KINDS for p in listed[kind]
                  if (p not in current if is_compacted(p) else p in replaced)]
-
-    # The micro-batches to take: those whose ledger record is here now (their files are whole).
-    batches: list[dict] = []
-    for record_path in listed[LEDGER_DIR]:
-        if is_compacted(record_path) or record_path in replaced:
-            continue
-        record = LedgerRecord.from_json(_read_record_file(output, join_path(output, record_path)))
-        named = record_files(record, partition, join_path(output, record_path))
-        missing = sorted(set(named.values()) - present)
-        if missing:
-            raise FileNotFoundError(f"{record_path} names files that are not there: {missing} "
-                                    f"(newsvec ledger says more); {partition} is not compacted")
-        batches.append({"record": record_path, "files": named})
+    batches = _new_batches(output, partition, listed[LEDGER_DIR], replaced, present)
     if not batches:
-        if leftovers and on_gcs:
-            if old is None:  # no manifest to write first: a late one of a stalled run may come
-                _LOG.warning("%s: %d compacted files no manifest names are left for a run "
-                             "with something to compact", partition, len(leftovers))
-                leftovers = []
-            else:  # the manifest as read, written again: a stalled run's late write is refused
-                hook("claim")
-                _write_manifest(output, old, lease)
-        if leftovers:
-            hook("clean")
-            delete_fenced(absolute(leftovers), lease)
-        return CompactionResult(partition, 0, files_before, files_before - len(leftovers),
-                                {k: f["rows"] for k, f in (old.files if old else {}).items()},
-                                len(leftovers))
+        return _nothing_new(output, partition, old, leftovers, files_before, lease, hook)
 
     # 1. The new compacted files: the current ones' rows first, then the new micro-batches'.
-    sources_of: dict[str, list[str]] = {}
-    for kind in KINDS:
-        current_file = old.files.get(kind) if old else None
-        new = ([b["record"] for b in batches] if kind == LEDGER_DIR
-               else [b["files"][kind] for b in batches if kind in b["files"]])
-        if not new:  # nothing new of this kind: its compacted file stays as it is
-            continue
-        if current_file and current_file["path"] not in present:
-            raise FileNotFoundError(f"{manifest_path(output, partition)} names {kind} file "
-                                    f"{current_file['path']}, which is not in {partition}; "
-                                    f"{partition} is not compacted")
-        sources_of[kind] = ([current_file["path"]] if current_file else []) + new
-    # Every source refused before anything is written if it is not a regular file of the output
-    # (a symlink, a FIFO: ``layout.open_output_file``); each is opened the same way again when it
-    # is read.
-    if not on_gcs:
-        for source in absolute(p for paths in sources_of.values() for p in paths):
-            open_output_file(output, source).close()
+    sources_of = _sources(output, partition, old, batches, present)
     compaction_id = new_run_id()
-    files: dict[str, dict] = {}
-    written = 0
-    for kind in KINDS:
-        if kind not in sources_of:
-            if old and kind in old.files:
-                files[kind] = old.files[kind]
-            continue
-        sources = sources_of[kind]
-        target = f"{kind}/{partition}/{COMPACTED_PREFIX}{compaction_id}{_SUFFIX[kind]}"
-        hook(f"write {kind}")
-        if kind in PARQUET_KINDS:
-            rows = _write_parquet(output, join_path(output, target), absolute(sources),
-                                  row_group_rows, lease)
-        else:
-            rows = _write_lines(output, join_path(output, target), absolute(sources), lease)
-        files[kind] = {"path": target, "rows": rows}
-        written += 1
+    files = _write_kinds(output, partition, old, sources_of, compaction_id, row_group_rows,
+                         lease, hook)
 
     # 2. Adopt them: one manifest, written whole, fenced (on GCS conditional on the one read).
     manifest = CompactionManifest(
@@ -576,7 +509,98 @@ def compact_partition(output: str, partition: str, lease: PublishLease, row_grou
     doomed = sorted({p for p in done + leftovers if p in present})
     if doomed:
         hook("delete")
-        delete_fenced(absolute(doomed), lease)
-    files_after = files_before - len(doomed) + written
+        delete_fenced(_absolute(output, doomed), lease)
+    files_after = files_before - len(doomed) + len(sources_of)
     return CompactionResult(partition, len(batches), files_before, files_after,
                             {k: f["rows"] for k, f in files.items()}, len(leftovers))
+
+
+def _absolute(output: str, paths: Iterable[str]) -> list[str]:
+    return [join_path(output, p) for p in paths]
+
+
+def _new_batches(output: str, partition: str, records: list[str], replaced: dict,
+                 present: set[str]) -> list[dict]:
+    """The micro-batches to take: those whose ledger record is here now (their files are whole),
+    and no compaction replaced, each ``{"record", "files"}``; ``FileNotFoundError`` for a record
+    that names a file that is not there."""
+    batches: list[dict] = []
+    for record_path in records:
+        if is_compacted(record_path) or record_path in replaced:
+            continue
+        record = LedgerRecord.from_json(_read_record_file(output, join_path(output, record_path)))
+        named = record_files(record, partition, join_path(output, record_path))
+        missing = sorted(set(named.values()) - present)
+        if missing:
+            raise FileNotFoundError(f"{record_path} names files that are not there: {missing} "
+                                    f"(newsvec ledger says more); {partition} is not compacted")
+        batches.append({"record": record_path, "files": named})
+    return batches
+
+
+def _nothing_new(output: str, partition: str, old: Optional[CompactionManifest],
+                 leftovers: list[str], files_before: int, lease: PublishLease,
+                 hook: Hook) -> CompactionResult:
+    """A partition with no new micro-batch: only what a killed run left is deleted (on GCS after
+    the manifest as read is written again, so that a stalled run's late write is refused)."""
+    if leftovers and output.startswith("gs://"):
+        if old is None:  # no manifest to write first: a late one of a stalled run may come
+            _LOG.warning("%s: %d compacted files no manifest names are left for a run "
+                         "with something to compact", partition, len(leftovers))
+            leftovers = []
+        else:  # the manifest as read, written again: a stalled run's late write is refused
+            hook("claim")
+            _write_manifest(output, old, lease)
+    if leftovers:
+        hook("clean")
+        delete_fenced(_absolute(output, leftovers), lease)
+    return CompactionResult(partition, 0, files_before, files_before - len(leftovers),
+                            {k: f["rows"] for k, f in (old.files if old else {}).items()},
+                            len(leftovers))
+
+
+def _sources(output: str, partition: str, old: Optional[CompactionManifest], batches: list[dict],
+             present: set[str]) -> dict[str, list[str]]:
+    """Of each kind with new files: the files its new compacted file is made of, the current
+    compacted file's first. Every source refused before anything is written if it is not a
+    regular file of the output (a symlink, a FIFO: ``layout.open_output_file``); each is opened
+    the same way again when it is read."""
+    sources_of: dict[str, list[str]] = {}
+    for kind in KINDS:
+        current_file = old.files.get(kind) if old else None
+        new = ([b["record"] for b in batches] if kind == LEDGER_DIR
+               else [b["files"][kind] for b in batches if kind in b["files"]])
+        if not new:  # nothing new of this kind: its compacted file stays as it is
+            continue
+        if current_file and current_file["path"] not in present:
+            raise FileNotFoundError(f"{manifest_path(output, partition)} names {kind} file "
+                                    f"{current_file['path']}, which is not in {partition}; "
+                                    f"{partition} is not compacted")
+        sources_of[kind] = ([current_file["path"]] if current_file else []) + new
+    if not output.startswith("gs://"):
+        for source in _absolute(output, (p for paths in sources_of.values() for p in paths)):
+            open_output_file(output, source).close()
+    return sources_of
+
+
+def _write_kinds(output: str, partition: str, old: Optional[CompactionManifest],
+                 sources_of: dict[str, list[str]], compaction_id: str, row_group_rows: int,
+                 lease: PublishLease, hook: Hook) -> dict[str, dict]:
+    """Write each kind's new compacted file from its sources; the manifest's ``files``: those
+    written, and the current compacted files of the kinds with nothing new."""
+    files: dict[str, dict] = {}
+    for kind in KINDS:
+        if kind not in sources_of:
+            if old and kind in old.files:
+                files[kind] = old.files[kind]
+            continue
+        sources = _absolute(output, sources_of[kind])
+        target = f"{kind}/{partition}/{COMPACTED_PREFIX}{compaction_id}{_SUFFIX[kind]}"
+        hook(f"write {kind}")
+        if kind in PARQUET_KINDS:
+            rows = _write_parquet(output, join_path(output, target), sources, row_group_rows,
+                                  lease)
+        else:
+            rows = _write_lines(output, join_path(output, target), sources, lease)
+        files[kind] = {"path": target, "rows": rows}
+    return files

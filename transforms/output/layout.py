@@ -27,6 +27,7 @@ import stat
 import uuid
 from typing import IO, BinaryIO, Callable, Iterable, Optional, Sequence
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystem import CompressedFile, CompressionTypes
 from apache_beam.io.filesystems import FileSystems
@@ -355,7 +356,21 @@ def staging_prefix(output: str, run_id: str) -> str:
     return join_path(output, STAGING_DIR, run_id)
 
 
+def is_compacted(path: str) -> bool:
+    """Whether a file (a path or a bare name) is a compacted file rather than a micro-batch's."""
+    return path.rsplit("/", 1)[-1].startswith(COMPACTED_PREFIX)
+
+
 _PARTITION = "dt=%Y-%m-%d/hour=%H"  # the one format of a partition's name: written and read here
+_DAY_IN_PATH = re.compile(r"(?:^|/)dt=([0-9]{4}-[0-9]{2}-[0-9]{2})(?:/|$)")  # a dt= folder
+
+
+def day_of_path(path: str) -> Optional[dt.date]:
+    """The day of the last ``dt=YYYY-MM-DD`` folder in ``path`` (an output prefix such as
+    ``.../dt=2026-11-30``, a file's path under a partition), None where it has none;
+    ``ValueError`` for a folder of that form that is no day."""
+    found = _DAY_IN_PATH.findall(path.rstrip("/"))
+    return dt.date.fromisoformat(found[-1]) if found else None
 
 
 def partition_path(window: IntervalWindow) -> str:
@@ -517,6 +532,24 @@ def write_whole(output: str, target: str, write: Callable[[IO[bytes]], object], 
 def list_files(pattern: str) -> dict[str, int]:
     """{path: size} of the files matching a glob; {} when none."""
     return {m.path: m.size_in_bytes for m in FileSystems.match([pattern])[0].metadata_list}
+
+
+def read_parquet(output: str, paths: Iterable[str], columns: Optional[Sequence[str]] = None,
+                 each: Optional[Callable[[pa.Table], pa.Table]] = None) -> Optional[pa.Table]:
+    """The Parquet files ``paths`` of ``output`` as one table, None for no files. Each is a
+    regular file of the output (``open_output_file``: a symlink or a FIFO in place of one is an
+    ``UnsafePath`` naming it, never read or waited on), read for those of ``columns`` it holds
+    (None: all; a file written before a column was added lacks it), then passed through ``each``
+    (which may make files written by two releases one schema) before they are concatenated."""
+    tables = []
+    for path in paths:
+        with open_output_file(output, path) as f:
+            parquet = pq.ParquetFile(f)
+            held = set(parquet.schema_arrow.names)
+            table = parquet.read(columns=None if columns is None
+                                 else [c for c in columns if c in held])
+        tables.append(table if each is None else each(table))
+    return pa.concat_tables(tables) if tables else None
 
 
 def parquet_rows(paths: Iterable[str], output: Optional[str] = None) -> int:

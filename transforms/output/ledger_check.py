@@ -9,14 +9,13 @@ import collections
 import dataclasses
 import datetime as dt
 import json
-import re
 from typing import Any, Optional, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam.io.filesystems import FileSystems
 
-from transforms.output.compaction import PartitionView, is_compacted, ledger_records, partition_of
+from transforms.output.compaction import PartitionView, ledger_records, partition_of
 from transforms.output.layout import (
     CHUNKS_DIR,
     DEAD_LETTER_DIR,
@@ -25,10 +24,13 @@ from transforms.output.layout import (
     VECTORS_DIR,
     PartFileName,
     UnsafePath,
+    day_of_path,
+    is_compacted,
     join_path,
     open_output_file,
     parquet_rows,
     partitions_between,
+    read_parquet,
 )
 from transforms.output.parquet import VERSION_ORDER, version_key
 from transforms.stores import Settings as StoreSettings
@@ -107,48 +109,90 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
         if start is None or end is None:
             raise ValueError("give both --from and --until, or neither")
         partitions = partitions_between(start, end)
-
-    def in_range(t: Optional[dt.datetime]) -> bool:
-        if t is None:
-            return False
-        return start is None or end is None or start <= t < end
-
+    window = _Window(start, end)
     # Every record of the partitions read (a compacted file holds the rows of all of its hour's);
     # the totals and the balance checks are of those in range. Their files are resolved through
     # the compaction manifests the records were read by, not read again later.
     unreadable: list[str] = []  # named as problems: one stray file does not stop the ledger
     every, views = ledger_records(output, partitions, unreadable)
-    not_compacted = PartitionView(None, {}, set())
-
-    def view(relative: str) -> PartitionView:
-        return views.get(partition_of(relative), not_compacted)
-
-    prefix = output.rstrip("/") + "/"
-    records = [r for r in every if in_range(utc_time(r.window_start))]
+    records = [r for r in every if window.holds(utc_time(r.window_start))]
     problems = list(unreadable)
-    named: collections.Counter[str] = collections.Counter()  # micro-batch file -> records
-    expected: collections.Counter[str] = collections.Counter()  # file -> rows its records say
-    checked: dict[str, tuple[str, str, str]] = {}  # file -> (kind, first record, as named)
-    written_in: dict[str, str] = {}  # Pub/Sub message id -> the vectors file that holds its row
-    holders: dict[str, set[str]] = {"vectors": set(), "dead letter": set()}  # of in-range records
+    files = _RecordFiles(output, views)
     windows = set()
     for r in sorted(every, key=lambda r: (r.window_start, r.pane, r.shard)):
         where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
-        ours = in_range(utc_time(r.window_start))
+        ours = window.holds(utc_time(r.window_start))
         if ours:
             windows.add(r.window_start)
-            if not r.counts.balances():
-                problems.append(f"{where}: does not balance: messages_in {r.messages_in} != rows "
-                                f"{r.rows_written} + dead letters {r.dead_lettered} + duplicates "
-                                f"{r.duplicates}")
-            if not r.counts.reasons_add_up():
-                problems.append(f"{where}: dead letters by reason do not add up to "
-                                f"{r.dead_lettered}")
-            if not r.counts.languages_add_up():
-                problems.append(f"{where}: dead letters by language do not add up to those by "
-                                f"reason")
-            if r.keys_file is not None and r.keys_written != r.rows_written:
-                problems.append(f"{where}: {r.keys_written} keys for {r.rows_written} rows")
+            problems += _record_problems(r, where)
+        problems += files.note(r, where, ours)
+    problems += files.check(verify)
+    problems += _listing_problems(output, partitions, files, window)
+    store_totals: dict = {}
+    if store is not None:
+        store_problems, store_totals = _check_store(output, records, store, verify,
+                                                    files.holders)
+        problems += store_problems
+    return LedgerReport(totals=_totals(records, len(windows), store_totals, not problems),
+                        problems=problems)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """The windows checked: those starting in ``[start, end)``, or every one."""
+
+    start: Optional[dt.datetime]
+    end: Optional[dt.datetime]
+
+    def holds(self, t: Optional[dt.datetime]) -> bool:
+        if t is None:
+            return False
+        return self.start is None or self.end is None or self.start <= t < self.end
+
+
+def _record_problems(r, where: str) -> list[str]:
+    """What is wrong with one record's own counts."""
+    problems = []
+    if not r.counts.balances():
+        problems.append(f"{where}: does not balance: messages_in {r.messages_in} != rows "
+                        f"{r.rows_written} + dead letters {r.dead_lettered} + duplicates "
+                        f"{r.duplicates}")
+    if not r.counts.reasons_add_up():
+        problems.append(f"{where}: dead letters by reason do not add up to {r.dead_lettered}")
+    if not r.counts.languages_add_up():
+        problems.append(f"{where}: dead letters by language do not add up to those by reason")
+    if r.keys_file is not None and r.keys_written != r.rows_written:
+        problems.append(f"{where}: {r.keys_written} keys for {r.rows_written} rows")
+    return problems
+
+
+@dataclasses.dataclass
+class _RecordFiles:
+    """The files the records name, each resolved to the file that holds its rows now (its
+    compacted file, through the partition's compaction manifest ``views``)."""
+
+    output: str
+    views: dict[str, PartitionView]
+    # micro-batch file -> records naming it; file -> rows its records say
+    named: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    expected: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # file -> (kind, first in-range record, as named)
+    checked: dict[str, tuple[str, str, str]] = dataclasses.field(default_factory=dict)
+    # of the in-range records: the vectors and dead-letter files that hold their rows
+    holders: dict[str, set[str]] = dataclasses.field(
+        default_factory=lambda: {"vectors": set(), "dead letter": set()})
+
+    @property
+    def prefix(self) -> str:
+        return self.output.rstrip("/") + "/"
+
+    def view(self, relative: str) -> PartitionView:
+        return self.views.get(partition_of(relative), _NOT_COMPACTED)
+
+    def note(self, r, where: str, ours: bool) -> list[str]:
+        """Record ``r``'s files (``ours``: an in-range record's); a problem for a kind it counts
+        rows of but names no file for."""
+        problems = []
         for kind, relative, count in (("vectors", r.vectors_file, r.rows_written),
                                       ("chunks", r.chunks_file, r.chunks_written),
                                       ("keys", r.keys_file, r.keys_written),
@@ -157,86 +201,116 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
                 if count and ours:
                     problems.append(f"{where}: {count} {kind} rows but no {kind} file")
                 continue
-            holder = view(relative).replaced.get(relative, relative)  # its compacted file
-            expected[holder] += count
+            holder = self.view(relative).replaced.get(relative, relative)  # its compacted file
+            self.expected[holder] += count
             if holder == relative:
-                named[prefix + relative] += 1
-            if ours and holder not in checked:
-                checked[holder] = (kind, where, relative)
-            if ours and kind in holders:
-                holders[kind].add(holder)
-    for holder, (kind, where, relative) in sorted(checked.items()):
-        path = prefix + holder
-        compacted = is_compacted(holder)
-        if not FileSystems.exists(path):
-            problems.append(f"{where}: its {kind} file {relative} is missing" + (
-                f" (compacted into {holder})" if compacted else ""))
-        elif verify:
+                self.named[self.prefix + relative] += 1
+            if ours and holder not in self.checked:
+                self.checked[holder] = (kind, where, relative)
+            if ours and kind in self.holders:
+                self.holders[kind].add(holder)
+        return problems
+
+    def check(self, verify: bool) -> list[str]:
+        """Each in-range record's file is there and, ``verify``ing, holds the rows its records
+        say, and no Pub/Sub message is in two of them."""
+        problems: list[str] = []
+        written_in: dict[str, str] = {}  # Pub/Sub message id -> the file that holds it
+        for holder, (kind, where, relative) in sorted(self.checked.items()):
+            path = self.prefix + holder
+            compacted = is_compacted(holder)
+            if not FileSystems.exists(path):
+                problems.append(f"{where}: its {kind} file {relative} is missing" + (
+                    f" (compacted into {holder})" if compacted else ""))
+                continue
+            if not verify:
+                continue
             try:
-                if kind == "dead letter":
-                    lines = [line for line in _read(output, path).splitlines() if line]
-                    found, message_ids = len(lines), [_letter_message_id(line) for line in lines]
-                    if ... in message_ids:
-                        problems.append(f"{where}: {holder} holds a line that is not a dead "
-                                        f"letter")
-                else:
-                    found = parquet_rows([path], output)
-                    message_ids = _row_message_ids(output, path) if kind == "vectors" else []
+                found, message_ids, unreadable = _read_file(self.output, path, kind)
             except UnsafePath as exc:  # a symlink, a FIFO: named, never read or waited on
                 problems.append(f"{where}: its {kind} file {holder} is refused: {exc}")
                 continue
-            if found != expected[holder]:
-                says = (f"its ledger records say {expected[holder]}" if compacted
-                        else f"the record says {expected[holder]}")
+            problems += [f"{where}: {holder} {what}" for what in unreadable]
+            if found != self.expected[holder]:
+                says = (f"its ledger records say {self.expected[holder]}" if compacted
+                        else f"the record says {self.expected[holder]}")
                 problems.append(f"{where}: {holder} holds {found} rows, {says}")
             problems += _written_twice(message_ids, holder, written_in)
+        return problems
+
+
+_NOT_COMPACTED = PartitionView(None, {}, set())
+
+
+def _read_file(output: str, path: str, kind: str) -> tuple[int, list, list[str]]:
+    """(the rows or dead letters a file of ``kind`` holds, the Pub/Sub message ids of its rows
+    (vectors) or dead letters, what is wrong with it)."""
+    if kind != "dead letter":
+        return (parquet_rows([path], output),
+                _row_message_ids(output, path) if kind == "vectors" else [], [])
+    lines = [line for line in _read(output, path).splitlines() if line]
+    message_ids = [_letter_message_id(line) for line in lines]
+    return len(lines), message_ids, (["holds a line that is not a dead letter"]
+                                     if ... in message_ids else [])
+
+
+def _listing_problems(output: str, partitions: Optional[list[str]], files: _RecordFiles,
+                      window: _Window) -> list[str]:
+    """The files of the output that no record accounts for: a compacted file no compaction
+    manifest names or that replaces no record's file, a micro-batch file a compaction replaced
+    that is still there, and an in-range micro-batch file no record (or more than one) names."""
+    problems = []
     for subdir, suffix in ((VECTORS_DIR, ".parquet"), (CHUNKS_DIR, ".parquet"),
                            (KEYS_DIR, ".parquet"), (DEAD_LETTER_DIR, ".jsonl"),
                            (LEDGER_DIR, (".json", ".jsonl"))):
         for path in _list(output, subdir, suffix, partitions):
-            relative = path[len(prefix):]
-            partition = partition_of(relative)
-            if is_compacted(relative):
-                if not view(relative).visible(relative):
-                    problems.append(f"partition {partition}: {relative} is named by no compaction "
-                                    f"manifest (an unfinished compaction: run newsvec compact "
-                                    f"again)")
-                elif subdir != LEDGER_DIR and relative not in expected:
-                    problems.append(f"partition {partition}: {relative} replaces no ledger "
-                                    f"record's file")
-                continue
-            if not view(relative).visible(relative):
-                problems.append(f"partition {partition}: {relative} was compacted into "
-                                f"{view(relative).replaced[relative]} but is still there (an "
-                                f"unfinished compaction: run newsvec compact again)")
-                continue
-            if subdir == LEDGER_DIR:
-                continue
-            name = PartFileName.parse(path)
-            window = name.window_start if name else None
-            if not in_range(window) or (subdir == KEYS_DIR and name and name.digest is None):
-                continue  # out of range; or keys/ of a release whose records did not name them
-            if named[path] == 0:
-                problems.append(f"window {window:%Y-%m-%dT%H:%M:%SZ}: {path[len(prefix):]} has no "
-                                f"ledger record")
-            elif named[path] > 1:
-                problems.append(f"window {window:%Y-%m-%dT%H:%M:%SZ}: {path[len(prefix):]} is "
-                                f"named by {named[path]} ledger records")
-    store_totals: dict = {}
-    if store is not None:
-        store_problems, store_totals = _check_store(output, records, store, verify, holders)
-        problems += store_problems
+            problem = _listed_file_problem(path, subdir, files, window)
+            if problem is not None:
+                problems.append(problem)
+    return problems
+
+
+def _listed_file_problem(path: str, subdir: str, files: _RecordFiles,
+                         window: _Window) -> Optional[str]:
+    relative = path[len(files.prefix):]
+    partition = partition_of(relative)
+    view = files.view(relative)
+    if is_compacted(relative):
+        if not view.visible(relative):
+            return (f"partition {partition}: {relative} is named by no compaction manifest (an "
+                    f"unfinished compaction: run newsvec compact again)")
+        if subdir != LEDGER_DIR and relative not in files.expected:
+            return f"partition {partition}: {relative} replaces no ledger record's file"
+        return None
+    if not view.visible(relative):
+        return (f"partition {partition}: {relative} was compacted into "
+                f"{view.replaced[relative]} but is still there (an unfinished compaction: run "
+                f"newsvec compact again)")
+    if subdir == LEDGER_DIR:
+        return None
+    name = PartFileName.parse(path)
+    start = name.window_start if name else None
+    if not window.holds(start) or (subdir == KEYS_DIR and name and name.digest is None):
+        return None  # out of range; or keys/ of a release whose records did not name them
+    if files.named[path] == 0:
+        return f"window {start:%Y-%m-%dT%H:%M:%SZ}: {relative} has no ledger record"
+    if files.named[path] > 1:
+        return (f"window {start:%Y-%m-%dT%H:%M:%SZ}: {relative} is named by {files.named[path]} "
+                f"ledger records")
+    return None
+
+
+def _totals(records: list, windows: int, store_totals: dict, balanced: bool) -> dict:
     total = Counts.total(r.counts for r in records)
-    totals = {"windows": len(windows), "records": len(records), "messages_in": total.articles_in,
-              "rows_written": total.written, "dead_lettered": total.dead_lettered,
-              "duplicates": total.duplicates,
-              "late_reassigned": sum(r.late_reassigned for r in records),
-              "chunks_written": total.chunks_written,
-              "dead_lettered_by_reason": dict(total.dead_lettered_by_reason),
-              "dead_lettered_by_language": {language: dict(by_reason) for language, by_reason
-                                            in total.dead_lettered_by_language.items()},
-              **store_totals, "balanced": not problems}
-    return LedgerReport(totals=totals, problems=problems)
+    return {"windows": windows, "records": len(records), "messages_in": total.articles_in,
+            "rows_written": total.written, "dead_lettered": total.dead_lettered,
+            "duplicates": total.duplicates,
+            "late_reassigned": sum(r.late_reassigned for r in records),
+            "chunks_written": total.chunks_written,
+            "dead_lettered_by_reason": dict(total.dead_lettered_by_reason),
+            "dead_lettered_by_language": {language: dict(by_reason) for language, by_reason
+                                          in total.dead_lettered_by_language.items()},
+            **store_totals, "balanced": balanced}
 
 
 def _load_key(r) -> Optional[str]:
@@ -259,9 +333,6 @@ _FILE_COLUMNS = ("id", "text_sha256", *_ORDER_COLUMNS)
 _CHUNK = 5000  # article ids per query of the store, and file rows compared at a time
 
 
-_DAY = re.compile(r"/dt=([0-9]{4}-[0-9]{2}-[0-9]{2})/")
-
-
 def _file_columns(output: str, path: str, columns) -> Optional[pa.Table]:
     """``columns`` of a Parquet file of the output, those it has (a file written before
     ``updated_at`` lacks it), never the others (its embeddings); None if it is gone (named
@@ -270,12 +341,9 @@ def _file_columns(output: str, path: str, columns) -> Optional[pa.Table]:
     if not FileSystems.exists(path):
         return None
     try:
-        f = open_output_file(output, path)
+        return read_parquet(output, [path], columns)
     except UnsafePath:
         return None
-    with f:
-        parquet = pq.ParquetFile(f)
-        return parquet.read(columns=[c for c in columns if c in parquet.schema_arrow.names])
 
 
 def _letter_ids(output: str, holders: set[str]) -> set[str]:
@@ -310,106 +378,23 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
     without a row while a vectors file of the output holds it. The files are read one at a time,
     only the columns compared (never the embeddings), ``_CHUNK`` rows at a time. The store is
     read through its contract (``transforms.stores.base.StoreReader``)."""
-    problems = []
     prefix = output.rstrip("/") + "/"
-    keys = {}
-    batch_keys: dict[str, str] = {}  # every micro-batch's load key -> where
-    rejected: set[tuple] = set()
-    by_reason: collections.Counter[str] = collections.Counter()
-    withdrawn: dict[str, str] = {}  # article -> the first record that withdrew it
-    for r in records:
-        where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
-        key = _load_key(r)
-        if key is not None:
-            batch_keys[key] = where
-        for item in r.store_rejected:
-            rejected.add((item.get("id"), item.get("text_sha256")))
-            by_reason[str(item.get("reason"))] += 1
-        for doc_id in r.store_withdrawn:
-            withdrawn.setdefault(doc_id, where)
-        if r.rows_written and not r.store_load_key:
-            problems.append(f"{where}: {r.rows_written} rows but no store load in its record")
-            continue
-        if r.store_load_key:
-            keys[r.store_load_key] = (where, r.store_rows, len(r.store_rejected))
-            if r.store_rows + len(r.store_rejected) != r.rows_written:
-                problems.append(f"{where}: {r.store_rows} rows stored and "
-                                f"{len(r.store_rejected)} refused by the store, of "
-                                f"{r.rows_written} rows")
+    found = _StoreCheck()
+    problems = found.read_records(records)
     store = store_for(settings)
-    missing, older = [], []
-    named: set[str] = set()  # articles already named: each once
-    matched: set[str] = set()  # articles whose stored row a file holds
-    suspects: dict[str, str] = {}  # article -> its row's load key: a micro-batch's, no file's yet
-    found: set[str] = set()  # articles of the files that the store holds
-    held_by: dict[str, str] = {}  # withdrawn article with no row -> a vectors file that holds it
     with store.reader() as stored:
         loads: dict = {key: (load.rows, len(load.rejected))
-                       for key, load in stored.loads(list(keys)).items()}
-        gone = set(withdrawn) - set(stored.rows(list(withdrawn)))  # withdrawn, and no row now
+                       for key, load in stored.loads(list(found.keys)).items()}
+        gone = set(found.withdrawn) - set(stored.rows(list(found.withdrawn)))  # and no row now
         for holder in sorted(holders["vectors"]) if verify else ():
             table = _file_columns(output, prefix + holder, _FILE_COLUMNS)
-            if table is None:
-                continue
-            day = _DAY.search(holder)
-            day_value = dt.date.fromisoformat(day.group(1)) if day else None
-            values: dict[str, list[Any]] = {
-                name: ((table.column(name).cast(pa.int64()) if name in _ORDER_COLUMNS
-                        else table.column(name)).to_pylist()
-                       if name in table.column_names else [None] * table.num_rows)
-                for name in _FILE_COLUMNS}
-            for doc_id in gone.intersection(values["id"]):
-                held_by.setdefault(doc_id, holder)
-            for start in range(0, table.num_rows, _CHUNK):
-                end = min(start + _CHUNK, table.num_rows)
-                rows_held = stored.rows(values["id"][start:end])
-                for i in range(start, end):
-                    doc_id, sha = values["id"][i], values["text_sha256"][i]
-                    held = rows_held.get(doc_id)
-                    if held is not None:
-                        found.add(doc_id)
-                    same = held is not None and held["text_sha256"] == sha and \
-                        _micros(held["embedded_at"]) == values["embedded_at"][i]
-                    if same:
-                        matched.add(doc_id)
-                    elif held is not None and held["load_key"] in batch_keys:
-                        suspects.setdefault(doc_id, held["load_key"])
-                    if same or (_printable(doc_id), _printable(sha)) in rejected:
-                        continue
-                    if held is None:
-                        missing.append(doc_id)
-                        continue
-                    row = {name: values[name][i] for name in _ORDER_COLUMNS}
-                    row["dt"] = day_value
-                    if not version_key(held) > version_key(row):
-                        older.append(f"{doc_id} (the files' text {sha}, the store's "
-                                     f"{held['text_sha256']})")
-                        named.add(doc_id)
+            if table is not None:
+                found.compare_file(stored, holder, table, gone)
         if verify:
             letters = sorted(_letter_ids(output, holders["dead letter"]))
-            for doc_id, held in stored.rows(letters).items():
-                if held["load_key"] in batch_keys:
-                    suspects.setdefault(doc_id, held["load_key"])
-    for key, (where, rows, refused) in sorted(keys.items()):
-        if key not in loads:
-            problems.append(f"{where}: its store load {key} is not in the store")
-        elif loads[key] != (rows, refused):
-            problems.append(f"{where}: the store loaded {loads[key][0]} rows (refused "
-                            f"{loads[key][1]}) under {key}, the record says {rows} (refused "
-                            f"{refused})")
-    if missing:
-        problems.append(f"store: {len(missing)} articles of the vectors files are not in the store "
-                        f"(first: {_printable(sorted(missing)[0])})")
-    if older:
-        problems.append(f"store: {len(older)} articles are stored as an older version than the "
-                        f"vectors files hold (first: {_printable(sorted(older)[0])})")
-    strays = sorted(f"{doc_id} (under {key})" for doc_id, key in suspects.items()
-                    if doc_id not in matched and doc_id not in named)
-    if strays:
-        problems.append(f"store: {len(strays)} rows stored by a micro-batch are not in its files "
-                        f"(dead-lettered there, or an earlier attempt's; first: "
-                        f"{_printable(strays[0])})")
-    if gone - set(held_by):  # not in the files checked: any vectors file of the output
+            found.suspect(stored.rows(letters))
+    problems += found.problems(loads)
+    if gone - set(found.held_by):  # not in the files checked: any vectors file of the output
         for path in _list(output, VECTORS_DIR, ".parquet", None):
             holder = path[len(prefix):]
             if holder in holders["vectors"]:
@@ -417,17 +402,140 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
             table = _file_columns(output, path, ("id",))
             if table is not None and "id" in table.column_names:
                 for doc_id in gone.intersection(table.column("id").to_pylist()):
-                    held_by.setdefault(doc_id, holder)
-    if held_by:
-        first = sorted(held_by)[0]
-        problems.append(f"store: {len(held_by)} articles that a redone micro-batch withdrew have "
-                        f"no row in the store although a vectors file holds them (first: "
-                        f"{_printable(first)}, withdrawn in {withdrawn[first]}, held by "
-                        f"{held_by[first]})")
-    return problems, {"store_loads": len(keys), "store_articles": len(found),
-                      "store_rejected": sum(by_reason.values()),
-                      "store_rejected_by_reason": dict(sorted(by_reason.items())),
-                      "store_withdrawn": len(withdrawn)}
+                    found.held_by.setdefault(doc_id, holder)
+    problems += found.withdrawn_problems()
+    return problems, {"store_loads": len(found.keys), "store_articles": len(found.found),
+                      "store_rejected": sum(found.by_reason.values()),
+                      "store_rejected_by_reason": dict(sorted(found.by_reason.items())),
+                      "store_withdrawn": len(found.withdrawn)}
+
+
+@dataclasses.dataclass
+class _StoreCheck:
+    """What ``_check_store`` gathers: from the records, what the store should hold; from the
+    vectors files and the store, what differs."""
+
+    # load key -> (where, rows stored, rows refused) of each record that loaded
+    keys: dict[str, tuple[str, int, int]] = dataclasses.field(default_factory=dict)
+    batch_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # micro-batch's -> where
+    rejected: set[tuple] = dataclasses.field(default_factory=set)  # (id, text_sha256) refused
+    by_reason: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # article -> the first record that withdrew it
+    withdrawn: dict[str, str] = dataclasses.field(default_factory=dict)
+    missing: list[str] = dataclasses.field(default_factory=list)
+    older: list[str] = dataclasses.field(default_factory=list)
+    named: set[str] = dataclasses.field(default_factory=set)  # articles already named: each once
+    matched: set[str] = dataclasses.field(default_factory=set)  # whose stored row a file holds
+    # article -> its row's load key: a micro-batch's, no file's yet
+    suspects: dict[str, str] = dataclasses.field(default_factory=dict)
+    found: set[str] = dataclasses.field(default_factory=set)  # of the files, held by the store
+    # withdrawn article with no row -> a vectors file that holds it
+    held_by: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def read_records(self, records: list) -> list[str]:
+        """What the records say the store holds; a problem for each that does not add up."""
+        problems = []
+        for r in records:
+            where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
+            key = _load_key(r)
+            if key is not None:
+                self.batch_keys[key] = where
+            for item in r.store_rejected:
+                self.rejected.add((item.get("id"), item.get("text_sha256")))
+                self.by_reason[str(item.get("reason"))] += 1
+            for doc_id in r.store_withdrawn:
+                self.withdrawn.setdefault(doc_id, where)
+            if r.rows_written and not r.store_load_key:
+                problems.append(f"{where}: {r.rows_written} rows but no store load in its record")
+                continue
+            if r.store_load_key:
+                self.keys[r.store_load_key] = (where, r.store_rows, len(r.store_rejected))
+                if r.store_rows + len(r.store_rejected) != r.rows_written:
+                    problems.append(f"{where}: {r.store_rows} rows stored and "
+                                    f"{len(r.store_rejected)} refused by the store, of "
+                                    f"{r.rows_written} rows")
+        return problems
+
+    def compare_file(self, stored, holder: str, table: pa.Table, gone: set[str]) -> None:
+        """The rows of one vectors file against the store's, ``_CHUNK`` at a time."""
+        day_value = day_of_path(holder)
+        values: dict[str, list[Any]] = {
+            name: ((table.column(name).cast(pa.int64()) if name in _ORDER_COLUMNS
+                    else table.column(name)).to_pylist()
+                   if name in table.column_names else [None] * table.num_rows)
+            for name in _FILE_COLUMNS}
+        for doc_id in gone.intersection(values["id"]):
+            self.held_by.setdefault(doc_id, holder)
+        for start in range(0, table.num_rows, _CHUNK):
+            end = min(start + _CHUNK, table.num_rows)
+            rows_held = stored.rows(values["id"][start:end])
+            for i in range(start, end):
+                self._compare_row(rows_held.get(values["id"][i]),
+                                  {name: values[name][i] for name in _FILE_COLUMNS}, day_value)
+
+    def _compare_row(self, held: Optional[dict], row: dict[str, Any],
+                     day: Optional[dt.date]) -> None:
+        """One file row (``_FILE_COLUMNS``) against the store's row of its article (None: none)."""
+        doc_id, sha = row["id"], row["text_sha256"]
+        if held is not None:
+            self.found.add(doc_id)
+        same = held is not None and held["text_sha256"] == sha and \
+            _micros(held["embedded_at"]) == row["embedded_at"]
+        if same:
+            self.matched.add(doc_id)
+        elif held is not None and held["load_key"] in self.batch_keys:
+            self.suspects.setdefault(doc_id, held["load_key"])
+        if same or (_printable(doc_id), _printable(sha)) in self.rejected:
+            return
+        if held is None:
+            self.missing.append(doc_id)
+            return
+        version = {name: row[name] for name in _ORDER_COLUMNS}
+        version["dt"] = day
+        if not version_key(held) > version_key(version):
+            self.older.append(f"{doc_id} (the files' text {sha}, the store's "
+                              f"{held['text_sha256']})")
+            self.named.add(doc_id)
+
+    def suspect(self, held: dict[str, dict]) -> None:
+        """The stored rows of dead-lettered articles that a micro-batch's load stored."""
+        for doc_id, row in held.items():
+            if row["load_key"] in self.batch_keys:
+                self.suspects.setdefault(doc_id, row["load_key"])
+
+    def problems(self, loads: dict) -> list[str]:
+        """The loads the store lacks or holds otherwise, and the rows that differ."""
+        problems = []
+        for key, (where, rows, refused) in sorted(self.keys.items()):
+            if key not in loads:
+                problems.append(f"{where}: its store load {key} is not in the store")
+            elif loads[key] != (rows, refused):
+                problems.append(f"{where}: the store loaded {loads[key][0]} rows (refused "
+                                f"{loads[key][1]}) under {key}, the record says {rows} (refused "
+                                f"{refused})")
+        if self.missing:
+            problems.append(f"store: {len(self.missing)} articles of the vectors files are not in "
+                            f"the store (first: {_printable(sorted(self.missing)[0])})")
+        if self.older:
+            problems.append(f"store: {len(self.older)} articles are stored as an older version "
+                            f"than the vectors files hold (first: "
+                            f"{_printable(sorted(self.older)[0])})")
+        strays = sorted(f"{doc_id} (under {key})" for doc_id, key in self.suspects.items()
+                        if doc_id not in self.matched and doc_id not in self.named)
+        if strays:
+            problems.append(f"store: {len(strays)} rows stored by a micro-batch are not in its "
+                            f"files (dead-lettered there, or an earlier attempt's; first: "
+                            f"{_printable(strays[0])})")
+        return problems
+
+    def withdrawn_problems(self) -> list[str]:
+        if not self.held_by:
+            return []
+        first = sorted(self.held_by)[0]
+        return [f"store: {len(self.held_by)} articles that a redone micro-batch withdrew have no "
+                f"row in the store although a vectors file holds them (first: "
+                f"{_printable(first)}, withdrawn in {self.withdrawn[first]}, held by "
+                f"{self.held_by[first]})"]
 
 
 def _micros(value: Optional[dt.datetime]) -> Optional[int]:

@@ -43,6 +43,7 @@ from typing import Any, Iterable, Optional
 from apache_beam.io.filesystem import BeamIOError
 from apache_beam.io.filesystems import FileSystems
 
+from transforms.output.key_checksums import key_file_checksums, local_checksum
 from transforms.output.layout import (
     KEYS_DIR,
     MANIFEST_FILE,
@@ -82,6 +83,7 @@ from transforms.output.lease import (
     gcs_read_generation,
     unsafe_test_timings,
 )
+from transforms.output.summary import RunSummary
 from transforms.types import Counts
 
 _LOG = logging.getLogger(__name__)
@@ -190,7 +192,7 @@ def _plain_prefix(prefix: str) -> bool:
 
 def check_snapshot(data: object) -> None:
     """A snapshot as a publishing manifest records it (``skipped_from``,
-    ``transforms.incremental.Snapshot.to_dict``): its ``prefix`` an output prefix
+    ``Snapshot.to_dict``): its ``prefix`` an output prefix
     (``_plain_prefix``; which outputs a run may read is its own configuration's, not known to
     whoever finishes its publish, so the form is what is checked), its ``run_id`` None or
     ``new_run_id``'s format, each pin a key file's plain relative path under ``keys/`` and a
@@ -417,18 +419,62 @@ def _published(relative_staged: str) -> str:
     return relative_staged.split("/", 2)[2]
 
 
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """One previous output as a run read its keys: a batch output's committed run (``run_id``),
+    or a streaming output (``run_id`` None; no manifest). A streaming output's files can change
+    under a reader: a micro-batch redone with another outcome rewrites its key file without a key,
+    or deletes it (``transforms.sinks``); compaction replaces micro-batch files by one file an
+    hour. So its snapshot pins each micro-batch key file it read by a checksum of its bytes
+    (``pins``: (path relative to the output, checksum)); compacted files are not pinned (a
+    compaction only ever adds to an hour's compacted file)."""
+
+    prefix: str
+    run_id: Optional[str]
+    pins: tuple[tuple[str, str], ...] = ()
+
+    def still_holds(self) -> bool:
+        """Whether the output still holds what was read: the same run, committed; for a streaming
+        output, every pinned key file still there with the same bytes."""
+        if self.run_id is None:
+            if is_local(self.prefix):  # each pinned file alone, reached through no symlink
+                return all(local_checksum(self.prefix, path) == checksum
+                           for path, checksum in self.pins)
+            now = key_file_checksums(self.prefix)
+            return all(now.get(path) == checksum for path, checksum in self.pins)
+        current = read_manifest(self.prefix)
+        return current is not None and current.state == COMMITTED and current.run_id == self.run_id
+
+    def describe(self) -> str:
+        return (f"{self.prefix} (run {self.run_id})" if self.run_id is not None
+                else f"{self.prefix} (streaming, {len(self.pins)} micro-batch key files)")
+
+    def to_dict(self) -> dict:
+        """As a ``publishing`` manifest records it (``Manifest.skipped_from``)."""
+        out: dict = {"prefix": self.prefix, "run_id": self.run_id}
+        if self.pins:
+            out["pins"] = [list(pin) for pin in self.pins]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Snapshot":
+        return cls(data["prefix"], data.get("run_id"),
+                   tuple((str(p), str(c)) for p, c in data.get("pins", ())))
+
+
+class SnapshotChanged(RuntimeError):
+    """A previous output that this run skipped articles for was republished while it ran."""
+
+
 def check_snapshots(output: str, manifest: Manifest, lease: PublishLease) -> Manifest:
     """Before a ``publishing`` manifest is published: each snapshot it skipped articles for must
-    still hold the run that was read (``transforms.incremental.Snapshot.still_holds``). If one
+    still hold the run that was read (``Snapshot.still_holds``). If one
     does not, the manifest it replaced is put back (nothing has been changed yet but the
     manifest), and ``SnapshotChanged`` is raised. If all do, the manifest is written again without
     them, and returned: from then on the publish only goes forward, and a retry does not check
     again. A manifest without snapshots is returned as it is."""
     if not manifest.skipped_from:
         return manifest
-    # Here, not at the top: transforms.incremental reads manifests (this module) itself.
-    from transforms.incremental import Snapshot, SnapshotChanged  # pylint: disable=import-outside-toplevel
-
     snapshots = [Snapshot.from_dict(s) for s in manifest.skipped_from]
     own = output.rstrip("/") if not is_local(output) else os.path.abspath(output)
     for snapshot in snapshots:  # checked by Manifest.check: plain, so compared by their names
@@ -563,7 +609,7 @@ class SummaryUnavailable(FileNotFoundError):
     """An output has no committed run, so no summary of one."""
 
 
-def published_summary(output: str) -> dict:
+def published_summary(output: str) -> RunSummary:
     """The summary of the output's committed run: ``_summary.json`` if it is that run's (its
     ``run_id`` the manifest's); else, with a warning, what the manifest says of the run
     (``run_id``, ``counts``, and ``summary_unavailable`` saying why), which holds no model or
@@ -579,20 +625,17 @@ def published_summary(output: str) -> dict:
     try:
         # a regular file, through no symlink: never a file outside echoed
         with open_output_file(output, path) as f:
-            summary = json.loads(f.read().decode("utf-8"))
-        if not isinstance(summary, dict):
-            raise ValueError(f"a summary is a JSON object, not {type(summary).__name__}")
+            summary: Optional[RunSummary] = RunSummary.from_json(f.read())
     except (OSError, ValueError) as exc:  # gone (FileNotFoundError, BeamIOError), torn, refused
         summary, reason = None, f"{path} could not be read ({type(exc).__name__})"
-    if summary is not None and summary.get("run_id") != current.run_id:
-        reason = (f"{path} is run {summary.get('run_id')}'s, not the committed run "
-                  f"{current.run_id}'s")
+    if summary is not None and summary.run_id != current.run_id:
+        reason = f"{path} is run {summary.run_id}'s, not the committed run {current.run_id}'s"
         summary = None
     if summary is not None:
         return summary
     _LOG.warning("%s: %s; the committed run's counts are taken from its manifest (newsvec "
                  "cleanup names what is missing)", output, reason)
-    return {"run_id": current.run_id, "counts": current.counts, "summary_unavailable": reason}
+    return RunSummary(run_id=current.run_id, counts=current.counts, summary_unavailable=reason)
 
 
 def min_stale_age_s() -> float:

@@ -27,18 +27,16 @@ The connection string is read where the step runs (``setup``: on Dataflow, the w
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
-import re
 import shlex
 from typing import Any, Optional
 
 import apache_beam as beam
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from transforms.output.layout import join_path, open_output_file
+from transforms.output.layout import day_of_path, join_path, open_output_file, read_parquet
 from transforms.output.manifest import COMMITTED, read_manifest
+from transforms.output.summary import RunSummary
 from transforms.stores import store_for
 from transforms.stores.base import (
     BatchOutput,
@@ -50,7 +48,6 @@ from transforms.stores.base import (
 )
 
 _LOG = logging.getLogger("newsvec")
-_DAY_IN_PATH = re.compile(r"(?:^|/)dt=([0-9]{4}-[0-9]{2}-[0-9]{2})(?:/|$)")
 
 
 def run_day(output: str, run_id: str, filled: Optional[dt.date] = None) -> dt.date:
@@ -64,9 +61,9 @@ def run_day(output: str, run_id: str, filled: Optional[dt.date] = None) -> dt.da
     own days."""
     if filled is not None:
         return filled
-    found = _DAY_IN_PATH.findall(output.rstrip("/"))
-    if found:
-        return dt.date.fromisoformat(found[-1])
+    day = day_of_path(output)
+    if day is not None:
+        return day
     return dt.datetime.strptime(run_id[:8], "%Y%m%d").date()
 
 
@@ -77,11 +74,10 @@ def recorded_day(output: str, run_id: str, manifest: Any) -> Optional[dt.date]:
     path = join_path(output, manifest.summary)
     try:
         with open_output_file(output, path) as f:
-            summary = json.loads(f.read().decode("utf-8"))
-        if not isinstance(summary, dict) or summary.get("run_id") != run_id:
+            summary = RunSummary.from_json(f.read())
+        if summary.run_id != run_id:
             raise ValueError(f"it is not run {run_id}'s summary")
-        day = summary.get("day")
-        return None if day is None else dt.date.fromisoformat(day)
+        return summary.recorded_day
     except (OSError, ValueError, TypeError) as exc:  # gone, torn, refused, not a date
         _LOG.warning("run %s: its day could not be read from %s (%s: %s); its rows' dt is the "
                      "output's dt= folder, else the run's launch day", run_id, path,
@@ -90,13 +86,8 @@ def recorded_day(output: str, run_id: str, manifest: Any) -> Optional[dt.date]:
 
 
 def _read(output: str, relative: list[str]) -> Optional[pa.Table]:
-    """The files the manifest names, each a regular file of the output (``open_output_file``: a
-    symlink or FIFO in place of one is an ``UnsafePath`` naming it, never read or waited on)."""
-    tables = []
-    for path in relative:
-        with open_output_file(output, join_path(output, path)) as f:
-            tables.append(pq.read_table(f))
-    return pa.concat_tables(tables) if tables else None
+    """The files the manifest names, as one table (``layout.read_parquet``)."""
+    return read_parquet(output, [join_path(output, path) for path in relative])
 
 
 def load_command(output: str, run_id: str) -> str:
@@ -210,10 +201,10 @@ class _LoadCommittedRunFn(beam.DoFn):
     def setup(self):
         self._store = store_for(self._settings)  # the connection string read here, never pickled
 
-    def process(self, summary: dict):
+    def process(self, summary: RunSummary):
         assert self._store is not None
-        newer = summary.get("superseded_by")
-        if summary.get("run_id") == self._run_id and summary.get("published", True):
+        newer = summary.superseded_by
+        if summary.run_id == self._run_id and summary.is_published:
             try:
                 rows = run_rows(self._output, self._run_id)
                 yield load_run(self._store, self._output, self._run_id, rows).to_json()
