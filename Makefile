@@ -23,7 +23,7 @@ run-streaming: setup
 	$(PY) -m tools.streaming_demo
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=25
 
 # Style (ruff: ruff.toml) and types (mypy on pipeline/ and transforms/: setup.cfg). CI runs it first.
 lint: setup
