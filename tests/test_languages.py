@@ -27,7 +27,8 @@ from tests.fakes import FakeEngine
 from transforms.dedup import dedup_key_function
 from transforms.incremental import embedding_key, embedding_signature
 from transforms.settings import ChunkingSettings, StreamingSettings, TextSettings
-from transforms.text import _PrepareTextFn, normalize_text
+from transforms.text import normalize_text
+from transforms.text.prepare import _PrepareTextFn
 from transforms.types import DeadLetter, NewsEvent, PreparedDoc
 
 UNREADABLE = "unreadable_for_model"
