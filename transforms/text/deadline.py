@@ -21,7 +21,7 @@ class Deadline:
     """A document's budget of CPU time, checked between the steps of its preparation and every so
     often in the loops that can be long. Python cannot interrupt a thread from outside (signals
     reach only the main thread, and Beam runs DoFns in worker threads), so this is a backstop: the
-    steps themselves are linear in the text (see the module docstring)."""
+    steps themselves are linear in the text (see the package docstring, ``transforms.text``)."""
 
     def __init__(self, budget_s: float):
         self.budget_s = budget_s

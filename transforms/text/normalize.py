@@ -26,9 +26,9 @@ class TextTooLong(Exception):
 def normalize_text(text: Optional[str], form: UnicodeForm = "NFC",
                    deadline: Optional[Deadline] = None, max_chars: Optional[int] = None) -> str:
     """One field's text, cleaned for the model, in Unicode ``form``. Idempotent. Its cost is
-    linear in the text's length (see the module docstring); ``deadline``: the document's budget
-    (``PrepareTimeout`` past it); ``max_chars``: ``TextTooLong`` if Unicode normalization makes
-    the text longer (checked before the steps after it)."""
+    linear in the text's length (see ``transforms.text``'s docstring); ``deadline``: the
+    document's budget (``PrepareTimeout`` past it); ``max_chars``: ``TextTooLong`` if Unicode
+    normalization makes the text longer (checked before the steps after it)."""
     if not text:
         return ""
     if _TAG.search(text):
