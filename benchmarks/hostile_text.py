@@ -129,7 +129,8 @@ def main(argv=None) -> int:
 
     from pipeline.config import load
     from transforms.settings import ChunkingSettings
-    from transforms.text import _PrepareTextFn, normalize_text
+    from transforms.text import normalize_text
+    from transforms.text.prepare import _PrepareTextFn
     from transforms.types import NewsEvent
 
     if not BBC.is_dir():

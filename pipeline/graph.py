@@ -3,7 +3,7 @@ transforms/.
 
 Batch:      files -> ReadJsonLines (fans out its lines) -> Parse -> PrepareText
               -> SkipUnchanged (with incremental.previous_outputs: ReadKeys) -> MarkStories
-              (-> SkipCopies with near_duplicates.action skip) -> Embed -> DropDuplicates
+              -> Embed (EmbedSkippingCopies with near_duplicates.action skip) -> DropDuplicates
               (-> MarkRows with action mark) -> WriteVectors, WriteKeys, WriteChunks (chunks mode),
               WriteDeadLetters (into the run's staging folder) -> CommitRun
               -> LoadCommittedRun (with the store on: the published run into the store)
@@ -63,16 +63,15 @@ from transforms.stories import (
     COPIES_SKIPPED,
     MARKS,
     PREVIOUS_ORIGINALS,
-    KeepOneRescued,
+    EmbedSkippingCopies,
     MarkRows,
     MarkStories,
     MarkStoriesStreaming,
-    RescueCopies,
-    SkipCopies,
     signature_version,
     similarity_band,
 )
 from transforms.text import PrepareText
+from transforms.types import DEAD_LETTER
 from transforms.windowing import WindowByEventTime
 
 
@@ -133,77 +132,102 @@ def embed_and_write(payloads, config: Config, run_id: str,
     into it by LoadCommittedRun. Returns the summary (a PCollection of one dict)."""
     parsed = _parse(payloads, config)
     prepared = _prepare(parsed.events, config)
-    signature = signature_of(config)
-    docs, tallies = prepared.docs, [tally(payloads, Tally.IN)]
-    skipped_from, key_files, marks, held_back, copies = None, None, None, None, None
-    earlier = None
-    stories = config.near_duplicates
+    docs, stories = prepared.docs, config.near_duplicates
+    tallies = [tally(payloads, Tally.IN)]
+    done = [parsed.dead_letter, prepared.dead_letter]
+    skipped_from = key_files = marks = earlier = None
     if config.incremental.previous_outputs:
-        key_files = payloads.pipeline | "ReadKeys" >> ReadKeys(
-            config.incremental.previous_outputs, config.output,
-            config.incremental.may_be_absent)
-        label = model_label(config.model, model_folder(config.model))
-        skipped = docs | "SkipUnchanged" >> SkipUnchanged(key_files, label, signature)
-        docs, skipped_from = skipped["docs"], skipped[SKIPPED_FROM]
-        tallies.append(tally(skipped[UNCHANGED], Tally.UNCHANGED))
+        docs, unchanged, skipped_from, key_files = _skip_unchanged(docs, config)
+        tallies.append(tally(unchanged, Tally.UNCHANGED))
+        done.append(unchanged)
     if stories.enabled:  # against each other and the previous outputs' signatures
         marked = docs | "MarkStories" >> MarkStories(stories, key_files)
         marks, earlier = marked[MARKS], marked[PREVIOUS_ORIGINALS]
         docs = marked["docs"]  # signed whole: with action mark, the embedding waits for nothing
-        if stories.action == "skip":  # the copies' marks are needed before the embedding
-            skipping = docs | "SkipCopies" >> SkipCopies(marks, stories)
-            docs, held_back = skipping.docs, skipping[COPIES_SKIPPED]
-    # No grouping between preparing and embedding: in a batch job it would be a barrier, every
-    # article prepared before the first is embedded. Duplicates are dropped from the vector rows.
-    embedded = docs | "Embed" >> Embed(
-        config.model, **_embed_settings(config, engine_factory))
-    embedded_rows, embed_letters = embedded.embedded, embedded.dead_letter
-    if held_back is not None:  # a copy whose original the embedder failed is embedded after all
-        rescue = held_back | "RescueCopies" >> RescueCopies(embedded.dead_letter,
-                                                            embedded.embedded, earlier)
-        again = rescue.rescued | "EmbedRescued" >> Embed(
-            config.model, **_embed_settings(config, engine_factory))
-        kept = again.embedded | "KeepOneRescued" >> KeepOneRescued()  # one row per story
-        copies = ((rescue[COPIES_SKIPPED], kept[COPIES_SKIPPED])
-                  | "AllCopiesSkipped" >> beam.Flatten())
-        tallies += [tally(copies, Tally.NEAR_DUPLICATES),
-                    copies | "SkippedBySimilarity" >> beam.Map(
-                        lambda copy: (f"{Tally.NEAR_DUPLICATES}:{similarity_band(copy[1])}", 1))]
-        embedded_rows = ((embedded_rows, kept.rows)
-                         | "AllEmbedded" >> beam.Flatten())
-        embed_letters = ((embed_letters, again.dead_letter)
-                         | "AllEmbedDeadLetters" >> beam.Flatten())
-    unique = embedded_rows | "DropDuplicates" >> DropDuplicates(config.dedup.key)
+    rows, embed_letters, copies = _embed(docs, config, engine_factory, marks, earlier)
+    done += [rows, embed_letters]
+    if copies is not None:  # action skip: the copies left out, counted
+        tallies += _copies_tallies(copies)
+        done.append(copies)
+    unique = rows | "DropDuplicates" >> DropDuplicates(config.dedup.key)
     vector_rows = unique.docs
     if stories.enabled:  # after the embedding (action mark: no barrier before it)
         vector_rows = vector_rows | "MarkRows" >> MarkRows(marks, unique[SURVIVORS_TAG])
+    files, chunk_rows = _write_staged(
+        vector_rows, (parsed.dead_letter, prepared.dead_letter, embed_letters), config, run_id)
+    # Articles done, for the progress bar and Dataflow's metrics.
+    _ = tuple(done) | "CollectDone" >> beam.Flatten() | "CountDone" >> CountDone()
+    tallies += _row_tallies(unique.duplicates, vector_rows, chunk_rows)
+    return _commit_and_load(payloads.pipeline, config, run_id, files, tallies,
+                            skipped_from, key_files)
+
+
+def _skip_unchanged(docs, config: Config):
+    """Incremental: (the documents to embed, the unchanged ones, the previous outputs they were
+    skipped for, ``ReadKeys``'s ``KeyFiles``)."""
+    key_files = docs.pipeline | "ReadKeys" >> ReadKeys(
+        config.incremental.previous_outputs, config.output, config.incremental.may_be_absent)
+    label = model_label(config.model, model_folder(config.model))
+    skipped = docs | "SkipUnchanged" >> SkipUnchanged(key_files, label, signature_of(config))
+    return skipped["docs"], skipped[UNCHANGED], skipped[SKIPPED_FROM], key_files
+
+
+def _embed(docs, config: Config, engine_factory, marks, earlier):
+    """(vector rows, the embedder's dead letters, the copies action skip left out or None)."""
+    def embed() -> Embed:
+        return Embed(config.model, **_embed_settings(config, engine_factory))
+
+    # No grouping between preparing and embedding: in a batch job it would be a barrier, every
+    # article prepared before the first is embedded. Duplicates are dropped from the vector rows.
+    stories = config.near_duplicates
+    if not (stories.enabled and stories.action == "skip"):
+        embedded = docs | "Embed" >> embed()
+        return embedded.embedded, embedded.dead_letter, None
+    # The copies' marks are needed before the embedding.
+    embedded = docs | "EmbedSkippingCopies" >> EmbedSkippingCopies(embed, marks, stories, earlier)
+    return embedded["embedded"], embedded[DEAD_LETTER], embedded[COPIES_SKIPPED]
+
+
+def _copies_tallies(copies) -> list:
+    """The copies action skip left out: counted, and by similarity band."""
+    return [tally(copies, Tally.NEAR_DUPLICATES),
+            copies | "SkippedBySimilarity" >> beam.Map(
+                lambda copy: (f"{Tally.NEAR_DUPLICATES}:{similarity_band(copy[1])}", 1))]
+
+
+def _row_tallies(duplicates, vector_rows, chunk_rows) -> list:
+    return [tally(duplicates, Tally.DUPLICATES, lambda n: n),
+            tally(vector_rows, Tally.ROWS),
+            tally(vector_rows, Tally.TRUNCATED, lambda row: int(row.truncated)),
+            tally(chunk_rows, Tally.CHUNKS)]
+
+
+def _write_staged(vector_rows, dead_letters: tuple, config: Config, run_id: str):
+    """The writers, into the run's staging folder: (the written files by folder, for CommitRun,
+    the chunk rows)."""
+    stories = config.near_duplicates
     minhash_version = signature_version(stories) if stories.enabled else None
     staging = staging_prefix(config.output, run_id)
     rows = config.sink.row_group_rows
     dim, vector_dtype = config.model.output_dim, config.sink.vector_dtype
     files = {VECTORS_DIR: vector_rows | "WriteVectors" >> WriteVectors(
                  staging, run_id, dim, rows, vector_dtype),
-             KEYS_DIR: vector_rows | "WriteKeys" >> WriteKeys(staging, run_id, signature, rows,
-                                                              minhash_version)}
+             KEYS_DIR: vector_rows | "WriteKeys" >> WriteKeys(
+                 staging, run_id, signature_of(config), rows, minhash_version)}
     chunk_rows = vector_rows | "ChunkRows" >> beam.FlatMap(lambda row: row.chunks)
     if config.chunking.mode != "head":
         files[CHUNKS_DIR] = chunk_rows | "WriteChunks" >> WriteChunks(
             staging, run_id, dim, rows, vector_dtype)
-    files[DEAD_LETTER_DIR] = ((parsed.dead_letter, prepared.dead_letter, embed_letters)
+    files[DEAD_LETTER_DIR] = (dead_letters
                               | "CollectDeadLetters" >> beam.Flatten()
                               | "WriteDeadLetters" >> WriteDeadLetters(staging, run_id))
-    done = [parsed.dead_letter, prepared.dead_letter, embedded_rows, embed_letters]
-    if config.incremental.previous_outputs:
-        done.append(skipped[UNCHANGED])
-    if copies is not None:
-        done.append(copies)
-    # Articles done, for the progress bar and Dataflow's metrics.
-    _ = tuple(done) | "CollectDone" >> beam.Flatten() | "CountDone" >> CountDone()
-    tallies += [tally(unique.duplicates, Tally.DUPLICATES, lambda n: n),
-                tally(vector_rows, Tally.ROWS),
-                tally(vector_rows, Tally.TRUNCATED, lambda row: int(row.truncated)),
-                tally(chunk_rows, Tally.CHUNKS)]
-    committed = payloads.pipeline | "CommitRun" >> CommitRun(
+    return files, chunk_rows
+
+
+def _commit_and_load(pipeline, config: Config, run_id: str, files: dict, tallies: list,
+                     skipped_from, key_files):
+    """CommitRun, after the writes; with the store on, LoadCommittedRun after it."""
+    committed = pipeline | "CommitRun" >> CommitRun(
         config.output, run_id, summary_base(config, run_id), files=files, tallies=tallies,
         skipped_from=skipped_from, key_files=key_files, lease_s=config.sink.commit_lease_s)
     if config.store.enabled:

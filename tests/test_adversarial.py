@@ -89,7 +89,7 @@ def test_the_corpus_is_large_varied_and_unambiguous():
 
 @pytest.fixture(scope="module")
 def prepare_fn():
-    from transforms.text import _PrepareTextFn
+    from transforms.text.prepare import _PrepareTextFn
 
     fn = _PrepareTextFn(corpus_config().model, MAX_TEXT_CHARS, DEAD_LETTER_PAYLOAD_BYTES)
     fn.setup()

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import make_config
 from transforms.parse import ParseError, parse_event
-from transforms.text import _PrepareTextFn
+from transforms.text.prepare import _PrepareTextFn
 from transforms.types import NewsEvent, Reason
 
 KNOWN_REASONS = {v for k, v in vars(Reason).items() if k.isupper()}

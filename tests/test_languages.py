@@ -32,7 +32,8 @@ from transforms.settings import (
     TextSettings,
     embedding_signature,
 )
-from transforms.text import _PrepareTextFn, normalize_text
+from transforms.text import normalize_text
+from transforms.text.prepare import _PrepareTextFn
 from transforms.types import DeadLetter, NewsEvent, PreparedDoc
 
 UNREADABLE = "unreadable_for_model"

@@ -170,7 +170,7 @@ def test_markup_stripped_in_one_pass_reads_as_the_html_parser_reads_it(name):
     """Past its allowance the field is stripped by strip_markup_linear: on these fields (small
     enough for the HTML parser to finish), the same text as the HTML parser's. (Not on the last:
     its unclosed quotes hold '>', which only the HTML parser reads as part of a value.)"""
-    from transforms.text import strip_html, strip_markup_linear
+    from transforms.text.markup import strip_html, strip_markup_linear
 
     text = HOSTILE_MARKUP[name][:3000]
     assert strip_markup_linear(text) == strip_html(text)
@@ -193,7 +193,7 @@ HTML_PIECES = st.one_of(
 def test_markup_stripped_in_one_pass_reads_as_the_html_parser_reads_html(value):
     """On HTML whose every construct closes (and with no '>' in a quoted value),
     strip_markup_linear gives the HTML parser's text."""
-    from transforms.text import strip_html, strip_markup_linear
+    from transforms.text.markup import strip_html, strip_markup_linear
 
     assert strip_markup_linear(value) == strip_html(value)
 
@@ -216,7 +216,7 @@ UNCLOSED_PIECES = ["<", ">", "a", "b", "/", "!", "-", "--", "?", " ", "=", "&", 
     "s</\nP\n&#65;b&-->]",
 ])
 def test_markup_stripped_in_one_pass_reads_what_never_closes_as_the_html_parser_does(value):
-    from transforms.text import strip_html, strip_markup_linear
+    from transforms.text.markup import strip_html, strip_markup_linear
 
     assert strip_markup_linear(value) == strip_html(value)
 
@@ -226,7 +226,7 @@ def test_markup_stripped_in_one_pass_reads_what_never_closes_as_the_html_parser_
 def test_markup_stripped_in_one_pass_reads_broken_markup_as_the_html_parser_reads_it(value):
     """Without quotes (a '>' in a quoted value is the one difference), the same text, or the same
     exception (a marked section with an unknown name)."""
-    from transforms.text import strip_html, strip_markup_linear
+    from transforms.text.markup import strip_html, strip_markup_linear
 
     def outcome(strip):
         try:
@@ -259,7 +259,7 @@ HOSTILE_MARKS = {
 @pytest.mark.parametrize("name", HOSTILE_MARKS)
 def test_unicode_normalization_never_sees_a_long_run_of_combining_marks(name, form, monkeypatch):
     """Every unicodedata.normalize call while preparing the field (newsvec's, and ftfy's after it
-    decodes mojibake) gets runs of at most 30 marks (transforms.text.MAX_COMBINING_RUN: the
+    decodes mojibake) gets runs of at most 30 marks (transforms.text.unicode.MAX_COMBINING_RUN: the
     Stream-Safe Text Format's limit): canonical ordering is quadratic in a run's length before
     Python 3.11.16."""
     real = unicodedata.normalize
@@ -296,7 +296,7 @@ def test_format_characters_removed_leave_no_long_run_of_marks_and_a_normalized_t
 def test_a_short_run_of_marks_is_kept_whole():
     """Vietnamese and the like stack two or three marks; a run is cut only past
     MAX_COMBINING_RUN (30)."""
-    from transforms.text import MAX_COMBINING_RUN, collapse_combining_marks
+    from transforms.text.unicode import MAX_COMBINING_RUN, collapse_combining_marks
 
     assert MAX_COMBINING_RUN == 30
     kept = "a" + "\u0323\u0302" * (MAX_COMBINING_RUN // 2) + " Vi\u1ec7t"
@@ -363,7 +363,7 @@ def test_ftfy_still_repairs_the_mojibake_of_real_text(ftfy_step_reads):
 
 def _prepare_fn(**kwargs):
     from tests.conftest import make_config
-    from transforms.text import _PrepareTextFn
+    from transforms.text.prepare import _PrepareTextFn
 
     fn = _PrepareTextFn(make_config().model, 200_000, 4096, **kwargs)
     fn.setup()
@@ -394,7 +394,7 @@ def test_a_text_that_normalization_makes_too_long_is_dead_lettered_text_too_long
     """NFKC writes some characters as many (U+FDFA as 18): the prepared text is held to
     max_text_chars too, checked as soon as the normalization is done."""
     from tests.conftest import make_config
-    from transforms.text import _PrepareTextFn
+    from transforms.text.prepare import _PrepareTextFn
 
     def fn(form):
         prepare = _PrepareTextFn(make_config().model, 1000, 4096, unicode_form=form,
@@ -427,10 +427,10 @@ def test_a_document_over_its_cpu_budget_is_dead_lettered_prepare_failed(monkeypa
     """The budget is checked between the steps and inside the loops that can be long (here, the
     HTML parser's): the document is dead-lettered with the budget and the step in the detail, and
     the next document has a budget of its own."""
-    import transforms.text
+    import transforms.text.deadline
 
     clock = _FakeCpuClock()
-    monkeypatch.setattr(transforms.text, "_clock", clock, raising=False)
+    monkeypatch.setattr(transforms.text.deadline, "_clock", clock, raising=False)
     fn = _prepare_fn()  # 10 s: ten reads of this clock
     long_html = "<p>word</p>" * 15_000  # 30,000 parser calls: the budget is read every 1,024
     reason, detail = _outcome(fn, NewsEvent(id="slow", title="Title", body=long_html))
@@ -465,10 +465,10 @@ def test_ftfy_fixes_a_line_that_comes_again_once(line, monkeypatch):
 def test_the_cpu_budget_is_checked_inside_ftfys_mojibake_repair(monkeypatch):
     """ftfy repairs each line on its own: a field of many short lines of mojibake keeps it busy
     for long in one call, in which the budget is read too."""
-    import transforms.text
+    import transforms.text.deadline
 
     clock = _FakeCpuClock()
-    monkeypatch.setattr(transforms.text, "_clock", clock, raising=False)
+    monkeypatch.setattr(transforms.text.deadline, "_clock", clock, raising=False)
     fn = _prepare_fn()
     body = "".join(f"Ã© {i}\n" for i in range(10_000))  # distinct lines: each fixed
     reason, detail = _outcome(fn, NewsEvent(id="slow", body=body))
@@ -645,13 +645,13 @@ def test_the_cpu_budget_covers_tokenization(mode, monkeypatch):
     """A tokenization that uses the budget up (the clock moved past it while the text is
     tokenized) dead-letters the article prepare_failed, naming the step, before its chunks or its
     unknown tokens are looked at."""
-    import transforms.text
+    import transforms.text.deadline
     from tests.conftest import make_config
     from transforms.settings import ChunkingSettings
     from transforms.text import text_tools
 
     clock = _SettableClock()
-    monkeypatch.setattr(transforms.text, "_clock", clock, raising=False)
+    monkeypatch.setattr(transforms.text.deadline, "_clock", clock, raising=False)
     chunking = ChunkingSettings(mode=mode)
     tools = text_tools(make_config().model, chunking)
     owner = tools.chunker if mode == "chunks" else tools.head

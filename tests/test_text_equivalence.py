@@ -1,4 +1,4 @@
-"""The fast paths of PrepareText (transforms/text.py) give exactly what doing every step on every
+"""The fast paths of PrepareText (transforms/text/) give exactly what doing every step on every
 text gave (tools/reference_prepare.py, PrepareText as of 2026-12-02): the same prepared text, so the
 same text_sha256, the same token ids and the same truncation flag, on
 - the 2,225 BBC articles ($NEWSVEC_BBC_DIR, by default ../shared/data/bbc-news), 29% of which

@@ -38,7 +38,7 @@ def test_the_tokenizer_is_built_once_per_process_whatever_the_runner_does(fp32_c
         original(self, model)
 
     monkeypatch.setattr(text.HeadTokenizer, "__init__", counting_init)
-    monkeypatch.setattr(text, "_TOOLS", {}, raising=False)  # as in a fresh process
+    monkeypatch.setattr(text.prepare, "_TOOLS", {}, raising=False)  # as in a fresh process
     stream = TestStream()
     for i in range(6):  # six bundles, each a setup() on this runner
         stream = stream.add_elements([TimestampedValue(NewsEvent(id=f"a{i}", body="Story."), i)])

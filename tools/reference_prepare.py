@@ -1,5 +1,5 @@
 """The reference text preparation: newsvec's PrepareText as of 2026-12-02, frozen here, before its
-fast paths (transforms/text.py). Every field goes through the HTML step, the whole of ftfy, then the
+fast paths (transforms/text/). Every field goes through the HTML step, the whole of ftfy, then the
 control/format/whitespace clean-up (since 2026-12-06, a text that had format characters is NFC
 again once they are removed, and last of all a space goes after every "<" that would open a tag:
 no live markup in a prepared text or title); every text is tokenized whole with right truncation
@@ -9,7 +9,7 @@ tests/test_text_equivalence.py checks that the fast paths give exactly this outp
 prepared text (so the same text_sha256), token ids and truncation flag.
 
 It reuses what the fast paths did not change (the HTML extractor, the tag and control-character
-expressions) from transforms/text.py; the format-character and whitespace expressions are the old
+expressions) from transforms/text/; the format-character and whitespace expressions are the old
 ones, built here as they were.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Optional
 
 import ftfy
 
-from transforms import text as fast
+from transforms.text.markup import _TAG, strip_html
+from transforms.text.unicode import _CONTROL
 
 _FORMAT = re.compile("[" + "".join(
     re.escape(chr(c)) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Cf")
@@ -34,12 +35,12 @@ _TAG_OPEN = re.compile(r"<([^\s0-9<>=])")  # "<" that could open an HTML or XML 
 def normalize_text(text: Optional[str]) -> str:
     if not text:
         return ""
-    if fast._TAG.search(text):
-        text = fast.strip_html(text)
+    if _TAG.search(text):
+        text = strip_html(text)
     elif "&" in text:
         text = html.unescape(text)
     text = ftfy.fix_text(text, unescape_html=False, normalization="NFC")
-    text = fast._CONTROL.sub(" ", text)
+    text = _CONTROL.sub(" ", text)
     without = _FORMAT.sub("", text)
     if without != text:  # a letter and its mark side by side again: NFC again (since 2026-12-06)
         text = unicodedata.normalize("NFC", without)

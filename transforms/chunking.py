@@ -170,59 +170,10 @@ class Chunker:
     def _spans(self, text: str, ids, offsets, word_ids,
                check: Optional[Callable[[], None]] = None) -> tuple[ChunkSpan, ...]:
         n = len(ids)
-
-        def at_word_boundary(i: int) -> bool:
-            return i <= 0 or i >= n or word_ids[i] is None or word_ids[i] != word_ids[i - 1]
-
-        def at_char_boundary(i: int) -> bool:  # tokens i-1 and i share no character
-            return i <= 0 or i >= n or offsets[i][0] >= offsets[i - 1][1]
-
-        def at_break(i: int) -> bool:
-            return at_char_boundary(i) and (at_word_boundary(i) or bool(
-                _UNSPACED.match(text, offsets[i][0])
-                or _UNSPACED.match(text, max(0, offsets[i - 1][1] - 1))))
-
-        def piece(j: int) -> str:  # token j's text, without the space SentencePiece keeps in it
-            return text[offsets[j][0]:offsets[j][1]].strip()
-
-        # For token j: the last token at or before it that is not a closing quote or bracket (or
-        # token 0), filled in as ends_sentence walks back, so that each token is walked over once
-        # in the whole text (a text of nothing but quotes was read back to its start at every
-        # place a chunk could end: quadratic).
-        before_closers: dict[int, int] = {}
-
-        def ends_sentence(i: int) -> bool:  # the text's token i-1 closes a sentence
-            j, walked = i - 1, []
-            while j > 0 and j not in before_closers and piece(j) in _CLOSERS:
-                walked.append(j)
-                j -= 1
-            j = before_closers.get(j, j)
-            before_closers.update(dict.fromkeys(walked, j))
-            return piece(j).rstrip(_CLOSERS_TEXT)[-1:] in _SENTENCE_ENDS
-
-        def ends(start: int) -> Iterator[int]:  # where the chunk from start may end, best first
-            end = min(start + self.capacity, n)
-            if end == n:
-                yield n  # the rest fits
-            low = max(start, end - self._slack)
-            yield from (e for e in range(end, low, -1) if at_break(e) and ends_sentence(e))
-            yield from (e for e in range(end, start, -1) if at_break(e))
-            # a word longer than a chunk, with no break: cut inside, between characters
-            yield from (e for e in range(end, start, -1) if at_char_boundary(e))
-
+        breaks = _Breaks(text, offsets, word_ids, n)
         spans, start = [], 0
         while True:
-            tried: set[int] = set()
-            for end in ends(start):
-                if end in tried:
-                    continue
-                tried.add(end)
-                token_ids = self._token_ids(text, ids, offsets, start, end, at_word_boundary)
-                if token_ids is not None:  # else its text has more tokens than a chunk holds
-                    break
-            else:  # a unit of more tokens than a chunk holds, from start on: cut it inside
-                end = min(start + self.capacity, n)
-                token_ids = tuple(ids[start:end])
+            end, token_ids = self._chunk(text, ids, offsets, start, breaks)
             spans.append(ChunkSpan(
                 token_ids=self._lead + self._prefix + token_ids + self._trail,
                 token_start=start, token_end=end,
@@ -232,9 +183,25 @@ class Chunker:
             if check is not None and not len(spans) % 16:
                 check()
             following = max(end - self._overlap, start + 1)
-            while following > start + 1 and not at_break(following):
+            while following > start + 1 and not breaks.at_break(following):
                 following -= 1
-            start = following if at_break(following) else end
+            start = following if breaks.at_break(following) else end
+
+    def _chunk(self, text: str, ids, offsets, start: int,
+               breaks: _Breaks) -> tuple[int, tuple[int, ...]]:
+        """(where the chunk from ``start`` ends, its tokens): at the best place to end it whose
+        text's tokens fit (``_token_ids``)."""
+        tried: set[int] = set()
+        for end in breaks.ends(start, self.capacity, self._slack):
+            if end in tried:
+                continue
+            tried.add(end)
+            token_ids = self._token_ids(text, ids, offsets, start, end, breaks.at_word_boundary)
+            if token_ids is not None:  # else its text has more tokens than a chunk holds
+                return end, token_ids
+        # a unit of more tokens than a chunk holds, from start on: cut it inside
+        end = min(start + self.capacity, len(ids))
+        return end, tuple(ids[start:end])
 
     def _token_ids(self, text: str, ids, offsets, start: int, end: int,
                    at_word_boundary: Callable[[int], bool]) -> Optional[tuple[int, ...]]:
@@ -266,6 +233,58 @@ class Chunker:
 
     def _encode(self, text: str) -> tuple[int, ...]:
         return tuple(self._tok.encode(text, add_special_tokens=False).ids)
+
+
+class _Breaks:
+    """Where a chunk of one text may start and end, between its tokens ``i - 1`` and ``i`` (see
+    ``Chunker``): at a break, and best at a break after a sentence's end."""
+
+    def __init__(self, text: str, offsets, word_ids, n: int):
+        self._text, self._offsets, self._word_ids, self._n = text, offsets, word_ids, n
+        # For token j: the last token at or before it that is not a closing quote or bracket (or
+        # token 0), filled in as ends_sentence walks back, so that each token is walked over once
+        # in the whole text (a text of nothing but quotes was read back to its start at every
+        # place a chunk could end: quadratic).
+        self._before_closers: dict[int, int] = {}
+
+    def at_word_boundary(self, i: int) -> bool:
+        word_ids = self._word_ids
+        return i <= 0 or i >= self._n or word_ids[i] is None or word_ids[i] != word_ids[i - 1]
+
+    def at_char_boundary(self, i: int) -> bool:  # tokens i-1 and i share no character
+        offsets = self._offsets
+        return i <= 0 or i >= self._n or offsets[i][0] >= offsets[i - 1][1]
+
+    def at_break(self, i: int) -> bool:
+        text, offsets = self._text, self._offsets
+        return self.at_char_boundary(i) and (self.at_word_boundary(i) or bool(
+            _UNSPACED.match(text, offsets[i][0])
+            or _UNSPACED.match(text, max(0, offsets[i - 1][1] - 1))))
+
+    def _piece(self, j: int) -> str:  # token j's text, without the space SentencePiece keeps in it
+        return self._text[self._offsets[j][0]:self._offsets[j][1]].strip()
+
+    def ends_sentence(self, i: int) -> bool:  # the text's token i-1 closes a sentence
+        before_closers = self._before_closers
+        j, walked = i - 1, []
+        while j > 0 and j not in before_closers and self._piece(j) in _CLOSERS:
+            walked.append(j)
+            j -= 1
+        j = before_closers.get(j, j)
+        before_closers.update(dict.fromkeys(walked, j))
+        return self._piece(j).rstrip(_CLOSERS_TEXT)[-1:] in _SENTENCE_ENDS
+
+    def ends(self, start: int, capacity: int, slack: int) -> Iterator[int]:
+        """Where the chunk from ``start`` may end, best first."""
+        n = self._n
+        end = min(start + capacity, n)
+        if end == n:
+            yield n  # the rest fits
+        low = max(start, end - slack)
+        yield from (e for e in range(end, low, -1) if self.at_break(e) and self.ends_sentence(e))
+        yield from (e for e in range(end, start, -1) if self.at_break(e))
+        # a word longer than a chunk, with no break: cut inside, between characters
+        yield from (e for e in range(end, start, -1) if self.at_char_boundary(e))
 
 
 def chunk_id(doc_id: str, text_sha256: str, model: str, chunk_recipe: str, index: int) -> str:

@@ -62,6 +62,7 @@ from transforms.output.manifest import (
     write_manifest,
 )
 from transforms.output.summary import RunSummary
+from transforms.types import Counts
 
 _LOG = logging.getLogger(__name__)
 
@@ -140,21 +141,33 @@ class _CommitFn(beam.DoFn):
         if current is not None and current.run_id == self._run_id:
             return self._published_summary()
         if current is not None and current.run_id > self._run_id:
-            ahead = (run_id_time(current.run_id)
-                     - dt.datetime.now(dt.timezone.utc)).total_seconds()
-            if ahead > FUTURE_RUN_SKEW_S:
-                raise RunFromTheFuture(
-                    f"{self._output}: its manifest names run {current.run_id} "
-                    f"({current.state}), launched {ahead / 3600:.1f} h from now by its id: no "
-                    f"run could supersede it, so run {self._run_id} publishes nothing and fails. "
-                    "A clock is wrong (the machine that launched that run, or this one), or "
-                    "someone else wrote the manifest: check it, then move _manifest.json aside "
-                    "and rerun")
-            # A run launched after this one holds the output: the newest run wins, whichever
-            # commits last. This run publishes nothing.
-            delete_tree_fenced(staging_prefix(self._output, self._run_id), lease)
-            return base.replace(run_id=self._run_id, published=False,
-                                superseded_by=current.run_id)
+            return self._superseded(current, lease, base)
+        files, counts, summary = self._checked(staged, tallies, base)
+        self._publish(files, counts, summary, lease, skipped_from, current)
+        return summary
+
+    def _superseded(self, current: Manifest, lease: PublishLease, base: RunSummary) -> RunSummary:
+        """The summary of a run that publishes nothing: a run launched after it holds the output
+        (``RunFromTheFuture`` if that one was launched too far ahead of now)."""
+        ahead = (run_id_time(current.run_id)
+                 - dt.datetime.now(dt.timezone.utc)).total_seconds()
+        if ahead > FUTURE_RUN_SKEW_S:
+            raise RunFromTheFuture(
+                f"{self._output}: its manifest names run {current.run_id} "
+                f"({current.state}), launched {ahead / 3600:.1f} h from now by its id: no "
+                f"run could supersede it, so run {self._run_id} publishes nothing and fails. "
+                "A clock is wrong (the machine that launched that run, or this one), or "
+                "someone else wrote the manifest: check it, then move _manifest.json aside "
+                "and rerun")
+        # A run launched after this one holds the output: the newest run wins, whichever
+        # commits last. This run publishes nothing.
+        delete_tree_fenced(staging_prefix(self._output, self._run_id), lease)
+        return base.replace(run_id=self._run_id, published=False, superseded_by=current.run_id)
+
+    def _checked(self, staged, tallies, base: RunSummary
+                 ) -> tuple[dict[str, list[str]], Counts, RunSummary]:
+        """(the staged files by folder, what they hold, the run's summary), once what they hold
+        balances with the job's tallies (``AccountingError`` if not)."""
         files: dict[str, list[str]] = {subdir: [] for subdir in PUBLISHED_DIRS}
         for subdir, path in staged:
             files[subdir].append(path)
@@ -182,6 +195,13 @@ class _CommitFn(beam.DoFn):
                 f"unchanged={counts.unchanged}, near_duplicates={counts.near_duplicates}, "
                 f"chunks (in storage)={counts.chunks_written} "
                 f"(sent: {sent[Tally.CHUNKS]})")
+        return files, counts, summary
+
+    def _publish(self, files: dict[str, list[str]], counts: Counts, summary: RunSummary,
+                 lease: PublishLease, skipped_from: list[Snapshot],
+                 current: Optional[Manifest]) -> None:
+        """The run's summary written, its manifest published, and what runs killed before their
+        commit left cleaned up."""
         staging = staging_prefix(self._output, self._run_id)
         summary_path = join_path(staging, SUMMARY_FILE)
         data = summary.to_json()
@@ -205,7 +225,6 @@ class _CommitFn(beam.DoFn):
         publish(self._output, manifest, lease)
         # What runs killed before their commit left here (on local disk, also partial files).
         clean_stale(self._output, STALE_AFTER_S, lease)
-        return summary
 
     def _published_summary(self) -> RunSummary:
         """This run's summary, as published (``manifest.published_summary``: never another

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import zlib
-from typing import Any, Callable, Literal, Optional, get_args
+from typing import Any, Callable, Literal, get_args
 
 import apache_beam as beam
 from apache_beam import pvalue
@@ -32,6 +32,7 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 
 from transforms.metrics import DUPLICATES
 from transforms.settings import DedupKey
+from transforms.state import ms_ceiling, regroup
 from transforms.state_coders import MicroBatchCoder, SeenKeysCoder
 from transforms.types import BatchId, MicroBatch
 
@@ -92,14 +93,6 @@ class DropDuplicates(beam.PTransform):
                 | "GroupByDedupKey" >> beam.GroupByKey()
                 | "KeepOne" >> beam.FlatMap(_keep_one).with_outputs(DUPLICATES_TAG, SURVIVORS_TAG,
                                                                      main="docs"))
-
-
-def ms_ceiling(t: Timestamp) -> Timestamp:
-    """A timer's time rounded up to the millisecond: portable runners (FnApiRunner; Dataflow's
-    runner v2 speaks the same Fn API) deliver a timer's timestamp in milliseconds. A prune that
-    compared a microsecond expiry with the truncated firing time found nothing expired and set the
-    same timer again, for ever (seen on FnApiRunner)."""
-    return Timestamp(micros=-(-t.micros // 1000) * 1000)
 
 
 StateLayout = Literal["per_key", "per_shard"]
@@ -229,32 +222,6 @@ class _KeepFirstPerKey(beam.DoFn):
     @on_timer(FORGET)
     def forget(self, expiry=beam.DoFn.StateParam(EXPIRY)):
         expiry.clear()
-
-
-def regroup(item, expected: Callable[[MicroBatch], int], header_state, verdicts,
-            pending_state) -> Optional[tuple[MicroBatch, list]]:
-    """One arrival at a regroup by batch id (this module's, ``transforms.stories``'): the header
-    (a ``MicroBatch``, which awaits ``expected(header)`` verdicts) or one verdict, in any order.
-    Returns (the header, every verdict) once all are in, its state cleared; else None, the arrival
-    kept. ``pending_state`` counts what is still missing in one small cell (the header adds what
-    it awaits, each verdict takes one away; it is 0 only when both are complete), so an arrival
-    reads one small cell and appends to a bag; the header and the verdicts are read once, at the
-    end."""
-    header = item if isinstance(item, MicroBatch) else None
-    pending = (pending_state.read() or 0) + (expected(header) if header is not None else -1)
-    if pending:
-        pending_state.write(pending)
-        if header is not None:
-            header_state.write(header)
-        else:
-            verdicts.add(tuple(item))
-        return None
-    every = list(verdicts.read()) + ([] if header is not None else [tuple(item)])
-    header = header or header_state.read()
-    header_state.clear()
-    verdicts.clear()
-    pending_state.clear()
-    return header, every
 
 
 class _Regroup(beam.DoFn):

@@ -7,24 +7,21 @@ One file per part:
 - ``boilerplate``: the blocks many articles of one source share, counted (``BlockCounts``);
 - ``facts``: what a MinHash cannot see (a short text's words, a text's numbers);
 - ``index``: the rules of a copy, ``StoryIndex`` (articles held by band key), ``story_rank``;
-- ``batch``: ``MarkStories`` and what joins its marks (``MarkRows``, ``SkipCopies``,
-  ``RescueCopies``, ``KeepOneRescued``);
+- ``batch``: ``MarkStories`` and what joins its marks to the rows (``MarkRows``);
+- ``skip``: action ``skip``, the copies left out of the embedding, or embedded after all where
+  their original failed (``EmbedSkippingCopies``: ``SkipCopies``, ``RescueCopies``,
+  ``KeepOneRescued``);
 - ``streaming``: ``MarkStoriesStreaming`` (state per source and per band key, or the local
   runner's one state).
 How a copy is found, its order and its limits: docs/output.md ("The same story, once").
 """
 from transforms.stories.batch import (
-    COPIES_SKIPPED,
     MARKS,
     PREVIOUS_ORIGINALS,
-    KeepOneRescued,
     MarkRows,
     MarkStories,
-    RescueCopies,
-    SkipCopies,
     find_stories,
     previous_signatures,
-    similarity_band,
     with_mark,
 )
 from transforms.stories.index import (
@@ -50,6 +47,14 @@ from transforms.stories.signature import (
     similarity,
     to_bytes,
 )
+from transforms.stories.skip import (
+    COPIES_SKIPPED,
+    EmbedSkippingCopies,
+    KeepOneRescued,
+    RescueCopies,
+    SkipCopies,
+    similarity_band,
+)
 from transforms.stories.streaming import (
     MarkStoriesStreaming,
     _MatchPerBand,
@@ -58,8 +63,9 @@ from transforms.stories.streaming import (
 )
 
 __all__ = [
-    "COPIES_SKIPPED", "MARKS", "MAX_HELD_PER_BAND", "PREVIOUS_ORIGINALS", "Held",
-    "KeepOneRescued", "MarkRows", "MarkStories", "MarkStoriesStreaming", "RescueCopies", "Rules",
+    "COPIES_SKIPPED", "EmbedSkippingCopies", "MARKS", "MAX_HELD_PER_BAND", "PREVIOUS_ORIGINALS",
+    "Held", "KeepOneRescued", "MarkRows", "MarkStories", "MarkStoriesStreaming", "RescueCopies",
+    "Rules",
     "Signed", "SkipCopies", "StoryIndex", "StoryMark", "_MatchPerBand", "_rank_of", "band_keys",
     "band_signature", "band_similarity", "best_match", "block_keys", "decide", "find_stories",
     "from_bytes", "previous_signatures", "shingle_hashes", "shingle_text", "sign",

@@ -3,8 +3,7 @@ then, with the signatures of ``incremental.previous_outputs`` (their ``keys/`` h
 article's signature, story and facts), marked in order on one worker: previous outputs first,
 then the run's articles by ``published_at`` (none: last), then id. The marks join the rows after
 the embedding (action ``mark``: ``MarkRows``), or the documents before it (``skip``:
-``SkipCopies``; the copies held back are counted ``near_duplicates``, or embedded after all where
-their original failed, ``RescueCopies`` and ``KeepOneRescued``).
+``transforms.stories.skip``).
 """
 from __future__ import annotations
 
@@ -19,18 +18,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from apache_beam import pvalue
 
-from transforms.metrics import NEAR_DUPLICATES
 from transforms.output.layout import open_output_file
 from transforms.settings import NearDuplicateSettings
 from transforms.stories.boilerplate import LearnBoilerplate
 from transforms.stories.facts import Facts
 from transforms.stories.index import (
-    _UNDATED,
     Held,
     StoryIndex,
     StoryMark,
     micros,
-    skipped,
     story_rank,
 )
 from transforms.stories.sign import Signed, holds_boilerplate, sign
@@ -190,7 +186,7 @@ def with_mark(item, mark: Optional[StoryMark]):
     return dataclasses.replace(item, **fields)
 
 
-MARKS, COPIES_SKIPPED = "marks", "near_duplicates"
+MARKS = "marks"
 
 
 class MarkStories(beam.PTransform):
@@ -277,106 +273,3 @@ class MarkRows(beam.PTransform):
     def expand(self, rows):
         return rows | "WithStory" >> beam.Map(_mark_row, pvalue.AsDict(self._marks),
                                               pvalue.AsDict(self._survivors))
-
-
-class _SkipCopiesFn(beam.DoFn):
-    def __init__(self, settings: NearDuplicateSettings):
-        self._settings = settings
-
-    def process(self, doc, marks):
-        mark = marks.get((doc.id, doc.text_sha256))
-        if skipped(mark, self._settings):
-            yield pvalue.TaggedOutput(COPIES_SKIPPED, with_mark(doc, mark))
-            return
-        yield with_mark(doc, mark)
-
-
-class SkipCopies(beam.PTransform):
-    """Batch, action ``skip``: the documents to embed, with their marks (main output ``docs``),
-    and the copies skippable (``transforms.stories.index.Rules.skippable``), held back
-    (``near_duplicates``: then ``RescueCopies``). It waits for every article's mark: the embedding
-    starts once every article is prepared."""
-
-    def __init__(self, marks, settings: NearDuplicateSettings):
-        super().__init__()
-        self._marks, self._settings = marks, settings
-
-    def expand(self, docs):
-        return docs | "SkipCopies" >> beam.ParDo(
-            _SkipCopiesFn(self._settings), pvalue.AsDict(self._marks)).with_outputs(
-            COPIES_SKIPPED, main="docs")
-
-
-def _rescue(keyed):
-    _, grouped = keyed
-    copies = list(grouped["copies"])
-    if any(grouped["failed"]) and not any(grouped["written"]) and not any(grouped["earlier"]):
-        # The original has no row (a version of it dead-lettered, none embedded, none in a
-        # previous output): its copies are embedded after all (``KeepOneRescued`` keeps one).
-        yield from copies
-        return
-    NEAR_DUPLICATES.inc(len(copies))
-    for copy in copies:
-        yield pvalue.TaggedOutput(COPIES_SKIPPED, (copy.id, copy.similarity))
-
-
-class RescueCopies(beam.PTransform):
-    """Batch, action ``skip``: the copies ``SkipCopies`` held back, the embedder's dead letters, its
-    rows and the previous outputs' originals the marks name -> the copies whose original has no
-    row, the embedder having dead-lettered it and no previous output holding it (main output
-    ``rescued``: to embed after all, so that the story keeps a row), and (id, similarity) of the
-    others (``near_duplicates``: counted, not embedded). A dead letter of an original that also
-    has a row (another version of it, embedded now or in a previous output) rescues nothing."""
-
-    def __init__(self, dead_letters, embedded, previous_originals):
-        super().__init__()
-        self._letters, self._embedded = dead_letters, embedded
-        self._earlier = previous_originals
-
-    def expand(self, held_back):
-        copies = held_back | "ByOriginal" >> beam.Map(lambda doc: (doc.near_duplicate_of, doc))
-        failed = (self._letters
-                  | "DeadLetteredIds" >> beam.Filter(lambda letter: letter.event_id is not None)
-                  | "ById" >> beam.Map(lambda letter: (letter.event_id, True)))
-        written = self._embedded | "EmbeddedIds" >> beam.Map(lambda row: (row.id, True))
-        return ({"copies": copies, "failed": failed, "written": written, "earlier": self._earlier}
-                | "CopiesAndFailures" >> beam.CoGroupByKey()
-                | "Rescue" >> beam.FlatMap(_rescue).with_outputs(COPIES_SKIPPED, main="rescued"))
-
-
-def _rescued_rank(row) -> tuple:
-    published = micros(row.published_at)
-    return (_UNDATED if published is None else published, row.id, row.text_sha256)
-
-
-def _keep_one(keyed):
-    _, rows = keyed
-    rows = sorted(rows, key=_rescued_rank)
-    yield rows[0]
-    NEAR_DUPLICATES.inc(len(rows) - 1)
-    for row in rows[1:]:
-        yield pvalue.TaggedOutput(COPIES_SKIPPED, (row.id, row.similarity))
-
-
-class KeepOneRescued(beam.PTransform):
-    """Batch, action ``skip``: the rescued copies as embedded -> per original, the first of them in
-    ``story_rank`` order (main output ``rows``: the story's row), and (id, similarity) of the
-    others (``near_duplicates``, as the copies skip leaves out). All were embedded, so that one
-    that fails too leaves the others; in order, so that a retried bundle keeps the same one."""
-
-    def expand(self, rescued_rows):
-        return (rescued_rows
-                | "ByOriginal" >> beam.Map(lambda row: (row.near_duplicate_of, row))
-                | "PerOriginal" >> beam.GroupByKey()
-                | "KeepFirst" >> beam.FlatMap(_keep_one).with_outputs(COPIES_SKIPPED, main="rows"))
-
-
-SIMILARITY_BANDS = (0.5, 0.7, 0.8, 0.9, 0.95, 0.99)
-
-
-def similarity_band(similarity: Optional[float]) -> str:
-    """The band a skipped copy's similarity falls in, as ``"0.90-0.95"`` (``"0.99-1.00"``: 1
-    included)."""
-    edges = (0.0, *SIMILARITY_BANDS, 1.0)
-    low = max(edge for edge in edges[:-1] if (similarity or 0.0) >= edge)
-    return f"{low:.2f}-{edges[edges.index(low) + 1]:.2f}"

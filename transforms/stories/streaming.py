@@ -48,9 +48,9 @@ from apache_beam.transforms.userstate import (
 )
 from apache_beam.utils.timestamp import Duration, Timestamp
 
-from transforms.dedup import ms_ceiling, regroup
 from transforms.metrics import NEAR_DUPLICATES, NEAR_DUPLICATES_MARKED
 from transforms.settings import NearDuplicateSettings
+from transforms.state import ms_ceiling, regroup
 from transforms.state_coders import HeldStoriesCoder, MicroBatchCoder
 from transforms.stories.batch import facts_of, source_of, with_mark, with_signed
 from transforms.stories.boilerplate import BlockCounts, id_hash
@@ -387,7 +387,7 @@ _VERDICT_CODER = TupleCoder((StrUtf8Coder(), NullableCoder(StrUtf8Coder()),
 class _Regroup(beam.DoFn):
     """Per batch id: the header (the signed micro-batch) and one verdict per document and band, in
     any order -> the micro-batch marked (``decide``) once all are in; then its state is cleared.
-    ``PENDING`` counts what is still missing (``transforms.dedup.regroup``: the header awaits a
+    ``PENDING`` counts what is still missing (``transforms.state.regroup``: the header awaits a
     verdict per signed document and band)."""
 
     HEADER = ReadModifyWriteStateSpec("header", MicroBatchCoder())
