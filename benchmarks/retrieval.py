@@ -106,7 +106,7 @@ def compact_runs(config, events: Path, work: Path, queries: list[str], targets: 
                  k: int, options) -> list[dict]:
     """``--compact``: per (vector_dtype, dimensions), the bytes per written row and the recalls."""
     from pipeline.run import run_batch
-    from transforms.engines.base import load_engine
+    from transforms.engines.registry import load_engine
     from transforms.text import HeadTokenizer
 
     head = config.chunking.model_copy(update={"mode": "head"})
@@ -174,7 +174,7 @@ def story_runs(config, work: Path, texts: list[str], args, options) -> dict:
     """``--stories``: the corpus with copies, through the pipeline in head mode, ranked by every
     row and collapsed by story."""
     from pipeline.run import run_batch
-    from transforms.engines.base import load_engine
+    from transforms.engines.registry import load_engine
     from transforms.text import HeadTokenizer, compose_text
     from transforms.types import NewsEvent
 
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
     from apache_beam.options.pipeline_options import PipelineOptions
 
     from pipeline.run import run_batch
-    from transforms.engines.base import load_engine
+    from transforms.engines.registry import load_engine
     from transforms.text import HeadTokenizer, compose_text
     from transforms.types import NewsEvent
 

@@ -7,6 +7,8 @@ import yaml
 from pipeline import config as config_lib
 from pipeline.run import resolve
 from tests.conftest import make_config
+from transforms.engines.registry import ENGINES, engine_factory
+from transforms.engines.vllm import load_vllm
 
 CONFIGS = Path(config_lib.REPO_ROOT) / "configs"
 
@@ -113,6 +115,16 @@ def test_missing_or_malformed_config_file_is_a_config_error(tmp_path):
     bad.write_text("model: [unclosed")
     with pytest.raises(config_lib.ConfigError, match="not valid YAML"):
         config_lib.load(bad)
+
+
+def test_an_unknown_engine_is_a_config_error_naming_the_known_ones(tmp_path):
+    """``model.engine`` picks a backend of the registry (``vllm`` when unset)."""
+    raw = local_raw()
+    assert config_lib.load(write(tmp_path, raw)).model.engine == "vllm"
+    assert engine_factory("vllm") is ENGINES["vllm"] is load_vllm
+    raw["model"]["engine"] = "onnx"
+    with pytest.raises(config_lib.ConfigError, match=r"model\.engine 'onnx' .*known ones: vllm"):
+        config_lib.load(write(tmp_path, raw))
 
 
 def test_native_dtype_is_bfloat16_only_where_the_hardware_computes_it(monkeypatch):

@@ -145,7 +145,7 @@ class RecordingFakeEngine(FakeEngine):
 @pytest.fixture
 def fake_engine(monkeypatch):
     engine = RecordingFakeEngine()
-    monkeypatch.setattr("transforms.engines.base.load_engine", lambda settings: engine)
+    monkeypatch.setattr("transforms.engines.registry.load_engine", lambda settings: engine)
     # newsvec search computes MiniLM's query vector without the engine: the FAKE is given its ids
     monkeypatch.setattr("transforms.engines.query.QueryEmbedder.embed",
                         lambda self, ids: engine.embed([ids])[0])

@@ -64,8 +64,8 @@ from transforms.engines.base import (
     EngineHandle,
     ModelHandle,
     finite_rows,
-    process_engine,
 )
+from transforms.engines.registry import process_engine
 from transforms.engines.shared import EngineEndedInCall, deaths_allowed, shared_engine
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
 from transforms.settings import ChunkingSettings, ModelSettings

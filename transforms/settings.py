@@ -40,6 +40,9 @@ class ModelSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    engine: str = Field(
+        "vllm", description="the engine backend that embeds (`transforms/engines/registry.py`): "
+                            "`vllm`, vLLM's `LLM(runner=\"pooling\")`")
     name: str = Field(description="recorded in the `model` column")
     path: str = Field(description="local folder, `pypackage:MODULE` (a model inside a Python "
                                   "package), `gs://BUCKET/PATH/` (a folder in GCS, fetched once "

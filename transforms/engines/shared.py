@@ -75,9 +75,9 @@ from transforms.engines.base import (
     EngineFailedError,
     EngineHandle,
     all_finite,
-    process_engine,
 )
 from transforms.engines.devices import DeviceSlots, engine_devices
+from transforms.engines.registry import process_engine
 from transforms.private_files import (
     UnsafeFolderError,
     check_private_folder,
