@@ -56,6 +56,7 @@ from tools.story_figures import (
     story_figures,
     with_copies,
 )
+from transforms.engines.devices import resolved_dtype
 from transforms.output.parquet import vector_matrix
 from transforms.settings import ChunkingSettings
 
@@ -339,7 +340,7 @@ def main(argv=None) -> int:
         stories = story_runs(config, work, texts, args, options)
         out_file = write_results({
             "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "model": config.model.name, "dtype": config.model.resolved_dtype(), **stories},
+            "model": config.model.name, "dtype": resolved_dtype(config.model), **stories},
             args.results, "retrieval-stories")
         print(f"results: {out_file}")
         return 0
@@ -349,7 +350,7 @@ def main(argv=None) -> int:
         out_file = write_results({
             "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "k": args.k, "queries": len(queries), "articles": len(texts),
-            "model": config.model.name, "dtype": config.model.resolved_dtype(),
+            "model": config.model.name, "dtype": resolved_dtype(config.model),
             "runs": compact}, args.results, "retrieval-compact")
         print(f"results: {out_file}")
         return 0
@@ -393,7 +394,7 @@ def main(argv=None) -> int:
         print(f"{mode} mode / head mode, articles/s: {ratio:.2f}")
     results = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                "k": args.k, "queries": len(queries), "articles": len(head_ids),
-               "model": config.model.name, "dtype": config.model.resolved_dtype(),
+               "model": config.model.name, "dtype": resolved_dtype(config.model),
                "chunking": chunking.model_dump(), "chunk_modes": args.chunk_modes,
                "recalls": recalls, "runs": runs,
                **{f"{mode}_over_head_articles_per_s": ratio for mode, ratio in cost.items()}}

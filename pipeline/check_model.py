@@ -36,6 +36,7 @@ import numpy as np
 
 from pipeline import config as config_lib
 from pipeline import parse_command
+from transforms.engines.devices import resolved_dtype
 from transforms.settings import ModelSettings
 
 DEFAULT_INPUT = config_lib.REPO_ROOT / "pipeline" / "sample_data" / "news-events.jsonl"
@@ -231,7 +232,7 @@ def model_facts(settings: ModelSettings, folder: Path, pooling_engine: str, dim:
         local_window=window, local_reach=reach, local_layers=local,
         document_prefix=settings.document_prefix,
         reference_prefix=reference_prefix, model_prompts=dict(prompts),
-        query_prefix=settings.query_prefix, dtype=settings.resolved_dtype(),
+        query_prefix=settings.query_prefix, dtype=resolved_dtype(settings),
         reference_dtype="float32")
 
 
@@ -490,7 +491,7 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
         notes.append("no text of the sample reaches past the model's local window or near "
                      "max_tokens: check long articles too")
     if settings.dtype == "native":
-        notes.append(f"dtype native resolved to {settings.resolved_dtype()} on this machine; "
+        notes.append(f"dtype native resolved to {resolved_dtype(settings)} on this machine; "
                      "run the check where the pipeline runs")
     if not _same_pooling(facts.pooling_reference, pooling_engine):
         notes.append(f"the reference pools by {facts.pooling_reference}, the engine by "

@@ -31,6 +31,7 @@ from transforms.dedup import (
 )
 from transforms.embed import Embed, EmbedStreaming
 from transforms.engines.base import EngineFactory
+from transforms.engines.devices import resolved_dtype
 from transforms.engines.model import model_content_hash, model_folder, model_label
 from transforms.incremental import (
     SKIPPED_FROM,
@@ -121,7 +122,7 @@ def summary_base(config: Config) -> dict:
                             "embedding_signature": signature_of(config)},
             "model": {**config.model.model_dump(), "resolved_path": model_path,
                       "label": model_label(config.model, model_path),
-                      "resolved_dtype": config.model.resolved_dtype(),
+                      "resolved_dtype": resolved_dtype(config.model),
                       "content_sha256": model_content_hash(model_path) or None}}
 
 

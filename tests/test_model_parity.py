@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import tiny_model_settings
 from tools.tiny_models import made_up_text
+from transforms.engines.devices import resolved_dtype
 from transforms.engines.registry import load_engine
 from transforms.text import HeadTokenizer
 
@@ -63,7 +64,7 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _dtypes():
     """float32, and the dtype newsvec runs at on this CPU (``model.dtype: native``)."""
-    native = tiny_model_settings(Path("unused"), "native").resolved_dtype()
+    native = resolved_dtype(tiny_model_settings(Path("unused"), "native"))
     return sorted({"float32", native})
 
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from transforms.engines.devices import resolved_dtype
 from transforms.engines.model import ModelSettings, model_folder, module_configs, pooling_modes
 
 _ERFC_COEFFICIENTS = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806,
@@ -264,7 +265,7 @@ class QueryEmbedder:
             raise Unsupported("trust_remote_code: the model runs its own code")
         if settings.dimensions is not None and settings.dimensions != settings.dim:
             raise Unsupported("model.dimensions: the engine truncates")
-        self.dtype = settings.resolved_dtype()
+        self.dtype = resolved_dtype(settings)
         if self.dtype not in ("float32", "bfloat16"):
             raise Unsupported(f"dtype {self.dtype}")
         folder = Path(model_folder(settings))
