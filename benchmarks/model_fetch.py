@@ -16,7 +16,8 @@ from pathlib import Path
 
 from tools.emulators import fake_gcs_server
 from transforms.engines import fetch
-from transforms.engines.model import model_content_hash, resolve_model_path
+from transforms.engines.model import resolve_model_path
+from transforms.engines.model_files import model_content_hash
 
 BUCKET = "newsvec-models"
 

@@ -142,7 +142,7 @@ def _read_json(path: Path) -> Any:
 
 def _modules(folder: Path) -> tuple[str, bool]:
     """(the pooling modes of the sentence-transformers modules, whether they normalize)."""
-    from transforms.engines.model import module_configs
+    from transforms.engines.model_files import module_configs
     from transforms.engines.vllm import sentence_transformers_pooling
 
     modes = sentence_transformers_pooling(folder)
@@ -153,7 +153,7 @@ def _modules(folder: Path) -> tuple[str, bool]:
 
 def _pooling_config(folder: Path) -> dict:
     """The sentence-transformers pooling module's config (``1_Pooling/config.json``), or {}."""
-    from transforms.engines.model import module_configs
+    from transforms.engines.model_files import module_configs
 
     configs = module_configs(folder, "Pooling")
     return (configs[0] or {}) if configs else {}

@@ -33,9 +33,9 @@ from transforms.engines.model import (
     PYPACKAGE,
     check_dimensions,
     check_without_running_code,
-    model_content_hash,
     model_folder,
 )
+from transforms.engines.model_files import model_content_hash
 from transforms.engines.registry import engine_factory
 from transforms.settings import (
     ChunkingSettings,

@@ -32,7 +32,8 @@ from transforms.dedup import (
 from transforms.embed import Embed, EmbedStreaming
 from transforms.engines.base import EngineFactory
 from transforms.engines.devices import resolved_dtype
-from transforms.engines.model import model_content_hash, model_folder, model_label
+from transforms.engines.model import model_folder, model_label
+from transforms.engines.model_files import model_content_hash
 from transforms.incremental import (
     SKIPPED_FROM,
     UNCHANGED,

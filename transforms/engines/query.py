@@ -27,7 +27,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from transforms.engines.devices import resolved_dtype
-from transforms.engines.model import ModelSettings, model_folder, module_configs, pooling_modes
+from transforms.engines.model import ModelSettings, model_folder, pooling_modes
+from transforms.engines.model_files import module_configs
 
 _ERFC_COEFFICIENTS = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806,
                       0.09678418, 0.37409196, 1.00002368, -1.26551223)

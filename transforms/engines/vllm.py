@@ -21,10 +21,10 @@ from transforms.engines.model import (
     Matryoshka,
     model_folder,
     model_label,
-    module_configs,
     pooling_modes,
     truncation,
 )
+from transforms.engines.model_files import module_configs
 from transforms.settings import ModelSettings
 
 _LOG = logging.getLogger(__name__)
