@@ -36,7 +36,7 @@ import sys
 
 from transforms.incremental import SnapshotChanged
 from transforms.output.layout import InvalidManifest, UnsafePath
-from transforms.output.lease import PublishLease, require_lease_s
+from transforms.output.lease import PublishLease
 from transforms.output.manifest import (
     clean_stale,
     missing_files,
@@ -44,6 +44,7 @@ from transforms.output.manifest import (
     repair,
     require_stale_age,
 )
+from transforms.timing_floors import require_lease_s
 
 _LOG = logging.getLogger(__name__)
 

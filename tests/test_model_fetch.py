@@ -53,7 +53,7 @@ def cache_fixture(tmp_path, monkeypatch):
 
 def upload(prefix: str, files: dict[str, bytes]) -> str:
     """The files as objects under ``gs://BUCKET/prefix/``; the folder's gs:// path."""
-    from transforms.output.lease import gcs_bucket_and_name
+    from transforms.gcs import gcs_bucket_and_name
 
     bucket, _ = gcs_bucket_and_name(f"gs://{BUCKET}/")
     for name, data in files.items():
@@ -192,7 +192,7 @@ def test_a_worker_refuses_a_folder_changed_after_the_launch(fake_gcs, cache, tmp
 def test_object_names_that_leave_the_folder_are_refused(fake_gcs, cache, tmp_path, name):
     prefix = f"traversal-{abs(hash(name))}"
     path = upload(prefix, TINY)
-    from transforms.output.lease import gcs_bucket_and_name
+    from transforms.gcs import gcs_bucket_and_name
 
     bucket, _ = gcs_bucket_and_name(f"gs://{BUCKET}/")
     bucket.blob(f"{prefix}/{name}").upload_from_string(b"{}")

@@ -36,6 +36,7 @@ from apache_beam import pvalue
 from apache_beam.io.filesystem import BeamIOError, FileSystem
 from apache_beam.io.filesystems import FileSystems
 
+from transforms.gcs import gcs_bucket_and_name
 from transforms.metrics import KEY_INDEX_LOAD_MS, KEY_INDEX_WAIT_MS, SKIP_LOOKUPS, SKIP_NS
 from transforms.output.compaction import current_key_files, is_compacted
 from transforms.output.key_index import KeyIndex, MissingKeyFile, ProcessCache
@@ -52,9 +53,9 @@ from transforms.output.layout import (
     open_inside,
     relative_to,
 )
-from transforms.output.lease import gcs_bucket_and_name, unsafe_test_timings
 from transforms.output.manifest import COMMITTED, read_manifest
 from transforms.settings import ChunkingSettings, ModelSettings
+from transforms.timing_floors import unsafe_test_timings
 from transforms.types import EmbeddedDoc, PreparedDoc
 
 UNCHANGED = "unchanged"

@@ -2,7 +2,7 @@
 they name: the one home of the config's schema.
 
 This module is the ground floor: it imports nothing of ``pipeline/`` and only
-``transforms.output.lease`` (the lease floor) of ``transforms/``, so every stage may import its
+``transforms.timing_floors`` (the lease's floor) of ``transforms/``, so every stage may import its
 settings from here. The root ``Config``, reading a file (``extends:``), the overrides and the
 ``{model}`` / ``{date}`` fields are ``pipeline/config.py``'s. """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from transforms.output.lease import require_lease_s
+from transforms.timing_floors import require_lease_s
 
 DedupKey = Literal["id", "text_sha256"]  # the config's ``dedup.key``
 UnicodeForm = Literal["NFC", "NFKC"]

@@ -49,6 +49,7 @@ from transforms.engines.model_files import (
     model_content_hash,
     module_folders,
 )
+from transforms.gcs import gcs_bucket_and_name
 from transforms.private_files import (
     check_private_folder,
     open_private_file,
@@ -121,8 +122,6 @@ def safe_relative(spec: str, name: str) -> str:
 
 def list_folder(spec: str) -> list[Listed]:
     """The objects to fetch, checked (``safe_relative``, ``check_complete``, the limits)."""
-    from transforms.output.lease import gcs_bucket_and_name
-
     bucket_name, prefix = split_gcs_folder(spec)
     bucket, _ = gcs_bucket_and_name(f"{GS}{bucket_name}/")
     every = []
@@ -209,8 +208,6 @@ def _key(spec: str, listed: list[Listed]) -> str:
 
 def _download(spec: str, listed: list[Listed], into: Path) -> None:
     from google.api_core import exceptions
-
-    from transforms.output.lease import gcs_bucket_and_name
 
     bucket_name, prefix = split_gcs_folder(spec)
     bucket, _ = gcs_bucket_and_name(f"{GS}{bucket_name}/")
