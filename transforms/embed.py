@@ -55,8 +55,6 @@ from transforms.chunking import (
     chunk_id,
     late_vector,
     mean_vector,
-    normalized,
-    pool_tokens,
 )
 from transforms.engines.base import (
     EngineFactory,
@@ -82,6 +80,7 @@ from transforms.types import (
     Step,
     story_of,
 )
+from transforms.vector_math import normalized, pool_tokens
 
 _LOG = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ class EmbeddingEngine(Protocol):
     # Optional, for ``chunking.mode: late`` (an engine loaded with ``model.pooling_task:
     # token_embed``): ``embed_tokens(prompts)``, per prompt a matrix of one vector per token
     # (``len(prompt) x dim``, not normalized), and ``pooling``, how the model pools a sequence
-    # (``mean``, ``cls`` or ``last``: ``transforms.chunking.pool_tokens``).
+    # (``mean``, ``cls`` or ``last``: ``transforms.vector_math.pool_tokens``).
 
     def close(self) -> None:
         """Release the engine; it is not used again."""

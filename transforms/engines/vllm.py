@@ -13,7 +13,6 @@ from typing import Any, Literal, Optional, Sequence
 
 import numpy as np
 
-from transforms.chunking import normalized, pool_tokens
 from transforms.engines import base
 from transforms.engines.base import _LLM_FIELDS, truncate_vector
 from transforms.engines.devices import resolved_dtype
@@ -26,6 +25,7 @@ from transforms.engines.model import (
 )
 from transforms.engines.model_files import module_configs
 from transforms.settings import ModelSettings
+from transforms.vector_math import normalized, pool_tokens
 
 _LOG = logging.getLogger(__name__)
 CANARY_TEXT = "newsvec engine check"
