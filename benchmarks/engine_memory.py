@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     from transforms.engines import base as engines
+    from transforms.engines.registry import process_engine
     from transforms.text import text_tools
 
     settings = load(REPO_ROOT / "configs" / "local-streaming.yaml").model
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
         trims.append(time.perf_counter() - started)
 
     engines.FREED_MEMORY.trim = None if args.no_trim else timed_trim
-    engine = engines.process_engine(settings, None)
+    engine = process_engine(settings, None)
     engine.embed(fixed[0])  # the first call's one-off set-up is not counted
     first = memory_mib()
     print(json.dumps({"shapes": args.shapes, "trim": not args.no_trim,

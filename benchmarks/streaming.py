@@ -31,7 +31,7 @@ from pipeline.config import REPO_ROOT, load
 from tools.bench_results import write_results
 from tools.emulators import emulated_streaming_job as streaming_job
 from tools.engine_calls import CALLS_ENV, calls, record
-from transforms.engines.base import load_engine
+from transforms.engines.registry import load_engine
 
 SUBSCRIPTION = "projects/newsvec-bench/subscriptions/news"
 

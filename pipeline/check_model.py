@@ -20,7 +20,8 @@ when the lowest cosine of the texts or of the queries is below ``--min-cosine``,
 disagree, a text failed to embed, the vectors' normalization differs, the model declares a prompt
 the config neither uses nor leaves out on purpose (``model.unused_prompts``), or a BERT model's
 ``tokenizer.json`` says otherwise than the tokenizer transformers builds (which every side here
-uses, so no cosine can show it); 2 for a config or input it cannot use.
+uses, so no cosine can show it); 2 for a config or input it cannot use. What the model folder
+says (its facts and declared prompts) is ``transforms.engines.model_facts``'s.
 """
 from __future__ import annotations
 
@@ -33,54 +34,41 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from apache_beam import pvalue
+from apache_beam.io.filesystems import FileSystems
 
 from pipeline import config as config_lib
 from pipeline import parse_command
+from pipeline.graph import prepare_text
+from pipeline.search import embed_queries
+from pipeline.terminal import escaped
+from transforms.embed import EmbedFailure, embedder_for, model_inputs
+from transforms.engines.base import EngineFailedError
+from transforms.engines.devices import resolved_dtype
+from transforms.engines.model import resolve_model_path
+from transforms.engines.model_facts import (
+    DOCUMENT_PROMPTS,
+    LEFT_OUT,
+    QUERY_PROMPTS,
+    DeclaredPrompt,
+    ModelFacts,
+    declared_prompts,
+    document_prompt,
+    model_facts,
+    model_prompts,
+    pooling_config,
+    query_prompt,
+)
+from transforms.engines.query import Unsupported, tokenizer_json_disagreements
+from transforms.engines.vllm import resolved_pooling
+from transforms.parse import ParseError, parse_event
 from transforms.settings import ModelSettings
+from transforms.text import normalize_text
 
 DEFAULT_INPUT = config_lib.REPO_ROOT / "pipeline" / "sample_data" / "news-events.jsonl"
 DEFAULT_MIN_COSINE = 0.99
 NEAR_MAX_TOKENS = 0.9  # a text of at least this share of max_tokens is "near max_tokens"
-_DOCUMENT_PROMPTS = ("document", "passage", "doc", "corpus")  # sentence-transformers prompt names
-_QUERY_PROMPTS = ("query",)
 QUERY_SAMPLE = 50  # titles of the sample embedded as queries
-LEFT_OUT = "left out on purpose (model.unused_prompts)"
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelFacts:
-    """What the model folder says, and what the engine and the config make of it."""
-    path: str
-    architecture: str
-    model_type: str
-    pooling_reference: str  # sentence-transformers' pooling module (1_Pooling/config.json)
-    pooling_engine: str  # what vLLM resolved for the loaded model
-    normalize_reference: bool  # the modules hold a Normalize
-    normalize_config: bool  # model.normalize
-    dim: int  # the reference's vectors
-    matryoshka_dimensions: Optional[list[int]]  # declared sizes; [] declared, any size; None: not
-    max_positions: Optional[int]  # config.json's max_position_embeddings
-    max_seq_length: Optional[int]  # sentence-transformers' (sentence_bert_config.json)
-    max_tokens: int  # the config's
-    local_window: Optional[int]  # the config's local attention window; None: none
-    local_reach: Optional[int]  # tokens a local layer's token sees on each side
-    local_layers: Optional[str]  # "3 of 4"
-    document_prefix: str  # the config's, which newsvec puts before every text
-    reference_prefix: str  # what the reference puts before every text
-    model_prompts: dict[str, str]  # the model's declared prompts (config_sentence_transformers)
-    query_prefix: str
-    dtype: str  # the engine's, resolved on this machine
-    reference_dtype: str
-    query_reference_prefix: str = ""  # what the reference puts before every query
-
-
-@dataclasses.dataclass(frozen=True)
-class DeclaredPrompt:
-    """A prompt the model declares (``prompts`` in ``config_sentence_transformers.json``)."""
-    name: str
-    text: str
-    role: str  # "query", "document", or "unknown": a name check-model does not know
-    use: str  # "model.query_prefix", "model.document_prefix", LEFT_OUT or "unused"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,67 +120,43 @@ class Report:
         return json.dumps(dataclasses.asdict(self), ensure_ascii=False)
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+@dataclasses.dataclass(frozen=True)
+class _Reference:
+    """The reference model (sentence-transformers on a folder, at float32) and what it puts
+    before every text and every query."""
+    st: Any  # sentence_transformers.SentenceTransformer
+    prompts: dict[str, str]  # the prompts its folder declares
+    declared: Optional[str]  # its declared document prompt (not left out), if any
+    prefix: str  # what it puts before every text
+    declared_query: Optional[str]  # its declared query prompt (not left out), if any
+    query_prefix: str  # what it puts before every query
+    given_prefix: Optional[str]  # --reference-prefix
 
 
-def _modules(folder: Path) -> tuple[str, bool]:
-    """(the pooling modes of the sentence-transformers modules, whether they normalize)."""
-    from transforms.engines.model import module_configs
-    from transforms.engines.vllm import sentence_transformers_pooling
+@dataclasses.dataclass(frozen=True)
+class _Compared:
+    """What ``check`` measured, before it is judged."""
+    cosines: list[TextCosine]
+    summaries: list[Summary]  # "all" first; none when no text was compared
+    failed: int  # texts that did not embed
+    late_chunks: int  # chunk vectors of chunking.mode late, which have no reference
+    query_cosines: list[TextCosine]
+    query_path: str
+    query_error: Optional[str]
+    heads: int
+    disagreements: list[TokenDisagreement]
 
-    modes = sentence_transformers_pooling(folder)
-    pooling = ("+".join(modes) or "none" if modes is not None
-               else "none (no sentence-transformers modules: the architecture's default)")
-    return pooling, bool(module_configs(folder, "Normalize"))
-
-
-def _pooling_config(folder: Path) -> dict:
-    """The sentence-transformers pooling module's config (``1_Pooling/config.json``), or {}."""
-    from transforms.engines.model import module_configs
-
-    configs = module_configs(folder, "Pooling")
-    return (configs[0] or {}) if configs else {}
-
-
-def document_prompt(prompts: dict[str, str], left_out: Sequence[str] = ()) -> Optional[str]:
-    """The model's declared prompt for documents (sentence-transformers' ``prompts``), if any
-    that is not ``left_out``."""
-    return _prompt(prompts, _DOCUMENT_PROMPTS, left_out)
+    @property
+    def query_summary(self) -> Optional[Summary]:
+        return (_summary("queries", [c.cosine for c in self.query_cosines])
+                if self.query_cosines else None)
 
 
-def query_prompt(prompts: dict[str, str], left_out: Sequence[str] = ()) -> Optional[str]:
-    """The model's declared prompt for queries, if any that is not ``left_out``."""
-    return _prompt(prompts, _QUERY_PROMPTS, left_out)
-
-
-def _prompt(prompts: dict[str, str], names: Sequence[str], left_out: Sequence[str]
-            ) -> Optional[str]:
-    for name in names:
-        if name in prompts and name not in left_out:
-            return str(prompts[name])
-    return None
-
-
-def declared_prompts(prompts: dict[str, str], settings: ModelSettings) -> list[DeclaredPrompt]:
-    """Every prompt the model declares, its role by its name, and what the config does with it:
-    the prefix of its role whose text is the prompt's (either prefix for a name of no known
-    role), else left out on purpose or unused."""
-    found = []
-    for name, text in prompts.items():
-        text = str(text)
-        role = ("query" if name in _QUERY_PROMPTS else "document" if name in _DOCUMENT_PROMPTS
-                else "unknown")
-        uses = [key for key, prefix in (("document", settings.document_prefix),
-                                         ("query", settings.query_prefix))
-                if text == prefix and role in (key, "unknown")]
-        use = (f"model.{uses[0]}_prefix" if uses else LEFT_OUT
-               if name in settings.unused_prompts else "unused")
-        found.append(DeclaredPrompt(name, text, role, use))
-    return found
+@dataclasses.dataclass(frozen=True)
+class _Counted:
+    """The sample's events, and those PrepareText dead-lettered (or that did not parse)."""
+    events: int
+    dead_lettered: int
 
 
 def _sample_queries(events: Sequence) -> list[tuple[str, str]]:
@@ -207,65 +171,9 @@ def _sample_queries(events: Sequence) -> list[tuple[str, str]]:
     return queries
 
 
-def model_facts(settings: ModelSettings, folder: Path, pooling_engine: str, dim: int,
-                reference_prefix: str, reference_folder: Optional[Path] = None) -> ModelFacts:
-    """What the served model's folder says; its pooling and normalization as the reference's
-    modules (``reference_folder``, default the model's) have them."""
-    from transforms.engines.model import Matryoshka
-
-    config = _read_json(folder / "config.json") or {}
-    pooling, normalize = _modules(reference_folder or folder)
-    matryoshka = Matryoshka.of_hf_config(config)
-    window, reach, local = _local_attention(config)
-    st_config = _read_json(folder / "sentence_bert_config.json") or {}
-    prompts = (_read_json(folder / "config_sentence_transformers.json") or {}).get("prompts") or {}
-    return ModelFacts(
-        path=str(folder), architecture=",".join(config.get("architectures") or ["unknown"]),
-        model_type=str(config.get("model_type", "unknown")), pooling_reference=pooling,
-        pooling_engine=pooling_engine, normalize_reference=normalize,
-        normalize_config=settings.normalize, dim=dim,
-        matryoshka_dimensions=(list(matryoshka.dimensions or []) if matryoshka.declared
-                               else None),
-        max_positions=config.get("max_position_embeddings"),
-        max_seq_length=st_config.get("max_seq_length"), max_tokens=settings.max_tokens,
-        local_window=window, local_reach=reach, local_layers=local,
-        document_prefix=settings.document_prefix,
-        reference_prefix=reference_prefix, model_prompts=dict(prompts),
-        query_prefix=settings.query_prefix, dtype=settings.resolved_dtype(),
-        reference_dtype="float32")
-
-
-def _local_attention(config: dict) -> tuple[Optional[int], Optional[int], Optional[str]]:
-    """(the local attention window as the config gives it, the tokens a token of a local layer
-    sees on each side, "N of M" layers local), from a ``config.json``: ModernBERT's
-    ``local_attention`` (the whole window: half of it each side), or a ``sliding_window`` (one
-    side) where ``layer_types`` or ``use_sliding_window`` says layers use it."""
-    layers = config.get("num_hidden_layers")
-    types = config.get("layer_types")
-    if config.get("model_type") == "modernbert":
-        every = config.get("global_attn_every_n_layers", 3)
-        if types is None and layers:
-            types = ["full_attention" if i % every == 0 else "sliding_attention"
-                     for i in range(layers)]
-        window = int(config.get("local_attention", 128))
-        reach = window // 2
-    elif config.get("sliding_window") and (types or config.get("use_sliding_window", True)):
-        window = reach = int(config["sliding_window"])
-    else:
-        return None, None, None
-    local = sum(t == "sliding_attention" for t in types) if types else layers
-    if not local:
-        return None, None, None
-    return window, reach, f"{local} of {layers or len(types or [])}"
-
-
 def read_events(path: str, limit: int, config: config_lib.Config) -> tuple[list, int]:
     """(the first ``limit`` events of a JSON Lines file, local or ``gs://``, parsed as the
     pipeline parses them; how many lines did not parse)."""
-    from apache_beam.io.filesystems import FileSystems
-
-    from transforms.parse import ParseError, parse_event
-
     events: list = []
     bad = 0
     with FileSystems.open(path) as f:
@@ -286,8 +194,6 @@ def read_events(path: str, limit: int, config: config_lib.Config) -> tuple[list,
 def _inputs(doc, doc_vector: str) -> list[tuple[str, str]]:
     """(label, text) of each input the engine embeds for a prepared document
     (``transforms.embed.model_inputs``: the head, or the chunks after the head)."""
-    from transforms.embed import model_inputs
-
     inputs = model_inputs(doc, doc_vector)
     texts = [(f"{doc.event.id}#chunk {k}", doc.text[c.char_start:c.char_end])
              for k, c in enumerate(doc.chunks)]
@@ -318,193 +224,256 @@ def check(config: config_lib.Config, events: Sequence, *, reference: Optional[st
           reference_prefix: Optional[str] = None, min_cosine: float = DEFAULT_MIN_COSINE,
           worst: int = 10, unparsed: int = 0, engine_factory=None) -> Report:
     """Embed ``events`` as the pipeline would and through the reference, and compare."""
-    import torch
-    from apache_beam import pvalue
-    from sentence_transformers import SentenceTransformer
-
-    from pipeline.graph import prepare_text
-    from transforms.embed import EmbedFailure, embedder_for
-    from transforms.engines.base import EngineFailedError
-    from transforms.engines.model import resolve_model_path
-
     settings = config.model
     settings.apply_engine_env()
     folder = Path(resolve_model_path(settings.path))
     reference_folder = Path(reference) if reference else folder
     prepared = prepare_text(config).prepare(events)
     docs = [d for d in prepared if not isinstance(d, pvalue.TaggedOutput)]
-    late = config.chunking.mode == "late"
+    counted = _Counted(len(events) + unparsed, len(prepared) - len(docs) + unparsed)
     embedder = embedder_for(settings, config.chunking, engine_factory)  # the pipeline's, late too
     try:
         handle = embedder.load_engine()
     except EngineFailedError as exc:  # refused (a pooling it does not compute, model.dim...)
         facts = model_facts(settings, folder, "refused", settings.dim,
                             settings.document_prefix, reference_folder)
-        return Report(passed=False, problems=[str(exc)], notes=[], min_cosine=min_cosine,
-                      model=facts, events=len(events) + unparsed,
-                      dead_lettered=len(prepared) - len(docs) + unparsed, failed=len(docs),
-                      summaries=[], worst=[], heads_checked=0, heads_agreeing=0,
-                      token_disagreements=[])
+        return _refused(str(exc), facts, counted, len(docs), min_cosine)
     results = embedder.embed_docs(handle, docs)
+    ref = _reference(reference_folder, settings, reference_prefix)
+    facts = _served_facts(settings, folder, reference_folder, ref, engine_factory)
+    compared = _compare(config, events, docs, results, ref, facts, engine_factory)
+    prompt_uses = declared_prompts(ref.prompts, settings)
+    problems = _problems(compared, facts, settings, prompt_uses, folder, min_cosine)
+    notes = _notes(compared, facts, settings, ref, reference_folder, prompt_uses)
+    ranked = sorted(compared.cosines, key=lambda c: c.cosine)
+    return Report(passed=not problems, problems=problems, notes=notes, min_cosine=min_cosine,
+                  model=facts, events=counted.events, dead_lettered=counted.dead_lettered,
+                  failed=compared.failed, summaries=compared.summaries, worst=ranked[:worst],
+                  heads_checked=compared.heads,
+                  heads_agreeing=compared.heads - len(compared.disagreements),
+                  token_disagreements=compared.disagreements[:worst],
+                  queries=compared.query_summary, query_path=compared.query_path,
+                  worst_queries=sorted(compared.query_cosines, key=lambda c: c.cosine)[:worst],
+                  prompts=prompt_uses)
 
-    st = SentenceTransformer(str(reference_folder), device="cpu",
-                             model_kwargs={"dtype": torch.float32})
-    prompts = (_read_json(reference_folder / "config_sentence_transformers.json")
-               or {}).get("prompts") or {}
+
+def _refused(why: str, facts: ModelFacts, counted: _Counted, docs: int,
+             min_cosine: float) -> Report:
+    """The report of an engine that refused the model when it loaded: nothing was embedded."""
+    return Report(passed=False, problems=[why], notes=[], min_cosine=min_cosine, model=facts,
+                  events=counted.events, dead_lettered=counted.dead_lettered, failed=docs,
+                  summaries=[], worst=[], heads_checked=0, heads_agreeing=0,
+                  token_disagreements=[])
+
+
+def _reference(folder: Path, settings: ModelSettings,
+               reference_prefix: Optional[str]) -> _Reference:
+    """sentence-transformers on ``folder`` at float32, on the CPU, cut at ``model.max_tokens``;
+    before texts: ``--reference-prefix``, else the model's declared document prompt, else the
+    config's prefix; before queries: its declared query prompt, else the config's."""
+    # sentence-transformers imports transformers (seconds): only where the reference is built.
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(folder), device="cpu", model_kwargs={"dtype": torch.float32})
+    prompts = model_prompts(folder)
     declared = document_prompt(prompts, settings.unused_prompts)
     prefix = (reference_prefix if reference_prefix is not None
               else declared if declared is not None else settings.document_prefix)
     declared_query = query_prompt(prompts, settings.unused_prompts)
     query_prefix = declared_query if declared_query is not None else settings.query_prefix
     st.max_seq_length = min(settings.max_tokens, st.max_seq_length or settings.max_tokens)
-    own = st.tokenizer
-    pooling_engine = _engine_pooling(settings, engine_factory)
-    facts = model_facts(settings, folder, pooling_engine,
-                        st.get_embedding_dimension() or settings.dim, prefix, reference_folder)
-    facts = dataclasses.replace(facts, query_reference_prefix=query_prefix)
+    return _Reference(st, prompts, declared, prefix, declared_query, query_prefix,
+                      reference_prefix)
+
+
+def _served_facts(settings: ModelSettings, folder: Path, reference_folder: Path,
+                  ref: _Reference, engine_factory) -> ModelFacts:
+    """The model folder's facts, with the engine's pooling and the reference's prefixes."""
+    facts = model_facts(settings, folder, _engine_pooling(settings, engine_factory),
+                        ref.st.get_embedding_dimension() or settings.dim, ref.prefix,
+                        reference_folder)
+    facts = dataclasses.replace(facts, query_reference_prefix=ref.query_prefix)
     if reference_folder != folder:
         facts = dataclasses.replace(facts, path=f"{folder} (reference: {reference_folder})")
+    return facts
 
-    labels, texts, vectors, failed, late_chunks = [], [], [], 0, 0
+
+def _compare(config: config_lib.Config, events: Sequence, docs: Sequence, results: Sequence,
+             ref: _Reference, facts: ModelFacts, engine_factory) -> _Compared:
+    """The texts' cosines with the reference's vectors, the queries', and the heads' token ids
+    against the model tokenizer's."""
+    served, failed, late_chunks = _served_texts(docs, results, config.chunking)
+    cosines = _text_cosines(served, ref, config.model, facts.local_reach)
+    query_cosines, query_path, query_error = _compare_queries(
+        config, events, ref.st, ref.query_prefix, engine_factory)
+    return _Compared(cosines=cosines, summaries=_summaries(cosines), failed=failed,
+                     late_chunks=late_chunks, query_cosines=query_cosines, query_path=query_path,
+                     query_error=query_error, heads=len(docs),
+                     disagreements=_token_disagreements(docs, ref.st.tokenizer, config.model))
+
+
+def _served_texts(docs: Sequence, results: Sequence, chunking
+                  ) -> tuple[list[tuple[str, str, np.ndarray]], int, int]:
+    """((label, text, vector) of each input the engine embedded that has a reference; the texts
+    that failed to embed; the late chunk vectors left out)."""
+    served: list[tuple[str, str, np.ndarray]] = []
+    failed = late_chunks = 0
     for doc, result in zip(docs, results, strict=True):
         if isinstance(result, EmbedFailure):
             failed += 1
             continue
-        for (label, text), vector in zip(_inputs(doc, config.chunking.doc_vector), result,
-                                         strict=True):
-            if late and "#chunk " in label:  # a span of one pass over the head: no reference
-                late_chunks += 1
+        for (label, text), vector in zip(_inputs(doc, chunking.doc_vector), result, strict=True):
+            if chunking.mode == "late" and "#chunk " in label:  # a span of one pass over the
+                late_chunks += 1  # head: no reference
                 continue
-            labels.append(label)
-            texts.append(text)
-            vectors.append(np.asarray(vector, dtype=np.float64))
-    cosines: list[TextCosine] = []
-    if texts:
-        # The prefix as sentence-transformers' prompt (never its default one on top): a model
-        # whose pooling leaves the prompt out (include_prompt: false) is compared as it pools.
-        ref = st.encode(texts, prompt=prefix, convert_to_numpy=True,
-                        normalize_embeddings=False).astype(np.float64)
-        # model.dimensions (Matryoshka): the engine writes the head of each vector; the cosine
-        # of the reference's head with it is that of the served vector, normalized again or not.
-        ref = ref[:, :settings.output_dim]
-        lengths = [len(ids) for ids in
-                   own([prefix + t for t in texts], verbose=False)["input_ids"]]
-        for label, vector, r, tokens in zip(labels, vectors, ref, lengths, strict=True):
-            cosines.append(TextCosine(label, _cosine(vector, r), tokens,
-                                      _length(tokens, facts.local_reach, settings.max_tokens)))
-    summaries = []
-    if cosines:
-        summaries.append(_summary("all", [c.cosine for c in cosines]))
-        for length in ("within window", "beyond window", "shorter", "near max_tokens"):
-            group = [c.cosine for c in cosines if c.length == length]
-            if group:
-                summaries.append(_summary(length, group))
+            served.append((label, text, np.asarray(vector, dtype=np.float64)))
+    return served, failed, late_chunks
 
-    query_cosines, query_path, query_error = _compare_queries(
-        config, events, st, query_prefix, engine_factory)
 
-    disagreements, heads = [], 0
+def _text_cosines(served: list[tuple[str, str, np.ndarray]], ref: _Reference,
+                  settings: ModelSettings, reach: Optional[int]) -> list[TextCosine]:
+    """The cosine of each served vector with the reference's for its text, and its length."""
+    if not served:
+        return []
+    texts = [text for _, text, _ in served]
+    # The prefix as sentence-transformers' prompt (never its default one on top): a model
+    # whose pooling leaves the prompt out (include_prompt: false) is compared as it pools.
+    reference = ref.st.encode(texts, prompt=ref.prefix, convert_to_numpy=True,
+                              normalize_embeddings=False).astype(np.float64)
+    # model.dimensions (Matryoshka): the engine writes the head of each vector; the cosine
+    # of the reference's head with it is that of the served vector, normalized again or not.
+    reference = reference[:, :settings.output_dim]
+    lengths = [len(ids) for ids in
+               ref.st.tokenizer([ref.prefix + t for t in texts], verbose=False)["input_ids"]]
+    return [TextCosine(label, _cosine(vector, r), tokens,
+                       _length(tokens, reach, settings.max_tokens))
+            for (label, _, vector), r, tokens in zip(served, reference, lengths, strict=True)]
+
+
+def _summaries(cosines: Sequence[TextCosine]) -> list[Summary]:
+    """"all", then each length class that has texts."""
+    if not cosines:
+        return []
+    summaries = [_summary("all", [c.cosine for c in cosines])]
+    for length in ("within window", "beyond window", "shorter", "near max_tokens"):
+        group = [c.cosine for c in cosines if c.length == length]
+        if group:
+            summaries.append(_summary(length, group))
+    return summaries
+
+
+def _token_disagreements(docs: Sequence, tokenizer, settings: ModelSettings
+                         ) -> list[TokenDisagreement]:
+    """Each head whose ids are not the model tokenizer's own for the same text."""
+    disagreements = []
     for doc in docs:
-        expected = own(settings.document_prefix + doc.text, truncation=True,
-                       max_length=settings.max_tokens)["input_ids"]
-        heads += 1
+        expected = tokenizer(settings.document_prefix + doc.text, truncation=True,
+                             max_length=settings.max_tokens)["input_ids"]
         if list(doc.token_ids) != list(expected):
             first = next((i for i, (a, b) in enumerate(zip(doc.token_ids, expected, strict=False))
                           if a != b), min(len(doc.token_ids), len(expected)))
             disagreements.append(TokenDisagreement(str(doc.event.id), len(doc.token_ids),
                                                    len(expected), first))
+    return disagreements
 
-    problems, notes = [], []
-    if not cosines:
+
+def _problems(compared: _Compared, facts: ModelFacts, settings: ModelSettings,
+              prompt_uses: list[DeclaredPrompt], folder: Path, min_cosine: float) -> list[str]:
+    """Why the check fails; empty when it passes."""
+    problems = []
+    if not compared.cosines:
         problems.append("no text of the input was embedded")
-    elif summaries[0].min < min_cosine:
-        problems.append(f"the lowest cosine, {summaries[0].min:.4f}, is below --min-cosine "
-                        f"{min_cosine}")
-    query_summary = _summary("queries", [c.cosine for c in query_cosines]) if query_cosines \
-        else None
-    if query_error:
+    elif compared.summaries[0].min < min_cosine:
+        problems.append(f"the lowest cosine, {compared.summaries[0].min:.4f}, is below "
+                        f"--min-cosine {min_cosine}")
+    query_summary = compared.query_summary
+    if compared.query_error:
         problems.append(f"the sample's titles failed to embed as newsvec search embeds a query: "
-                        f"{query_error}")
+                        f"{compared.query_error}")
     elif query_summary is not None and query_summary.min < min_cosine:
         problems.append(f"the lowest cosine of the queries (the sample's titles, embedded as "
                         f"newsvec search embeds them), {query_summary.min:.4f}, is below "
                         f"--min-cosine {min_cosine}")
-    if failed:
-        problems.append(f"{failed} texts failed to embed")
-    if disagreements:
+    if compared.failed:
+        problems.append(f"{compared.failed} texts failed to embed")
+    if compared.disagreements:
         problems.append(f"newsvec's head tokenization differs from the model tokenizer's own in "
-                        f"{len(disagreements)} of {heads} texts")
+                        f"{len(compared.disagreements)} of {compared.heads} texts")
     if facts.normalize_reference != settings.normalize:
         problems.append(f"model.normalize is {str(settings.normalize).lower()} but the model's "
                         f"modules {'do' if facts.normalize_reference else 'do not'} normalize")
-    prompt_uses = declared_prompts(prompts, settings)
-    for declared_prompt in prompt_uses:
-        if declared_prompt.use == "unused":
-            problems.append(_unused_prompt(declared_prompt, settings))
-        elif declared_prompt.use == LEFT_OUT:
-            notes.append(f"the model declares the prompt {declared_prompt.name!r} "
-                         f"({declared_prompt.text!r}), left out on purpose "
-                         "(model.unused_prompts): the reference uses the config's prefix")
-    notes += [f"model.unused_prompts names {name!r}, which the model does not declare"
-              for name in settings.unused_prompts if name not in prompts]
-    if not prompts:
-        notes.append("the model declares no prompts: the reference uses the config's "
-                     f"model.document_prefix {settings.document_prefix!r} and model.query_prefix "
-                     f"{settings.query_prefix!r}")
-    else:
-        for texts_of, names, found, setting in (
-                ("documents", _DOCUMENT_PROMPTS,
-                 declared is not None or reference_prefix is not None, "document_prefix"),
-                ("queries", _QUERY_PROMPTS, declared_query is not None, "query_prefix")):
-            if not found:
-                notes.append(f"the reference puts the config's model.{setting} "
-                             f"{getattr(settings, setting)!r} before {texts_of}: of the model's "
-                             f"prompts ({', '.join(map(repr, prompts))}) none is named "
-                             f"{' or '.join(names)} (or each such is in model.unused_prompts)")
-    from transforms.engines.query import Unsupported, tokenizer_json_disagreements
+    problems += [_unused_prompt(p, settings) for p in prompt_uses if p.use == "unused"]
+    return problems + _tokenizer_json_problems(folder)
 
+
+def _tokenizer_json_problems(folder: Path) -> list[str]:
+    """A BERT model's ``tokenizer.json`` that says otherwise than the tokenizer transformers
+    builds (which every side here uses, so no cosine can show it)."""
     try:
         tokenizer_json = tokenizer_json_disagreements(folder)
     except Unsupported as exc:  # a tokenizer file it cannot read: the model's loading says more
         tokenizer_json = [str(exc)]
-    if tokenizer_json:
-        problems.append("the model's tokenizer.json says otherwise than the tokenizer transformers "
-                        "builds from its tokenizer_config.json, which newsvec, the engine and the "
-                        "reference all use (so no cosine here can show it): "
-                        f"{'; '.join(tokenizer_json)}; the model may have been trained with "
-                        "tokenizer.json's: make the two files agree")
+    if not tokenizer_json:
+        return []
+    return ["the model's tokenizer.json says otherwise than the tokenizer transformers "
+            "builds from its tokenizer_config.json, which newsvec, the engine and the "
+            "reference all use (so no cosine here can show it): "
+            f"{'; '.join(tokenizer_json)}; the model may have been trained with "
+            "tokenizer.json's: make the two files agree"]
+
+
+def _prompt_notes(ref: _Reference, settings: ModelSettings,
+                  prompt_uses: list[DeclaredPrompt]) -> list[str]:
+    """What a person should know of the model's prompts and the reference's prefixes."""
+    notes = [f"the model declares the prompt {p.name!r} ({p.text!r}), left out on purpose "
+             "(model.unused_prompts): the reference uses the config's prefix"
+             for p in prompt_uses if p.use == LEFT_OUT]
+    notes += [f"model.unused_prompts names {name!r}, which the model does not declare"
+              for name in settings.unused_prompts if name not in ref.prompts]
+    if not ref.prompts:
+        return notes + ["the model declares no prompts: the reference uses the config's "
+                        f"model.document_prefix {settings.document_prefix!r} and "
+                        f"model.query_prefix {settings.query_prefix!r}"]
+    for texts_of, names, found, setting in (
+            ("documents", DOCUMENT_PROMPTS,
+             ref.declared is not None or ref.given_prefix is not None, "document_prefix"),
+            ("queries", QUERY_PROMPTS, ref.declared_query is not None, "query_prefix")):
+        if not found:
+            notes.append(f"the reference puts the config's model.{setting} "
+                         f"{getattr(settings, setting)!r} before {texts_of}: of the model's "
+                         f"prompts ({', '.join(map(repr, ref.prompts))}) none is named "
+                         f"{' or '.join(names)} (or each such is in model.unused_prompts)")
+    return notes
+
+
+def _notes(compared: _Compared, facts: ModelFacts, settings: ModelSettings, ref: _Reference,
+           reference_folder: Path, prompt_uses: list[DeclaredPrompt]) -> list[str]:
+    """What a person should know though the check passed."""
+    notes = _prompt_notes(ref, settings, prompt_uses)
     if facts.max_positions and settings.max_tokens > facts.max_positions:
         notes.append(f"max_tokens {settings.max_tokens} is over the model's "
                      f"{facts.max_positions} positions")
-    if prefix and _pooling_config(reference_folder).get("include_prompt") is False:
+    if ref.prefix and pooling_config(reference_folder).get("include_prompt") is False:
         notes.append("the model's pooling leaves the prompt's tokens out (include_prompt: "
                      "false in its pooling config); vLLM pools over them")
-    if late_chunks:
-        notes.append(f"chunking.mode late: {late_chunks} chunk vectors (each its span's mean over "
-                     "one pass over the head) have no sentence-transformers reference and were "
-                     "not compared; the head vectors were")
+    if compared.late_chunks:
+        notes.append(f"chunking.mode late: {compared.late_chunks} chunk vectors (each its span's "
+                     "mean over one pass over the head) have no sentence-transformers reference "
+                     "and were not compared; the head vectors were")
     if settings.output_dim != settings.dim:
         notes.append(f"compared at the {settings.output_dim} dimensions written "
                      f"(model.dimensions), of the model's {settings.dim}")
-    if not any(c.length in ("beyond window", "near max_tokens") for c in cosines):
+    if not any(c.length in ("beyond window", "near max_tokens") for c in compared.cosines):
         notes.append("no text of the sample reaches past the model's local window or near "
                      "max_tokens: check long articles too")
     if settings.dtype == "native":
-        notes.append(f"dtype native resolved to {settings.resolved_dtype()} on this machine; "
+        notes.append(f"dtype native resolved to {resolved_dtype(settings)} on this machine; "
                      "run the check where the pipeline runs")
-    if not _same_pooling(facts.pooling_reference, pooling_engine):
+    if not _same_pooling(facts.pooling_reference, facts.pooling_engine):
         notes.append(f"the reference pools by {facts.pooling_reference}, the engine by "
-                     f"{pooling_engine}")
-    ranked = sorted(cosines, key=lambda c: c.cosine)
-    return Report(passed=not problems, problems=problems, notes=notes, min_cosine=min_cosine,
-                  model=facts, events=len(events) + unparsed,
-                  dead_lettered=len(prepared) - len(docs) + unparsed, failed=failed,
-                  summaries=summaries, worst=ranked[:worst], heads_checked=heads,
-                  heads_agreeing=heads - len(disagreements),
-                  token_disagreements=disagreements[:worst], queries=query_summary,
-                  query_path=query_path,
-                  worst_queries=sorted(query_cosines, key=lambda c: c.cosine)[:worst],
-                  prompts=prompt_uses)
+                     f"{facts.pooling_engine}")
+    return notes
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -515,9 +484,6 @@ def _compare_queries(config: config_lib.Config, events: Sequence, st, query_pref
                      engine_factory) -> tuple[list[TextCosine], str, Optional[str]]:
     """(the cosine of each sample title's vector as ``newsvec search`` embeds it, with the
     reference's after ``query_prefix``; how search embedded them; why they failed to embed)."""
-    from pipeline.search import embed_queries
-    from transforms.text import normalize_text
-
     if engine_factory is not None:
         return [], "not compared: a stand-in engine (newsvec search embeds with vLLM)", None
     queries = _sample_queries(events)
@@ -545,7 +511,7 @@ def _unused_prompt(prompt: DeclaredPrompt, settings: ModelSettings) -> str:
     """The problem of a declared prompt the config neither uses nor leaves out on purpose."""
     if prompt.role == "unknown":
         what = (f"the prompt {prompt.name!r} (a name check-model does not know: not "
-                f"{', '.join(_QUERY_PROMPTS + _DOCUMENT_PROMPTS)})")
+                f"{', '.join(QUERY_PROMPTS + DOCUMENT_PROMPTS)})")
         said = (f"it is neither model.document_prefix {settings.document_prefix!r} nor "
                 f"model.query_prefix {settings.query_prefix!r}")
     else:
@@ -566,8 +532,6 @@ def _engine_pooling(settings: ModelSettings, engine_factory) -> str:
     """How the engine pools (vLLM's resolved pooler config); "unknown" for a stand-in engine."""
     if engine_factory is not None:
         return "unknown"
-    from transforms.engines.vllm import resolved_pooling
-
     return resolved_pooling(settings)
 
 
@@ -599,7 +563,7 @@ def render(report: Report) -> str:
     lines += ["", f"token ids  {report.heads_agreeing} of {report.heads_checked} heads as the "
               "model tokenizer's own"]
     for d in report.token_disagreements:
-        lines.append(f"  {_escaped(d.id)}: newsvec {d.newsvec} tokens, model {d.model}, first "
+        lines.append(f"  {escaped(d.id)}: newsvec {d.newsvec} tokens, model {d.model}, first "
                      f"difference at {d.first_difference}")
     lines += ["", f"queries    {report.queries.texts if report.queries else 0} titles of the "
               f"sample as newsvec search embeds them: {report.query_path}; reference prompt "
@@ -607,22 +571,16 @@ def render(report: Report) -> str:
     if report.queries:
         q = report.queries
         lines.append(f"  {q.length:<16}{q.texts:>6}{q.min:>10.5f}{q.p05:>10.5f}{q.median:>10.5f}")
-        lines += [f"    {c.cosine:.5f}  {_escaped(c.id)}" for c in report.worst_queries[:3]]
+        lines += [f"    {c.cosine:.5f}  {escaped(c.id)}" for c in report.worst_queries[:3]]
     lines += ["", "prompts    " + ("none declared" if not report.prompts else
                                    f"{len(report.prompts)} declared (name, role, use, text)")]
     lines += [f"  {p.name!r:<20}{p.role:<10}{p.use:<44}{p.text!r}" for p in report.prompts]
     lines += ["", f"worst texts (lowest cosine first; --min-cosine {report.min_cosine})",
               f"  {'cosine':>8}  {'tokens':>6}  {'length':<16}id"]
     for c in report.worst:
-        lines.append(f"  {c.cosine:>8.5f}  {c.tokens:>6}  {c.length:<16}{_escaped(c.id)}")
+        lines.append(f"  {c.cosine:>8.5f}  {c.tokens:>6}  {c.length:<16}{escaped(c.id)}")
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)
-
-
-def _escaped(text: str) -> str:
-    from pipeline.cli import _escaped as escaped  # an event's id is the publisher's text
-
-    return escaped(text)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -35,7 +35,7 @@ import logging
 import sys
 
 from transforms.output.layout import InvalidManifest, UnsafePath
-from transforms.output.lease import PublishLease, require_lease_s
+from transforms.output.lease import PublishLease
 from transforms.output.manifest import (
     SnapshotChanged,
     clean_stale,
@@ -44,6 +44,7 @@ from transforms.output.manifest import (
     repair,
     require_stale_age,
 )
+from transforms.timing_floors import require_lease_s
 
 _LOG = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ import yaml
 
 from pipeline import config as config_lib
 from pipeline import logs_to_stderr, parse_command
+from pipeline.terminal import escaped, json_escaped
 from transforms.stores.base import StoreError
 
 _DELEGATED = {  # sub-command -> its module, whose main parses its own options
@@ -130,40 +131,15 @@ def _search_command(argv: Sequence[str]) -> int:
             else search(config, query, args.k, **every))  # --output: filled by the loader
     for hit in hits:
         if args.json:  # a Japanese title as it reads; a control character as a \u escape
-            _print_line(_json_escaped(json.dumps(hit, ensure_ascii=False)))
+            _print_line(json_escaped(json.dumps(hit, ensure_ascii=False)))
         else:
             where = f"  (chunk {hit['chunk_index']})" if hit["chunk_index"] is not None else ""
             copies = hit.get("copies") or 0
             if copies:
                 where += f"  (+{copies} cop{'y' if copies == 1 else 'ies'})"
-            _print_line(f"{hit['score']:.4f}  {_escaped(str(hit['id']))}  "
-                        f"{_escaped(hit['title'] or '')}{where}")
+            _print_line(f"{hit['score']:.4f}  {escaped(str(hit['id']))}  "
+                        f"{escaped(hit['title'] or '')}{where}")
     return 0
-
-
-def _escaped(text: str) -> str:
-    """``text`` (an article's id or title: a publisher's) with every character that is not
-    printable (C0 and C1 controls, which start terminal escape sequences; format characters such
-    as a right-to-left override; line and paragraph separators) written as ``\\xNN``,
-    ``\\uNNNN`` or ``\\UNNNNNNNN``: it is shown, never obeyed by the terminal."""
-    return "".join(ch if ch.isprintable() else
-                   f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else
-                   f"\\u{ord(ch):04x}" if ord(ch) < 0x10000 else f"\\U{ord(ch):08x}"
-                   for ch in text)
-
-
-def _json_escaped(line: str) -> str:
-    """A JSON line with every character that is not printable as a ``\\uNNNN`` escape (a pair
-    beyond the BMP): the same JSON values, nothing a terminal obeys. Such characters can only be
-    inside its strings, where the escape is valid."""
-    def escape(ch: str) -> str:
-        code = ord(ch)
-        if code < 0x10000:
-            return f"\\u{code:04x}"
-        code -= 0x10000
-        return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
-
-    return "".join(ch if ch.isprintable() else escape(ch) for ch in line)
 
 
 def _query_text(arg: str) -> str:

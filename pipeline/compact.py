@@ -33,8 +33,9 @@ from pipeline import config as config_lib
 from pipeline.cleanup import checked_argument
 from transforms.output.compaction import CompactionResult, Hook, compact_partition
 from transforms.output.layout import new_run_id, partition_hour, partitions_between
-from transforms.output.lease import LeaseLost, PublishLease, require_lease_s
+from transforms.output.lease import LeaseLost, PublishLease
 from transforms.settings import SinkSettings, StreamingSettings
+from transforms.timing_floors import require_lease_s
 from transforms.types import utc_time
 from transforms.windowing import GROUPING_GRACE_S
 

@@ -18,16 +18,25 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from transforms.engines.fetch import is_gcs
 from transforms.engines.model import (
     PYPACKAGE,
     check_dimensions,
     check_without_running_code,
-    model_content_hash,
     model_folder,
 )
+from transforms.engines.model_files import model_content_hash
+from transforms.engines.registry import engine_factory
 from transforms.settings import (
     ChunkingSettings,
     DedupSettings,
@@ -86,6 +95,12 @@ class Config(BaseModel):
     beam: dict[str, Any] = Field(default_factory=dict, description="any Beam pipeline option "
                                  "(`runner`, `project`, `experiments`...); unknown ones fail at "
                                  "start")
+
+    @field_validator("model")
+    @classmethod
+    def _known_engine(cls, model: ModelSettings) -> ModelSettings:
+        engine_factory(model.engine)  # ValueError naming the engines newsvec has
+        return model
 
     @model_validator(mode="after")
     def _chunks_fit_the_model(self):

@@ -31,7 +31,9 @@ from transforms.dedup import (
 )
 from transforms.embed import Embed, EmbedStreaming
 from transforms.engines.base import EngineFactory
-from transforms.engines.model import model_content_hash, model_folder, model_label
+from transforms.engines.devices import resolved_dtype
+from transforms.engines.model import model_folder, model_label
+from transforms.engines.model_files import model_content_hash
 from transforms.incremental import (
     SKIPPED_FROM,
     UNCHANGED,
@@ -118,7 +120,7 @@ def summary_base(config: Config, run_id: str) -> RunSummary:
                      "embedding_signature": signature_of(config)},
         model={**config.model.model_dump(), "resolved_path": model_path,
                "label": model_label(config.model, model_path),
-               "resolved_dtype": config.model.resolved_dtype(),
+               "resolved_dtype": resolved_dtype(config.model),
                "content_sha256": model_content_hash(model_path) or None},
         day=run_day(config.output, run_id, config.filled_day).isoformat(),
         store=({"kind": config.store.kind, "load_key": batch_load_key(run_id)}

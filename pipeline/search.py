@@ -258,7 +258,7 @@ def embed_queries(config: Config, queries: Sequence[str]) -> tuple[list, list[st
 
 def embed_query_with_engine(config: Config, text: str):
     """The vector of a prepared query text (prefix and all) from the engine itself."""
-    from transforms.engines.base import load_engine
+    from transforms.engines.registry import load_engine
     from transforms.text import HeadTokenizer
 
     ids, _ = HeadTokenizer(config.model)(text)

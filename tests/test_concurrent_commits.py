@@ -596,7 +596,7 @@ def test_a_manifest_write_delayed_past_a_takeover_is_refused_by_gcs(fake_gcs, tm
             os.kill(holder.pid, signal.SIGCONT)
             holder.kill()
     assert holder.returncode == 3 and "refused" in out, err[-2000:]
-    from transforms.output.lease import gcs_read
+    from transforms.gcs import gcs_read
 
     _, data = gcs_read(f"{output}/_manifest.json")
     final = json.loads(data)

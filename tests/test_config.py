@@ -7,6 +7,9 @@ import yaml
 from pipeline import config as config_lib
 from pipeline.run import resolve
 from tests.conftest import make_config
+from transforms.engines import devices
+from transforms.engines.registry import ENGINES, engine_factory
+from transforms.engines.vllm import load_vllm
 
 CONFIGS = Path(config_lib.REPO_ROOT) / "configs"
 
@@ -115,14 +118,22 @@ def test_missing_or_malformed_config_file_is_a_config_error(tmp_path):
         config_lib.load(bad)
 
 
-def test_native_dtype_is_bfloat16_only_where_the_hardware_computes_it(monkeypatch):
-    from transforms import settings as settings_lib
+def test_an_unknown_engine_is_a_config_error_naming_the_known_ones(tmp_path):
+    """``model.engine`` picks a backend of the registry (``vllm`` when unset)."""
+    raw = local_raw()
+    assert config_lib.load(write(tmp_path, raw)).model.engine == "vllm"
+    assert engine_factory("vllm") is ENGINES["vllm"] is load_vllm
+    raw["model"]["engine"] = "onnx"
+    with pytest.raises(config_lib.ConfigError, match=r"model\.engine 'onnx' .*known ones: vllm"):
+        config_lib.load(write(tmp_path, raw))
 
+
+def test_native_dtype_is_bfloat16_only_where_the_hardware_computes_it(monkeypatch):
     settings = make_config().model.model_copy(update={"dtype": "native"})
     for hardware, expected in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(settings_lib, "_computes_bfloat16", lambda h=hardware: h)
-        assert settings.resolved_dtype() == expected
-    assert settings.model_copy(update={"dtype": "float16"}).resolved_dtype() == "float16"
+        monkeypatch.setattr(devices, "_computes_bfloat16", lambda h=hardware: h)
+        assert devices.resolved_dtype(settings) == expected
+    assert devices.resolved_dtype(settings.model_copy(update={"dtype": "float16"})) == "float16"
 
 
 # --- a config file that could cost the loader its stack or seconds of CPU ----------------------

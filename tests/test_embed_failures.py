@@ -19,7 +19,8 @@ from apache_beam.testing.util import assert_that, equal_to
 from tests.conftest import make_config
 from tests.fakes import NAN, POISON, FakeEngine
 from transforms.embed import Embed, Embedder, EmbedFailure, ModelBrokenError
-from transforms.engines.base import EngineFailedError, EngineHandle, load_engine
+from transforms.engines.base import EngineFailedError, EngineHandle
+from transforms.engines.registry import load_engine
 from transforms.engines.vllm import Engine
 from transforms.types import NewsEvent, PreparedDoc, Reason
 

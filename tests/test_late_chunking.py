@@ -28,7 +28,8 @@ from tests.test_model_parity import WITHIN, _dtypes
 from tools.tiny_models import made_up_text
 from transforms.chunking import Chunker
 from transforms.embed import Embed, Embedder
-from transforms.engines.base import EngineHandle, process_engine
+from transforms.engines.base import EngineHandle
+from transforms.engines.registry import process_engine
 from transforms.settings import ChunkingSettings
 from transforms.types import NewsEvent, PreparedDoc, Reason
 

@@ -53,7 +53,7 @@ def cache_fixture(tmp_path, monkeypatch):
 
 def upload(prefix: str, files: dict[str, bytes]) -> str:
     """The files as objects under ``gs://BUCKET/prefix/``; the folder's gs:// path."""
-    from transforms.output.lease import gcs_bucket_and_name
+    from transforms.gcs import gcs_bucket_and_name
 
     bucket, _ = gcs_bucket_and_name(f"gs://{BUCKET}/")
     for name, data in files.items():
@@ -77,7 +77,8 @@ def gcs_config(path: str, **model_changes):
 
 def test_the_launch_pins_the_content_hash_and_the_summary_records_it(fake_gcs, cache, tmp_path):
     from pipeline.graph import summary_base
-    from transforms.engines.model import model_content_hash, model_folder
+    from transforms.engines.model import model_folder
+    from transforms.engines.model_files import model_content_hash
     from transforms.output.layout import new_run_id
 
     path = upload("pinned", TINY)
@@ -192,7 +193,7 @@ def test_a_worker_refuses_a_folder_changed_after_the_launch(fake_gcs, cache, tmp
 def test_object_names_that_leave_the_folder_are_refused(fake_gcs, cache, tmp_path, name):
     prefix = f"traversal-{abs(hash(name))}"
     path = upload(prefix, TINY)
-    from transforms.output.lease import gcs_bucket_and_name
+    from transforms.gcs import gcs_bucket_and_name
 
     bucket, _ = gcs_bucket_and_name(f"gs://{BUCKET}/")
     bucket.blob(f"{prefix}/{name}").upload_from_string(b"{}")
@@ -245,7 +246,7 @@ def test_a_local_folder_and_its_bucket_copy_hash_the_same_whatever_lies_beside_t
     checkpoint or an ONNX export; a local folder with those hashes as its bucket copy does, and
     as the model without them. Before, the local hash took in every subfolder."""
     from transforms.engines import fetch
-    from transforms.engines.model import model_content_hash
+    from transforms.engines.model_files import model_content_hash
 
     model = {**TINY, "modules.json": json.dumps([
         {"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -270,7 +271,7 @@ def test_a_cached_folder_that_lost_a_file_is_fetched_again(fake_gcs, cache):
     marker alone was trusted and the engine read another tokenizer than the pinned one (here
     ``tokenizer_config.json`` gone: the tokenizer's defaults instead), silently."""
     from transforms.engines import fetch
-    from transforms.engines.model import model_content_hash
+    from transforms.engines.model_files import model_content_hash
 
     path = upload("aged", TINY)
     folder = fetch.fetch_model(path)

@@ -2,7 +2,7 @@
 a ModernBERT as ruri-v3 is built (local attention in a 16-token window, a global layer every 3,
 CLS pooling, a Unigram tokenizer) and a BERT (WordPiece, mean pooling), on texts shorter and
 longer than the window, through newsvec's own tokenization and engine handle
-(``transforms.engines.base.load_engine``).
+(``transforms.engines.registry.load_engine``).
 
 The reference runs in the engine's dtype: random weights of this scale lose up to about 0.005 of
 cosine to bfloat16 itself (``transformers`` in bfloat16 against float32, measured), which is not the
@@ -18,7 +18,8 @@ import pytest
 
 from tests.conftest import tiny_model_settings
 from tools.tiny_models import made_up_text
-from transforms.engines.base import load_engine
+from transforms.engines.devices import resolved_dtype
+from transforms.engines.registry import load_engine
 from transforms.text import HeadTokenizer
 
 WINDOW = 16  # build_modernbert's local_attention: 8 tokens each side
@@ -63,7 +64,7 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _dtypes():
     """float32, and the dtype newsvec runs at on this CPU (``model.dtype: native``)."""
-    native = tiny_model_settings(Path("unused"), "native").resolved_dtype()
+    native = resolved_dtype(tiny_model_settings(Path("unused"), "native"))
     return sorted({"float32", native})
 
 

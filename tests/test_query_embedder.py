@@ -318,7 +318,7 @@ def test_special_tokens_written_as_objects_are_read_by_their_content(tmp_path, k
     """tokenizer_config.json as transformers 4 wrote tokens with flags: an ``AddedToken`` object.
     A query holding a character outside the vocabulary gets the engine's ids ([UNK] among them)
     and the engine's vector, not a tokenizer error (only unk an object) nor the engine (all)."""
-    from transforms.engines.base import load_engine
+    from transforms.engines.registry import load_engine
 
     def as_objects(tokenizer_config):
         for key in keys:

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from pipeline import config as config_lib
-from transforms.engines.model import model_content_hash
+from transforms.engines.model_files import model_content_hash
 from transforms.settings import ModelSettings
 
 REPO = Path(config_lib.REPO_ROOT)

@@ -145,7 +145,7 @@ class RecordingFakeEngine(FakeEngine):
 @pytest.fixture
 def fake_engine(monkeypatch):
     engine = RecordingFakeEngine()
-    monkeypatch.setattr("transforms.engines.base.load_engine", lambda settings: engine)
+    monkeypatch.setattr("transforms.engines.registry.load_engine", lambda settings: engine)
     # newsvec search computes MiniLM's query vector without the engine: the FAKE is given its ids
     monkeypatch.setattr("transforms.engines.query.QueryEmbedder.embed",
                         lambda self, ids: engine.embed([ids])[0])
@@ -326,7 +326,8 @@ def test_search_refuses_a_model_whose_files_are_not_the_outputs(
     pinned, a local one hashed) and a folder that hashes otherwise is refused, the output's model
     and both hashes named. Before, only the prefixes and the dimension were compared."""
     from pipeline.search import ModelMismatch, search
-    from transforms.engines.model import model_content_hash, model_folder
+    from transforms.engines.model import model_folder
+    from transforms.engines.model_files import model_content_hash
 
     other = tmp_path / "other-checkpoint"
     shutil.copytree(model_folder(prefixed_batch_output.model), other)

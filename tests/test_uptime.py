@@ -21,6 +21,7 @@ from tests.fakes import FakeEngine
 from transforms import text
 from transforms.engines import base as engines
 from transforms.engines.base import FreedMemory
+from transforms.engines.registry import load_engine
 from transforms.settings import StreamingSettings
 from transforms.text import PrepareText
 from transforms.types import NewsEvent
@@ -102,7 +103,7 @@ def test_the_real_engine_gives_freed_memory_back_after_its_calls(fp32_config, to
     trims = []
     monkeypatch.setattr(engines, "FREED_MEMORY",
                         FreedMemory(every_s=0, trim=lambda: trims.append(1)))
-    engine = engines.load_engine(fp32_config.model)
+    engine = load_engine(fp32_config.model)
     engine.embed([tokenizer("One story.")[0], tokenizer("Another, longer story.")[0]])
     assert trims, "a call of the real engine did not give its freed memory back"
 

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from transforms.settings import ChunkingSettings
+from transforms.vector_math import normalized
 
 # Sentence ends: ASCII's; the ideographic full stop (and its halfwidth form) and the fullwidth
 # ! ? . of Chinese and Japanese (ftfy makes the fullwidth forms ASCII in a prepared text; a
@@ -294,32 +295,12 @@ def chunk_id(doc_id: str, text_sha256: str, model: str, chunk_recipe: str, index
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
 
 
-def pool_tokens(tokens: np.ndarray, pooling: str) -> np.ndarray:
-    """A sequence's vector from its tokens' (``n x dim``) as the model pools: ``mean`` over all
-    of them (special tokens included, as sentence-transformers' attention mask does), ``cls``
-    (the first) or ``last``; not normalized."""
-    if pooling == "mean":
-        return tokens.astype(np.float64).mean(axis=0).astype(np.float32)
-    if pooling == "cls":
-        return np.array(tokens[0], dtype=np.float32)
-    if pooling == "last":
-        return np.array(tokens[-1], dtype=np.float32)
-    raise ValueError(f"cannot pool tokens as {pooling!r}: mean, cls or last")
-
-
 def late_vector(tokens: np.ndarray, start: int, end: int, normalize: bool) -> np.ndarray:
     """A chunk's late-chunking vector: the mean of its tokens' vectors ``[start, end)`` from the
     pass over the whole head (L2-normalized if the model's vectors are). The mean whatever the
     model's own pooling: a chunk has no CLS or last token of its own that saw only it, and the
     mean over a span is the pooling late chunking was defined with."""
     return normalized(tokens[start:end].astype(np.float64).mean(axis=0), normalize)
-
-
-def normalized(vector: np.ndarray, normalize: bool = True) -> np.ndarray:
-    """``vector`` as float32, L2-normalized if ``normalize`` (a zero vector stays zero)."""
-    vector = np.asarray(vector, dtype=np.float64)
-    norm = float(np.linalg.norm(vector)) if normalize else 0.0
-    return (vector / norm if norm else vector).astype(np.float32)
 
 
 def mean_vector(vectors: Sequence[np.ndarray], weights: Sequence[int]) -> np.ndarray:

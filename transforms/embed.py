@@ -55,8 +55,6 @@ from transforms.chunking import (
     chunk_id,
     late_vector,
     mean_vector,
-    normalized,
-    pool_tokens,
 )
 from transforms.engines.base import (
     EngineFactory,
@@ -64,8 +62,8 @@ from transforms.engines.base import (
     EngineHandle,
     ModelHandle,
     finite_rows,
-    process_engine,
 )
+from transforms.engines.registry import process_engine
 from transforms.engines.shared.client import EngineEndedInCall, deaths_allowed, shared_engine
 from transforms.metrics import BATCH_DOCS, BATCH_TOKENS, EMBED_MS, MODEL_LOAD_MS
 from transforms.settings import ChunkingSettings, ModelSettings
@@ -82,6 +80,7 @@ from transforms.types import (
     Step,
     story_of,
 )
+from transforms.vector_math import normalized, pool_tokens
 
 _LOG = logging.getLogger(__name__)
 

@@ -51,8 +51,8 @@ from transforms.output.layout import (
     join_path,
     relative_to,
 )
-from transforms.output.lease import unsafe_test_timings
 from transforms.output.manifest import COMMITTED, Snapshot, SnapshotChanged, read_manifest
+from transforms.timing_floors import unsafe_test_timings
 from transforms.types import EmbeddedDoc, PreparedDoc
 
 UNCHANGED = "unchanged"

@@ -2,20 +2,18 @@
 they name: the one home of the config's schema.
 
 This module is the ground floor: it imports nothing of ``pipeline/`` and only
-``transforms.output.lease`` (the lease floor) of ``transforms/``, so every stage may import its
+``transforms.timing_floors`` (the lease's floor) of ``transforms/``, so every stage may import its
 settings from here. The root ``Config``, reading a file (``extends:``), the overrides and the
 ``{model}`` / ``{date}`` fields are ``pipeline/config.py``'s. """
 from __future__ import annotations
 
-import functools
 import json
 import os
-from pathlib import Path
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from transforms.output.lease import require_lease_s
+from transforms.timing_floors import require_lease_s
 
 DedupKey = Literal["id", "text_sha256"]  # the config's ``dedup.key``
 UnicodeForm = Literal["NFC", "NFKC"]
@@ -40,6 +38,9 @@ class ModelSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    engine: str = Field(
+        "vllm", description="the engine backend that embeds (`transforms/engines/registry.py`): "
+                            "`vllm`, vLLM's `LLM(runner=\"pooling\")`")
     name: str = Field(description="recorded in the `model` column")
     path: str = Field(description="local folder, `pypackage:MODULE` (a model inside a Python "
                                   "package), `gs://BUCKET/PATH/` (a folder in GCS, fetched once "
@@ -186,41 +187,10 @@ class ModelSettings(BaseModel):
             return self.call_timeout_s
         return 60.0 + self.token_budget / 250
 
-    def resolved_dtype(self) -> str:
-        """The dtype the engine runs at on this machine."""
-        if self.dtype != "native":
-            return self.dtype
-        return "bfloat16" if _computes_bfloat16() else "float32"
-
     def apply_engine_env(self) -> None:
         """Set engine_env where unset. Call before importing transformers or vllm in a worker."""
         for key, value in self.engine_env.items():
             os.environ.setdefault(key, value)
-
-
-
-@functools.lru_cache(maxsize=1)
-def _computes_bfloat16() -> bool:
-    """A CUDA GPU with bfloat16 (torch is asked only where ``visible_gpus`` finds a GPU), or a CPU
-    with AVX512_BF16 or AMX-BF16 (Linux: /proc/cpuinfo). Elsewhere bfloat16 is emulated: measured
-    on an AMD EPYC without AVX-512, 2.2 articles/s at bfloat16 against 13.9 at float32."""
-    from transforms.engines.devices import (
-        visible_gpus,  # not at the top: devices imports this module
-    )
-
-    if visible_gpus():  # torch only where a GPU may answer: importing it takes 1.5 s on a CPU
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                return torch.cuda.is_bf16_supported()
-        except ImportError:
-            pass
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class ChunkingSettings(BaseModel):

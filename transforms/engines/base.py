@@ -20,13 +20,13 @@ A load that fails (the first, or one after an engine failure) is an engine failu
 that returns a vector holding a NaN or an infinity is checked with the canary as well: a failing
 canary is an engine failure; a passing one leaves those documents to be dead-lettered.
 
-Where the engine lives: ``process_engine`` gives a handle in this process (``load_engine`` keeps one
-per process for given engine settings); ``transforms.engines.shared`` serves one engine per machine,
-in a process of its own (``model.share_across_processes``).
+Where the engine lives: ``transforms.engines.registry.process_engine`` gives a handle in this
+process (``load_engine`` keeps one per process for given engine settings, on the backend
+``model.engine`` names); ``transforms.engines.shared`` serves one engine per machine, in a process
+of its own (``model.share_across_processes``).
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -54,7 +54,7 @@ class EmbeddingEngine(Protocol):
     # Optional, for ``chunking.mode: late`` (an engine loaded with ``model.pooling_task:
     # token_embed``): ``embed_tokens(prompts)``, per prompt a matrix of one vector per token
     # (``len(prompt) x dim``, not normalized), and ``pooling``, how the model pools a sequence
-    # (``mean``, ``cls`` or ``last``: ``transforms.chunking.pool_tokens``).
+    # (``mean``, ``cls`` or ``last``: ``transforms.vector_math.pool_tokens``).
 
     def close(self) -> None:
         """Release the engine; it is not used again."""
@@ -272,58 +272,6 @@ def _engine_is_dead(exc: BaseException) -> bool:
     return type(exc).__name__ == "EngineDeadError"
 
 
-_HANDLES: dict[str, EngineHandle] = {}
-
-
-_HANDLES_LOCK = threading.Lock()
-
-
 _LLM_FIELDS = ("name", "path", "revision", "sha256", "dim", "dtype", "max_tokens",
                "pooling_task", "trust_remote_code", "enforce_eager", "gpu_memory_utilization",
                "max_num_seqs", "max_num_batched_tokens", "engine_env")
-
-
-def _engine_identity(settings: ModelSettings) -> str:
-    """What the engine depends on; batching and failure settings may differ and share it. Engines
-    of other output dimensions are other engines, on one ``LLM`` (``_shared_llm``)."""
-    return json.dumps(settings.model_dump(include={
-        *_LLM_FIELDS, "normalize", "dimensions", "truncate_dimensions_knowingly"}),
-        sort_keys=True)
-
-
-def load_engine(settings: ModelSettings) -> EngineHandle:
-    """The process's one vLLM engine handle for these settings, loaded on first use.
-
-    The embedding steps keep one handle per DoFn; this cache also spans pipelines run one after
-    another in a process (tests, a retried bundle's new DoFn), so a worker never holds two engines.
-    """
-    identity = _engine_identity(settings)
-    with _HANDLES_LOCK:
-        if identity not in _HANDLES:
-            from transforms.engines.vllm import load_vllm  # it imports this module
-
-            _HANDLES[identity] = EngineHandle(settings, load_vllm)
-        return _HANDLES[identity]
-
-
-_FACTORY_HANDLES: dict[tuple[type, str], EngineHandle] = {}
-
-
-_FACTORY_HANDLES_LOCK = threading.RLock()  # a test's factory may itself call load_engine
-
-
-def process_engine(settings: ModelSettings, factory: Optional[EngineFactory]) -> EngineHandle:
-    """A handle in this process: without ``factory``, on the process's vLLM engine
-    (``load_engine``); with one (tests, benchmarks), on an engine from it. A factory that is a
-    class is kept like vLLM's engine, one handle per process for given settings, so that a
-    stand-in engine goes through the handle's life as the real one does (a retried bundle's new
-    DoFn finds the handle whose engine failed); any other factory gets a new handle each time."""
-    if factory is None:
-        return load_engine(settings)
-    if not isinstance(factory, type):
-        return EngineHandle(settings, factory)
-    key = (factory, _engine_identity(settings))
-    with _FACTORY_HANDLES_LOCK:
-        if key not in _FACTORY_HANDLES:
-            _FACTORY_HANDLES[key] = EngineHandle(settings, factory)
-        return _FACTORY_HANDLES[key]

@@ -17,10 +17,12 @@ A deterministic slot (pid % N) was the alternative: no file, but pids are not co
 processes of four may well share a GPU while the other idles, and a restarted process lands
 anywhere.
 
-Nothing here imports torch or initializes CUDA: the SDK processes never touch the GPU.
+Nothing here initializes CUDA: the SDK processes never touch the GPU. ``resolved_dtype`` (the
+dtype ``model.dtype: native`` runs at on this machine) asks torch only where a GPU is visible.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
@@ -28,6 +30,7 @@ import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Callable, Optional
 
 from transforms.private_files import ensure_private_file, read_private, write_private
@@ -74,6 +77,34 @@ def _nvidia_smi_count() -> Optional[int]:
         _LOG.warning("nvidia-smi -L failed; counting /dev/nvidiaN instead", exc_info=True)
         return None
     return sum(1 for line in listed.splitlines() if re.match(r"GPU \d+:", line))
+
+
+def resolved_dtype(settings: ModelSettings) -> str:
+    """The dtype the engine runs at on this machine: ``model.dtype``, or for ``native`` bfloat16
+    where the hardware computes it (``_computes_bfloat16``), else float32."""
+    if settings.dtype != "native":
+        return settings.dtype
+    return "bfloat16" if _computes_bfloat16() else "float32"
+
+
+@functools.lru_cache(maxsize=1)
+def _computes_bfloat16() -> bool:
+    """A CUDA GPU with bfloat16 (torch is asked only where ``visible_gpus`` finds a GPU), or a CPU
+    with AVX512_BF16 or AMX-BF16 (Linux: /proc/cpuinfo). Elsewhere bfloat16 is emulated: measured
+    on an AMD EPYC without AVX-512, 2.2 articles/s at bfloat16 against 13.9 at float32."""
+    if visible_gpus():  # torch only where a GPU may answer: importing it takes 1.5 s on a CPU
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.cuda.is_bf16_supported()
+        except ImportError:
+            pass
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def engine_devices(settings: ModelSettings) -> list[Optional[str]]:

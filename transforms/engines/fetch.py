@@ -1,7 +1,7 @@
 """A model folder in GCS (``model.path: gs://BUCKET/PREFIX/``), fetched into a private cache on
 the machine once, verified, and then read like a local folder.
 
-- What is fetched: the files the content hash covers (``model.is_model_file``: weights, JSON
+- What is fetched: the files the content hash covers (``model_files.is_model_file``: weights, JSON
   configs, tokenizer files, at the folder's top and in its modules' folders, those
   ``modules.json`` names and ``1_Pooling``-like ones), so every byte the engine reads is covered by
   the hash and a local folder hashes as its copy in the bucket does; anything else (a README, ONNX
@@ -43,6 +43,13 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Iterator, NamedTuple, Optional
 
+from transforms.engines.model_files import (
+    MODULES_FILE,
+    is_model_file,
+    model_content_hash,
+    module_folders,
+)
+from transforms.gcs import gcs_bucket_and_name
 from transforms.private_files import (
     check_private_folder,
     open_private_file,
@@ -115,9 +122,6 @@ def safe_relative(spec: str, name: str) -> str:
 
 def list_folder(spec: str) -> list[Listed]:
     """The objects to fetch, checked (``safe_relative``, ``check_complete``, the limits)."""
-    from transforms.engines.model import MODULES_FILE, is_model_file, module_folders
-    from transforms.output.lease import gcs_bucket_and_name
-
     bucket_name, prefix = split_gcs_folder(spec)
     bucket, _ = gcs_bucket_and_name(f"{GS}{bucket_name}/")
     every = []
@@ -205,8 +209,6 @@ def _key(spec: str, listed: list[Listed]) -> str:
 def _download(spec: str, listed: list[Listed], into: Path) -> None:
     from google.api_core import exceptions
 
-    from transforms.output.lease import gcs_bucket_and_name
-
     bucket_name, prefix = split_gcs_folder(spec)
     bucket, _ = gcs_bucket_and_name(f"{GS}{bucket_name}/")
     for item in listed:
@@ -228,8 +230,6 @@ def fetch_model(spec: str, sha256: Optional[str] = None, cache: Optional[str] = 
     """The local folder of the GCS model folder ``spec``, fetched into the machine's cache if it
     is not there yet (see the module), its content hash ``sha256`` if that is given, else
     ModelFetchError."""
-    from transforms.engines.model import model_content_hash
-
     listed = list_folder(spec)
     cache = cache or model_cache()
     key = _key(spec, listed)

@@ -26,7 +26,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from transforms.engines.model import ModelSettings, model_folder, module_configs, pooling_modes
+from transforms.engines.devices import resolved_dtype
+from transforms.engines.model import ModelSettings, model_folder, pooling_modes
+from transforms.engines.model_files import module_configs
 
 _ERFC_COEFFICIENTS = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806,
                       0.09678418, 0.37409196, 1.00002368, -1.26551223)
@@ -194,10 +196,31 @@ def _tokenizer(folder: Path, settings: ModelSettings):
     another transformers release, added tokens that are not special, a special token outside the
     vocabulary (the unknown token included: WordPiece then fails on a query it does not know), or
     a ``tokenizer.json`` that says otherwise than transformers builds."""
-    from importlib import metadata
-
     from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
     from tokenizers.models import WordPiece
+
+    wanted, vocab, specials = _bert_vocabulary(folder)
+    unk, cls, sep = specials["unk_token"], specials["cls_token"], specials["sep_token"]
+    tok = Tokenizer(WordPiece(vocab, unk_token=unk))
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=wanted.get("tokenize_chinese_chars", True),
+        strip_accents=wanted.get("strip_accents"), lowercase=wanted.get("do_lower_case", True))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
+    tok.add_special_tokens(list(specials.values()))
+    tok.encode_special_tokens = True  # "[SEP]" in a query is text, as HeadTokenizer reads it
+    tok.no_padding()
+    tok.enable_truncation(max_length=settings.max_tokens, direction="right")
+    return tok
+
+
+def _bert_vocabulary(folder: Path) -> tuple[dict, dict[str, int], dict[str, str]]:
+    """(``tokenizer_config.json``, ``tokenizer.json``'s WordPiece vocabulary, the special tokens
+    by key) of a BERT model whose tokenizer ``_tokenizer`` can build as transformers does;
+    ``Unsupported`` for anything else (see ``_tokenizer``)."""
+    from importlib import metadata
 
     version = metadata.version("transformers")
     if not version.startswith(VERIFIED_TRANSFORMERS):
@@ -224,20 +247,7 @@ def _tokenizer(folder: Path, settings: ModelSettings):
     if disagreements:
         raise Unsupported("tokenizer.json says otherwise than the tokenizer transformers builds "
                           f"from tokenizer_config.json: {'; '.join(disagreements)}")
-    unk, cls, sep = specials["unk_token"], specials["cls_token"], specials["sep_token"]
-    tok = Tokenizer(WordPiece(vocab, unk_token=unk))
-    tok.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=wanted.get("tokenize_chinese_chars", True),
-        strip_accents=wanted.get("strip_accents"), lowercase=wanted.get("do_lower_case", True))
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
-        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
-    tok.add_special_tokens(list(specials.values()))
-    tok.encode_special_tokens = True  # "[SEP]" in a query is text, as HeadTokenizer reads it
-    tok.no_padding()
-    tok.enable_truncation(max_length=settings.max_tokens, direction="right")
-    return tok
+    return wanted, vocab, specials
 
 
 def _require_float_weights(path: Path) -> None:
@@ -264,7 +274,7 @@ class QueryEmbedder:
             raise Unsupported("trust_remote_code: the model runs its own code")
         if settings.dimensions is not None and settings.dimensions != settings.dim:
             raise Unsupported("model.dimensions: the engine truncates")
-        self.dtype = settings.resolved_dtype()
+        self.dtype = resolved_dtype(settings)
         if self.dtype not in ("float32", "bfloat16"):
             raise Unsupported(f"dtype {self.dtype}")
         folder = Path(model_folder(settings))

@@ -13,18 +13,19 @@ from typing import Any, Literal, Optional, Sequence
 
 import numpy as np
 
-from transforms.chunking import normalized, pool_tokens
 from transforms.engines import base
 from transforms.engines.base import _LLM_FIELDS, truncate_vector
+from transforms.engines.devices import resolved_dtype
 from transforms.engines.model import (
     Matryoshka,
     model_folder,
     model_label,
-    module_configs,
     pooling_modes,
     truncation,
 )
+from transforms.engines.model_files import module_configs
 from transforms.settings import ModelSettings
+from transforms.vector_math import normalized, pool_tokens
 
 _LOG = logging.getLogger(__name__)
 CANARY_TEXT = "newsvec engine check"
@@ -165,7 +166,7 @@ def _new_llm(s: ModelSettings):
 
     path = model_folder(s)
     kwargs: dict[str, Any] = dict(
-        model=path, runner="pooling", dtype=s.resolved_dtype(), revision=s.revision,
+        model=path, runner="pooling", dtype=resolved_dtype(s), revision=s.revision,
         max_model_len=s.max_tokens, trust_remote_code=s.trust_remote_code,
         enforce_eager=s.enforce_eager, seed=0)
     if s.gpu_memory_utilization is not None:

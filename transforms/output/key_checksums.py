@@ -8,6 +8,7 @@ from typing import Optional
 
 from apache_beam.io.filesystems import FileSystems
 
+from transforms.gcs import gcs_bucket_and_name
 from transforms.output.layout import (
     KEYS_DIR,
     UnsafePath,
@@ -16,7 +17,6 @@ from transforms.output.layout import (
     open_inside,
     relative_to,
 )
-from transforms.output.lease import gcs_bucket_and_name
 
 
 def local_checksum(prefix: str, path: str) -> Optional[str]:

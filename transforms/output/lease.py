@@ -43,10 +43,11 @@ holder must have renewed within ``lease_s / 2``; else ``LeaseLost``, and nothing
   (an older run's file, never the taker's, whose names hold its run id).
 
 The margin of that fencing is ``lease_s / 2`` minus the longest a single storage request can take,
-so ``lease_s`` has a floor (``MIN_LEASE_S``): twice the longest one request can take through Beam's
-GCS client (a 120 s retry deadline, then up to 60 s for the last attempt). Each fenced change is
-therefore one request (a batch of up to 100 deletes is one GCS batch request), or is read again
-after it.
+so ``lease_s`` has a floor (``MIN_LEASE_S``, ``transforms.timing_floors``): twice the longest one
+request can take through Beam's GCS client (a 120 s retry deadline, then up to 60 s for the last
+attempt). Each fenced change is therefore one request (a batch of up to 100 deletes is one GCS
+batch request), or is read again after it. The conditional GCS operations are
+``transforms.gcs``'s.
 """
 from __future__ import annotations
 
@@ -54,7 +55,6 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import functools
 import json
 import logging
 import os
@@ -71,20 +71,12 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 
 from apache_beam.io.filesystems import FileSystems
 
+from transforms.gcs import gcs_delete, gcs_read, gcs_updated, gcs_write
 from transforms.output.layout import PUBLISH_LOCK_FILE, UnsafePath, join_path
 from transforms.private_files import open_private_file
+from transforms.timing_floors import require_lease_s
 
 _LOG = logging.getLogger(__name__)
-
-# The longest one storage request can take through Beam's GCS client: google-cloud-storage's
-# default retry deadline (120 s), then the last attempt's own timeout (60 s).
-SLOWEST_STORAGE_REQUEST_S = 180.0
-# commit_lease_s, --lease-s: the holder stops at lease_s / 2 without a renewal, so a request it
-# started just before must land before the taker can start, lease_s / 2 later.
-MIN_LEASE_S = 2 * SLOWEST_STORAGE_REQUEST_S
-# For the test suite only: set (to anything), leases and clean-up ages go below their floors. Not
-# a setting of any config or command; every process that uses it logs a warning.
-UNSAFE_TEST_TIMINGS_ENV = "NEWSVEC_UNSAFE_TEST_TIMINGS"
 
 _CLOCK_ID = getattr(time, "CLOCK_BOOTTIME", None)
 
@@ -95,38 +87,6 @@ def now() -> float:
     if _CLOCK_ID is not None:
         return time.clock_gettime(_CLOCK_ID)
     return time.monotonic()
-
-
-@functools.lru_cache(maxsize=1)
-def _warn_unsafe_timings() -> None:
-    _LOG.warning("%s is set: publish leases and clean-up ages may go below their floors. For "
-                 "tests only: never set it where real outputs are published",
-                 UNSAFE_TEST_TIMINGS_ENV)
-
-
-def unsafe_test_timings() -> bool:
-    """Whether the test suite's override of the floors is set (logged once per process)."""
-    if os.environ.get(UNSAFE_TEST_TIMINGS_ENV):
-        _warn_unsafe_timings()
-        return True
-    return False
-
-
-def min_lease_s() -> float:
-    """The shortest publish lease accepted: ``MIN_LEASE_S``, or any under the test override."""
-    return 0.0 if unsafe_test_timings() else MIN_LEASE_S
-
-
-def require_lease_s(lease_s: float, what: str = "the publish lease") -> float:
-    if not lease_s > 0:
-        raise ValueError(f"{what} must be positive, got {lease_s!r}")
-    floor = min_lease_s()
-    if lease_s < floor:
-        raise ValueError(
-            f"{what} is {lease_s:g} s, under its floor of {floor:g} s: a holder stops at half "
-            f"its lease without a renewal, and a storage request it started just before may take "
-            f"{SLOWEST_STORAGE_REQUEST_S:g} s (GCS retries) to land")
-    return lease_s
 
 
 class LeaseLost(RuntimeError):
@@ -156,97 +116,6 @@ class LockStore(Protocol):
     def fenced(self) -> contextlib.AbstractContextManager[Optional[tuple[int, dict]]]:
         """The lock as it is now, read for a change made inside the block (locally, the block
         holds the OS lock that every change to the lock needs)."""
-
-
-# GCS objects with generations, through google-cloud-storage (Beam's client has no preconditions).
-
-@functools.lru_cache(maxsize=16)
-def _gcs_client(_endpoint: Optional[str], _pid: int):
-    from google.cloud.storage import Client
-
-    return Client()
-
-
-def gcs_bucket_and_name(path: str) -> tuple[Any, str]:
-    """The bucket and object name of a gs:// path; one client per process and endpoint."""
-    bucket, _, name = path[len("gs://"):].partition("/")
-    client = _gcs_client(os.environ.get("STORAGE_EMULATOR_HOST"), os.getpid())
-    return client.bucket(bucket), name
-
-
-def gcs_read(path: str) -> Optional[tuple[int, bytes]]:
-    """(generation, bytes) of a GCS object, the bytes of that generation; None if absent."""
-    from google.api_core import exceptions
-
-    bucket, name = gcs_bucket_and_name(path)
-    while True:
-        blob = bucket.get_blob(name)  # its metadata: the generation
-        if blob is None:
-            return None
-        generation = int(blob.generation)
-        try:  # the body of that generation, not of a newer one
-            return generation, blob.download_as_bytes(if_generation_match=generation)
-        except (exceptions.NotFound, exceptions.PreconditionFailed):
-            continue  # changed in between: look again
-
-
-def gcs_write(path: str, data: bytes, if_generation: int,
-              content_type: str = "application/json") -> Optional[int]:
-    """Upload ``data`` only if the object is at ``if_generation`` (0: absent). The new
-    generation, or None when refused. A refusal whose object now holds exactly ``data`` was this
-    upload, applied, its response lost and its retry refused: its generation is returned."""
-    from google.api_core import exceptions
-
-    bucket, name = gcs_bucket_and_name(path)
-    blob = bucket.blob(name)
-    try:
-        blob.upload_from_string(data, content_type=content_type, if_generation_match=if_generation)
-    except exceptions.PreconditionFailed:
-        current = gcs_read(path)
-        if current is not None and current[1] == data and current[0] != if_generation:
-            return current[0]
-        return None
-    return int(blob.generation)
-
-
-def gcs_delete(path: str, if_generation: int) -> bool:
-    """Delete the object only if it is at ``if_generation``: whether it is gone now."""
-    from google.api_core import exceptions
-
-    bucket, name = gcs_bucket_and_name(path)
-    try:
-        bucket.blob(name).delete(if_generation_match=if_generation)
-    except exceptions.NotFound:
-        return True
-    except exceptions.PreconditionFailed:
-        return gcs_read(path) is None
-    return True
-
-
-def gcs_copy(source: str, target: str, if_generation: int = 0) -> int:
-    """Copy one GCS object to another name, in one request (retried), only if the target is at
-    ``if_generation`` (0: absent; else ``PreconditionFailed``): the generation it created."""
-    from google.cloud.storage.retry import DEFAULT_RETRY
-
-    source_bucket, source_name = gcs_bucket_and_name(source)
-    target_bucket, target_name = gcs_bucket_and_name(target)
-    copied = source_bucket.copy_blob(source_bucket.blob(source_name), target_bucket, target_name,
-                                     if_generation_match=if_generation, retry=DEFAULT_RETRY)
-    return int(copied.generation)
-
-
-def gcs_read_generation(path: str) -> int:
-    """The generation of a GCS object now; 0 if absent."""
-    bucket, name = gcs_bucket_and_name(path)
-    blob = bucket.get_blob(name)
-    return 0 if blob is None else int(blob.generation)
-
-
-def gcs_updated(path: str) -> Optional[float]:
-    """When GCS last wrote an object (its ``updated``, the storage's clock, Unix seconds)."""
-    bucket, name = gcs_bucket_and_name(path)
-    blob = bucket.get_blob(name)
-    return None if blob is None or blob.updated is None else blob.updated.timestamp()
 
 
 class GcsLockStore:

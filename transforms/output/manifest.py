@@ -43,6 +43,7 @@ from typing import Any, Iterable, Optional
 from apache_beam.io.filesystem import BeamIOError
 from apache_beam.io.filesystems import FileSystems
 
+from transforms.gcs import gcs_bucket_and_name, gcs_copy, gcs_delete, gcs_read_generation
 from transforms.output.key_checksums import key_file_checksums, local_checksum
 from transforms.output.layout import (
     KEYS_DIR,
@@ -74,16 +75,9 @@ from transforms.output.layout import (
     temp_path,
     write_whole,
 )
-from transforms.output.lease import (
-    LeaseLost,
-    PublishLease,
-    gcs_bucket_and_name,
-    gcs_copy,
-    gcs_delete,
-    gcs_read_generation,
-    unsafe_test_timings,
-)
+from transforms.output.lease import LeaseLost, PublishLease
 from transforms.output.summary import RunSummary
+from transforms.timing_floors import unsafe_test_timings
 from transforms.types import Counts
 
 _LOG = logging.getLogger(__name__)

@@ -16,7 +16,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from transforms.engines.base import EngineFactory, EngineFailedError, EngineHandle, process_engine
+from transforms.engines.base import EngineFactory, EngineFailedError, EngineHandle
+from transforms.engines.registry import process_engine
 from transforms.engines.shared.processes import _process_identity
 from transforms.engines.shared.records import _BusyFile, _EngineRecord, _EngineState
 from transforms.engines.shared.transport import _key_file, _socket_file
