@@ -192,8 +192,10 @@ def local_streaming_job(config, topic: str, engine_factory=None):
     try:
         yield result
     finally:
-        stop.set()
+        # Cancel while the heartbeats still run: the runner's cancel waits for its pull to come
+        # back, and an idle subscription holds a pull for about 29 s.
         result.cancel()
+        stop.set()
 
 
 def _stop_process_group(process: subprocess.Popen, timeout: float = 10) -> None:
