@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from benchmarks import SMOKE_HELP
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 from tools.bench_results import write_results
@@ -298,7 +299,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-copies", type=int, default=5,
                         help="--stories: copies of a reprinted article, 1 to this many")
     parser.add_argument("--seed", type=int, default=40, help="--stories: draws the copies")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.limit = 24
 
     from apache_beam.options.pipeline_options import PipelineOptions
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 
-from benchmarks import plots, tree_rss
+from benchmarks import SMOKE_HELP, plots, tree_rss
 from benchmarks.batch import bbc_texts
 from benchmarks.streaming import _events, _rows, _wait_for, percentile, streaming_job, warm_up
 from pipeline import ledger
@@ -189,7 +189,11 @@ def main(argv=None) -> int:
     parser.add_argument("--settle-min", type=float, default=2,
                         help="minutes left out of the memory trend (engine warm-up, caches)")
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP + "; samples every 1 s")
     args = parser.parse_args(argv)
+    sample_s = 10  # rows on disk and memory, every sample_s seconds
+    if args.smoke:
+        args.saturation_docs, args.minutes, args.settle_min, sample_s = 16, 0.2, 0, 1
 
     from tools.publish import publish_file
 
@@ -234,7 +238,7 @@ def main(argv=None) -> int:
         good = set(plan["good_ids"])
         written = WrittenSoFar(out, good)
         while True:
-            time.sleep(10)
+            time.sleep(sample_s)
             now = time.perf_counter() - begun
             done = written()
             memory.append((now, rss_mb()))
