@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=256, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:  # sentence-transformers at float32 alone (bf16 is emulated on some CPUs)
-        args.limit, args.runs = 16, 1
+        args.limit, args.runs = 8, 1
     texts = bbc_texts(args.limit)
 
     if args.st_only:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from pathlib import Path
 
 import pytest
 
