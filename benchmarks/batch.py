@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import plots
+from benchmarks import SMOKE_HELP, plots
 from pipeline.config import REPO_ROOT, load
 from tools.bench_results import write_results
 from transforms.engines.model import resolve_model_path
@@ -115,10 +115,13 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="use the first N articles only")
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
     parser.add_argument("--skip-st", action="store_true", help="skip sentence-transformers")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     parser.add_argument("--st-only", choices=("float32", "bfloat16"), help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, default=256, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.smoke:  # sentence-transformers at float32 alone (bf16 is emulated on some CPUs)
+        args.limit, args.runs = 8, 1
     texts = bbc_texts(args.limit)
 
     if args.st_only:
@@ -136,7 +139,7 @@ def main(argv=None) -> int:
 
     st = {}
     if not args.skip_st:  # first, while vLLM is not loaded in this process
-        for dtype in ("float32", "bfloat16"):
+        for dtype in ("float32",) if args.smoke else ("float32", "bfloat16"):
             st[dtype] = _st_subprocess(args, model_path, dtype, config.model.max_tokens)
             print(f"sentence-transformers {dtype}: {st[dtype]['docs_per_s']:.1f} docs/s "
                   f"(batch {st[dtype]['best_batch_size']})", flush=True)

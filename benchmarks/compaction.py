@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import SMOKE_HELP
 from pipeline import compact, ledger
 from pipeline.config import REPO_ROOT
 from tools import streaming_output
@@ -94,7 +95,10 @@ def main(argv=None) -> int:
     parser.add_argument("--row-group-rows", type=int, default=16384)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.messages, args.hours, args.shards, args.runs = 200, 1, 1, 1
 
     work = Path(tempfile.mkdtemp(prefix="newsvec-compaction-"))
     source = work / "stream"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 
+from benchmarks import SMOKE_HELP
 from pipeline.config import REPO_ROOT
 from tools.bench_results import write_results
 from tools.dedup_state_model import DESIGNS, MODEL_NOTE, measure
@@ -39,7 +40,10 @@ def main(argv=None) -> int:
     parser.add_argument("--docs", type=int, default=100, help="documents per micro-batch")
     parser.add_argument("--batches", type=int, default=7, help="micro-batches timed per figure")
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.held, args.docs, args.batches = [100, 1000], 20, 1
 
     print(MODEL_NOTE)
     print(f"{args.docs} documents per micro-batch; median of {args.batches} micro-batches, each "

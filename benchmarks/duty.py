@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import SMOKE_HELP
 from benchmarks.batch import bbc_texts
 from benchmarks.feed import ModeledEngineFactory
 from benchmarks.streaming import _events, _wait_for
@@ -49,7 +50,7 @@ def _run(config, work: Path, texts: list[str], prefix: str, tokens_per_s, per_ca
         warm = work / f"warm-{prefix}.jsonl"
         _events(texts[:32], warm, f"warm{prefix}")
         publish_file(topic, warm, rate=0)
-        _wait_for(out, f"warm{prefix}-", 32, timeout=300)
+        _wait_for(out, f"warm{prefix}-", len(texts[:32]), timeout=300)
         log.write_text("")  # the warm-up's calls are not measured
         events = work / f"{prefix}.jsonl"
         _events(texts, events, prefix)
@@ -73,11 +74,14 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--per-call-ms", type=float, default=2.0)
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.docs, args.runs = 16, 1
 
     from transforms.text import HeadTokenizer, normalize_text
 
-    texts = bbc_texts(None)
+    texts = bbc_texts(64 if args.smoke else None)
     work = Path(tempfile.mkdtemp(prefix="newsvec-duty-"))
     base = load(args.config)
     # The MODELED engine in the runner's process, as this benchmark has always measured it: it

@@ -22,6 +22,7 @@ import random
 import statistics
 import time
 
+from benchmarks import SMOKE_HELP
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 from tools.bench_results import record
@@ -42,13 +43,21 @@ def main(argv=None) -> int:
     parser.add_argument("--no-trim", action="store_true",
                         help="the engine does not give freed memory back (FreedMemory off)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "local-streaming.yaml"),
+                        help="the config whose engine is measured")
+    parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args(argv)
+    minute_s = 60  # each row of the output covers a minute; a smoke run's rows one second
+    if args.smoke:
+        args.minutes, minute_s = 2, 1
     from transforms.engines import base as engines
     from transforms.engines.registry import process_engine
     from transforms.text import text_tools
 
-    settings = load(REPO_ROOT / "configs" / "local-streaming.yaml").model
-    heads = [ids for ids, _ in text_tools(settings).head.batch(bbc_texts(None))]
+    settings = load(args.config).model
+    heads = [ids for ids, _ in text_tools(settings).head.batch(
+        bbc_texts(100 if args.smoke else None))]
     rng = random.Random(args.seed)
 
     def draw() -> list:
@@ -70,7 +79,30 @@ def main(argv=None) -> int:
         trims.append(time.perf_counter() - started)
 
     engines.FREED_MEMORY.trim = None if args.no_trim else timed_trim
-    engine = process_engine(settings, None)
+    try:
+        rows = _calls(process_engine(settings, None), args, draw, fixed, trims, minute_s)
+    finally:
+        engines.FREED_MEMORY.trim = trim  # as it was: this process may go on (a test)
+    if len(rows) >= 2:
+        span = rows[-1]["minute"] - rows[0]["minute"]
+        print(json.dumps({
+            "shapes": args.shapes, "trim": not args.no_trim,
+            "articles_per_s": round(rows[-1]["articles"] / (minute_s * args.minutes), 1),
+            "rss_mib_per_minute_after_minute_1": round(
+                (rows[-1]["rss_mib"] - rows[0]["rss_mib"]) / span, 2),
+            "rss_kib_per_call_after_minute_1": round(
+                1024 * (rows[-1]["rss_mib"] - rows[0]["rss_mib"])
+                / max(1, rows[-1]["calls"] - rows[0]["calls"]), 1)}))
+    path = record("engine_memory", {"shapes": args.shapes, "minutes": rows}, argv, args.results)
+    print(f"results: {path}")
+    return 0
+
+
+def _calls(engine, args, draw, fixed: list, trims: list[float], minute_s: float) -> list[dict]:
+    """The engine called as fast as it goes for ``args.minutes`` rows of ``minute_s`` seconds,
+    a row printed at the end of each."""
+    from transforms.engines import base as engines
+
     engine.embed(fixed[0])  # the first call's one-off set-up is not counted
     first = memory_mib()
     print(json.dumps({"shapes": args.shapes, "trim": not args.no_trim,
@@ -81,7 +113,7 @@ def main(argv=None) -> int:
     calls, articles, seen, rows = 0, 0, set(), []
     begin = time.monotonic()
     for minute in range(1, args.minutes + 1):
-        while time.monotonic() < begin + 60 * minute:
+        while time.monotonic() < begin + minute_s * minute:
             batch = draw() if args.shapes == "varied" else fixed[calls % len(fixed)]
             engine.embed(batch)
             calls, articles = calls + 1, articles + len(batch)
@@ -91,18 +123,7 @@ def main(argv=None) -> int:
                "trim_ms_median": round(1000 * statistics.median(trims), 1) if trims else None}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    if len(rows) >= 2:
-        span = rows[-1]["minute"] - rows[0]["minute"]
-        print(json.dumps({
-            "shapes": args.shapes, "trim": not args.no_trim,
-            "articles_per_s": round(articles / (60 * args.minutes), 1),
-            "rss_mib_per_minute_after_minute_1": round(
-                (rows[-1]["rss_mib"] - rows[0]["rss_mib"]) / span, 2),
-            "rss_kib_per_call_after_minute_1": round(
-                1024 * (rows[-1]["rss_mib"] - rows[0]["rss_mib"])
-                / max(1, rows[-1]["calls"] - rows[0]["calls"]), 1)}))
-    print(f"results: {record('engine_memory', {'shapes': args.shapes, 'minutes': rows}, argv)}")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import SMOKE_HELP
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 from tools.bench_results import write_results
@@ -141,18 +142,21 @@ def stage_costs(texts: list[str], config) -> dict:
             "mean_tokens": statistics.mean(len(i) for i, _ in ids)}
 
 
-def graph_rate(events_path: Path, config, work: Path, workers: int, tokens_per_s, per_call_s):
-    """Articles/s of the batch graph's embedding stage, and the engine's duty cycle there."""
+def graph_rate(events_path: Path, config, work: Path, workers: int, tokens_per_s, per_call_s,
+               smoke: bool = False):
+    """Articles/s of the batch graph's embedding stage, and the engine's duty cycle there.
+    ``smoke``: the SDK workers are threads, and the engine is in the runner's process (a smoke
+    run starts no process)."""
     from apache_beam.options.pipeline_options import PipelineOptions
 
     from pipeline.run import run_batch
 
     log = work / f"engine-{time.time_ns()}.log"
-    model = config.model.model_copy(update={"share_across_processes": True})
+    model = config.model.model_copy(update={"share_across_processes": not smoke})
     run_config = config.model_copy(update={"input": str(events_path), "model": model,
                                            "output": str(work / f"out-{time.time_ns()}")})
     options = ["--runner=FnApiRunner", f"--direct_num_workers={workers}",
-               "--direct_running_mode=multi_processing"]
+               f"--direct_running_mode={'multi_threading' if smoke else 'multi_processing'}"]
     run_batch(run_config, PipelineOptions(options),
               engine_factory=ModeledEngineFactory(tokens_per_s, per_call_s, str(log)))
     figures = {}
@@ -183,11 +187,14 @@ def main(argv=None) -> int:
     parser.add_argument("--stages-only", action="store_true",
                         help="measure the CPU cost per article of each stage only")
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args(argv)
+    if args.smoke:  # one modeled rate, the L4 of the table alone, no process (graph_rate)
+        args.repeat, args.runs, args.workers, args.rates = 1, 1, 2, "1"
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker process
     config = load(args.config)
-    texts = bbc_texts(None)
+    texts = bbc_texts(128 if args.smoke else None)  # a smoke run: a few engine calls
     if args.language == "ja":
         from tools import japanese_text as japanese
 
@@ -222,7 +229,8 @@ def main(argv=None) -> int:
         if cores:  # the SDK workers and the engine's process inherit it
             os.sched_setaffinity(0, sorted(cpus)[:cores])
         try:
-            runs = [graph_rate(events, config, work, workers, tokens_per_s, per_call_s)
+            runs = [graph_rate(events, config, work, workers, tokens_per_s, per_call_s,
+                               args.smoke)
                     for _ in range(args.runs)]
         finally:
             os.sched_setaffinity(0, cpus)
@@ -264,8 +272,9 @@ def main(argv=None) -> int:
               f"({whole['duty_cycle']:.2f})")
     results["modeled_sweep"] = sweep
     l4 = {}
-    for name, tokens_per_s in (("L4, BERT-base", L4_BERT_BASE_TOKENS_PER_S),
-                               ("L4, MiniLM-class", L4_MINILM_TOKENS_PER_S)):
+    l4_models = (("L4, BERT-base", L4_BERT_BASE_TOKENS_PER_S),
+                 ("L4, MiniLM-class", L4_MINILM_TOKENS_PER_S))
+    for name, tokens_per_s in l4_models[:1] if args.smoke else l4_models:
         run = median_run(workers, tokens_per_s, args.per_call_ms / 1000)
         l4[name] = {"tokens_per_s": tokens_per_s, **run}
         print(f"  {name} (assumed {tokens_per_s:,} tokens/s, i.e. "

@@ -41,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import SMOKE_HELP
 from pipeline.config import REPO_ROOT
 from tools.bench_results import write_results
 
@@ -125,7 +126,11 @@ def main(argv=None) -> int:
     parser.add_argument("--chars", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default="head,chunks")
+    parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.chars, args.repeats = 2000, 1
 
     from pipeline.config import load
     from transforms.settings import ChunkingSettings
@@ -187,7 +192,7 @@ def main(argv=None) -> int:
     path = write_results({"chars": args.chars, "repeats": args.repeats, "rows": rows,
                           "worst": {mode: (r["field"], r["ratio_to_normal"])
                                     for mode, r in worst.items()},
-                          "python": sys.version.split()[0]}, "bench-results", "hostile_text")
+                          "python": sys.version.split()[0]}, args.results, "hostile_text")
     print(f"results: {path}")
     return 0
 

@@ -46,7 +46,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from benchmarks import tree_rss
+from benchmarks import SMOKE_HELP, tree_rss
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, fill, load
 from tools.bench_results import write_results
@@ -76,6 +76,9 @@ def main(argv=None) -> int:
     parser.add_argument("--code", default=str(REPO_ROOT),
                         help="--previous-keys: the checkout the runs use (the figures before)")
     parser.add_argument("--work", default=None, help="--previous-keys: where to keep the keys")
+    parser.add_argument("--smoke", action="store_true",
+                        help=SMOKE_HELP + "; no warm-up run; with --previous-keys, keys files "
+                        "of 1,000 and a FAKE engine in the runs")
     args = parser.parse_args(argv)
     if args.previous_keys:
         return previous_keys(args)
@@ -86,7 +89,7 @@ def main(argv=None) -> int:
     from transforms.output.current_vectors import current_vectors
 
     work = Path(tempfile.mkdtemp(prefix="newsvec-incremental-"))
-    texts = bbc_texts(None)
+    texts = bbc_texts(SMOKE_ARTICLES if args.smoke else None)
     day_1 = [{"id": f"bbc-{i:05d}", "body": t} for i, t in enumerate(texts)]
     rng = random.Random(7)
     changed = set(rng.sample(range(len(day_1)), round(args.changed * len(day_1))))
@@ -101,9 +104,10 @@ def main(argv=None) -> int:
         "output": str(work / "{model}" / "dt={date}"),
         "incremental": IncrementalSettings(previous_outputs=[str(work / "{model}" / "dt=*")])})
     options = PipelineOptions(["--runner=FnApiRunner"])
-    _write(work / "warm.jsonl", day_1[:32])
-    run_batch(base.model_copy(update={"input": str(work / "warm.jsonl"),
-                                      "output": str(work / "warm")}), options)
+    if not args.smoke:  # a smoke run times nothing: no warm-up
+        _write(work / "warm.jsonl", day_1[:32])
+        run_batch(base.model_copy(update={"input": str(work / "warm.jsonl"),
+                                          "output": str(work / "warm")}), options)
 
     def run(day: str, rows: list[dict]) -> dict:
         _write(work / "in" / f"dt={day}" / "news.jsonl", rows)
@@ -149,12 +153,14 @@ def main(argv=None) -> int:
     return 0
 
 
+SMOKE_ARTICLES = 24
 _HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 # The run in a subprocess: the CLI's ``run`` with a config file; the engine's creation and first
-# call noted, and where the code has it, the key index's load.
+# call noted, and where the code has it, the key index's load. A third argument (a smoke run):
+# a FAKE engine that costs nothing (benchmarks.feed.ModeledEngine) stands in for vLLM's.
 _CHILD = """
-import json, sys, time
-from transforms.engines import base as engine
+import json, os, sys, time
+from transforms.engines import vllm as engine
 marks = {}
 def noting(cls, name, first, last=None):
     original = getattr(cls, name)
@@ -173,6 +179,13 @@ try:
     noting(key_index.KeyIndex, "build", "key_load_start", "key_load_end")
 except ImportError:
     pass
+if len(sys.argv) > 3:
+    from benchmarks.feed import ModeledEngine
+    def fake_engine(settings):
+        marks.setdefault("engine_ready", time.time())
+        return ModeledEngine(settings, None, 0.0, os.devnull)
+    from transforms.engines import registry
+    registry.ENGINES["vllm"] = fake_engine  # the registry holds the factory, not the module
 from pipeline.run import run
 summary = run(["--config", sys.argv[1]])
 with open(sys.argv[2], "w") as f:
@@ -191,7 +204,8 @@ def _hex_strings(raw: np.ndarray) -> pa.Array:
 
 def synthetic_output(prefix: Path, n: int, per_file: int = 1_000_000) -> list[str]:
     """A committed batch output holding ``n`` random keys (``key_schema``) in the real layout;
-    returns its key files. Kept for the next invocation if already there with ``n`` keys."""
+    returns its key files. Kept for the next invocation if already there with ``n`` keys. The
+    columns besides the key, id and text hash are null (a run with near duplicates off)."""
     from transforms.output.layout import new_run_id
     from transforms.output.manifest import COMMITTED, Manifest, read_manifest, write_manifest
     from transforms.output.parquet import key_schema
@@ -206,10 +220,11 @@ def synthetic_output(prefix: Path, n: int, per_file: int = 1_000_000) -> list[st
     for i in range(count):
         rows = min(per_file, n - i * per_file)
         ids = pa.array(np.arange(i * per_file, i * per_file + rows)).cast(pa.string())
-        table = pa.table({"key": _hex_strings(rng.integers(0, 256, (rows, 16), dtype=np.uint8)),
-                          "id": ids,
-                          "text_sha256": _hex_strings(rng.integers(0, 256, (rows, 32),
-                                                                   dtype=np.uint8))},
+        columns = {"key": _hex_strings(rng.integers(0, 256, (rows, 16), dtype=np.uint8)),
+                   "id": ids,
+                   "text_sha256": _hex_strings(rng.integers(0, 256, (rows, 32), dtype=np.uint8))}
+        table = pa.table({field.name: columns[field.name] if field.name in columns
+                          else pa.nulls(rows, field.type) for field in key_schema()},
                          schema=key_schema())
         name = f"keys/part-{run_id}-{i:05d}-of-{count:05d}.parquet"
         pq.write_table(table, prefix / name, compression="zstd")
@@ -220,13 +235,17 @@ def synthetic_output(prefix: Path, n: int, per_file: int = 1_000_000) -> list[st
     return [str(prefix / f) for f in files]
 
 
-def _measured_run(code: str, config_file: Path, marks_file: Path, log_file: Path) -> dict:
-    """One CLI run in a subprocess: peak RSS of its process tree, wall time, first engine call."""
+def _measured_run(code: str, config_file: Path, marks_file: Path, log_file: Path,
+                  fake_engine: bool = False) -> dict:
+    """One CLI run in a subprocess: peak RSS of its process tree, wall time, first engine call.
+    ``fake_engine``: a FAKE engine in place of vLLM's (a smoke run)."""
     import psutil
 
     launched = time.time()
+    fake = ["fake-engine"] if fake_engine else []
     with open(log_file, "wb") as log:
-        child = subprocess.Popen([sys.executable, "-c", _CHILD, str(config_file), str(marks_file)],
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, str(config_file), str(marks_file),
+                                  *fake],
                                  cwd=code, stdout=log, stderr=subprocess.STDOUT,
                                  env={**os.environ, "PYTHONPATH": code})
         process, peak = psutil.Process(child.pid), 0
@@ -286,10 +305,11 @@ def previous_keys(args) -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="newsvec-keys-"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    files = synthetic_output(work / f"previous-{args.previous_keys}", args.previous_keys)
+    files = synthetic_output(work / f"previous-{args.previous_keys}", args.previous_keys,
+                             **({"per_file": 1000} if args.smoke else {}))
     print(f"{args.previous_keys:,} synthetic keys in {len(files)} files "
           f"({time.perf_counter() - started:.0f} s, {work})")
-    texts = bbc_texts(None)
+    texts = bbc_texts(SMOKE_ARTICLES if args.smoke else None)
     write_events(texts, work / "bbc.jsonl")
     base = load(args.config)
     variants = {"none": [], f"{args.previous_keys:,} keys": [str(work / f"previous-"
@@ -303,7 +323,7 @@ def previous_keys(args) -> int:
             config_file = work / f"config-{i}.yaml"
             config_file.write_text(json.dumps(json.loads(config.model_dump_json())))
             figures[name].append(_measured_run(args.code, config_file, work / f"marks-{i}.json",
-                                               work / f"run-{i}-{repeat}.log"))
+                                               work / f"run-{i}-{repeat}.log", args.smoke))
             print(f"  {name}: {figures[name][-1]}", flush=True)
     medians = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                for name, runs in figures.items()}

@@ -19,6 +19,7 @@ import hashlib
 import statistics
 import time
 
+from benchmarks import SMOKE_HELP
 from benchmarks.batch import bbc_texts, prepared_texts
 from pipeline.config import REPO_ROOT, load
 from tools.bench_results import record
@@ -33,7 +34,10 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=128,
                         help="tokens per chunk (the config's overlap_tokens is kept)")
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.articles, args.runs = 8, 1
 
     from transforms.embed import Embedder, model_inputs
     from transforms.engines.devices import resolved_dtype

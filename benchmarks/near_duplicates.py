@@ -47,6 +47,7 @@ from typing import Optional
 
 import numpy as np
 
+from benchmarks import SMOKE_HELP
 from benchmarks.batch import BBC
 from pipeline.config import REPO_ROOT
 from tools import japanese_stories
@@ -81,10 +82,11 @@ class Corpus:
         self.real_pair_jaccard: list[float] = []
 
 
-def bbc_corpus(copies: int, seed: int) -> Corpus:
+def bbc_corpus(copies: int, seed: int, limit: Optional[int] = None) -> Corpus:
+    """The articles of train.csv (its first ``limit``), then ``copies`` per strength."""
     corpus = Corpus("bbc")
     with open(BBC / "train.csv", encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
+        rows = list(csv.DictReader(f))[:limit]
     for i, row in enumerate(rows):
         corpus.originals.append((f"bbc-{i:05d}", row["text"], row.get("category") or
                                  row.get("label") or ""))
@@ -466,11 +468,13 @@ def cpu_step(texts: list[str], sources: int = 8, batch: int = 100) -> dict:
             "signed_again": again}
 
 
-def graph_cpu(runs: int, repeat: int = 2) -> dict:
-    """The batch graph (FnApiRunner, 2 SDK workers, one per core) over the BBC articles
-    (``repeat`` copies, each its own ids, 8 sources) with a FREE engine that costs nothing
-    (benchmarks/feed.py), ``near_duplicates.enabled`` false and true, alternated ``runs`` times:
-    wall ms per article of each run and the medians. The marking's cost is the difference."""
+def graph_cpu(runs: int, repeat: int = 2, limit: Optional[int] = None,
+              running_mode: str = "multi_processing") -> dict:
+    """The batch graph (FnApiRunner, 2 SDK workers, one per core) over the BBC articles (the
+    first ``limit``; ``repeat`` copies, each its own ids, 8 sources) with a FREE engine that costs
+    nothing (benchmarks/feed.py), ``near_duplicates.enabled`` false and true, alternated ``runs``
+    times: wall ms per article of each run and the medians. The marking's cost is the
+    difference. ``running_mode``: FnApiRunner's (a smoke run's threads start no processes)."""
     import json
     import tempfile
     from pathlib import Path
@@ -482,7 +486,7 @@ def graph_cpu(runs: int, repeat: int = 2) -> dict:
     from pipeline.config import load
     from pipeline.run import run_batch
 
-    texts = bbc_texts(None)
+    texts = bbc_texts(limit)
     work = Path(tempfile.mkdtemp(prefix="newsvec-stories-graph-"))
     events = work / "events.jsonl"
     with open(events, "w", encoding="utf-8") as f:
@@ -493,7 +497,7 @@ def graph_cpu(runs: int, repeat: int = 2) -> dict:
     n = len(texts) * repeat
     config = load(str(REPO_ROOT / "configs" / "local.yaml"))
     options = PipelineOptions(["--runner=FnApiRunner", "--direct_num_workers=2",
-                               "--direct_running_mode=multi_processing"])
+                               f"--direct_running_mode={running_mode}"])
     walls: dict[str, list[float]] = {"off": [], "on": []}
     for run in range(runs):
         for name in ("off", "on"):
@@ -898,14 +902,21 @@ def main(argv=None) -> int:
                         help="runs of the batch graph with marking off and on (0: none)")
     parser.add_argument("--seed", type=int, default=40)
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true",
+                        help=SMOKE_HELP + "; 200 BBC originals, the graph over 64 articles "
+                        "with its SDK workers in threads")
     args = parser.parse_args(argv)
+    originals = graph_articles = None
+    if args.smoke:
+        args.copies, args.ja_copies, args.cpu_articles, args.graph_runs = 4, 1, 200, 1
+        args.held, args.local_held, originals, graph_articles = [100, 1000], [100, 1000], 200, 64
     settings = NearDuplicateSettings()
     print(f"defaults: shingle_chars {settings.shingle_chars}, num_perm {settings.num_perm}, "
           f"{settings.bands} bands x {settings.band_rows} rows, threshold {settings.threshold}")
     figures: dict = {"settings": settings.model_dump(mode="json"), "strengths": STRENGTHS,
                      "real_duplicate_floor": args.real_duplicate}
 
-    bbc = bbc_corpus(args.copies, args.seed)
+    bbc = bbc_corpus(args.copies, args.seed, originals)
     ja = japanese_corpus(args.ja_copies, args.seed)
     real = find_real_duplicates(bbc, args.real_duplicate)
     ja_real = find_real_duplicates(ja, args.real_duplicate)
@@ -988,7 +999,8 @@ def main(argv=None) -> int:
     if args.graph_runs:
         print(f"\nthe batch graph, a FREE engine, marking off and on ({args.graph_runs} runs "
               "each, 2 SDK workers):")
-        cpu["graph"] = graph_cpu(args.graph_runs)
+        cpu["graph"] = graph_cpu(args.graph_runs, limit=graph_articles, running_mode=(
+            "multi_threading" if args.smoke else "multi_processing"))
         g = cpu["graph"]
         print(f"  median wall ms per article: off {g['off_ms']:.3f}, on {g['on_ms']:.3f}: "
               f"marking {g['marking_ms']:.3f} ms (load average {g['load_average']:.1f})")

@@ -18,7 +18,9 @@ import threading
 import time
 from pathlib import Path
 
+from benchmarks import SMOKE_HELP
 from benchmarks.batch import bbc_texts
+from pipeline.config import REPO_ROOT
 from tools.bench_results import record
 
 
@@ -35,7 +37,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.publisher",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=60000)
+    parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.messages = 300
     from tools.emulators import pubsub_emulator
     from tools.publish import create_topic, publish_file
 
@@ -72,7 +78,7 @@ def main(argv=None) -> int:
                "rss_before_mib": round(before), "rss_peak_mib": round(peak[0]),
                "rss_after_mib": round(after), "peak_growth_kib_per_message": round(growth, 2)}
     print(json.dumps(figures))
-    print(f"results: {record('publisher', figures, argv)}")
+    print(f"results: {record('publisher', figures, argv, args.results)}")
     return 0
 
 

@@ -47,6 +47,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from benchmarks import SMOKE_HELP
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 from tools.bench_results import write_results
@@ -299,7 +300,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-copies", type=int, default=5,
                         help="--stories: copies of a reprinted article, 1 to this many")
     parser.add_argument("--seed", type=int, default=40, help="--stories: draws the copies")
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP + "; no warm-up runs")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.limit = 24
 
     from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -329,9 +333,10 @@ def main(argv=None) -> int:
     options = PipelineOptions(["--runner=FnApiRunner"])
     warm = work / "warm.jsonl"
     warm.write_text("".join(events.read_text().splitlines(keepends=True)[:32]))
-    run_batch(config.model_copy(update={"input": str(warm), "output": str(work / "warm")}),
-              options)  # loads the model, kept for the runs below
-    if "late" in args.chunk_modes:  # late mode's engine (token_embed) is another LLM
+    if not args.smoke:  # a smoke run times nothing: no warm-up
+        run_batch(config.model_copy(update={"input": str(warm), "output": str(work / "warm")}),
+                  options)  # loads the model, kept for the runs below
+    if "late" in args.chunk_modes and not args.smoke:  # late mode's engine is another LLM
         run_batch(config.model_copy(update={
             "input": str(warm), "output": str(work / "warm-late"),
             "chunking": chunking.model_copy(update={"mode": "late"})}), options)

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 
-from benchmarks import plots, tree_rss
+from benchmarks import SMOKE_HELP, plots, tree_rss
 from benchmarks.batch import bbc_texts
 from benchmarks.streaming import _events, _rows, _wait_for, percentile, streaming_job, warm_up
 from pipeline import ledger
@@ -42,6 +42,7 @@ from tools.bench_results import write_results
 
 SUBSCRIPTION = "projects/newsvec-soak/subscriptions/news"
 MALFORMED_EVERY, DUPLICATE_EVERY, DUPLICATE_LAG = 50, 100, 10
+SMOKE_MESSAGES = 60  # one malformed (the 50th) and one duplicate (the 26th)
 
 
 def rss_mb() -> float:
@@ -189,11 +190,17 @@ def main(argv=None) -> int:
     parser.add_argument("--settle-min", type=float, default=2,
                         help="minutes left out of the memory trend (engine warm-up, caches)")
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true",
+                        help=SMOKE_HELP + "; 60 messages (a malformed one and a duplicate among "
+                        "them), sampled every 1 s")
     args = parser.parse_args(argv)
+    sample_s = 10  # rows on disk and memory, every sample_s seconds
+    if args.smoke:
+        args.saturation_docs, args.minutes, args.settle_min, sample_s = 16, 0.1, 0, 1
 
     from tools.publish import publish_file
 
-    texts = bbc_texts(None)
+    texts = bbc_texts(32 if args.smoke else None)
     work = Path(tempfile.mkdtemp(prefix="newsvec-soak-"))
     out = work / "out"
     base = load(args.config)
@@ -222,7 +229,7 @@ def main(argv=None) -> int:
             rate = args.load * saturation
             print(f"saturation: {saturation:.1f} docs/s; soak at {rate:.1f} msg/s", flush=True)
 
-        n = int(rate * args.minutes * 60)
+        n = SMOKE_MESSAGES if args.smoke else int(rate * args.minutes * 60)
         plan = soak_events(texts, n, work / "soak.jsonl")
         print(f"soak: {n} messages over {args.minutes:g} min ({plan['row']} articles, "
               f"{plan['dead_letter']} malformed, {plan['duplicate']} duplicates)", flush=True)
@@ -234,7 +241,7 @@ def main(argv=None) -> int:
         good = set(plan["good_ids"])
         written = WrittenSoFar(out, good)
         while True:
-            time.sleep(10)
+            time.sleep(sample_s)
             now = time.perf_counter() - begun
             done = written()
             memory.append((now, rss_mb()))

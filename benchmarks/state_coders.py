@@ -22,6 +22,8 @@ import time
 
 from apache_beam.coders import PickleCoder
 
+from benchmarks import SMOKE_HELP
+from pipeline.config import REPO_ROOT
 from tools.bench_results import record
 from transforms.chunking import ChunkSpan
 from transforms.state_coders import MicroBatchCoder, SeenKeysCoder
@@ -95,7 +97,11 @@ def main(argv=None) -> int:
     parser.add_argument("--chunks", type=int, default=0)
     parser.add_argument("--seen-keys", type=int, default=100_000)
     parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.docs, args.seen_keys, args.repeat = 8, 1000, 2
     batch = micro_batch(args.docs, args.tokens, args.chars, args.chunks)
     print(f"one micro-batch: {args.docs} documents of {args.tokens} tokens, {args.chars} "
           f"characters, {args.chunks} chunks each; median of {args.repeat}")
@@ -114,7 +120,8 @@ def main(argv=None) -> int:
                       max(1, args.repeat // 10))
     for name, m in figures.items():
         _print(name, m)
-    print(f"results: {record('state_coders', {**kept, 'seen_keys': figures}, argv)}")
+    path = record("state_coders", {**kept, "seen_keys": figures}, argv, args.results)
+    print(f"results: {path}")
     return 0
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from benchmarks import SMOKE_HELP
 from benchmarks.batch import bbc_texts
 from pipeline.config import REPO_ROOT, load
 from tools.bench_results import write_results
@@ -54,6 +55,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def synthetic_rows(n: int, dim: int = 384, seed: int = 0, ids: list[str] | None = None
                    ) -> pa.Table:
+    """``n`` rows of ``vectors/`` with random unit vectors; the columns not set here are null (a
+    run with near duplicates off)."""
     rng = np.random.default_rng(seed)
     emb = rng.standard_normal((n, dim)).astype(np.float32)
     emb /= np.linalg.norm(emb, axis=1, keepdims=True)
@@ -69,7 +72,8 @@ def synthetic_rows(n: int, dim: int = 384, seed: int = 0, ids: list[str] | None 
         "truncated": [False] * n, "embedded_at": [now] * n, "pubsub_message_id": [None] * n,
         "pubsub_publish_time": [None] * n, "pubsub_attributes": [None] * n,
         "doc_vector": ["head"] * n, "chunk_count": [0] * n, "updated_at": [None] * n}
-    return pa.table(columns, schema=schema)
+    return pa.table({field.name: columns[field.name] if field.name in columns
+                     else pa.nulls(n, field.type) for field in schema}, schema=schema)
 
 
 def _settings(config_store: StoreSettings) -> StoreSettings:
@@ -226,8 +230,9 @@ def streaming(work: Path, config_path: str, n: int, rate: float) -> dict:
     events = work / "events.jsonl"
     write_events(texts, events)
     warm = work / "warm.jsonl"
+    warm_n = min(32, len(texts))
     warm.write_text("".join(json.dumps({"id": f"warm-{i}", "body": t}) + "\n"
-                            for i, t in enumerate(texts[:32])))
+                            for i, t in enumerate(texts[:warm_n])))
     seen: dict[str, float] = {}
     with postgres_server(work) as server:
         dsn = server.create_database("bench")
@@ -257,7 +262,7 @@ def streaming(work: Path, config_path: str, n: int, rate: float) -> dict:
         with emulated_streaming_job(config, work) as topic:
             publish_file(topic, warm, rate=0)
             deadline = time.monotonic() + 300
-            while sum(1 for i in seen if i.startswith("warm-")) < 32 and \
+            while sum(1 for i in seen if i.startswith("warm-")) < warm_n and \
                     time.monotonic() < deadline:
                 time.sleep(0.5)
             publish_file(topic, events, rate=rate)
@@ -307,7 +312,11 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-rows", type=int, default=200, help="microbatch: its rows")
     parser.add_argument("--loads", type=int, default=7, help="microbatch: loads per size")
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.rows, args.limit, args.articles, args.rate = 200, 24, 16, 50
+        args.sizes, args.batch_rows, args.loads = "100,1000", 20, 1
     work = Path(tempfile.mkdtemp(prefix="newsvec-store-bench-"))
     config = args.config or str(REPO_ROOT / "configs" / (
         "local-streaming.yaml" if args.part == "streaming" else "local.yaml"))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from benchmarks import plots
+from benchmarks import SMOKE_HELP, plots
 from benchmarks.batch import bbc_texts, write_events
 from pipeline import ledger
 from pipeline.config import REPO_ROOT, load
@@ -112,7 +112,7 @@ def warm_up(topic: str, texts: list[str], work: Path, out: Path) -> float:
     _events(texts[:64], warm, "warm")
     started = time.perf_counter()
     publish_file(topic, warm, rate=0)
-    _wait_for(out, "warm-", 64, timeout=300)
+    _wait_for(out, "warm-", len(texts[:64]), timeout=300)
     return time.perf_counter() - started
 
 
@@ -131,7 +131,12 @@ def main(argv=None) -> int:
     parser.add_argument("--runner-only", action="store_true",
                         help="diagnostic: saturation only, with a FAKE model that costs nothing, "
                              "to measure what the graph and the local runner alone carry")
+    parser.add_argument("--smoke", action="store_true",
+                        help=SMOKE_HELP + "; the batch runs with a FAKE engine (in a process of "
+                        "its own, vLLM would load again)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.limit, args.latency_s, args.light_rate, args.batch_runs = 16, 4, 1, 1
 
     from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -217,7 +222,8 @@ def main(argv=None) -> int:
             model = config.model.model_copy(update={"share_across_processes": share})
             summary = run_batch(config.model_copy(update={
                 "input": str(events), "output": str(work / f"batch-out-{way}-{i}"),
-                "model": model}), PipelineOptions(["--runner=FnApiRunner"]))
+                "model": model}), PipelineOptions(["--runner=FnApiRunner"]),
+                engine_factory=FakeFreeEngine if args.smoke else None)
             t = summary["timings"]
             batch_rates[way].append(len(texts) / (t["run_s"] - t["model_load_s"]))
             print(f"batch pipeline, {way}: {batch_rates[way][-1]:.1f} docs/s", flush=True)

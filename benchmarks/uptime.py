@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import SMOKE_HELP
 from benchmarks.batch import bbc_texts
 from benchmarks.soak import rss_mb
 from pipeline.config import REPO_ROOT, load
@@ -81,7 +82,10 @@ def main(argv=None) -> int:
     parser.add_argument("--per-window", type=int, default=20)
     parser.add_argument("--dedup-horizon-s", type=float, default=120)
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
+    parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.windows, args.per_window = 6, 4
 
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
