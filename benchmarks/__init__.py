@@ -2,7 +2,7 @@
 ``python -m benchmarks.<name>`` (or the Makefile targets). Not installed into the worker image.
 Every run is kept in bench-results/ (``tools.bench_results.record``), or in the folder
 ``--results`` names: a benchmark writes nowhere else but temporary folders. ``--smoke`` runs one
-on tiny inputs, once, so that CI sees it still runs (tests/test_benchmarks_smoke.py)."""
+on tiny inputs, once, so that CI sees it still runs (tests/repo/test_benchmarks_smoke.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A batch run that is killed midway, for tests/test_reruns.py: ``python -m tests.killed_run
+"""A batch run that is killed midway, for tests/output/test_reruns.py: ``python -m tests.killed_run
 --input GLOB --output PREFIX --kill-at write|publish``.
 
 It runs the batch pipeline in this process with a FAKE engine (the test is about storage, not the

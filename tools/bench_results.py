@@ -1,6 +1,7 @@
 """Every benchmark run is kept: ``record`` writes ``bench-results/<name>-<UTC time>.json`` with the
 figures, the command that made them and the machine it ran on. docs/benchmarks.md's table shows the
-current figure of each, and tests/test_bench_results.py keeps the table equal to the records."""
+current figure of each, and tests/repo/test_bench_results.py keeps the table equal to the
+records."""
 
 from __future__ import annotations
 

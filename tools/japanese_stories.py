@@ -1,7 +1,7 @@
 """Forty short Japanese news articles, written for this repository (no copied news), five on each
 of eight topics so that an article's negatives share its topic and much of its vocabulary, and
 their reprints: the near-duplicate benchmark's and tests' Japanese set
-(benchmarks/near_duplicates.py, tests/test_stories.py).
+(benchmarks/near_duplicates.py, tests/stories/test_stories.py).
 
 ``ARTICLES`` holds (topic, headline, another headline for the same story, body). ``text(article)``
 is the headline and the body as a site prints them; ``copy(article, strength, rng)`` a reprint at a

@@ -36,7 +36,7 @@ HEADER = """\
 # them from configs/worker-requirements.in for CPython 3.11 on Linux x86_64 (glibc >= 2.28), PyPI
 # only, each with the sha256 of the file pip picks for it there. The Dockerfile installs exactly
 # this file with --require-hashes: a file whose hash is not here is refused.
-# tests/test_deploy_image.py resolves it against PyPI and checks those hashes.
+# tests/end_to_end/test_deploy_image.py resolves it against PyPI and checks those hashes.
 # torch 2.13.0 from PyPI is the CUDA 13.0 build: workers need an NVIDIA driver >= 580.
 # google-apitools 0.5.31 (the only version apache-beam[gcp] 2.77.0 accepts) has no wheel: it builds
 # from its sdist (hash-checked; its build backend, fetched by pip for the build, is not);

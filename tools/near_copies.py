@@ -1,5 +1,6 @@
 """Copies of news articles as a wire service's customers print them, for the near-duplicate
-benchmark and tests (benchmarks/near_duplicates.py, tests/test_stories.py): the headline rewritten,
+benchmark and tests (benchmarks/near_duplicates.py, tests/stories/test_stories.py): the headline
+rewritten,
 a byline or wire prefix added, the last paragraphs trimmed, typos made and fixed, whitespace and
 full-width forms changed, a few sentences reordered, each at a strength.
 

@@ -5,7 +5,7 @@ again once they are removed, and last of all a space goes after every "<" that w
 no live markup in a prepared text or title); every text is tokenized whole with right truncation
 (the version of 2026-12-02 first cut texts at 32 characters per token, a bound that does not hold
 in scripts without spaces: issue 23; the reference is the definition, so it cuts nothing).
-tests/test_text_equivalence.py checks that the fast paths give exactly this output: the same
+tests/input/test_text_equivalence.py checks that the fast paths give exactly this output: the same
 prepared text (so the same text_sha256), token ids and truncation flag.
 
 It reuses what the fast paths did not change (the HTML extractor, the tag and control-character

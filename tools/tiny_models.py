@@ -12,9 +12,10 @@ prompts), so that sentence-transformers loads the folder as the reference and vL
 Random weights of the usual scale (``initializer_range`` 0.02) make attention nearly uniform, so
 that a mean over the tokens barely depends on what each token attends to: a test that ignores
 the attention window still passes. ``build_modernbert`` uses a large ``initializer_range`` and CLS
-pooling, where the window visibly changes the vector (tests/test_model_parity.py shows it).
+pooling, where the window visibly changes the vector (tests/engines/test_model_parity.py shows it).
 
-Used by the tests (tests/test_model_parity.py, tests/test_check_model.py); run as a script it
+Used by the tests (tests/engines/test_model_parity.py, tests/engines/test_check_model.py); run as a
+script it
 builds both into a folder: ``python -m tools.tiny_models OUT``.
 """
 from __future__ import annotations

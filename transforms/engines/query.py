@@ -8,7 +8,7 @@ the same token ids as ``transforms.text.HeadTokenizer`` (special tokens in a tex
 truncated on the right to ``model.max_tokens``), the pooling its sentence-transformers modules
 declare (mean or CLS: what vLLM reads from them), L2-normalized when ``model.normalize``. At
 ``bfloat16`` the weights and each layer's output are rounded to bfloat16, as the engine computes
-(tests/test_query_embedder.py checks the vectors against the engine's: cosine >= 0.999).
+(tests/engines/test_query_embedder.py checks the vectors against the engine's: cosine >= 0.999).
 
 Anything it cannot do exactly is ``Unsupported``, and the caller embeds the query with the engine:
 another architecture or activation; a sentence-transformers module other than Transformer,
@@ -95,7 +95,8 @@ def _pooling(folder: Path) -> str:
 
 
 # The transformers release whose BertTokenizer ``_tokenizer`` builds as it does: another one may
-# build it otherwise, so the query then goes to the engine (tests/test_query_embedder.py checks the
+# build it otherwise, so the query then goes to the engine (tests/engines/test_query_embedder.py
+# checks the
 # ids against ``HeadTokenizer``'s, which is that BertTokenizer).
 VERIFIED_TRANSFORMERS = "5.19."
 _SPECIAL_TOKENS = (("pad_token", "[PAD]"), ("unk_token", "[UNK]"), ("cls_token", "[CLS]"),

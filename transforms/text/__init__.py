@@ -16,7 +16,7 @@ vLLM as they are. (vLLM's ``truncate_prompt_tokens`` would keep the tail, the wr
 (``transforms.chunking``) the whole text is tokenized, and cut into chunks as well.
 
 Two fast paths give exactly the output of doing every step on every text (tools/reference_prepare.py
-and tests/test_text_equivalence.py, on the BBC articles and the adversarial corpus):
+and tests/input/test_text_equivalence.py, on the BBC articles and the adversarial corpus):
 - ftfy runs only on text it could change (``ftfy_may_change``): every one of its fixers is a
   no-op on the characters present, the text is NFC, and no window around a non-ASCII character
   looks like mojibake. Most news is ASCII or nearly so, and ftfy was 70% of the CPU time.

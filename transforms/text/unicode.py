@@ -74,7 +74,7 @@ def collapse_combining_marks(text: str) -> str:
     return _LONG_NON_STARTER_RUN.sub(r"\1", text)
 
 
-# ---- ftfy, adapted: the one place that changes how ftfy runs (tests/test_text.py checks that
+# ---- ftfy, adapted: the one place that changes how ftfy runs (tests/input/test_text.py checks that
 # ftfy 6.3 still goes through both) ----
 
 class _UnicodedataForFtfy:
