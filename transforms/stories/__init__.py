@@ -25,13 +25,10 @@ from transforms.stories.batch import (
     with_mark,
 )
 from transforms.stories.index import (
-    MAX_HELD_PER_BAND,
     Held,
     Rules,
     StoryIndex,
     StoryMark,
-    best_match,
-    skipped,
     story_rank,
 )
 from transforms.stories.sign import Signed, block_keys, sign
@@ -63,12 +60,11 @@ from transforms.stories.streaming import (
 )
 
 __all__ = [
-    "COPIES_SKIPPED", "EmbedSkippingCopies", "MARKS", "MAX_HELD_PER_BAND", "PREVIOUS_ORIGINALS",
-    "Held", "KeepOneRescued", "MarkRows", "MarkStories", "MarkStoriesStreaming", "RescueCopies",
-    "Rules",
-    "Signed", "SkipCopies", "StoryIndex", "StoryMark", "_MatchPerBand", "_rank_of", "band_keys",
-    "band_signature", "band_similarity", "best_match", "block_keys", "decide", "find_stories",
+    "COPIES_SKIPPED", "EmbedSkippingCopies", "MARKS", "PREVIOUS_ORIGINALS", "Held",
+    "KeepOneRescued", "MarkRows", "MarkStories", "MarkStoriesStreaming", "RescueCopies",
+    "Rules", "Signed", "SkipCopies", "StoryIndex", "StoryMark", "_MatchPerBand", "_rank_of",
+    "band_keys", "band_signature", "band_similarity", "block_keys", "decide", "find_stories",
     "from_bytes", "previous_signatures", "shingle_hashes", "shingle_text", "sign",
-    "signature_version", "signatures", "similarity", "similarity_band", "skipped", "story_rank",
+    "signature_version", "signatures", "similarity", "similarity_band", "story_rank",
     "to_bytes", "with_mark",
 ]

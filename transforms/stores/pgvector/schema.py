@@ -46,22 +46,19 @@ def type_sql(type_: str, pgvector_schema: str):
     return sql.SQL(type_)  # ours (_sql_type, ADDED_COLUMNS), never input
 
 
+# An Arrow type's test -> the column's SQL type, in this order (the embedding aside).
+_SQL_TYPES = ((pa.types.is_string, "text"), (pa.types.is_timestamp, "timestamptz"),
+              (pa.types.is_int32, "integer"), (pa.types.is_float32, "real"),
+              (pa.types.is_boolean, "boolean"), (pa.types.is_map, "jsonb"))
+
+
 def _sql_type(column: Column, dim: int, vector_dtype: VectorDtype = "float32") -> str:
     type_ = column.field(dim).type
     if column.name == "embedding":
         return vector_sql_type(dim, vector_dtype)
-    if pa.types.is_string(type_):
-        return "text"
-    if pa.types.is_timestamp(type_):
-        return "timestamptz"
-    if pa.types.is_int32(type_):
-        return "integer"
-    if pa.types.is_float32(type_):
-        return "real"
-    if pa.types.is_boolean(type_):
-        return "boolean"
-    if pa.types.is_map(type_):
-        return "jsonb"
+    for is_type, sql_type in _SQL_TYPES:
+        if is_type(type_):
+            return sql_type
     raise TypeError(f"no SQL type for column {column.name} ({type_})")
 
 
