@@ -65,7 +65,7 @@ _LOG = logging.getLogger(__name__)
 # each attempt rewrites their files and records, at most ``store.retry_s`` (300 s by default) plus
 # the runner's retry delay apart. An hour is well past that, and costs a nightly job only the
 # articles the stream wrote in the hour before it reads (embedded again). 0 under the test
-# suite's override (``transforms.output.lease.UNSAFE_TEST_TIMINGS_ENV``).
+# suite's override (``transforms.timing_floors.UNSAFE_TEST_TIMINGS_ENV``).
 STREAMING_SETTLE_S = 3600.0
 
 

@@ -88,10 +88,10 @@ STALE_AFTER_S = 2 * 86400  # older staged or temporary files than this are a dea
 # temporary file is younger (it is written within one bundle), and so is the newest staged file of
 # a batch job that still runs unless the job has been running for longer (the default of
 # ``newsvec cleanup`` is a day, of the commit's own clean-up two). Under the test override only
-# (``transforms.output.lease.UNSAFE_TEST_TIMINGS_ENV``) it may be less.
+# (``transforms.timing_floors.UNSAFE_TEST_TIMINGS_ENV``) it may be less.
 MIN_STALE_AGE_S = 3600.0
 # Files in one fenced delete: on GCS one batch request (``delete_files``), as each fenced change
-# must be one request for the lease's floor to hold (``transforms.output.lease.MIN_LEASE_S``).
+# must be one request for the lease's floor to hold (``transforms.timing_floors.MIN_LEASE_S``).
 _DELETES_PER_CHANGE = 100
 _COPY_ATTEMPTS = 3  # a GCS copy whose target another holder wrote since it was listed, tried again
 
