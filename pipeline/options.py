@@ -1,8 +1,8 @@
 """newsvec's own pipeline options, beside Beam's (runner, project, ...).
 
 These are also the user-facing parameters of the Flex Template
-(configs/flex-template-metadata.json); tests/end_to_end/test_dataflow.py fails if the two drift
-apart.
+(configs/flex-template-metadata.json); tests/end_to_end/test_dataflow.py fails if the two
+drift apart.
 """
 from apache_beam.options.pipeline_options import PipelineOptions
 

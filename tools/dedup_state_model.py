@@ -2,8 +2,7 @@
 micro-batch reads and writes against the number of keys held, with no runner (each state cell is
 encoded bytes; a read decodes them with the state spec's coder, a write encodes). Used by
 benchmarks/dedup.py (the figures) and tests/streaming/test_dedup_streaming.py (the same state
-whatever the
-keys held)."""
+whatever the keys held)."""
 from __future__ import annotations
 
 import collections

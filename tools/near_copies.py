@@ -1,8 +1,7 @@
 """Copies of news articles as a wire service's customers print them, for the near-duplicate
-benchmark and tests (benchmarks/near_duplicates.py, tests/stories/test_stories.py): the headline
-rewritten,
-a byline or wire prefix added, the last paragraphs trimmed, typos made and fixed, whitespace and
-full-width forms changed, a few sentences reordered, each at a strength.
+benchmark and tests (benchmarks/near_duplicates.py, tests/stories/test_stories.py): the
+headline rewritten, a byline or wire prefix added, the last paragraphs trimmed, typos made and
+fixed, whitespace and full-width forms changed, a few sentences reordered, each at a strength.
 
 ``copy_of(text, strength, rng)`` returns the copy and the share of the original's sentences it
 keeps. Deterministic for a seeded ``random.Random``.

@@ -15,8 +15,7 @@ the attention window still passes. ``build_modernbert`` uses a large ``initializ
 pooling, where the window visibly changes the vector (tests/engines/test_model_parity.py shows it).
 
 Used by the tests (tests/engines/test_model_parity.py, tests/engines/test_check_model.py); run as a
-script it
-builds both into a folder: ``python -m tools.tiny_models OUT``.
+script it builds both into a folder: ``python -m tools.tiny_models OUT``.
 """
 from __future__ import annotations
 

@@ -42,11 +42,10 @@ its fields the class no longer has are ignored. Any other difference between the
 today's classes (a field with no default that the state lacks, a dataclass field the state holds
 that the class lost) raises ``StateSchemaError`` when reading, and the fixture test
 (tests/streaming/test_state_coders.py) finds it before a release. Such a change is a new version:
-raise the
-coder's ``VERSION``, keep reading the old one, and give ``UPGRADES`` a function that turns the
-old version's plain form (its JSON object) into the new one's (docs/dataflow.md, Drain, cancel,
-update). Never rename a coder class: Beam names each coder in the job's graph after its class,
-and Dataflow's update check compares those names.
+raise the coder's ``VERSION``, keep reading the old one, and give ``UPGRADES`` a function that
+turns the old version's plain form (its JSON object) into the new one's (docs/dataflow.md,
+Drain, cancel, update). Never rename a coder class: Beam names each coder in the job's graph
+after its class, and Dataflow's update check compares those names.
 """
 from __future__ import annotations
 
@@ -470,8 +469,8 @@ class SeenKeysCoder(_VersionedCoder):
 
 
 STATE_CODERS = (MicroBatchCoder, PendingIdCoder, SeenKeysCoder)
-"""Every coder of streaming state (tests/streaming/test_state_coders.py holds bytes each has
-written)."""
+"""Every coder of streaming state (tests/streaming/test_state_coders.py holds the bytes
+each has written)."""
 
 
 class HeldStoriesCoder(_VersionedCoder):

@@ -144,8 +144,7 @@ def test_batch_job_request_carries_the_gpu_workers_and_newsvec_options(tmp_path)
 def test_two_l4_batch_job_request_asks_for_two_gpus_and_runs_an_engine_on_each(tmp_path):
     """configs/dataflow-batch-2xl4.yaml: g2-standard-24 workers with two L4s each, and
     ``model.gpus_per_worker`` equal to the accelerator count (tests/engines/test_devices.py: one
-    engine per
-    GPU, the SDK processes spread over them)."""
+    engine per GPU, the SDK processes spread over them)."""
     config = filled_config("dataflow-batch-2xl4.yaml", tmp_path)
     returned, request, proto = job_request(
         ["--config", str(config), "--input_date", "2026-11-30", "--dry_run=True"])

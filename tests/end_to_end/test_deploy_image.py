@@ -98,8 +98,7 @@ def test_lock_agrees_with_its_inputs_setup_py_and_the_dockerfile():
 # The first 3.11 release with both fixes for quadratic time on hostile text: html.parser
 # (CVE-2025-6069, gh-135462: 3.11.14) and unicodedata.normalize (CVE-2026-3276, gh-149079:
 # 3.11.16), per the PSF's CVE records. newsvec bounds both itself (tests/input/test_text.py); the
-# image
-# has them too.
+# image has them too.
 PATCHED_PYTHON = (3, 11, 16)
 
 

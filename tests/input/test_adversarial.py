@@ -146,8 +146,8 @@ _run_result: dict = {}
 def corpus_batch_run():
     """(root, output, summary) of one batch run over BATCH_CASES, shared by every test in this
     process that needs it (tests/security/test_path_safety.py too). The engine is cached per
-    process, so
-    this loads it at most once. A run that raised raises again, without running twice."""
+    process, so this loads it at most once. A run that raised raises again, without running
+    twice."""
     with _run_lock:
         if not _run_result:
             root = Path(tempfile.mkdtemp(prefix="newsvec-adversarial-"))

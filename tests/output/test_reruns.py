@@ -5,8 +5,7 @@ transforms/output/manifest.py), on local disk and on gcp-storage-emulator:
 - a run killed while publishing never shows two runs' rows to a reader that globs ``vectors/``, the
   manifest gives the whole new run meanwhile, and ``python -m pipeline.cleanup`` finishes it;
 - a killed publish is taken over by the next holder of the lease
-(tests/output/test_concurrent_commits.py
-  has the lease itself);
+  (tests/output/test_concurrent_commits.py has the lease itself);
 - DuckDB reads the committed run through the manifest (docs/output.md's query).
 The runs here use a FAKE engine: what is tested is storage, and the real one is in
 test_batch_pipeline.py (which now also runs through the commit)."""
@@ -159,8 +158,8 @@ def test_a_run_killed_while_publishing_never_mixes_runs_and_is_finished_by_clean
 
 def test_a_publish_killed_midway_is_taken_over_by_the_next_lease_holder(tmp_path):
     """A ``publishing`` manifest whose run holds no lease is a killed publish: the next holder of
-    the lease (tests/output/test_concurrent_commits.py) publishes at once, however young it
-    looks."""
+    the lease (tests/output/test_concurrent_commits.py) publishes at once, however young
+    it looks."""
     output = str(tmp_path)
     dead = manifest_lib.Manifest(run_id="20261130T000000Z-00000000", state="publishing",
                                  started_at=time.time(), vectors=[], dead_letter=[],

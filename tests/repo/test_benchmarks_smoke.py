@@ -5,8 +5,7 @@ mean nothing.
 
 Each runs in this process (``main(argv)``, found by name: tests/ imports nothing of benchmarks/,
 tests/repo/test_layering.py), so that the session's one vLLM model serves them all: their configs
-are
-configs/local*.yaml at float32, the engine in the runner's process, as tests/conftest.py's
+are configs/local*.yaml at float32, the engine in the runner's process, as tests/conftest.py's
 ``make_config``. A benchmark with a FAKE or MODELED engine runs it. Each must return 0, keep its
 run in the ``--results`` folder it is given, and write nothing into the repository (its work goes
 to temporary folders). The BBC articles and the emulators a benchmark starts (Pub/Sub,

@@ -3,8 +3,7 @@
 - ``trust_remote_code`` is off unless the operator's config turns it on: off by default, off in
   every shipped config.
 - The run summary's model hash (``model.content_sha256``, tests/end_to_end/test_batch_pipeline.py
-checks it is
-  there) changes when a model file changes, so a silently swapped model is visible.
+  checks it is there) changes when a model file changes, so a silently swapped model is visible.
 - No secrets in the repository: no private keys, service-account key files, API keys or tokens in
   any tracked file, and no config or image that names a credentials file. Credentials come from the
   environment (Application Default Credentials), as Google's libraries expect.

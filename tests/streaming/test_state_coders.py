@@ -7,8 +7,7 @@ read them to the same values. They also show what pickled state did when a class
 release after it read an object without the new field, and its work items failed for good.
 
 ``python -m tests.streaming.test_state_coders`` writes the current version's fixture if it is
-missing (it
-never rewrites one: a version's bytes are frozen once released).
+missing (it never rewrites one: a version's bytes are frozen once released).
 """
 from __future__ import annotations
 

@@ -96,8 +96,7 @@ def _pooling(folder: Path) -> str:
 
 # The transformers release whose BertTokenizer ``_tokenizer`` builds as it does: another one may
 # build it otherwise, so the query then goes to the engine (tests/engines/test_query_embedder.py
-# checks the
-# ids against ``HeadTokenizer``'s, which is that BertTokenizer).
+# checks the ids against ``HeadTokenizer``'s, which is that BertTokenizer).
 VERIFIED_TRANSFORMERS = "5.19."
 _SPECIAL_TOKENS = (("pad_token", "[PAD]"), ("unk_token", "[UNK]"), ("cls_token", "[CLS]"),
                    ("sep_token", "[SEP]"), ("mask_token", "[MASK]"))

@@ -61,8 +61,7 @@ class Engine:
         from vllm.inputs import TokensPrompt
 
         # vLLM aborts a failed call's requests itself (tests/engines/test_embed_failures.py checks
-        # it), so
-        # none of them can finish in a later call and be returned with its outputs.
+        # it), so none of them can finish in a later call and be returned with its outputs.
         outputs = self._llm.embed(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
             pooling_params=PoolingParams(use_activation=self._normalize,
