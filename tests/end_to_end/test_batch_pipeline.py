@@ -16,7 +16,7 @@ import yaml
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.run import run, run_batch
-from tests.conftest import SAMPLE_EVENTS, make_config
+from tests.common import SAMPLE_EVENTS, make_config
 from transforms.output.parquet import vector_schema
 from transforms.text import compose_text
 from transforms.types import NewsEvent
@@ -162,9 +162,11 @@ def test_command_line_with_gzip_input_and_overrides(tmp_path):
 def test_the_engine_is_loaded_once_per_process():
     from transforms.engines import vllm as engine
 
-    # The LLMs that embed (tests of chunking.mode late load one more, for token_embed).
-    embedding = [key for key in engine._LLMS
-                 if json.loads(key).get("pooling_task", "embed") == "embed"]
+    # The LLMs that embed with the packaged model (tests of chunking.mode late load one more, for
+    # token_embed; tests of tiny models load theirs, in whichever order the session runs them).
+    packaged = make_config().model.path
+    embedding = [key for key in engine._LLMS if json.loads(key).get("path") == packaged
+                 and json.loads(key).get("pooling_task", "embed") == "embed"]
     assert len(embedding) == 1, "every pipeline run of the session shared one vLLM LLM"
 
 

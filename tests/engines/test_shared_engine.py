@@ -23,7 +23,7 @@ import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.run import run_batch
-from tests.conftest import make_config
+from tests.common import make_config
 from tests.engines.test_embed_failures import Breaks, doc
 from tests.fakes import (
     EXIT,
@@ -568,7 +568,7 @@ def test_a_call_that_gets_no_answer_fails_at_its_ceiling(tmp_path, monkeypatch):
 
 _ABANDONS_A_CALL = """
 import sys, threading, uuid
-from tests.conftest import make_config
+from tests.common import make_config
 from tests.fakes import LoggingEngine
 from transforms.engines.shared import client as module
 module._CEILING_SLACK_S = 1.0

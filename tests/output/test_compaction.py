@@ -239,7 +239,7 @@ def test_the_scheduler_body_runs_newsvec_compact_with_options_it_takes():
 
 def test_on_gcs_a_killed_run_is_finished_by_the_next(gcs, tmp_path):
     # The same code through Beam's GCS filesystem and the lease's GCS store (gcp-storage-emulator).
-    from tests.conftest import GCS_BUCKET
+    from tests.common import GCS_BUCKET
 
     output = f"gs://{GCS_BUCKET}/{tmp_path.name}"
     so.write(output, BATCHES[:6], row_group_rows=ROW_GROUP)
@@ -409,7 +409,7 @@ def test_on_gcs_a_compaction_frozen_in_its_manifest_write_is_refused(gcs, tmp_pa
     tests/gcs_preconditions.py). Before, the manifest was written unconditionally: A's late
     write landed over B's. Now it is conditional on the generation A read, and B wrote the
     manifest before deleting A's unadopted files: A's write is refused (LeaseLost), B's stands."""
-    from tests.conftest import GCS_BUCKET
+    from tests.common import GCS_BUCKET
     from tests.gcs_preconditions import enforced
     from transforms.output.lease import LeaseLost
 

@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from tests.conftest import REPO, bbc_file
+from tests.common import REPO, bbc_file
 from tests.emulators import skip_or_fail
 from tools.emulators import EmulatorMissing
 
