@@ -159,15 +159,21 @@ def test_command_line_with_gzip_input_and_overrides(tmp_path):
     shutil.rmtree(out)
 
 
-def test_the_engine_is_loaded_once_per_process():
+def test_the_engine_is_loaded_once_per_process(tmp_path):
+    """A second run of a config in the process loads no model: it finds the first run's LLM."""
     from transforms.engines import vllm as engine
 
-    # The LLMs that embed with the packaged model (tests of chunking.mode late load one more, for
-    # token_embed; tests of tiny models load theirs, in whichever order the session runs them).
-    packaged = make_config().model.path
-    embedding = [key for key in engine._LLMS if json.loads(key).get("path") == packaged
-                 and json.loads(key).get("pooling_task", "embed") == "embed"]
-    assert len(embedding) == 1, "every pipeline run of the session shared one vLLM LLM"
+    config_path = tmp_path / "fp32.yaml"
+    config_path.write_text(yaml.safe_dump(
+        json.loads(make_config(input="ignored", output="ignored").model_dump_json())))
+    run(["--config", str(config_path), "--input", str(SAMPLE_EVENTS),
+         "--output", str(tmp_path / "first")])
+    loaded = dict(engine._LLMS)
+    assert loaded, "the run loaded no LLM into this process"
+    summary = run(["--config", str(config_path), "--input", str(SAMPLE_EVENTS),
+                   "--output", str(tmp_path / "second")])
+    assert summary["counts"]["written"] > 0
+    assert engine._LLMS == loaded, "the second run loaded another vLLM LLM"
 
 
 def test_lines_fan_out_right_after_reading_and_nothing_groups_before_the_engine():
