@@ -13,7 +13,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 import pipeline.run
 from pipeline import backfill as backfill_lib
-from tests.conftest import make_config
+from tests.common import make_config
 from transforms.output.layout import new_run_id
 from transforms.output.summary import RunSummary
 

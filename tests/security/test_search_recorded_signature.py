@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.search import OutputUncheckable, check_signature
-from tests.conftest import make_config
+from tests.common import make_config
 from transforms.output.summary import RunSummary
 
 

@@ -24,3 +24,6 @@ def test_a_vectors_file_under_a_dt_folder_that_is_no_day_does_not_end_the_check(
     found.compare_file(_NoRows(), "vectors/dt=2026-02-30/hour=00/"
                        "part-20260228T000000Z-000-00000-of-00001-0123456789abcdef.parquet",
                        table, set())  # today: ValueError: day is out of range for month
+    assert found.problems({}) == [
+        "vectors/dt=2026-02-30/hour=00/part-20260228T000000Z-000-00000-of-00001-0123456789abcdef"
+        ".parquet: its dt= folder is no day: not compared with the store"]
