@@ -30,7 +30,8 @@ class Corpus(Protocol):
 
 class ParquetCorpus:
     """The output's Parquet (see the module). ``refresh_s``: how often a search first lists the
-    output's files, and reads them again when they changed."""
+    output's files, and reads them again when they changed (that search waits for the read; the
+    others meanwhile search what was read before)."""
 
     kind = "parquet"
 
@@ -54,9 +55,11 @@ class ParquetCorpus:
     def _refresh(self) -> None:
         """Read the output again if its files changed (a newer run), once it is checked against
         the config; at most every ``refresh_s``."""
-        with self._lock:
-            if self._clock() - self._checked < self._refresh_s:
-                return
+        if self._clock() - self._checked < self._refresh_s:
+            return
+        if not self._lock.acquire(blocking=False):
+            return  # another search is looking: this one searches what is read
+        try:
             self._checked = self._clock()
             files = parquet_files(self.output)
             if self._index is not None and files == self._index.files:
@@ -67,6 +70,8 @@ class ParquetCorpus:
                 self._index, self._problem = None, f"a newer run of the output: {exc}"
                 return
             self._load()
+        finally:
+            self._lock.release()
 
     def ready(self) -> Optional[str]:
         return self._problem

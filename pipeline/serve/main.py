@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_command(_parser(), list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_lib.load_for_command(args.config, output=args.output,
                                          input_date=args.input_date)
     serve = config.serve.model_copy(update={
@@ -72,8 +74,9 @@ def run(config: config_lib.Config, engine=None, sock: Optional[socket.socket] = 
         app, log_level="warning", access_log=False, lifespan="on",
         timeout_graceful_shutdown=math.ceil(config.serve.drain_s), backlog=4096), service)
     host, port = sock.getsockname()[:2]
-    _LOG.warning("newsvec serve: %s on http://%s:%d (search: %s)", service.label,
-                 f"[{host}]" if ":" in host else host, port, service.info()["search"])
+    _LOG.info("serving %s on http://%s:%d (search: %s)", service.label,
+              f"[{host}]" if ":" in host else host, port,
+              service.corpus.kind if service.corpus is not None else "off")
     server.run(sockets=[sock])
     return 0
 
@@ -96,7 +99,7 @@ def _bound(host: str, port: int) -> socket.socket:
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, which marks the service draining (``/readyz`` fails) as soon as a
     SIGTERM or SIGINT arrives; uvicorn then closes its sockets, lets the requests in flight finish
-    for ``timeout_graceful_shutdown`` and runs the lifespan's end."""
+    for ``timeout_graceful_shutdown`` and runs the lifespan's end, and the process exits 0."""
 
     def __init__(self, config: uvicorn.Config, service) -> None:
         super().__init__(config)
@@ -105,3 +108,6 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.service.draining = True
         super().handle_exit(sig, frame)
+        # uvicorn raises the signal again once it has shut down, so that the process ends by it
+        # (status 143); drained, it exits 0 instead (``run`` returns).
+        self._captured_signals.clear()
