@@ -27,6 +27,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pipeline.config import Config, signature_of
 from pipeline.search import Filters
@@ -73,7 +74,7 @@ class Service:
         self.prepare = prepare_text(config)
         folder = model_folder(config.model)
         self.matryoshka = declared_matryoshka(folder)
-        self.content_sha256 = model_content_hash(folder) or None
+        self.content_sha256 = config.model.sha256 or model_content_hash(folder) or None
         self.draining = False
         self.batcher = Batcher(engine.embed, max_batch_tokens=self.settings.max_batch_tokens,
                                max_wait_ms=self.settings.max_wait_ms,
@@ -118,11 +119,18 @@ class Service:
         return prompts
 
     async def prompts(self, texts: list[str], document: bool) -> list[tuple[int, ...]]:
-        """``query_prompts`` or ``document_prompts``, in a thread when the texts are long."""
+        """``query_prompts`` or ``document_prompts``, in a thread when the texts are long; a
+        text that fails to prepare (hostile text the steps raise on) is a 400."""
         make = self.document_prompts if document else self.query_prompts
-        if sum(len(t) for t in texts) <= _INLINE_CHARS:
-            return make(texts)
-        return await asyncio.to_thread(make, texts)
+        try:
+            if sum(len(t) for t in texts) <= _INLINE_CHARS:
+                return make(texts)
+            return await asyncio.to_thread(make, texts)
+        except ApiError:
+            raise
+        except Exception as exc:  # pylint: disable=broad-except  # the text's, never a 500
+            raise bad(f"an input could not be prepared: {type(exc).__name__}: {exc}"[:500],
+                      "unembeddable_input", "input") from None
 
     async def embed(self, prompts: list[tuple[int, ...]]) -> list[np.ndarray]:
         """The prompts' vectors through the batcher, in ``serve.request_timeout_s``."""
@@ -203,6 +211,9 @@ def _answered(service: Service, route: str, handler: Handler) -> Handler:
             response = await handler(request)
         except ApiError as exc:
             response, kind = _error(exc), exc.code
+        except ClientDisconnect:  # gone before its body was read: nobody reads the answer
+            response, kind = _error(bad("the client went away", "client_disconnected")), \
+                "client_disconnected"
         except Exception:  # pylint: disable=broad-except  # a bug: never a client's input
             _LOG.exception("%s failed", route)
             response, kind = _error(ApiError(500, "internal error (see the service's log)",

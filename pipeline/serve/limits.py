@@ -101,12 +101,7 @@ def embeddings_request(body: dict[str, Any], settings: ServeSettings,
                   f"{settings.max_inputs_per_request} (serve.max_inputs_per_request)",
                   "too_many_inputs", "input")
     for i, text in enumerate(inputs):
-        if not text:
-            raise bad(f"input[{i}] is empty", "invalid_input", "input")
-        if len(text) > settings.max_input_chars:
-            raise bad(f"input[{i}] holds {len(text)} characters, over the limit of "
-                      f"{settings.max_input_chars} (serve.max_input_chars)", "input_too_long",
-                      "input")
+        _check_text(text, f"input[{i}]", "input", settings)
     input_type = body.get("input_type", "query")
     if input_type not in ("query", "document"):
         raise bad("input_type must be \"query\" or \"document\"", param="input_type")
@@ -135,12 +130,9 @@ class SearchRequest:
 def search_request(body: dict[str, Any], settings: ServeSettings) -> SearchRequest:
     """``body`` checked (400 for a field of the wrong kind or beyond a limit)."""
     query = body.get("query")
-    if not isinstance(query, str) or not query:
+    if not isinstance(query, str):
         raise bad("query must be a non-empty string", "invalid_input", "query")
-    if len(query) > settings.max_input_chars:
-        raise bad(f"query holds {len(query)} characters, over the limit of "
-                  f"{settings.max_input_chars} (serve.max_input_chars)", "input_too_long",
-                  "query")
+    _check_text(query, "query", "query", settings)
     k = body.get("k", 10)
     if type(k) is not int or not 1 <= k <= MAX_K:
         raise bad(f"k must be an integer from 1 to {MAX_K}", param="k")
@@ -150,6 +142,21 @@ def search_request(body: dict[str, Any], settings: ServeSettings) -> SearchReque
     return SearchRequest(query, k, all_copies, _strings(body, "source"),
                          _strings(body, "language"), _time(body, "published_after"),
                          _time(body, "published_before"))
+
+
+def _check_text(text: str, name: str, param: str, settings: ServeSettings) -> None:
+    """400 for an empty text, one over ``serve.max_input_chars``, or one that is not Unicode
+    text (a lone surrogate, which JSON's ``\\ud800`` escape can send)."""
+    if not text:
+        raise bad(f"{name} is empty", "invalid_input", param)
+    if len(text) > settings.max_input_chars:
+        raise bad(f"{name} holds {len(text)} characters, over the limit of "
+                  f"{settings.max_input_chars} (serve.max_input_chars)", "input_too_long", param)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(f"{name} holds a lone surrogate: not Unicode text", "invalid_input",
+                  param) from None
 
 
 def _strings(body: dict[str, Any], key: str) -> tuple[str, ...]:

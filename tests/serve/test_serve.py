@@ -173,6 +173,7 @@ def _chunks(total: int, size: int = 1 << 16):
     ("a number as input", 400, "invalid_input"),
     ("a list holding a number", 400, "invalid_input"),
     ("token ids", 400, "invalid_input"),
+    ("a lone surrogate", 400, "invalid_input"),
     ("a wrong model", 404, "model_not_found"),
     ("no API key", 401, "invalid_api_key"),
     ("a wrong API key", 401, "invalid_api_key"),
@@ -194,6 +195,8 @@ def test_bad_requests_get_their_4xx(server, case, status, code):
         content = b'{"input": ["a",'
     elif case == "a JSON list":
         content = b'["a"]'
+    elif case == "a lone surrogate":
+        content = b'{"input": ["fine", "\\ud800 not"]}'
     elif case == "a 10 MB body":
         content = b'{"input": "' + b"a" * TEN_MB + b'"}'
     elif case == "a 10 MB body, chunked":
