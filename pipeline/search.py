@@ -426,9 +426,9 @@ def _nearest_sql(dim: int, by_chunk: bool, all_copies: bool, details: bool = Fal
     one_each = "" if all_copies else \
         "QUALIFY row_number() OVER (PARTITION BY story ORDER BY score DESC, id) = 1"
     more = (", any_value(url) AS url, any_value(source) AS source, any_value(language) AS "
-            "language, epoch_us(max(published_at)) AS published_at") if details else ""
+            "language, max(published_at) AS published_at") if details else ""
     shown = ", a.url, a.source, a.language, a.published_at" if details else ""
-    picked = ", h.url, h.source, h.language, h.published_at" if details else ""
+    picked = ", h.url, h.source, h.language, epoch_us(h.published_at)" if details else ""
     return f"""
         WITH {best},
         articles AS (SELECT id, any_value(title) AS title,

@@ -67,9 +67,9 @@ def run(config: config_lib.Config, engine=None, sock: Optional[socket.socket] = 
 
     key = auth.api_key(config.serve)
     check_binding(config.serve.host, key)  # before the model loads
-    app = create_app(config, engine, api_key=key)
+    sock = sock or _bound(config.serve.host, config.serve.port)  # a port taken: said at once
+    app = create_app(config, engine, api_key=key)  # refused until uvicorn listens
     service = app.state.service
-    sock = sock or _bound(config.serve.host, config.serve.port)
     server = DrainingServer(uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="on",
         timeout_graceful_shutdown=math.ceil(config.serve.drain_s), backlog=4096), service)
