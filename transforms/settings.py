@@ -461,10 +461,11 @@ class ServeSettings(_Section):
         8192, gt=0, description="tokens of one engine call at most: the requests waiting are "
                                 "embedded together up to this (at least `model.max_tokens`)")
     max_wait_ms: float = Field(
-        2.0, ge=0, le=1000,
+        0.0, ge=0, le=1000,
         description="how long the first input waiting may wait for others to join its engine "
-                    "call while the engine is idle (0: at once); while the engine is busy, inputs "
-                    "gather anyway")
+                    "call while the engine is idle (0: it goes at once); while the engine is busy, "
+                    "inputs gather anyway, so a wait only adds latency unless each call costs "
+                    "much more than its inputs (docs/serving.md)")
     max_queue: int = Field(
         20_000, gt=0, description="inputs waiting for the engine at most; a request that would "
                                   "pass it is answered 429 with `Retry-After`")

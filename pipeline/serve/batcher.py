@@ -9,7 +9,8 @@ engine in its one worker thread (the engine takes one call at a time:
 ``transforms.engines.base.EngineHandle``), so the event loop goes on reading, tokenizing and
 answering requests while the engine computes, and the inputs that arrive meanwhile make the next
 call. Under a burst every call is full; when traffic is light an input waits at most
-``max_wait_ms``.
+``max_wait_ms`` (0 by default: an idle engine takes the first input at once, as a wait only adds
+latency unless a call costs much more than its inputs).
 
 The queue is bounded (``serve.max_queue`` inputs): a request that would pass it is refused at once
 (``QueueFull``: 429 with a ``Retry-After`` from the rate the engine has been embedding), so that
