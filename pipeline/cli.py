@@ -29,6 +29,7 @@ _DELEGATED = {  # sub-command -> its module, whose main parses its own options
     "compact": "pipeline.compact",
     "backfill": "pipeline.backfill",
     "check-model": "pipeline.check_model",
+    "serve": "pipeline.serve.main",
 }
 
 
@@ -49,6 +50,8 @@ sub-commands:
   backfill  embed an archive of daily inputs, one run per day
   check-model  embed a sample as the pipeline would and with sentence-transformers, and
             compare: run it before a model (a fine-tuned checkpoint) serves
+  serve     serve the model over HTTP: embeddings (OpenAI's API) for queries and documents,
+            search, /info for clients to check themselves against the corpus
 
 Each sub-command prints its result on standard output (JSON where it is data) and its logs on
 standard error; the INFO logs of vLLM, torch and Beam only with --verbose.

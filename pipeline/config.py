@@ -44,6 +44,7 @@ from transforms.settings import (
     ModelSettings,
     NearDuplicateSettings,
     ParseSettings,
+    ServeSettings,
     SinkSettings,
     StreamingSettings,
     TextSettings,
@@ -92,6 +93,7 @@ class Config(BaseModel):
     incremental: IncrementalSettings = IncrementalSettings()
     near_duplicates: NearDuplicateSettings = NearDuplicateSettings()
     store: StoreSettings = StoreSettings()
+    serve: ServeSettings = ServeSettings()
     beam: dict[str, Any] = Field(default_factory=dict, description="any Beam pipeline option "
                                  "(`runner`, `project`, `experiments`...); unknown ones fail at "
                                  "start")
@@ -111,6 +113,10 @@ class Config(BaseModel):
         if self.chunking.mode == "late" and self.model.share_across_processes:
             raise ValueError("chunking.mode late needs the engine in each process: "
                              "model.share_across_processes must be false")
+        if self.serve.max_batch_tokens < self.model.max_tokens:
+            raise ValueError(f"serve.max_batch_tokens ({self.serve.max_batch_tokens}) must be at "
+                             f"least model.max_tokens ({self.model.max_tokens}), or a long input "
+                             "fits in no engine call")
         return self
 
     @property

@@ -33,10 +33,14 @@ settings, unchecked.
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import json
 import sys
-from typing import Sequence
+import threading
+from typing import Any, Sequence
 
+import numpy as np
 import pyarrow as pa
 from apache_beam.io.filesystems import FileSystems
 
@@ -278,30 +282,120 @@ def search(config: Config, query: str, k: int = 10, output: str | None = None,
     nearest article (by its best chunk in a chunks output), ``{"id", "title", "score",
     "chunk_index", "story_id", "copies"}``, ``copies`` the other articles of the story the output
     holds. ``all_copies``: the ``k`` nearest articles, every copy of a story among them."""
-    try:
-        import duckdb
-    except ImportError as e:  # not in the worker image: an extra
-        raise ImportError("newsvec search needs DuckDB: pip install 'newsvec[search]' "
-                          "(make setup installs it)") from e
-
     output = output or config.output
     config = check_output(config, output)
-    dim = config.model.output_dim
-    vectors, chunks = _vectors_and_chunks(output, dim)
-    con = duckdb.connect()
-    con.register("vectors", vectors)
-    if chunks is not None:
-        con.register("chunks", chunks)
-    params = [embed_query(config, query).tolist(), k]
-    rows = con.execute(_nearest_sql(dim, chunks is not None, all_copies), params).fetchall()
-    return [{"id": i, "title": t, "score": round(float(s), 4), "chunk_index": c,
-             "story_id": story, "copies": int(n)} for i, t, s, c, story, n in rows]
+    index = ParquetIndex(output, config.model.output_dim)
+    return index.nearest(embed_query(config, query), k, all_copies)
 
 
-def _vectors_and_chunks(output: str, dim: int) -> tuple[pa.Table, pa.Table | None]:
+@dataclasses.dataclass(frozen=True)
+class Filters:
+    """What a search keeps (``newsvec serve``'s ``/v1/search``): articles of one of ``sources``
+    and of ``languages`` (empty: any), published at or after ``published_after`` and before
+    ``published_before`` (timezone-aware; None: no bound). An article the filter names a column
+    of and that has no value there is left out."""
+
+    sources: tuple[str, ...] = ()
+    languages: tuple[str, ...] = ()
+    published_after: dt.datetime | None = None
+    published_before: dt.datetime | None = None
+
+    def sql(self, first: int) -> tuple[str, list]:
+        """(a ``WHERE`` clause on the articles ``a``, or ""; its parameters, numbered from
+        ``$first``)."""
+        terms: list[str] = []
+        params: list[Any] = []
+        for column, values in (("source", self.sources), ("language", self.languages)):
+            if values:
+                terms.append(f"list_contains(${first + len(params)}::VARCHAR[], a.{column})")
+                params.append(list(values))
+        for op, bound in ((">=", self.published_after), ("<", self.published_before)):
+            if bound is not None:
+                terms.append(f"a.published_at {op} ${first + len(params)}::TIMESTAMPTZ")
+                params.append(bound)
+        return ("WHERE " + " AND ".join(terms) if terms else ""), params
+
+
+_DETAILS = ("url", "source", "language", "published_at")
+"""The columns of an article a detailed search (``ParquetIndex(details=True)``) adds to each
+hit."""
+
+
+class ParquetIndex:
+    """An output's ``vectors/`` (and ``chunks/``) read once and searched many times: ``search``
+    reads it for one query, ``newsvec serve`` holds it warm. ``details``: each hit also holds the
+    article's ``url``, ``source``, ``language`` and ``published_at`` (ISO 8601, UTC), and
+    ``nearest`` takes ``Filters``. ``files`` are the Parquet files it read (a newer run's differ).
+    A search may run in any thread: each has its own DuckDB connection on the same Arrow
+    tables."""
+
+    def __init__(self, output: str, dim: int, details: bool = False):
+        try:
+            import duckdb  # noqa: F401
+        except ImportError as e:  # not in the worker image: an extra
+            raise ImportError("newsvec search needs DuckDB: pip install 'newsvec[search]' "
+                              "(make setup installs it)") from e
+        self.output, self.dim, self.details = output, dim, details
+        self.files = parquet_files(output)
+        self.vectors, self.chunks = _vectors_and_chunks(output, dim, details)
+        self._local = threading.local()
+
+    @property
+    def articles(self) -> int:
+        return self.vectors.num_rows
+
+    def _connection(self):
+        con = getattr(self._local, "con", None)
+        if con is None:
+            import duckdb
+
+            con = self._local.con = duckdb.connect()
+            con.register("vectors", self.vectors)
+            if self.chunks is not None:
+                con.register("chunks", self.chunks)
+        return con
+
+    def nearest(self, vector, k: int, all_copies: bool = False,
+                filters: Filters = Filters()) -> list[dict]:
+        """The ``k`` nearest stories to ``vector`` (``search``'s hits; with ``details``, each
+        with the article's columns), only articles ``filters`` keeps."""
+        where, params = filters.sql(3)
+        if where and not self.details:
+            raise ValueError("filters need an index read with details")
+        sql = _nearest_sql(self.dim, self.chunks is not None, all_copies, self.details, where)
+        rows = self._connection().execute(
+            sql, [np.asarray(vector, dtype=np.float32).tolist(), k, *params]).fetchall()
+        hits = []
+        for i, t, s, c, story, n, *more in rows:
+            hit = {"id": i, "title": t, "score": round(float(s), 4), "chunk_index": c,
+                   "story_id": story, "copies": int(n)}
+            if self.details:
+                hit.update(zip(_DETAILS, [*more[:3], _iso_from_us(more[3])], strict=True))
+            hits.append(hit)
+        return hits
+
+
+def _iso_from_us(micros: int | None) -> str | None:
+    if micros is None:
+        return None
+    when = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc) + dt.timedelta(microseconds=micros)
+    return when.isoformat().replace("+00:00", "Z")
+
+
+def parquet_files(output: str) -> tuple[str, ...]:
+    """The Parquet files of the output's ``vectors/`` and ``chunks/``, sorted: what a search
+    reads (another list after a new run published)."""
+    return tuple(sorted(m.path for sub in (VECTORS_DIR, CHUNKS_DIR)
+                        for m in FileSystems.match([join_path(output, sub, "**")])[0].metadata_list
+                        if m.path.endswith(".parquet")))
+
+
+def _vectors_and_chunks(output: str, dim: int, details: bool = False
+                        ) -> tuple[pa.Table, pa.Table | None]:
     """The output's ``vectors/`` and ``chunks/`` (None: a head output), each of ``dim``-dimensional
     vectors: a ``ValueError`` if not (the config's queries would be of another size)."""
-    vectors = _read(output, VECTORS_DIR, ["id", "title", "story_id", "embedding"])
+    columns = ["id", "title", "story_id", "embedding", *(_DETAILS if details else ())]
+    vectors = _read(output, VECTORS_DIR, columns)
     if vectors is None:
         raise FileNotFoundError(f"no vectors under {output}/{VECTORS_DIR}/: run the pipeline first")
     chunks = _read(output, CHUNKS_DIR, ["id", "chunk_index", "embedding"])
@@ -314,9 +408,12 @@ def _vectors_and_chunks(output: str, dim: int) -> tuple[pa.Table, pa.Table | Non
     return vectors, chunks
 
 
-def _nearest_sql(dim: int, by_chunk: bool, all_copies: bool) -> str:
+def _nearest_sql(dim: int, by_chunk: bool, all_copies: bool, details: bool = False,
+                 where: str = "") -> str:
     """DuckDB's query of the nearest stories (``$1`` the query's vector, ``$2`` k) over the
-    tables ``vectors`` and, ``by_chunk``, ``chunks``."""
+    tables ``vectors`` and, ``by_chunk``, ``chunks``; ``details``: each hit with the article's
+    ``_DETAILS`` (``published_at`` in microseconds), ``where``: a ``WHERE`` clause on the articles
+    (``a``: ``Filters.sql``)."""
     if by_chunk:  # each article by its best chunk
         best = f"""
             scored AS (
@@ -333,14 +430,20 @@ def _nearest_sql(dim: int, by_chunk: bool, all_copies: bool) -> str:
     # written before 0.4 or with near_duplicates.enabled false).
     one_each = "" if all_copies else \
         "QUALIFY row_number() OVER (PARTITION BY story ORDER BY score DESC, id) = 1"
+    more = (", any_value(url) AS url, any_value(source) AS source, any_value(language) AS "
+            "language, max(published_at) AS published_at") if details else ""
+    shown = ", a.url, a.source, a.language, a.published_at" if details else ""
+    picked = ", h.url, h.source, h.language, epoch_us(h.published_at)" if details else ""
     return f"""
         WITH {best},
         articles AS (SELECT id, any_value(title) AS title,
-                            coalesce(max(story_id), id) AS story FROM vectors GROUP BY id),
+                            coalesce(max(story_id), id) AS story{more} FROM vectors GROUP BY id),
         stories AS (SELECT story, count(*) AS n FROM articles GROUP BY story),
         hits AS (SELECT b.id, a.title, b.score, b.chunk_index, coalesce(a.story, b.id) AS story
-                 FROM best b LEFT JOIN articles a USING (id))
+                        {shown}
+                 FROM best b LEFT JOIN articles a USING (id) {where})
         SELECT h.id, h.title, h.score, h.chunk_index, h.story, greatest(coalesce(s.n, 1) - 1, 0)
+               {picked}
         FROM hits h LEFT JOIN stories s USING (story) {one_each}
         ORDER BY h.score DESC, h.id LIMIT $2"""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Literal, Optional, Union
+from typing import ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -427,3 +427,69 @@ class StreamingSettings(_Section):
                                                    "worker)")
 
 
+
+
+ServeSearch = Literal["auto", "parquet", "store", "off"]
+"""``serve.search``: what ``POST /v1/search`` searches."""
+
+
+class ServeSettings(_Section):
+    """``serve:``: ``newsvec serve``, the query side over HTTP (``pipeline.serve``,
+    docs/serving.md)."""
+
+    DEFAULT_API_KEY_ENV: ClassVar[str] = "NEWSVEC_API_KEY"
+
+    host: str = Field("127.0.0.1", min_length=1,
+                      description="the address to listen on (`--host`); any other than a loopback "
+                                  "one needs an API key, or the service refuses to start")
+    port: int = Field(8080, ge=0, le=65535, description="the TCP port (`--port`; 0: any free one)")
+    api_key_env: str = Field(
+        DEFAULT_API_KEY_ENV, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="the environment variable that holds the API key clients send as "
+                    "`Authorization: Bearer KEY` (never the config file); unset or empty, and no "
+                    "`serve.api_key_file` or `serve.api_key_secret`: no key is asked for "
+                    "(loopback only)")
+    api_key_file: Optional[str] = Field(
+        None, description="a file that holds the API key instead (a mounted secret); wins over "
+                          "`serve.api_key_env`")
+    api_key_secret: Optional[str] = Field(
+        None, pattern=r"^projects/[^/\s]+/secrets/[A-Za-z0-9_-]{1,255}/versions/(latest|[0-9]+)$",
+        description="a Secret Manager secret version that holds the API key instead "
+                    "(`projects/P/secrets/S/versions/latest`), read at start with the machine's "
+                    "credentials; wins over `serve.api_key_file` and `serve.api_key_env`")
+    max_batch_tokens: int = Field(
+        8192, gt=0, description="tokens of one engine call at most: the requests waiting are "
+                                "embedded together up to this (at least `model.max_tokens`)")
+    max_wait_ms: float = Field(
+        0.0, ge=0, le=1000,
+        description="how long the first input waiting may wait for others to join its engine "
+                    "call while the engine is idle (0: it goes at once); while the engine is busy, "
+                    "inputs gather anyway, so a wait only adds latency unless each call costs "
+                    "much more than its inputs (docs/serving.md)")
+    max_queue: int = Field(
+        20_000, gt=0, description="inputs waiting for the engine at most; a request that would "
+                                  "pass it is answered 429 with `Retry-After`")
+    request_timeout_s: float = Field(
+        30, gt=0, description="a request not answered within this is answered 503 (its inputs "
+                              "are dropped if not yet in an engine call)")
+    max_inputs_per_request: int = Field(
+        2048, gt=0, description="inputs in one `/v1/embeddings` request at most (400 beyond)")
+    max_input_chars: int = Field(
+        100_000, gt=0, description="characters of one input (or search query) at most (400 "
+                                   "beyond)")
+    max_body_bytes: int = Field(
+        4 << 20, gt=0, description="bytes of a request body at most, checked before it is "
+                                   "parsed (413 beyond)")
+    log_queries: bool = Field(False, description="log each query's text (off: only counts and "
+                                                 "timings are logged)")
+    drain_s: float = Field(
+        8, ge=0, description="after SIGTERM: seconds to finish the requests in flight (`/readyz` "
+                             "fails and new connections are refused meanwhile) before the "
+                             "process exits (Cloud Run allows 10)")
+    search: ServeSearch = Field(
+        "auto", description="what `POST /v1/search` searches: `auto` (the store with "
+                            "`store.enabled`, else the output's Parquet), `parquet`, `store`, or "
+                            "`off`")
+    search_refresh_s: float = Field(
+        60, gt=0, description="how often the Parquet search looks for a newer run of the output "
+                              "(its files listed), and loads it")

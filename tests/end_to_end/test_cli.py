@@ -43,6 +43,7 @@ def test_newsvec_is_installed_as_a_console_script():
     ("load", ["--config", "--run-id", "--output"]),
     ("cleanup", ["--output", "--older-than-s"]),
     ("backfill", ["--config", "--from", "--until", "--force"]),
+    ("serve", ["--config", "--host", "--port", "--output", "--input_date"]),
 ])
 def test_every_sub_command_lists_its_options(command, options, capsys):
     try:
@@ -54,7 +55,8 @@ def test_every_sub_command_lists_its_options(command, options, capsys):
     assert all(option in shown for option in options), shown
 
 
-SUB_COMMANDS = ("run", "config", "search", "ledger", "load", "cleanup", "compact", "backfill")
+SUB_COMMANDS = ("run", "config", "search", "ledger", "load", "cleanup", "compact", "backfill",
+                "serve")
 
 
 @pytest.mark.parametrize("command", SUB_COMMANDS)
