@@ -42,6 +42,7 @@ SMOKES = [
     ("retrieval", ["--config", "{local}", "--chunk-modes", "chunks", "late"]),
     ("retrieval", ["--config", "{local}", "--compact"]),
     ("retrieval", ["--config", "{local}", "--stories"]),
+    ("serve", ["--config", "{local}"]),
     ("soak", ["--config", "{streaming}"]),
     ("state_coders", []),
     ("store", ["--part", "bulk"]),
