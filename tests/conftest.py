@@ -39,6 +39,11 @@ EXIT_LIMIT_S = int(os.environ.get("NEWSVEC_TEST_EXIT_LIMIT_S", "300"))
 def pytest_unconfigure(config):  # pylint: disable=unused-argument
     import faulthandler
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # An xdist worker that has run its share stays alive, idle, until the controller ends
+        # (after the other worker's last file): the controller's own limit covers the exit.
+        return
+
     faulthandler.dump_traceback_later(EXIT_LIMIT_S, exit=True)
 
 
