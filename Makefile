@@ -22,8 +22,12 @@ run: setup
 run-streaming: setup
 	$(PY) -m tools.streaming_demo
 
+# Two pytest-xdist workers, each a session of its own (its engine, emulators and temporary
+# folder), a test file each at a time: the suite is CPU-bound on one core in one process.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q tests --durations=25
+	$(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # Style (ruff: ruff.toml) and types (mypy on pipeline/ and transforms/: setup.cfg). CI runs it first.
 lint: setup

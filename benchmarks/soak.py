@@ -230,6 +230,8 @@ def main(argv=None) -> int:
             print(f"saturation: {saturation:.1f} docs/s; soak at {rate:.1f} msg/s", flush=True)
 
         n = SMOKE_MESSAGES if args.smoke else int(rate * args.minutes * 60)
+        if args.smoke:  # its messages spread over its --minutes, as a soak's are (not 0.8 of
+            rate = max(rate, n / (args.minutes * 60))  # a 16-article saturation: 15-20 s)
         plan = soak_events(texts, n, work / "soak.jsonl")
         print(f"soak: {n} messages over {args.minutes:g} min ({plan['row']} articles, "
               f"{plan['dead_letter']} malformed, {plan['duplicate']} duplicates)", flush=True)

@@ -53,8 +53,11 @@ def already_done(config: config_lib.Config) -> Optional[RunSummary]:
     except SummaryUnavailable:  # nothing committed there (yet)
         return None
     label = model_label(config.model, model_folder(config.model))
-    same = (summary.model_label == label
-            and summary.embedding_signature == config_lib.signature_of(config))
+    try:
+        signature = summary.embedding_signature
+    except ValueError:  # recorded, but not a signature: not this config's run
+        return None
+    same = summary.model_label == label and signature == config_lib.signature_of(config)
     return summary if same else None
 
 
@@ -80,6 +83,12 @@ def backfill(config: config_lib.Config, start: dt.date, end: dt.date, options: P
             summary = RunSummary.from_dict(run_batch(day_config, options,
                                                      engine_factory=engine_factory))
             ran += 1
+            if summary.counts is None:  # a newer run of the day holds it, or a job described
+                done += sizes[day]
+                why = (f"the newer run {summary.superseded_by} holds the day"
+                       if summary.superseded_by else "the job was described, not run here")
+                log(f"[{i}/{len(plan)}] {day}: run {summary.run_id} published nothing: {why}")
+                continue
             embedded_articles += summary.counted().articles_in
         counts = summary.counted()
         totals += counts

@@ -171,7 +171,12 @@ def check_signature(config: Config, output: str, summary: RunSummary) -> None:
     whose value the output recorded (``incremental.embedding_signature``) is not the config's:
     those that decide how a query is prepared and embedded (``_SIGNATURE_SETTINGS``), not the
     chunking's (``_CHUNKING_KEYS``)."""
-    recorded = summary.embedding_signature
+    try:
+        recorded = summary.embedding_signature
+    except ValueError as e:
+        raise OutputUncheckable(f"{output}: {e}, so the config's embedding settings cannot be "
+                                "checked against the output's: refused rather than searched "
+                                "unchecked") from None
     if recorded is None:
         return  # a summary of a release before the signature was recorded
     ours = json.loads(signature_of(config))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-from pathlib import Path
 
 import pytest
 
 from pipeline import config as config_lib
+from tests.common import GCS_BUCKET, STORE_DSN_ENV, make_config
 from tests.emulators import (
     gcs_for_beam,
     postgres_server_fixture,  # noqa: F401  # the postgres_server fixture
@@ -17,9 +17,14 @@ from tests.emulators import (
 # Beam leaves beam-temp* folders in TMPDIR on every run: give the session its own. Worker
 # processes the runners start import this module too: they keep their session's folder, where the
 # shared engine's address, lock and busy files are (every process of a machine must find them).
-_SESSION_TMP = (os.environ.get("NEWSVEC_TEST_SESSION_TMP")
-                or tempfile.mkdtemp(prefix="newsvec-tests-"))
-os.environ["NEWSVEC_TEST_SESSION_TMP"] = os.environ["TMPDIR"] = _SESSION_TMP
+# Each pytest-xdist worker (`make test` runs two) is a session of its own, with its own folder,
+# engine and emulators: it inherits the controller's variables, so the owner tells them apart.
+_SESSION = os.environ.get("PYTEST_XDIST_WORKER", "main")
+if os.environ.get("NEWSVEC_TEST_SESSION_OWNER") != _SESSION:
+    os.environ["NEWSVEC_TEST_SESSION_OWNER"] = _SESSION
+    os.environ["NEWSVEC_TEST_SESSION_TMP"] = tempfile.mkdtemp(prefix=f"newsvec-tests-{_SESSION}-")
+_SESSION_TMP = os.environ["NEWSVEC_TEST_SESSION_TMP"]
+os.environ["TMPDIR"] = _SESSION_TMP
 tempfile.tempdir = None
 # Short publish leases and clean-up ages (below the floors users get: transforms/output/lease.py),
 # for the whole session and the processes it starts; tests of the floors themselves unset it.
@@ -35,34 +40,6 @@ def pytest_unconfigure(config):  # pylint: disable=unused-argument
     import faulthandler
 
     faulthandler.dump_traceback_later(EXIT_LIMIT_S, exit=True)
-
-
-REPO = Path(__file__).resolve().parent.parent
-SAMPLE_EVENTS = REPO / "pipeline" / "sample_data" / "news-events.jsonl"
-# The 2,225 BBC News articles (train.csv, val.csv, test.csv, a `text` column each), which some
-# tests read for realistic text; not in the repository.
-BBC = Path(os.environ.get("NEWSVEC_BBC_DIR") or REPO.parent / "shared" / "data" / "bbc-news")
-
-
-def bbc_file(name: str) -> Path:
-    """``BBC / name``, or the test is skipped (failed under ``CI=true``) saying how to get it."""
-    from tests.emulators import skip_or_fail
-
-    path = BBC / name
-    if not path.is_file():
-        skip_or_fail(f"the BBC News articles are not at {BBC} (no {name}): set NEWSVEC_BBC_DIR "
-                     "to the folder of the BBC News dataset's train.csv, val.csv and test.csv "
-                     "(columns text, label)")
-    return path
-# The bucket of the `gcs` fixture (test_gcs.py has its own fixture and bucket).
-GCS_BUCKET = "newsvec-reruns"
-
-
-def make_config(**changes) -> config_lib.Config:
-    """configs/local.yaml at float32 (exact parity with sentence-transformers), with changes."""
-    base = config_lib.load(config_lib.DEFAULT_CONFIG)
-    model = base.model.model_copy(update={"dtype": "float32"})
-    return base.model_copy(update={"model": model, **changes})
 
 
 @pytest.fixture(scope="session")
@@ -106,32 +83,6 @@ def pg(postgres_server, request) -> str:
 
 
 @pytest.fixture
-def roles(postgres_server, pg):
-    """``roles(kind)``: a new login role of the session's PostgreSQL, its name unique (roles
-    belong to the whole server, which other tests share); each dropped after the test, with what
-    it owns and every privilege granted to it in ``pg``."""
-    import psycopg
-
-    made: list[str] = []
-
-    def make(kind: str) -> str:
-        name = f"{kind}_{os.urandom(4).hex()}"
-        postgres_server.execute(f"CREATE ROLE {name} LOGIN")
-        made.append(name)
-        return name
-
-    yield make
-    if made:
-        with psycopg.connect(pg, autocommit=True) as conn:
-            conn.execute(f"DROP OWNED BY {', '.join(made)} CASCADE")
-        for name in made:
-            postgres_server.execute(f"DROP ROLE IF EXISTS {name}")
-
-
-STORE_DSN_ENV = "NEWSVEC_TEST_STORE_DSN"
-
-
-@pytest.fixture
 def store_settings(pg, monkeypatch):
     """``store:`` settings turned on, their connection string (``pg``) in the environment."""
     from transforms.stores.pgvector import StoreSettings
@@ -140,24 +91,3 @@ def store_settings(pg, monkeypatch):
     return StoreSettings(enabled=True, dsn_env=STORE_DSN_ENV, retry_s=5)
 
 
-# Tiny models built in the session (tools/tiny_models.py: random weights, a tokenizer trained on
-# made-up text, nothing downloaded), for the parity tests and check-model's.
-@pytest.fixture(scope="session")
-def tiny_bert(tmp_path_factory) -> Path:
-    from tools.tiny_models import build_bert
-
-    return build_bert(tmp_path_factory.mktemp("tiny-bert"), seed=1)
-
-
-@pytest.fixture(scope="session")
-def tiny_modernbert(tmp_path_factory) -> Path:
-    from tools.tiny_models import build_modernbert
-
-    return build_modernbert(tmp_path_factory.mktemp("tiny-modernbert"), seed=1)
-
-
-def tiny_model_settings(folder: Path, dtype: str = "float32", **changes):
-    """configs/local.yaml's model section for a tiny model (tools/tiny_models.py) in ``folder``."""
-    base = config_lib.load(config_lib.DEFAULT_CONFIG).model
-    return base.model_copy(update={"name": f"tiny/{folder.name}", "path": str(folder),
-                                   "dim": 128, "dtype": dtype, **changes})

@@ -43,7 +43,7 @@ def main() -> int:
     from apache_beam.options.pipeline_options import PipelineOptions
 
     from pipeline.run import run_batch
-    from tests.conftest import make_config
+    from tests.common import make_config
     from tests.fakes import FakeEngine
     from transforms.output import manifest
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import zlib
-from typing import Any, Callable, Literal, get_args
+from typing import Callable, Literal, get_args
 
 import apache_beam as beam
 from apache_beam import pvalue
@@ -32,8 +32,8 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 
 from transforms.metrics import DUPLICATES
 from transforms.settings import DedupKey
-from transforms.state import ms_ceiling, regroup
-from transforms.state_coders import MicroBatchCoder, SeenKeysCoder
+from transforms.state import RegroupFn, by_batch, ms_ceiling
+from transforms.state_coders import SeenKeysCoder
 from transforms.types import BatchId, MicroBatch
 
 # Documents (PreparedDoc, streaming) and vector rows (EmbeddedDoc, batch) both have these.
@@ -224,35 +224,27 @@ class _KeepFirstPerKey(beam.DoFn):
         expiry.clear()
 
 
-class _Regroup(beam.DoFn):
+class _Regroup(RegroupFn):
     """Per batch id: the header (a MicroBatch of candidates) and one verdict per candidate, in any
     order -> the MicroBatch with the kept candidates (in the header's order) and the dropped ones
-    added to ``duplicates``, once all are in; then its state is cleared.
-
-    ``PENDING`` counts what is still missing (``regroup``: the header awaits a verdict per
-    candidate).
+    added to ``duplicates``, once all are in; then its state is cleared (``RegroupFn``: the
+    header awaits a verdict per candidate).
     Every element of a micro-batch carries its timestamp, and the last one to arrive is being
     processed when the micro-batch goes out, so the output is never behind the watermark.
     """
 
-    HEADER = ReadModifyWriteStateSpec("header", MicroBatchCoder())
     VERDICTS = BagStateSpec("verdicts", TupleCoder((StrUtf8Coder(), BooleanCoder())))
-    PENDING = ReadModifyWriteStateSpec("pending", VarIntCoder())
+    process = RegroupFn.processing(VERDICTS)
 
     def __init__(self, key_fn):
         super().__init__()
         self._key_fn = key_fn
 
-    def process(self, element, header_state=beam.DoFn.StateParam(HEADER),
-                verdicts=beam.DoFn.StateParam(VERDICTS),
-                pending_state=beam.DoFn.StateParam(PENDING)):
-        _, item = element
-        complete = regroup(item, lambda header: len(header.docs), header_state, verdicts,
-                           pending_state)
-        if complete is None:
-            return
-        header, all_verdicts = complete
-        kept_keys = {key for key, kept in all_verdicts if kept}
+    def awaits(self, header: MicroBatch) -> int:
+        return len(header.docs)
+
+    def complete(self, header: MicroBatch, verdicts: list):
+        kept_keys = {key for key, kept in verdicts if kept}
         kept = tuple(doc for doc in header.docs if self._key_fn(doc) in kept_keys)
         dropped = len(header.docs) - len(kept)
         DUPLICATES.inc(dropped)
@@ -293,10 +285,7 @@ class DropDuplicatesStreaming(beam.PTransform):
             MicroBatch, requests=tuple[str, BatchId], headers=tuple[BatchId, MicroBatch])
         verdicts = asked[_REQUESTS] | "KeepFirstPerKey" >> beam.ParDo(
             _KeepFirstPerKey(self._horizon_s)).with_output_types(tuple[BatchId, Verdict])
-        regrouped = ((asked[_HEADERS], verdicts)
-                     | "HeadersAndVerdicts" >> beam.Flatten().with_output_types(
-                         tuple[BatchId, Any])
-                     | "Regroup" >> beam.ParDo(_Regroup(self._key_fn)).with_output_types(
-                         MicroBatch))
+        regrouped = by_batch("HeadersAndVerdicts", asked[_HEADERS], verdicts) | "Regroup" >> (
+            beam.ParDo(_Regroup(self._key_fn)).with_output_types(MicroBatch))
         return ((asked.without_docs, regrouped)
                 | "AllMicroBatches" >> beam.Flatten().with_output_types(MicroBatch))

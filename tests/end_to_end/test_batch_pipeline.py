@@ -16,7 +16,7 @@ import yaml
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.run import run, run_batch
-from tests.conftest import SAMPLE_EVENTS, make_config
+from tests.common import SAMPLE_EVENTS, make_config
 from transforms.output.parquet import vector_schema
 from transforms.text import compose_text
 from transforms.types import NewsEvent
@@ -159,13 +159,21 @@ def test_command_line_with_gzip_input_and_overrides(tmp_path):
     shutil.rmtree(out)
 
 
-def test_the_engine_is_loaded_once_per_process():
+def test_the_engine_is_loaded_once_per_process(tmp_path):
+    """A second run of a config in the process loads no model: it finds the first run's LLM."""
     from transforms.engines import vllm as engine
 
-    # The LLMs that embed (tests of chunking.mode late load one more, for token_embed).
-    embedding = [key for key in engine._LLMS
-                 if json.loads(key).get("pooling_task", "embed") == "embed"]
-    assert len(embedding) == 1, "every pipeline run of the session shared one vLLM LLM"
+    config_path = tmp_path / "fp32.yaml"
+    config_path.write_text(yaml.safe_dump(
+        json.loads(make_config(input="ignored", output="ignored").model_dump_json())))
+    run(["--config", str(config_path), "--input", str(SAMPLE_EVENTS),
+         "--output", str(tmp_path / "first")])
+    loaded = dict(engine._LLMS)
+    assert loaded, "the run loaded no LLM into this process"
+    summary = run(["--config", str(config_path), "--input", str(SAMPLE_EVENTS),
+                   "--output", str(tmp_path / "second")])
+    assert summary["counts"]["written"] > 0
+    assert engine._LLMS == loaded, "the second run loaded another vLLM LLM"
 
 
 def test_lines_fan_out_right_after_reading_and_nothing_groups_before_the_engine():

@@ -20,7 +20,7 @@ from pipeline import cli
 from pipeline import config as config_lib
 from pipeline.run import run_batch
 from pipeline.search import search
-from tests.conftest import REPO, SAMPLE_EVENTS, make_config
+from tests.common import REPO, SAMPLE_EVENTS, make_config
 from transforms.settings import ChunkingSettings
 
 BATTERY_QUERY = "a factory for solid-state batteries is being built where a steelworks used to be"

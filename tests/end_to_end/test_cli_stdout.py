@@ -18,7 +18,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import REPO, SAMPLE_EVENTS, make_config
+from tests.common import REPO, SAMPLE_EVENTS, make_config
 from tools import streaming_output as so
 
 DAY = "2026-12-01"

@@ -6,7 +6,7 @@ import yaml
 
 from pipeline import config as config_lib
 from pipeline.run import resolve
-from tests.conftest import make_config
+from tests.common import make_config
 from transforms.engines import devices
 from transforms.engines.registry import ENGINES, engine_factory
 from transforms.engines.vllm import load_vllm

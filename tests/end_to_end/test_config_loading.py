@@ -15,7 +15,7 @@ from pipeline import backfill, cli, compact, ledger
 from pipeline import config as config_lib
 from pipeline import load as load_cmd
 from pipeline.run import resolve
-from tests.conftest import GCS_BUCKET
+from tests.common import GCS_BUCKET
 from transforms.engines.model import safe_model_label
 from transforms.types import Counts
 

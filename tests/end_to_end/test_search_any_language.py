@@ -18,7 +18,7 @@ import yaml
 
 from pipeline import cli
 from pipeline import config as config_lib
-from tests.conftest import REPO, SAMPLE_EVENTS, make_config
+from tests.common import REPO, SAMPLE_EVENTS, make_config
 from tests.fakes import FakeEngine
 from transforms.text import compose_text, normalize_text
 from transforms.types import NewsEvent

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from pipeline import cli
-from tests.conftest import REPO
+from tests.common import REPO
 from tools.tiny_models import build_modernbert, made_up_text, write_pooling
 
 # (id, words of body; 0: a title and a body of a syllable or two): a few texts within ModernBERT's

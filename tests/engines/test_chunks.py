@@ -30,7 +30,7 @@ from pipeline import ledger
 from pipeline.config import ConfigError, validate
 from pipeline.graph import embed_and_write_streaming
 from pipeline.run import run_batch
-from tests.conftest import bbc_file, make_config
+from tests.common import bbc_file, make_config
 from tests.fakes import POISON, FakeEngine
 from transforms.chunking import Chunker, ChunkSpan, chunk_id
 from transforms.embed import Embed, Embedder

@@ -3,7 +3,7 @@ vector truncated knowingly), ``sink.vector_dtype: float16``, and an ``embedding`
 vector index takes (its elements declared not null), read and compacted together with files written
 before.
 
-The real-vLLM runs use the session's one engine (float32, ``tests.conftest.make_config``); the
+The real-vLLM runs use the session's one engine (float32, ``tests.common.make_config``); the
 Matryoshka path has no offline model that declares it, so it is checked with a FAKE ``LLM``.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pipeline import compact
 from pipeline import config as config_lib
 from pipeline.run import run_batch
 from pipeline.search import search
-from tests.conftest import SAMPLE_EVENTS, make_config
+from tests.common import SAMPLE_EVENTS, make_config
 from tools import streaming_output as so
 from transforms.engines import vllm as engine
 from transforms.engines.model import Matryoshka, truncation

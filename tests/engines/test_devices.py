@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from tests.conftest import make_config
+from tests.common import make_config
 from tests.fakes import FakeEngine
 from transforms.engines import devices
 from transforms.engines.devices import DeviceSlots, engine_devices, visible_gpus

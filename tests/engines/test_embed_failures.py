@@ -16,7 +16,7 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.test_stream import TestStream
 from apache_beam.testing.util import assert_that, equal_to
 
-from tests.conftest import make_config
+from tests.common import make_config
 from tests.fakes import NAN, POISON, FakeEngine
 from transforms.embed import Embed, Embedder, EmbedFailure, ModelBrokenError
 from transforms.engines.base import EngineFailedError, EngineHandle

@@ -10,7 +10,7 @@ import time
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from tests.conftest import make_config
+from tests.common import make_config
 from tests.fakes import FakeEngine
 from transforms import embed
 from transforms.embed import EmbedStreaming

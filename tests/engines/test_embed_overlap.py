@@ -11,7 +11,7 @@ import pytest
 from apache_beam.transforms.window import GlobalWindow
 from apache_beam.utils.timestamp import MIN_TIMESTAMP
 
-from tests.conftest import make_config
+from tests.common import make_config
 from tests.engines.test_embed_failures import doc
 from tests.fakes import FakeEngine
 from transforms.embed import Embedder, _EmbedBatchesFn

@@ -36,7 +36,7 @@ from typing import Callable
 
 import pytest
 
-from tests.conftest import make_config
+from tests.common import make_config
 from tests.fakes import FakeEngine
 from transforms.engines.base import EngineFailedError
 from transforms.engines.devices import DeviceSlots

@@ -21,7 +21,7 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from pipeline.config import ConfigError, validate
 from pipeline.run import run_batch
-from tests.conftest import make_config, tiny_model_settings
+from tests.common import make_config, tiny_model_settings
 from tests.engines.test_chunks import bbc_events, long_text, table, vectors_of
 from tests.engines.test_model_parity import WITHIN, _dtypes
 from tests.fakes import POISON, FakeEngine

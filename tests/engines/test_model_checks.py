@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from pipeline import cli
-from tests.conftest import REPO
+from tests.common import REPO
 from tests.engines.test_check_model import _TEXTS, events  # noqa: F401  (the fixture)
 from tools.tiny_models import write_pooling
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import config as config_lib
-from tests.conftest import REPO, make_config
+from tests.common import REPO, make_config
 from tests.emulators import fake_gcs_with_client
 
 BUCKET = "newsvec-models"

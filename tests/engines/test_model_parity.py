@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import tiny_model_settings
+from tests.common import tiny_model_settings
 from tools.tiny_models import made_up_text
 from transforms.engines.devices import resolved_dtype
 from transforms.engines.registry import load_engine

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from pipeline import search as search_lib
-from tests.conftest import REPO, make_config
+from tests.common import REPO, make_config
 from transforms.engines.model import resolve_model_path
 from transforms.engines.query import QueryEmbedder, Unsupported
 from transforms.text import HeadTokenizer, normalize_text

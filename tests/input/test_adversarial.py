@@ -30,7 +30,7 @@ from tests.adversarial import (
     Case,
     event_id,
 )
-from tests.conftest import make_config
+from tests.common import make_config
 from transforms.parse import ParseError, parse_event
 from transforms.settings import ParseSettings, SinkSettings, TextSettings
 from transforms.text import normalize_text

@@ -6,7 +6,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import make_config
+from tests.common import make_config
 from transforms.parse import ParseError, parse_event
 from transforms.text.prepare import _PrepareTextFn
 from transforms.types import NewsEvent, Reason

@@ -22,7 +22,7 @@ from apache_beam.utils.timestamp import Timestamp
 from pipeline import ledger
 from pipeline.config import ConfigError, validate
 from pipeline.run import run_batch
-from tests.conftest import bbc_file, make_config
+from tests.common import bbc_file, make_config
 from tests.fakes import FakeEngine
 from transforms.dedup import dedup_key_function
 from transforms.incremental import embedding_key

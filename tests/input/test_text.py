@@ -12,7 +12,7 @@ from apache_beam.testing.util import assert_that, equal_to
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import bbc_file
+from tests.common import bbc_file
 from transforms.text import PrepareText, compose_text, normalize_text
 from transforms.types import NewsEvent, Reason
 
@@ -71,7 +71,7 @@ def test_head_tokenizer_bounds_the_work_on_huge_text(tokenizer):
 
 
 def _prepare(**kwargs):
-    from tests.conftest import make_config
+    from tests.common import make_config
 
     return PrepareText(make_config().model, **kwargs)
 
@@ -362,7 +362,7 @@ def test_ftfy_still_repairs_the_mojibake_of_real_text(ftfy_step_reads):
 
 
 def _prepare_fn(**kwargs):
-    from tests.conftest import make_config
+    from tests.common import make_config
     from transforms.text.prepare import _PrepareTextFn
 
     fn = _PrepareTextFn(make_config().model, 200_000, 4096, **kwargs)
@@ -393,7 +393,7 @@ def test_a_title_over_max_title_chars_is_dead_lettered_text_too_long():
 def test_a_text_that_normalization_makes_too_long_is_dead_lettered_text_too_long():
     """NFKC writes some characters as many (U+FDFA as 18): the prepared text is held to
     max_text_chars too, checked as soon as the normalization is done."""
-    from tests.conftest import make_config
+    from tests.common import make_config
     from transforms.text.prepare import _PrepareTextFn
 
     def fn(form):
@@ -479,7 +479,7 @@ def test_the_cpu_budget_is_checked_inside_ftfys_mojibake_repair(monkeypatch):
 
 def test_the_title_limit_and_the_budget_are_settings():
     from pipeline.graph import _prepare
-    from tests.conftest import make_config
+    from tests.common import make_config
     from transforms.settings import TextSettings
 
     config = make_config(text=TextSettings(max_title_chars=5, prepare_budget_s=1e-9))
@@ -552,7 +552,7 @@ class _CountingTokenizer:
 def tokenized(monkeypatch):
     """Counts what every tokenizer of PrepareText (the head's, the chunker's, the unknown-token
     counter's) is given to encode; returns (counts, a function that prepares one body)."""
-    from tests.conftest import make_config
+    from tests.common import make_config
     from transforms.settings import ChunkingSettings
     from transforms.text import text_tools
 
@@ -646,7 +646,7 @@ def test_the_cpu_budget_covers_tokenization(mode, monkeypatch):
     tokenized) dead-letters the article prepare_failed, naming the step, before its chunks or its
     unknown tokens are looked at."""
     import transforms.text.deadline
-    from tests.conftest import make_config
+    from tests.common import make_config
     from transforms.settings import ChunkingSettings
     from transforms.text import text_tools
 

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.adversarial import ALL_CASES
-from tests.conftest import bbc_file
+from tests.common import bbc_file
 from tools import reference_prepare as reference
 from transforms import text
 from transforms.parse import ParseError, parse_event

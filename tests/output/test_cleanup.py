@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pipeline import cleanup
-from tests.conftest import REPO
+from tests.common import REPO
 from transforms.output import manifest
 from transforms.output.lease import PublishLease
 from transforms.output.summary import RunSummary
@@ -172,7 +172,7 @@ def test_on_gcs_cleanup_counts_ages_on_the_storages_clock(gcs, tmp_path, monkeyp
     (the lock object this clean-up just wrote)."""
     from apache_beam.io.filesystems import FileSystems
 
-    from tests.conftest import GCS_BUCKET
+    from tests.common import GCS_BUCKET
 
     output = f"gs://{GCS_BUCKET}/{tmp_path.name}"
     live = f"{output}/_staging/20261201T000000Z-11111111/vectors/part-0.parquet"
@@ -192,7 +192,7 @@ def test_on_gcs_each_fenced_delete_is_one_batch_request(gcs, tmp_path, monkeypat
     from apache_beam.io.filesystems import FileSystems
     from apache_beam.io.gcp.gcsio import GcsIO
 
-    from tests.conftest import GCS_BUCKET
+    from tests.common import GCS_BUCKET
     from tests.output.test_concurrent_commits import committed_manifest
 
     output = f"gs://{GCS_BUCKET}/{tmp_path.name}"

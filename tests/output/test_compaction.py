@@ -239,7 +239,7 @@ def test_the_scheduler_body_runs_newsvec_compact_with_options_it_takes():
 
 def test_on_gcs_a_killed_run_is_finished_by_the_next(gcs, tmp_path):
     # The same code through Beam's GCS filesystem and the lease's GCS store (gcp-storage-emulator).
-    from tests.conftest import GCS_BUCKET
+    from tests.common import GCS_BUCKET
 
     output = f"gs://{GCS_BUCKET}/{tmp_path.name}"
     so.write(output, BATCHES[:6], row_group_rows=ROW_GROUP)
@@ -337,10 +337,11 @@ def _freeze_in_manifest_write(monkeypatch, frozen_thread: list, frozen: threadin
         monkeypatch.setattr(lease_lib, "gcs_write", freezing(lease_lib.gcs_write))
 
 
-def _race_two_compactions(output: str, monkeypatch) -> dict:
+def _race_two_compactions(output: str, monkeypatch, b_takes_over: bool = False) -> dict:
     """Compaction A of H09 frozen in its manifest write; compaction B of the same hours started
-    meanwhile, given three of A's leases to take over (it may, on GCS: A's lease stands
-    unrenewed), then A let go. Returns what each ended with."""
+    meanwhile, given three of A's leases, then A let go. Returns what each ended with.
+    ``b_takes_over`` (GCS: A's lease stands unrenewed, and B takes it over): B is let finish
+    before A goes on (with 3 s, a loaded machine had B's manifest unwritten when A's came)."""
     a_lease = PublishLease(output, "compact-a", lease_s=1.0, poll_s=0.05)
     frozen_thread: list = [None, a_lease]
     frozen, go = threading.Event(), threading.Event()
@@ -367,7 +368,7 @@ def _race_two_compactions(output: str, monkeypatch) -> dict:
     assert frozen.wait(60), ended.get("a")
     b = threading.Thread(target=compaction_b, name="compaction-b")
     b.start()
-    b.join(3.0)  # three of A's leases
+    b.join(60 if b_takes_over else 3.0)
     go.set()
     a.join(60)
     b.join(60)
@@ -409,7 +410,7 @@ def test_on_gcs_a_compaction_frozen_in_its_manifest_write_is_refused(gcs, tmp_pa
     tests/gcs_preconditions.py). Before, the manifest was written unconditionally: A's late
     write landed over B's. Now it is conditional on the generation A read, and B wrote the
     manifest before deleting A's unadopted files: A's write is refused (LeaseLost), B's stands."""
-    from tests.conftest import GCS_BUCKET
+    from tests.common import GCS_BUCKET
     from tests.gcs_preconditions import enforced
     from transforms.output.lease import LeaseLost
 
@@ -418,7 +419,7 @@ def test_on_gcs_a_compaction_frozen_in_its_manifest_write_is_refused(gcs, tmp_pa
     before = ledger.check(output)
     ids = current_rows(output, "vectors", "id")
     with enforced():
-        ended = _race_two_compactions(output, monkeypatch)
+        ended = _race_two_compactions(output, monkeypatch, b_takes_over=True)
     assert not isinstance(ended["b"], Exception), ended["b"]
     assert isinstance(ended["a"], LeaseLost), ended["a"]
     _every_manifest_names_files_that_are_there(output)

@@ -32,7 +32,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline import cleanup
 from pipeline.run import run_batch
-from tests.conftest import REPO, make_config
+from tests.common import REPO, make_config
 from tests.emulators import fake_gcs_with_client
 from tests.fakes import FakeEngine
 from tests.output.test_reruns import DAY_1, DAY_2, check_is_run, listing, write_input
@@ -848,7 +848,7 @@ def test_a_copy_that_ends_after_a_takeover_is_undone_on_gcs(gcs, tmp_path, monke
     needs no precondition)."""
     from apache_beam.io.filesystems import FileSystems
 
-    from tests.conftest import GCS_BUCKET
+    from tests.common import GCS_BUCKET
 
     output = f"gs://{GCS_BUCKET}/{tmp_path.name}"
     staged, _ = hand_staged_run(output, OLD_RUN, ["a"])
@@ -942,7 +942,7 @@ class _Freezer:
 
 
 def _gcs_output(tmp_path) -> str:
-    from tests.conftest import GCS_BUCKET
+    from tests.common import GCS_BUCKET
 
     return f"gs://{GCS_BUCKET}/{tmp_path.name}"
 

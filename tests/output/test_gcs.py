@@ -11,7 +11,7 @@ from apache_beam.io.filesystems import FileSystems
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.run import run_batch
-from tests.conftest import SAMPLE_EVENTS, make_config
+from tests.common import SAMPLE_EVENTS, make_config
 from tests.emulators import gcs_for_beam
 
 BUCKET = "newsvec-test"

@@ -28,7 +28,7 @@ from pipeline import backfill as backfill_lib
 from pipeline import config as config_lib
 from pipeline.graph import embed_and_write_streaming
 from pipeline.run import run_batch
-from tests.conftest import REPO, make_config
+from tests.common import REPO, make_config
 from tests.fakes import FakeEngine
 from tests.output.test_reruns import listing, rows_of, write_input
 from transforms.engines.model import safe_model_label

@@ -23,7 +23,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline import config as config_lib
 from pipeline.graph import build_batch
 from pipeline.run import run_batch
-from tests.conftest import make_config
+from tests.common import make_config
 from tests.fakes import FakeEngine
 from tests.output.test_reruns import write_input
 from transforms.output.layout import new_run_id

@@ -22,7 +22,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 from pipeline import cleanup
 from pipeline.graph import build_batch
 from pipeline.run import run_batch
-from tests.conftest import make_config
+from tests.common import make_config
 from tests.output.test_concurrent_commits import committed_manifest, embedded, hand_staged_run
 from tests.output.test_reruns import listing, rows_of, write_input
 from transforms import commit

@@ -27,7 +27,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline import cleanup
 from pipeline.run import run_batch
-from tests.conftest import REPO, make_config
+from tests.common import REPO, make_config
 from tests.fakes import FakeEngine
 from transforms.output import manifest as manifest_lib
 from transforms.output.layout import PUBLISH_LOCK_FILE

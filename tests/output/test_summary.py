@@ -9,7 +9,7 @@ import json
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.run import run_batch
-from tests.conftest import make_config
+from tests.common import make_config
 from tests.fakes import FakeEngine
 from tests.output.test_reruns import DAY_1, write_input
 from transforms.output.manifest import published_summary

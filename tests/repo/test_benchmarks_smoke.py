@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from tests.conftest import REPO, bbc_file
+from tests.common import REPO, bbc_file
 from tests.emulators import skip_or_fail
 from tools.emulators import EmulatorMissing
 
@@ -42,6 +42,7 @@ SMOKES = [
     ("retrieval", ["--config", "{local}", "--chunk-modes", "chunks", "late"]),
     ("retrieval", ["--config", "{local}", "--compact"]),
     ("retrieval", ["--config", "{local}", "--stories"]),
+    ("serve", ["--config", "{local}"]),
     ("soak", ["--config", "{streaming}"]),
     ("state_coders", []),
     ("store", ["--part", "bulk"]),

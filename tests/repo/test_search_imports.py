@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.common import REPO
 
 SEARCH = """
 import json, sys

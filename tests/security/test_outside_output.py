@@ -133,7 +133,7 @@ def _gcs_tree(prefix: str) -> dict:
 @pytest.mark.parametrize("case", ["delete_outside", "overwrite_and_read_outside",
                                   "run_id_dotdot", "committed_outside"])
 def test_on_gcs_cleanup_refuses_a_crafted_manifest(gcs, tmp_path, case, capsys):
-    from tests.conftest import GCS_BUCKET
+    from tests.common import GCS_BUCKET
 
     root = f"gs://{GCS_BUCKET}/{tmp_path.name}/"
     out = root + "a/out"
@@ -888,7 +888,7 @@ def test_newsvec_search_never_reads_a_file_swapped_in_the_output(committed_pair,
     # newsvec search listed vectors/ (and chunks/) and read each file through Beam: a symlink to
     # another output's vectors returned its articles (secret-0..2) as hits; a FIFO hung it.
     from pipeline import search
-    from tests.conftest import make_config
+    from tests.common import make_config
     from tests.fakes import FakeEngine
 
     root, out, private = committed_pair

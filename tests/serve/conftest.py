@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pipeline.config import Config
-from tests.conftest import SAMPLE_EVENTS, make_config
+from tests.common import SAMPLE_EVENTS, make_config
 from tests.emulators import skip_or_fail
 
 API_KEY = "test-key-1f0c"

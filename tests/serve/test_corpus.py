@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.search import Filters
-from tests.conftest import make_config
+from tests.common import make_config
 from tests.serve.conftest import need
 
 need("fastapi")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
+from tests.common import REPO
 from tests.serve.conftest import need
 
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.search import committed_summary, embed_queries, search
-from tests.conftest import SAMPLE_EVENTS
+from tests.common import SAMPLE_EVENTS
 from tests.serve.conftest import API_KEY, cosine, headers, need
 
 QUERIES = [

@@ -20,7 +20,7 @@ import yaml
 
 from pipeline import cli
 from pipeline.search import embed_queries
-from tests.conftest import REPO
+from tests.common import REPO
 from tests.serve.conftest import Delayed, cosine, need, serving
 
 FLOAT32_COSINE = 0.99999

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from tests.conftest import SAMPLE_EVENTS, make_config
+from tests.common import SAMPLE_EVENTS, make_config
 from tests.serve.conftest import need, serving
 
 

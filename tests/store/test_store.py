@@ -14,7 +14,7 @@ import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline import config as config_lib
-from tests.conftest import SAMPLE_EVENTS, STORE_DSN_ENV, make_config
+from tests.common import SAMPLE_EVENTS, STORE_DSN_ENV, make_config
 from transforms.output.parquet import chunk_schema, vector_schema
 from transforms.stores.base import LoadRows, StoreLoadFailed
 from transforms.stores.pgvector import Store, StoreSettings, resolve_dsn, scrub, vector_sql_type

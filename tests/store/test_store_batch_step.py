@@ -19,7 +19,7 @@ import pytest
 from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline.graph import build_batch
-from tests.conftest import STORE_DSN_ENV, make_config
+from tests.common import STORE_DSN_ENV, make_config
 from tests.fakes import FakeEngine
 from transforms.output.layout import SUMMARY_FILE, new_run_id
 from transforms.output.manifest import read_manifest, write_manifest

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import STORE_DSN_ENV
+from tests.common import STORE_DSN_ENV
 from transforms.output.parquet import chunk_schema, vector_schema
 from transforms.stores.base import LoadRows, StoreLoadFailed
 from transforms.stores.pgvector import Store, StoreSettings, scrub
@@ -528,7 +528,7 @@ def test_a_batch_load_that_races_a_newer_publish_says_what_to_run(tmp_path, stor
                        match=f"newsvec load --config CONFIG --output .* --run-id {run_a}"):
         load_module.run_rows(str(out), run_a)
     # Through the command: exit 1 and the message, no traceback.
-    from tests.conftest import make_config
+    from tests.common import make_config
 
     config = tmp_path / "config.yaml"
     config.write_text(json.dumps(make_config(output=str(out), store=store_settings)

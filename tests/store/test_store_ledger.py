@@ -194,7 +194,7 @@ def test_a_batch_run_whose_load_meets_a_row_the_table_refuses_completes_and_name
     the summary's ``store`` names the refused one with its reason. Before: StoreLoadFailed, and
     ``newsvec load`` could never load the run."""
     from pipeline.run import run_batch
-    from tests.conftest import make_config
+    from tests.common import make_config
     from tests.fakes import FakeEngine
     from transforms.output.parquet import vector_schema
     from transforms.sinks import to_table

@@ -67,7 +67,7 @@ def test_a_rerun_withdraws_the_articles_its_output_no_longer_holds(tmp_path, sto
     what the files hold: e2 is withdrawn, and the summary names it (no earlier version to bring
     back) and the run it replaced. Before, e2 stayed in the store under run 1's key, which no
     file holds any more, and nothing said so."""
-    from tests.conftest import make_config
+    from tests.common import make_config
 
     day_1 = tmp_path / "vectors" / "dt=2026-12-01"
     first = batch_run(make_config(input=events(tmp_path / "a.jsonl", ["e0", "e1", "e2", "e3"]),
@@ -168,7 +168,7 @@ def test_newsvec_load_reload_stores_the_rows_the_table_refused_once_it_takes_the
     article, its record in ``<table>_loads`` without the rejection. Before, there was no way
     to store it (no ``--reload``: ``newsvec load`` exits 2)."""
     from pipeline.cli import main as cli
-    from tests.conftest import make_config
+    from tests.common import make_config
 
     config = make_config(input=events(tmp_path / "in.jsonl", ["e0", "e1", "e2", "e3"]),
                          output=str(tmp_path / "out"), store=store_settings)

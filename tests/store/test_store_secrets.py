@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import STORE_DSN_ENV, make_config
+from tests.common import STORE_DSN_ENV, make_config
 from tests.store.test_store_faults import DAY, rows
 from tools.emulators import free_port
 from transforms.stores.base import LoadRows

@@ -115,7 +115,7 @@ def test_search_store_returns_one_hit_per_story_with_its_copies_as_the_parquet_s
     import pyarrow.parquet as pq
 
     from pipeline.search import search
-    from tests.conftest import make_config
+    from tests.common import make_config
 
     settings = store_settings.model_copy(update={"ef_search": 10})
     store = Store(settings)

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from pipeline import ledger
-from tests.conftest import SAMPLE_EVENTS, STORE_DSN_ENV, make_config
+from tests.common import SAMPLE_EVENTS, STORE_DSN_ENV, make_config
 from tests.emulators import pubsub_emulator
 from tests.store.test_store import vectors
 from tools.emulators import local_streaming_job

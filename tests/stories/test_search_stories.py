@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from pipeline import cli
-from tests.conftest import make_config
+from tests.common import make_config
 from transforms.output.parquet import chunk_schema, vector_schema
 
 CONFIG = make_config()

@@ -7,7 +7,7 @@ import csv
 import numpy as np
 import pytest
 
-from tests.conftest import bbc_file
+from tests.common import bbc_file
 from tests.fakes import FakeEngine
 from tests.stories.test_stories_pipeline import event, rows_of, run
 from transforms.settings import DedupSettings, NearDuplicateSettings
@@ -113,7 +113,7 @@ def test_a_skipped_copy_whose_original_is_dead_lettered_leaves_its_story_a_row(
                                                                  skip_threshold=0.6))
     from pipeline import config as config_lib
     from pipeline.run import run_batch
-    from tests.conftest import make_config
+    from tests.common import make_config
     from tests.output.test_reruns import listing, write_input
     from tests.stories.test_stories_pipeline import OPTIONS
     root = str(tmp_path)

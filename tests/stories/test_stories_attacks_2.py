@@ -9,7 +9,7 @@ import csv
 import numpy as np
 import pytest
 
-from tests.conftest import bbc_file
+from tests.common import bbc_file
 from tests.fakes import EXIT, FakeEngine
 from tests.stories.test_stories_pipeline import event, rows_of
 from transforms.settings import NearDuplicateSettings
@@ -34,7 +34,7 @@ class _FailsPoison(FakeEngine):
 def _run_skip(root: str, rows: list[dict]) -> tuple[dict, dict[str, dict]]:
     from pipeline import config as config_lib
     from pipeline.run import run_batch
-    from tests.conftest import make_config
+    from tests.common import make_config
     from tests.output.test_reruns import listing, write_input
     from tests.stories.test_stories_pipeline import OPTIONS
     config = make_config(input=f"{root}/in/dt={{date}}/news.jsonl",
@@ -227,7 +227,7 @@ def test_a_copy_of_a_previous_outputs_article_is_not_rescued_by_its_new_version(
     articles a mark names (``PREVIOUS_ORIGINALS``), and such an original rescues nothing."""
     from pipeline import config as config_lib
     from pipeline.run import run_batch
-    from tests.conftest import make_config
+    from tests.common import make_config
     from tests.output.test_reruns import listing, write_input
     from tests.stories.test_stories_pipeline import OPTIONS
     from transforms.settings import IncrementalSettings

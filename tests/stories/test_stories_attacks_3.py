@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import bbc_file
+from tests.common import bbc_file
 from tests.stories.test_stories_pipeline import rows_of, run
 from tests.stories.test_stories_streaming import BASE, copy, doc, mb, run_batches
 from transforms.settings import NearDuplicateSettings

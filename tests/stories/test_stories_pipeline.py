@@ -3,7 +3,7 @@ copy the article it copies; chunk rows follow; ``action: skip`` leaves copies ou
 counts them; a day's run finds yesterday's originals through yesterday's keys/.
 
 The engine is FAKE (tests/fakes.py): what is under test is which rows name which story, not the
-vectors. Real BBC articles (tests/conftest.py ``bbc_file``) and copies of them made with
+vectors. Real BBC articles (tests/common.py ``bbc_file``) and copies of them made with
 tools/near_copies.py.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from pipeline import config as config_lib
 from pipeline.run import run_batch
-from tests.conftest import bbc_file, make_config
+from tests.common import bbc_file, make_config
 from tests.fakes import FakeEngine
 from tests.output.test_reruns import listing, rows_of, write_input
 from tools.near_copies import copy_of

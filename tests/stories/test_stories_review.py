@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from tests.conftest import bbc_file
+from tests.common import bbc_file
 from tests.stories.test_stories_pipeline import event, rows_of, run
 from tests.stories.test_stories_streaming import mb, run_batches
 from tools.story_sets import (

@@ -12,7 +12,7 @@ import unicodedata
 import numpy as np
 import pytest
 
-from tests.conftest import bbc_file
+from tests.common import bbc_file
 from tests.stories.test_stories_pipeline import event, rows_of, run
 from transforms.settings import IncrementalSettings, NearDuplicateSettings
 from transforms.stories import find_stories, sign

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from tests.conftest import bbc_file
+from tests.common import bbc_file
 from tools import story_sets
 from tools.story_sets import (
     DIFFERENT_EN,

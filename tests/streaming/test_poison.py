@@ -29,7 +29,7 @@ from apache_beam.utils.timestamp import Timestamp
 from pipeline import ledger
 from pipeline.graph import embed_and_write_streaming
 from tests.adversarial import NOW, ev
-from tests.conftest import make_config
+from tests.common import make_config
 from tests.fakes import FakeEngine
 from transforms.settings import StreamingSettings
 

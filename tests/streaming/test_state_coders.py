@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from apache_beam.coders import (
     BooleanCoder,
+    BytesCoder,
     FloatCoder,
     NullableCoder,
     StrUtf8Coder,
@@ -212,32 +213,34 @@ def assert_same(got, want, where: str = "value") -> None:
 
 def _state_specs():
     """(DoFn, state spec) of every stateful step in newsvec."""
-    for package in (transforms, pipeline):
-        for module in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+    for package in (transforms, pipeline):  # sub-packages too (transforms.stories.streaming)
+        for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
             if module.name.endswith(".__main__"):  # runs the command
                 continue
             for _, cls in inspect.getmembers(importlib.import_module(module.name),
                                              inspect.isclass):
                 if issubclass(cls, beam.DoFn) and cls.__module__ == module.name:
-                    for value in vars(cls).values():
+                    for _, value in inspect.getmembers(cls):  # inherited specs too (regroup_fn)
                         if isinstance(value, StateSpec):
                             yield cls, value
 
 
 def test_no_state_is_pickled():
     """Every state spec's coder is a versioned state coder or Beam's own coder of primitives
-    (whose encoding Beam specifies), never a pickle."""
+    (whose encoding Beam specifies; raw bytes are each step's own versioned layout), never a
+    pickle."""
     def plain(coder) -> bool:
         if isinstance(coder, TupleCoder):
             return all(map(plain, coder.coders()))
         if isinstance(coder, NullableCoder):
             return plain(coder._value_coder)
-        return (isinstance(coder, (VarIntCoder, StrUtf8Coder, BooleanCoder, FloatCoder))
+        return (isinstance(coder, (VarIntCoder, StrUtf8Coder, BooleanCoder, FloatCoder, BytesCoder))
                 or type(coder).__module__ == "transforms.state_coders")
 
     specs = list(_state_specs())
-    assert {cls.__name__ for cls, _ in specs} >= {"_EmbedInFlightFn", "_Regroup",
-                                                  "_KeepFirstPerShard", "_KeepFirstPerKey"}
+    assert {cls.__name__ for cls, _ in specs} >= {
+        "_EmbedInFlightFn", "_Regroup", "_KeepFirstPerShard", "_KeepFirstPerKey", "_CutRegroup",
+        "_Resolve", "_MatchPerBand", "_StoryPerArticle", "_MarkLocally", "_LearnPerSource"}
     pickled = [f"{cls.__name__}.{spec.name}: {type(spec.coder).__name__}" for cls, spec in specs
                if not plain(spec.coder)]
     assert not pickled

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline import ledger
-from tests.conftest import SAMPLE_EVENTS, make_config
+from tests.common import SAMPLE_EVENTS, make_config
 from tests.emulators import gcs_emulator, pubsub_emulator
 from tools.emulators import local_streaming_job
 from tools.publish import publish_file

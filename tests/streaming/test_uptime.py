@@ -16,7 +16,7 @@ from apache_beam.transforms.window import FixedWindows, TimestampedValue
 from apache_beam.utils.timestamp import Timestamp
 
 from pipeline.graph import embed_and_write_streaming
-from tests.conftest import make_config
+from tests.common import make_config
 from tests.fakes import FakeEngine
 from transforms import text
 from transforms.engines import base as engines

@@ -191,7 +191,7 @@ def _parse(path: str, data: bytes, partition: str) -> CompactionManifest:
     """``CompactionManifest.from_dict``; ``InvalidManifest`` naming ``path`` if it is refused."""
     try:
         return CompactionManifest.from_dict(json.loads(data.decode("utf-8")), partition)
-    except (TypeError, ValueError, AttributeError) as exc:
+    except (TypeError, ValueError, AttributeError, RecursionError) as exc:
         raise InvalidManifest(
             f"{path} is refused, not followed: {exc}. No newsvec compaction writes such a "
             f"manifest: whoever can write the output wrote it; see what it names, then move it "
@@ -333,7 +333,7 @@ def ledger_records(output: str, partitions: Optional[Iterable[str]] = None,
                 found = [LedgerRecord.from_json(line) for line in text.splitlines() if line]
             else:
                 found = [LedgerRecord.from_json(text)]
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             why = (f"{relative_to(output, path)} is not a ledger record "
                    f"({type(exc).__name__}: {exc})"[:500])
             if unreadable is None:

@@ -215,7 +215,9 @@ def parse_manifest(path: str, data: bytes) -> Manifest:
     ``path`` if it is not one newsvec wrote."""
     try:
         return Manifest.from_dict(json.loads(data.decode("utf-8")))
-    except (TypeError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError included
+    # JSONDecodeError and UnicodeDecodeError included; RecursionError: nested too deep (as JSON,
+    # or as a chain of ``previous`` manifests)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidManifest(
             f"{path} is refused, not followed: {exc}. No newsvec run writes such a manifest: "
             f"whoever can write the output wrote it; see what it names, then move it aside (a "
@@ -620,7 +622,8 @@ def published_summary(output: str) -> RunSummary:
         # a regular file, through no symlink: never a file outside echoed
         with open_output_file(output, path) as f:
             summary: Optional[RunSummary] = RunSummary.from_json(f.read())
-    except (OSError, ValueError) as exc:  # gone (FileNotFoundError, BeamIOError), torn, refused
+    # gone (FileNotFoundError, BeamIOError), torn, refused, nested too deep (RecursionError)
+    except (OSError, ValueError, RecursionError) as exc:
         summary, reason = None, f"{path} could not be read ({type(exc).__name__})"
     if summary is not None and summary.run_id != current.run_id:
         reason = f"{path} is run {summary.run_id}'s, not the committed run {current.run_id}'s"

@@ -86,10 +86,20 @@ class RunSummary:
     @property
     def embedding_signature(self) -> Optional[str]:
         """The signature the run's articles were embedded under (``incremental``); None in a
-        summary of a release before it was recorded."""
+        summary of a release before it was recorded. ``ValueError`` for a recorded value that
+        is not one (a JSON object's text): a summary this release did not write is never read as
+        one that recorded nothing, which would go unchecked."""
         recorded = (self.incremental.get("embedding_signature")
                     if isinstance(self.incremental, dict) else None)
-        return recorded if isinstance(recorded, str) else None
+        if recorded is None:
+            return None
+        try:
+            if isinstance(recorded, str) and isinstance(json.loads(recorded), dict):
+                return recorded
+        except (ValueError, RecursionError):
+            pass
+        raise ValueError("its _summary.json records an embedding signature that is not one "
+                         f"({str(recorded)[:200]!r})")
 
     def counted(self) -> Counts:
         """``counts`` as ``Counts``; ``KeyError`` for a summary without them (a superseded run)."""

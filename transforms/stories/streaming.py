@@ -50,8 +50,8 @@ from apache_beam.utils.timestamp import Duration, Timestamp
 
 from transforms.metrics import NEAR_DUPLICATES, NEAR_DUPLICATES_MARKED
 from transforms.settings import NearDuplicateSettings
-from transforms.state import ms_ceiling, regroup
-from transforms.state_coders import HeldStoriesCoder, MicroBatchCoder
+from transforms.state import RegroupFn, by_batch, ms_ceiling
+from transforms.state_coders import HeldStoriesCoder
 from transforms.stories.batch import facts_of, source_of, with_mark, with_signed
 from transforms.stories.boilerplate import BlockCounts, id_hash
 from transforms.stories.facts import Facts
@@ -208,28 +208,28 @@ class _LearnPerSource(beam.DoFn):
         counts_state.clear()
 
 
-class _CutRegroup(beam.DoFn):
+class _CutRegroup(RegroupFn):
     """Per batch id: the header and one answer per source, in any order -> the micro-batch, its
     documents signed without their boilerplate, once all are in."""
 
-    HEADER = ReadModifyWriteStateSpec("header", MicroBatchCoder())
-    ANSWERS = BagStateSpec("answers", TupleCoder((StrUtf8Coder(), BytesCoder())))
-    PENDING = ReadModifyWriteStateSpec("pending", VarIntCoder())
+    VERDICTS = BagStateSpec("answers", TupleCoder((StrUtf8Coder(), BytesCoder())))
+    process = RegroupFn.processing(VERDICTS)
 
     def __init__(self, settings: NearDuplicateSettings):
         self._settings = settings
 
-    def process(self, element, header_state=beam.DoFn.StateParam(HEADER),
-                answers=beam.DoFn.StateParam(ANSWERS),
-                pending_state=beam.DoFn.StateParam(PENDING)):
-        _, item = element
-        if not isinstance(item, MicroBatch):  # one source's answers count as one arrival
-            for cut in item[:-1]:
-                answers.add(tuple(cut))
-            item = item[-1]
-        complete = regroup(item, _sources_in, header_state, answers, pending_state)
-        if complete is not None:
-            yield sign_batch(*complete, self._settings)
+    def awaits(self, header: MicroBatch) -> int:
+        return _sources_in(header)
+
+    def arrival(self, item, verdicts):
+        if isinstance(item, MicroBatch):
+            return item, self.awaits(item)
+        for cut in item[:-1]:  # one source's answers count as one arrival
+            verdicts.add(tuple(cut))
+        return item[-1], 0
+
+    def complete(self, header: MicroBatch, verdicts: list):
+        yield sign_batch(header, verdicts, self._settings)
 
 
 def _sources_in(batch: MicroBatch) -> int:
@@ -384,29 +384,22 @@ _VERDICT_CODER = TupleCoder((StrUtf8Coder(), NullableCoder(StrUtf8Coder()),
                              NullableCoder(StrUtf8Coder()), NullableCoder(FloatCoder())))
 
 
-class _Regroup(beam.DoFn):
+class _Regroup(RegroupFn):
     """Per batch id: the header (the signed micro-batch) and one verdict per document and band, in
-    any order -> the micro-batch marked (``decide``) once all are in; then its state is cleared.
-    ``PENDING`` counts what is still missing (``transforms.state.regroup``: the header awaits a
-    verdict per signed document and band)."""
+    any order -> the micro-batch marked (``decide``) once all are in; then its state is cleared
+    (``RegroupFn``: the header awaits a verdict per signed document and band)."""
 
-    HEADER = ReadModifyWriteStateSpec("header", MicroBatchCoder())
     VERDICTS = BagStateSpec("verdicts", _VERDICT_CODER)
-    PENDING = ReadModifyWriteStateSpec("pending", VarIntCoder())
+    process = RegroupFn.processing(VERDICTS)
 
     def __init__(self, settings: NearDuplicateSettings):
         self._settings = settings
 
-    def process(self, element, header_state=beam.DoFn.StateParam(HEADER),
-                verdicts=beam.DoFn.StateParam(VERDICTS),
-                pending_state=beam.DoFn.StateParam(PENDING)):
-        _, item = element
-        bands = self._settings.bands
-        complete = regroup(
-            item, lambda header: sum(doc.minhash is not None for doc in header.docs) * bands,
-            header_state, verdicts, pending_state)
-        if complete is not None:
-            yield from _ask_originals(*decide_and_skip(*complete, self._settings))
+    def awaits(self, header: MicroBatch) -> int:
+        return sum(doc.minhash is not None for doc in header.docs) * self._settings.bands
+
+    def complete(self, header: MicroBatch, verdicts: list):
+        yield from _ask_originals(*decide_and_skip(header, verdicts, self._settings))
 
 
 # --- per band key: what the band keys could not know -------------------------------------------
@@ -499,27 +492,21 @@ _ANSWER_CODER = TupleCoder((StrUtf8Coder(), NullableCoder(StrUtf8Coder()),
                             NullableCoder(StrUtf8Coder()), NullableCoder(StrUtf8Coder())))
 
 
-class _Resolve(beam.DoFn):
+class _Resolve(RegroupFn):
     """Per batch id: the header (a marked micro-batch, and how many questions it asked) and one
     answer per question -> the micro-batch with each copy in the story its original's
     micro-batch decided (a band key held the original under the story it found there), and a
     copy of an article skip left out naming that article's original (which has a row;
     similarity unknown: null)."""
 
-    HEADER = ReadModifyWriteStateSpec("header", MicroBatchCoder())
-    ANSWERS = BagStateSpec("answers", _ANSWER_CODER)
-    PENDING = ReadModifyWriteStateSpec("pending", VarIntCoder())
+    VERDICTS = BagStateSpec("answers", _ANSWER_CODER)
+    process = RegroupFn.processing(VERDICTS)
 
-    def process(self, element, header_state=beam.DoFn.StateParam(HEADER),
-                answers=beam.DoFn.StateParam(ANSWERS),
-                pending_state=beam.DoFn.StateParam(PENDING)):
-        _, item = element
-        asked = 0
-        if isinstance(item[0], MicroBatch):
-            item, asked = item
-        complete = regroup(item, lambda _: asked, header_state, answers, pending_state)
-        if complete is not None:
-            yield resolve(*complete)
+    def arrival(self, item, verdicts):
+        return tuple(item) if isinstance(item[0], MicroBatch) else (item, 0)
+
+    def complete(self, header: MicroBatch, verdicts: list):
+        yield resolve(header, verdicts)
 
 
 def resolve(batch: MicroBatch, answers: Iterable[tuple]) -> MicroBatch:
@@ -738,10 +725,9 @@ class MarkStoriesStreaming(beam.PTransform):
         answers = sources[_REQUESTS] | "LearnPerSource" >> beam.ParDo(
             _LearnPerSource(settings)).with_input_types(tuple[str, Any]).with_output_types(
             tuple[BatchId, Any])
-        cut = ((sources[_HEADERS], answers)
-               | "HeadersAndSources" >> beam.Flatten().with_output_types(tuple[BatchId, Any])
-               | "CutBoilerplate" >> beam.ParDo(_CutRegroup(settings))
-               .with_output_types(MicroBatch))
+        cut = (by_batch("HeadersAndSources", sources[_HEADERS], answers)
+               | "CutBoilerplate" >> beam.ParDo(_CutRegroup(settings)).with_output_types(
+                   MicroBatch))
         signed = (sources.signed, cut) | "AllSigned" >> beam.Flatten().with_output_types(
             MicroBatch)
         asked = signed | "AskBands" >> beam.ParDo(_AskBands(settings)).with_outputs(
@@ -751,18 +737,13 @@ class MarkStoriesStreaming(beam.PTransform):
         verdicts = asked[_REQUESTS] | "MatchPerBand" >> beam.ParDo(
             _MatchPerBand(settings)).with_input_types(tuple[str, Any]).with_output_types(
             tuple[BatchId, Any])
-        regrouped = ((asked[_HEADERS], verdicts)
-                     | "HeadersAndVerdicts" >> beam.Flatten().with_output_types(
-                         tuple[BatchId, Any])
-                     | "Regroup" >> beam.ParDo(_Regroup(settings)).with_outputs(
-                         _ORIGINALS, _ASKING, main="marked").with_output_types(
-                         MicroBatch, originals=tuple[str, Any], asking=tuple[BatchId, Any]))
+        regrouped = by_batch("HeadersAndVerdicts", asked[_HEADERS], verdicts) | "Regroup" >> (
+            beam.ParDo(_Regroup(settings)).with_outputs(_ORIGINALS, _ASKING, main="marked")
+            .with_output_types(MicroBatch, originals=tuple[str, Any], asking=tuple[BatchId, Any]))
         answers = regrouped[_ORIGINALS] | "StoryPerArticle" >> beam.ParDo(
             _StoryPerArticle(settings)).with_input_types(tuple[str, Any]).with_output_types(
             tuple[BatchId, Any])
-        resolved = ((regrouped[_ASKING], answers)
-                    | "HeadersAndAnswers" >> beam.Flatten().with_output_types(
-                        tuple[BatchId, Any])
-                    | "Resolve" >> beam.ParDo(_Resolve()).with_output_types(MicroBatch))
+        resolved = by_batch("HeadersAndAnswers", regrouped[_ASKING], answers) | "Resolve" >> (
+            beam.ParDo(_Resolve()).with_output_types(MicroBatch))
         return ((asked.without_signatures, regrouped.marked, resolved)
                 | "AllMicroBatches" >> beam.Flatten().with_output_types(MicroBatch))
