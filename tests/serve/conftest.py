@@ -103,9 +103,11 @@ def engine(serve_config):
     return load_engine(serve_config.model)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(serve_config, engine) -> Iterator[str]:
-    """The service over the sample's output, its API key ``API_KEY``; its base URL."""
+    """The service over the sample's output, its API key ``API_KEY``; its base URL. Stopped at the
+    module's end: a process that forks while uvloop runs in a thread has children that crash
+    (SIGSEGV), and later tests fork (multiprocessing pools)."""
     need("fastapi")
     from pipeline.serve.app import create_app
 
