@@ -62,13 +62,15 @@ def test_concurrent_requests_share_engine_calls(serve_config, engine):
 
 
 def test_a_flood_gets_429s_and_every_request_taken_its_answer(serve_config, engine):
-    delayed = _gated(engine, 2.0)  # the burst finds the first call in the engine, the queue full
+    # The burst finds the engine held and the queue full: 4 requests (8 inputs) wait, or more
+    # where the batcher took some into the held call before the queue filled.
+    delayed = _gated(engine, 2.0)
     queries = [[f"flood {i} a", f"flood {i} b"] for i in range(60)]
     with serving(_app(serve_config, delayed, max_queue=8, max_batch_tokens=256)) as url:
         answers = asyncio.run(_burst(url, [{"input": q} for q in queries]))
     statuses = [a.status_code for a in answers]
     assert set(statuses) == {200, 429}, statuses
-    assert statuses.count(429) >= 40 and statuses.count(200) >= 5, statuses
+    assert statuses.count(429) >= 40 and statuses.count(200) >= 4, statuses
     expected, _ = embed_queries(serve_config, [q for pair in queries for q in pair])
     for i, answer in enumerate(answers):
         if answer.status_code == 429:
