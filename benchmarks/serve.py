@@ -299,7 +299,7 @@ def table_figures(median: dict, ratios_: dict, raw: dict, search: dict, runs: in
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.serve",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "local.yaml"))
@@ -365,7 +365,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                    "burst": args.burst, "articles": args.articles, "median": median,
                    "ratios": median_ratios, "every_run": runs, "raw": raw, "search": search},
                   args.results, "serve")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
