@@ -151,7 +151,14 @@ class Batcher:
                 await asyncio.sleep(wait)  # others may join the call meanwhile
             batch = self._take()
             if batch:
-                await self._call(loop, batch)
+                try:
+                    await self._call(loop, batch)
+                except Exception as exc:  # pylint: disable=broad-except  # never the task's end
+                    self._metrics.failed_batches.inc()
+                    for waiting in batch:
+                        if not waiting.future.done():
+                            waiting.future.set_exception(EngineFailedError(
+                                f"the engine call failed: {type(exc).__name__}: {exc}"[:500]))
 
     def _take(self) -> list[_Waiting]:
         """The inputs of the next call, in order: up to ``max_batch_tokens`` tokens (one input at
@@ -179,6 +186,8 @@ class Batcher:
         started = self._clock()
         outcomes = await loop.run_in_executor(self._thread, self._embed_isolating,
                                               [w.ids for w in batch])
+        if len(outcomes) != len(batch):  # never a vector handed to another input
+            raise ValueError(f"{len(outcomes)} vectors for {len(batch)} prompts")
         seconds = self._clock() - started
         self._metrics.engine_call(len(batch), tokens, seconds)
         if seconds > 0:
