@@ -1,0 +1,74 @@
+"""``newsvec serve`` against a hostile or careless client (a stand-in engine, no model):
+
+- a client that sends a large request and goes away has its inputs dropped, not embedded (the
+  batcher's promise: "an input whose request gave up (timed out, or its client went away) is
+  dropped if no call has taken it yet");
+- ``/readyz``, which needs no key, does not open a store connection (a thread of the event loop's
+  default pool, up to ``connect_timeout``) per probe: a flood of probes must not stall the
+  authenticated routes that share that pool;
+- a connection that never finishes its request headers is closed in the end (slowloris).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+from tests.common import REPO, make_config
+from tests.serve.conftest import API_KEY, headers, need, serving
+
+need("fastapi")
+httpx = need("httpx")
+
+from pipeline.serve.app import create_app  # noqa: E402
+
+
+class Gated:
+    """384-dimensional constant vectors; every call held while ``gate`` is clear."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.gate.set()
+        self.calls: list[int] = []
+
+    def label(self) -> str:
+        return "gated@test"
+
+    def embed(self, prompts):
+        self.gate.wait(30)
+        self.calls.append(len(prompts))
+        return [np.full(384, 384 ** -0.5, np.float32) for _ in prompts]
+
+
+def _app(tmp_path, engine):
+    return create_app(make_config(output=str(tmp_path / "no-output")), engine, api_key=API_KEY)
+
+
+def test_the_inputs_of_a_client_that_went_away_are_not_embedded(tmp_path):
+    engine = Gated()
+    with serving(_app(tmp_path, engine)) as url:
+        engine.gate.clear()
+        answers: list = []
+        first = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{url}/v1/embeddings", json={"input": "first"}, headers=headers(), timeout=30)))
+        first.start()
+        time.sleep(0.3)  # the first call is in the engine
+        body = ('{"input": [' + ", ".join(['"gone soon"'] * 500) + "]}").encode()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as gone:
+            gone.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nAuthorization: Bearer " + API_KEY.encode()
+                         + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+                         + body)
+            time.sleep(0.5)  # read, tokenized, waiting for the engine: then the client goes
+        time.sleep(0.3)
+        engine.gate.set()
+        first.join(30)
+        time.sleep(0.5)
+        assert answers and answers[0].status_code == 200
+    assert engine.calls == [1], f"a gone client's 500 inputs were embedded: {engine.calls}"
