@@ -72,3 +72,44 @@ def test_the_inputs_of_a_client_that_went_away_are_not_embedded(tmp_path):
         time.sleep(0.5)
         assert answers and answers[0].status_code == 200
     assert engine.calls == [1], f"a gone client's 500 inputs were embedded: {engine.calls}"
+
+
+class UnreachableStore:
+    """A store corpus whose every connection attempt hangs for ``hang_s`` (a blackholed host:
+    libpq's connect_timeout is 10 s)."""
+
+    kind = "store"
+
+    def __init__(self, hang_s: float):
+        self.hang_s, self.attempts = hang_s, 0
+        self._lock = threading.Lock()
+
+    def ready(self):
+        with self._lock:
+            self.attempts += 1
+        time.sleep(self.hang_s)
+        return "the store cannot be reached: timeout"
+
+    def nearest(self, vector, k, all_copies, filters):
+        raise AssertionError("not searched here")
+
+
+def test_a_flood_of_unauthenticated_readyz_probes_does_not_stall_the_service(tmp_path):
+    app = _app(tmp_path, Gated())
+    store = UnreachableStore(hang_s=3.0)
+    app.state.service.corpus = store
+    with serving(app) as url:
+        probes = [threading.Thread(target=lambda: httpx.get(f"{url}/readyz", timeout=30))
+                  for _ in range(24)]
+        for probe in probes:
+            probe.start()
+        time.sleep(0.5)
+        started = time.perf_counter()
+        info = httpx.get(f"{url}/info", headers=headers(), timeout=30)
+        took = time.perf_counter() - started
+        for probe in probes:
+            probe.join(30)
+    assert info.status_code == 200
+    assert store.attempts <= 2 and took < 1.0, (
+        f"24 unauthenticated probes made {store.attempts} store connection attempts, and an "
+        f"authenticated GET /info waited {took:.1f} s behind them")
