@@ -113,3 +113,29 @@ def test_a_flood_of_unauthenticated_readyz_probes_does_not_stall_the_service(tmp
     assert store.attempts <= 2 and took < 1.0, (
         f"24 unauthenticated probes made {store.attempts} store connection attempts, and an "
         f"authenticated GET /info waited {took:.1f} s behind them")
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed(tmp_path):
+    port_file = tmp_path / "port"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.serve.slow_server", str(tmp_path / "no-output"),
+         str(port_file)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "NEWSVEC_API_KEY": ""})
+    try:
+        from tests.serve.test_drain import _started
+
+        url = _started(process, port_file, httpx)
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as slow:
+            slow.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n")  # and no more
+            slow.settimeout(20)
+            started = time.monotonic()
+            try:
+                closed = slow.recv(1024) is not None  # b"" (closed) or a 408
+            except socket.timeout:
+                closed = False
+            waited = time.monotonic() - started
+        assert closed, f"a connection that never sent its headers was held for {waited:.0f} s"
+    finally:
+        process.kill()
+        process.wait()
