@@ -139,3 +139,11 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(tmp_path):
     finally:
         process.kill()
         process.wait()
+
+
+def test_readyz_tells_a_client_without_the_key_nothing_of_the_deployment(tmp_path):
+    with serving(_app(tmp_path, Gated())) as url:
+        anonymous = httpx.get(f"{url}/readyz", timeout=30)
+    assert anonymous.status_code in (200, 503)
+    assert str(tmp_path) not in anonymous.text, (
+        f"an unauthenticated /readyz names the output: {anonymous.text}")
