@@ -147,3 +147,21 @@ def test_readyz_tells_a_client_without_the_key_nothing_of_the_deployment(tmp_pat
     assert anonymous.status_code in (200, 503)
     assert str(tmp_path) not in anonymous.text, (
         f"an unauthenticated /readyz names the output: {anonymous.text}")
+
+
+def test_a_keyless_loopback_service_refuses_a_page_rebound_to_it(tmp_path):
+    """Without a key the service listens on loopback only, trusting whoever reaches it there; a
+    web page the user opens can reach it too, by DNS rebinding (its own name resolving to
+    127.0.0.1, so the browser lets it read the answers: the corpus, through /v1/search) or by a
+    cross-site ``text/plain`` POST (no preflight). The Host it was called by must be a loopback
+    one, and a body must be declared JSON."""
+    app = create_app(make_config(output=str(tmp_path / "no-output")), Gated(), api_key=None)
+    with serving(app) as url:
+        rebound = httpx.get(f"{url}/info", headers={"Host": "attacker.example:8080"},
+                            timeout=30)
+        cross_site = httpx.post(f"{url}/v1/embeddings", content=b'{"input": "x"}',
+                                headers={"Content-Type": "text/plain"}, timeout=30)
+        local = httpx.get(f"{url}/info", timeout=30)
+    assert local.status_code == 200
+    assert rebound.status_code >= 400, "a page rebound to 127.0.0.1 reads GET /info"
+    assert cross_site.status_code >= 400, "a cross-site text/plain POST is embedded"
