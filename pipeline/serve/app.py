@@ -44,6 +44,7 @@ from transforms.engines.model_files import model_content_hash
 _LOG = logging.getLogger("newsvec.serve")
 _INLINE_CHARS = 4096  # texts up to this many characters in all are prepared on the event loop
 _JSON = "application/json"
+_READY_TTL_S = 2.0  # how long /readyz keeps the store's answer
 READ_KEY: Any = ...  # create_app's default: the API key read as serve.api_key_* say
 
 
@@ -271,10 +272,22 @@ def _probes(service: Service) -> dict[str, Handler]:
     async def healthz(request: Request) -> Response:
         return _json({"status": "ok"})
 
+    checked: dict[str, Any] = {"at": -_READY_TTL_S, "problem": None}
+    checking = asyncio.Lock()
+
+    async def store_problem() -> Optional[str]:
+        """The store's ``ready()``: one check at a time, its answer kept ``_READY_TTL_S`` (a probe
+        needs no key: a flood of them must not open a connection each)."""
+        async with checking:
+            if time.monotonic() - checked["at"] >= _READY_TTL_S:
+                checked["problem"] = await asyncio.to_thread(service.corpus.ready)
+                checked["at"] = time.monotonic()
+            return checked["problem"]
+
     async def readyz(request: Request) -> Response:
         if service.draining:
             return _json({"status": "draining"}, 503)
-        problem = (await asyncio.to_thread(service.corpus.ready)
+        problem = (await store_problem()
                    if service.corpus is not None and service.corpus.kind == "store" else None)
         if problem is not None:
             return _json({"status": "not ready", "reason": problem}, 503)
