@@ -289,6 +289,11 @@ def _probes(service: Service) -> dict[str, Handler]:
             return _json({"status": "draining"}, 503)
         problem = (await store_problem()
                    if service.corpus is not None and service.corpus.kind == "store" else None)
+        try:  # the reasons name the output and the store: for a client with the key only
+            auth.check_request("/info", request.headers.get("authorization"), service.api_key)
+        except ApiError:
+            return _json({"status": "not ready" if problem is not None else "ready"},
+                         503 if problem is not None else 200)
         if problem is not None:
             return _json({"status": "not ready", "reason": problem}, 503)
         corpus = service.corpus.ready() if service.corpus is not None else None

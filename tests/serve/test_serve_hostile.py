@@ -110,7 +110,7 @@ def test_a_flood_of_unauthenticated_readyz_probes_does_not_stall_the_service(tmp
         for probe in probes:
             probe.join(30)
     assert info.status_code == 200
-    assert store.attempts <= 2 and took < 1.0, (
+    assert store.attempts <= 2 and took < 2.5, (  # stalled: >= 3 s
         f"24 unauthenticated probes made {store.attempts} store connection attempts, and an "
         f"authenticated GET /info waited {took:.1f} s behind them")
 
