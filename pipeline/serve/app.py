@@ -20,7 +20,7 @@ import base64
 import contextlib
 import logging
 import time
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 import numpy as np
 import orjson
@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 from pipeline.config import Config, signature_of
 from pipeline.search import Filters
 from pipeline.serve import auth
-from pipeline.serve.batcher import Batcher, InputFailed, QueueFull
+from pipeline.serve.batcher import Batcher, Draining, InputFailed, QueueFull
 from pipeline.serve.corpus import Corpus, corpus_for, output_record
 from pipeline.serve.limits import ApiError, bad, embeddings_request, read_json, search_request
 from pipeline.serve.metrics import ServeMetrics
@@ -147,6 +147,9 @@ class Service:
             raise _timeout(self.settings.request_timeout_s) from None
         except InputFailed as exc:
             raise bad(str(exc), "embedding_failed", "input") from None
+        except Draining as exc:
+            raise ApiError(503, str(exc), "draining", type_="service_unavailable",
+                           headers={"Retry-After": "1"}) from None
         except EngineFailedError as exc:
             raise ApiError(503, f"the engine failed: {exc}", "engine_failed",
                            type_="service_unavailable", headers={"Retry-After": "5"}) from None
@@ -207,6 +210,7 @@ def _answered(service: Service, route: str, handler: Handler) -> Handler:
         metrics.in_flight.inc()
         kind = None
         try:
+            auth.check_host(request.headers.get("host"), service.api_key)
             auth.check_request(request.url.path, request.headers.get("authorization"),
                                service.api_key)
             response = await handler(request)
@@ -229,12 +233,38 @@ def _answered(service: Service, route: str, handler: Handler) -> Handler:
     return endpoint
 
 
+T = TypeVar("T")
+
+
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result; cancelled (its inputs not yet in an engine call dropped) as soon as the
+    client closes its connection, when nobody would read the answer."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass  # the body was read: the next message is the disconnect
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for each in (watch, task):
+            if not each.done():
+                each.cancel()
+                with contextlib.suppress(BaseException):
+                    await each
+    if task.cancelled():
+        raise ClientDisconnect()
+    return task.result()
+
+
 def _embeddings(service: Service) -> Handler:
     async def embeddings(request: Request) -> Response:
-        body = await read_json(request, service.settings.max_body_bytes)
+        body = await read_json(request, service.settings.max_body_bytes,
+                               service.settings.request_timeout_s)
         asked = embeddings_request(body, service.settings, service.served)
         prompts = await service.prompts(asked.inputs, asked.document)
-        vectors = service.vectors_out(await service.embed(prompts), asked.dimensions)
+        vectors = service.vectors_out(await _unless_gone(request, service.embed(prompts)),
+                                      asked.dimensions)
         tokens = sum(len(p) for p in prompts)
         data = [{"object": "embedding", "index": i,
                  "embedding": (base64.b64encode(v.astype("<f4").tobytes()).decode("ascii")
@@ -248,12 +278,14 @@ def _embeddings(service: Service) -> Handler:
 
 def _search(service: Service) -> Handler:
     async def search(request: Request) -> Response:
-        body = await read_json(request, service.settings.max_body_bytes)
+        body = await read_json(request, service.settings.max_body_bytes,
+                               service.settings.request_timeout_s)
         asked = search_request(body, service.settings)
         if service.corpus is None:
             raise ApiError(404, "search is off here (serve.search: off)", "search_off",
                            type_="not_found_error")
-        (vector,) = await service.embed(await service.prompts([asked.query], False))
+        (vector,) = await _unless_gone(
+            request, service.embed(await service.prompts([asked.query], False)))
         filters = Filters(asked.sources, asked.languages, asked.published_after,
                           asked.published_before)
         try:

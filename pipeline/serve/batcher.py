@@ -17,6 +17,9 @@ The queue is bounded (``serve.max_queue`` inputs): a request that would pass it 
 an overload is answered instead of piling up. An input whose request gave up (timed out, or its
 client went away) is dropped if no call has taken it yet.
 
+On SIGTERM (``drain_by``) no call is begun that would end after the service goes; the inputs
+still waiting then are refused (``Draining``: a 503 their clients retry elsewhere).
+
 A call that fails with the engine broken (``EngineFailedError``) fails its inputs' requests (503);
 one that fails otherwise (the inputs to blame) is split in halves and tried again until the
 failing input stands alone (``InputFailed``, a 400 for its request), as the pipeline's
@@ -49,6 +52,11 @@ class QueueFull(Exception):
         self.waiting, self.retry_after_s = waiting, retry_after_s
 
 
+class Draining(Exception):
+    """The service is going away (SIGTERM) and no engine call that would end before it goes can
+    take the input: its request is refused, to be sent again (to another instance)."""
+
+
 class InputFailed(Exception):
     """The engine failed on this input alone (its canary passing), or gave it a vector that is
     not finite."""
@@ -74,9 +82,12 @@ class Batcher:
         self._queue: collections.deque[_Waiting] = collections.deque()
         self._tokens = 0  # of the inputs in the queue
         self._arrived: Optional[asyncio.Event] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
         self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._rate = 0.0  # inputs/s of the engine, smoothed: for Retry-After
+        self._call_s = 0.0  # seconds an engine call takes, smoothed: for drain_by
+        self._deadline: Optional[float] = None  # drain_by's
 
     @property
     def waiting(self) -> int:
@@ -85,27 +96,45 @@ class Batcher:
 
     def start(self) -> None:
         self._arrived = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="newsvec-engine")
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="newsvec-batcher")
+        self._task = self._loop.create_task(self._run(), name="newsvec-batcher")
 
     async def close(self) -> None:
         """Stop taking inputs from the queue; the call in flight ends first. Inputs still waiting
-        fail (``EngineFailedError``): the service is going away."""
+        fail (``Draining``): the service is going away."""
         if self._task is not None:
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        self._shed()
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+
+    def drain_by(self, deadline: float) -> None:
+        """From now on, begin no engine call that would not end by ``deadline`` (in the clock's
+        seconds), at the pace calls have taken; the inputs waiting then fail (``Draining``), so
+        that each request has its answer before the service goes. Safe from any thread and from
+        a signal handler."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._drain_by, deadline)
+
+    def _drain_by(self, deadline: float) -> None:
+        self._deadline = deadline
+        if self._arrived is not None:
+            self._arrived.set()
+
+    def _shed(self) -> None:
         while self._queue:
             waiting = self._queue.popleft()
             if not waiting.future.done():
-                waiting.future.set_exception(EngineFailedError("the service is shutting down"))
+                waiting.future.set_exception(Draining(
+                    "the service is shutting down and cannot embed it in time"))
         self._tokens = 0
         self._metrics.queue_depth.set(0)
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
 
     def retry_after_s(self) -> int:
         """Seconds until the queue has room again, at the rate the engine has been embedding."""
@@ -145,6 +174,9 @@ class Batcher:
             if not self._queue:
                 self._arrived.clear()
                 await self._arrived.wait()
+                continue
+            if self._deadline is not None and self._clock() + self._call_s > self._deadline:
+                self._shed()  # draining: a call begun now would end after the service
                 continue
             wait = self._queue[0].since + self.max_wait_s - self._clock()
             if self._tokens < self.max_batch_tokens and wait > 0:
@@ -190,6 +222,8 @@ class Batcher:
             raise ValueError(f"{len(outcomes)} vectors for {len(batch)} prompts")
         seconds = self._clock() - started
         self._metrics.engine_call(len(batch), tokens, seconds)
+        self._call_s = seconds if self._call_s <= 0 else max(seconds, 0.8 * self._call_s
+                                                                 + 0.2 * seconds)
         if seconds > 0:
             rate = len(batch) / seconds
             self._rate = rate if self._rate <= 0 else 0.8 * self._rate + 0.2 * rate

@@ -165,3 +165,21 @@ def test_a_keyless_loopback_service_refuses_a_page_rebound_to_it(tmp_path):
     assert local.status_code == 200
     assert rebound.status_code >= 400, "a page rebound to 127.0.0.1 reads GET /info"
     assert cross_site.status_code >= 400, "a cross-site text/plain POST is embedded"
+
+
+def test_a_body_that_never_arrives_is_answered_408_in_request_timeout_s(tmp_path):
+    config = make_config(output=str(tmp_path / "no-output"))
+    config = config.model_copy(update={"serve": config.serve.model_copy(
+        update={"request_timeout_s": 2.0})})
+    with serving(create_app(config, Gated(), api_key=API_KEY)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as slow:
+            slow.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                         b"application/json\r\nAuthorization: Bearer " + API_KEY.encode()
+                         + b"\r\nContent-Length: 100\r\n\r\n{\"input\": ")  # and no more
+            slow.settimeout(20)
+            started = time.monotonic()
+            answer = slow.recv(4096)
+            waited = time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408") and b'"body_timeout"' in answer, answer[:300]
+    assert waited < 10, f"answered after {waited:.0f} s"
