@@ -9,6 +9,7 @@ requests addressed to a loopback name (``Host``): a web page the user opens else
 ``application/json``.)"""
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 from typing import Optional
@@ -57,16 +58,21 @@ def check_host(host: Optional[str], key: Optional[str]) -> None:
     """``ApiError`` 403 for a keyless service called by a ``Host`` other than a loopback one."""
     if key is not None:
         return
-    name = (host or "").strip()
-    if name.startswith("["):  # [::1]:8080
-        name = name[1:].partition("]")[0]
-    elif name.count(":") == 1:
-        name = name.partition(":")[0]
-    if not is_loopback(name.lower()):
+    if not _loopback_host(host or ""):
         raise ApiError(403, "a service with no API key answers requests addressed to a loopback "
                             "name only (Host: 127.0.0.1, localhost or [::1]), not to "
                             f"{(host or '(none)')[:100]!r}: configure an API key to serve "
                             "under another name", "forbidden_host", type_="permission_error")
+
+
+@functools.lru_cache(maxsize=64)  # a few names, each request: ipaddress parses slowly
+def _loopback_host(host: str) -> bool:
+    name = host.strip()
+    if name.startswith("["):  # [::1]:8080
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    return is_loopback(name.lower())
 
 
 def check_request(path: str, authorization: Optional[str], key: Optional[str]) -> None:

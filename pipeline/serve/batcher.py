@@ -14,8 +14,10 @@ latency unless a call costs much more than its inputs).
 
 The queue is bounded (``serve.max_queue`` inputs): a request that would pass it is refused at once
 (``QueueFull``: 429 with a ``Retry-After`` from the rate the engine has been embedding), so that
-an overload is answered instead of piling up. An input whose request gave up (timed out, or its
-client went away) is dropped if no call has taken it yet.
+an overload is answered instead of piling up; and so is one whose inputs would wait longer than
+``serve.request_timeout_s`` at the rate full engine calls have embedded (it would time out: a 503
+after 30 s, where a 429 now lets its client retry elsewhere or later). An input whose request
+gave up (timed out, or its client went away) is dropped if no call has taken it yet.
 
 On SIGTERM (``drain_by``) no call is begun that would end after the service goes; the inputs
 still waiting then are refused (``Draining``: a 503 their clients retry elsewhere).
@@ -74,18 +76,19 @@ class Batcher:
     ``close`` on the event loop that ``embed`` is awaited on."""
 
     def __init__(self, embed: Embed, *, max_batch_tokens: int, max_wait_ms: float,
-                 max_queue: int, metrics: ServeMetrics,
+                 max_queue: int, metrics: ServeMetrics, timeout_s: Optional[float] = None,
                  clock: Callable[[], float] = time.perf_counter):
         self._embed, self._metrics, self._clock = embed, metrics, clock
         self.max_batch_tokens, self.max_queue = max_batch_tokens, max_queue
         self.max_wait_s = max_wait_ms / 1000
+        self.timeout_s = timeout_s
         self._queue: collections.deque[_Waiting] = collections.deque()
         self._tokens = 0  # of the inputs in the queue
         self._arrived: Optional[asyncio.Event] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
         self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._rate = 0.0  # inputs/s of the engine, smoothed: for Retry-After
+        self._rate = 0.0  # inputs/s of the engine in full calls, smoothed (0: none yet)
         self._call_s = 0.0  # seconds an engine call takes, smoothed: for drain_by
         self._deadline: Optional[float] = None  # drain_by's
 
@@ -148,7 +151,9 @@ class Batcher:
         engine failed on, ``EngineFailedError`` when the engine broke."""
         if self._arrived is None:
             raise RuntimeError("Batcher.start() was not called")
-        if len(self._queue) + len(prompts) > self.max_queue:
+        waiting = len(self._queue) + len(prompts)
+        if waiting > self.max_queue or (self.timeout_s is not None and self._rate > 0
+                                        and waiting / self._rate > self.timeout_s):
             raise QueueFull(len(self._queue), self.retry_after_s())
         loop = asyncio.get_running_loop()
         now = self._clock()
@@ -224,8 +229,8 @@ class Batcher:
         self._metrics.engine_call(len(batch), tokens, seconds)
         self._call_s = seconds if self._call_s <= 0 else max(seconds, 0.8 * self._call_s
                                                                  + 0.2 * seconds)
-        if seconds > 0:
-            rate = len(batch) / seconds
+        if seconds > 0 and 2 * tokens >= self.max_batch_tokens:  # a full call: the pace of a
+            rate = len(batch) / seconds  # queue (one of a few inputs says little of it)
             self._rate = rate if self._rate <= 0 else 0.8 * self._rate + 0.2 * rate
         for waiting, outcome in zip(batch, outcomes, strict=True):
             if waiting.future.done():
