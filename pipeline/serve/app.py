@@ -311,9 +311,11 @@ def _probes(service: Service) -> dict[str, Handler]:
     async def store_problem() -> Optional[str]:
         """The store's ``ready()``: one check at a time, its answer kept ``_READY_TTL_S`` (a probe
         needs no key: a flood of them must not open a connection each)."""
+        corpus = service.corpus
+        assert corpus is not None
         async with checking:
             if time.monotonic() - checked["at"] >= _READY_TTL_S:
-                checked["problem"] = await asyncio.to_thread(service.corpus.ready)
+                checked["problem"] = await asyncio.to_thread(corpus.ready)
                 checked["at"] = time.monotonic()
             return checked["problem"]
 

@@ -132,7 +132,7 @@ def _http_protocol():
             if not self.transport.is_closing():
                 self.transport.close()
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
 
