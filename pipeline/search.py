@@ -55,11 +55,12 @@ from transforms.output.parquet import STORY_COLUMNS, float32_embeddings
 from transforms.output.summary import RunSummary
 
 
-def _read(output: str, subdir: str, columns: list[str]) -> pa.Table | None:
-    """``columns`` of the Parquet files under ``subdir``; a column a file lacks (``story_id`` in
+def _read(output: str, subdir: str, columns: list[str], files: tuple[str, ...]
+          ) -> pa.Table | None:
+    """``columns`` of those of ``files`` under ``subdir``; a column a file lacks (``story_id`` in
     files written before 0.4) reads as nulls of its type."""
-    files = [m.path for m in FileSystems.match([join_path(output, subdir, "**")])[0].metadata_list
-             if m.path.endswith(".parquet")]
+    under = join_path(output, subdir, "")
+    files = tuple(path for path in files if path.startswith(under))
 
     def whole(table: pa.Table) -> pa.Table:
         for name in columns:
@@ -148,6 +149,11 @@ def check_output(config: Config, output: str) -> Config:
     summary = committed_summary(output)
     if summary is None:
         return config
+    return check_against(config, output, summary)
+
+
+def check_against(config: Config, output: str, summary: RunSummary) -> Config:
+    """``check_output`` for the committed run ``summary`` is the summary of."""
     check_prefixes(config, output, summary)
     check_signature(config, output, summary)
     return pin_model(config, output, summary)
@@ -329,15 +335,16 @@ class ParquetIndex:
     A search may run in any thread: each has its own DuckDB connection on the same Arrow
     tables."""
 
-    def __init__(self, output: str, dim: int, details: bool = False):
+    def __init__(self, output: str, dim: int, details: bool = False,
+                 files: tuple[str, ...] | None = None):
         try:
             import duckdb  # noqa: F401
         except ImportError as e:  # not in the worker image: an extra
             raise ImportError("newsvec search needs DuckDB: pip install 'newsvec[search]' "
                               "(make setup installs it)") from e
         self.output, self.dim, self.details = output, dim, details
-        self.files = parquet_files(output)
-        self.vectors, self.chunks = _vectors_and_chunks(output, dim, details)
+        self.files = parquet_files(output) if files is None else files
+        self.vectors, self.chunks = _vectors_and_chunks(output, dim, details, self.files)
         self._local = threading.local()
 
     @property
@@ -390,15 +397,15 @@ def parquet_files(output: str) -> tuple[str, ...]:
                         if m.path.endswith(".parquet")))
 
 
-def _vectors_and_chunks(output: str, dim: int, details: bool = False
+def _vectors_and_chunks(output: str, dim: int, details: bool, files: tuple[str, ...]
                         ) -> tuple[pa.Table, pa.Table | None]:
     """The output's ``vectors/`` and ``chunks/`` (None: a head output), each of ``dim``-dimensional
     vectors: a ``ValueError`` if not (the config's queries would be of another size)."""
     columns = ["id", "title", "story_id", "embedding", *(_DETAILS if details else ())]
-    vectors = _read(output, VECTORS_DIR, columns)
+    vectors = _read(output, VECTORS_DIR, columns, files)
     if vectors is None:
         raise FileNotFoundError(f"no vectors under {output}/{VECTORS_DIR}/: run the pipeline first")
-    chunks = _read(output, CHUNKS_DIR, ["id", "chunk_index", "embedding"])
+    chunks = _read(output, CHUNKS_DIR, ["id", "chunk_index", "embedding"], files)
     for table in (vectors, chunks):
         written = table.schema.field("embedding").type.list_size if table is not None else dim
         if written != dim:

@@ -2,9 +2,14 @@
 ``serve.api_key_file`` or ``serve.api_key_env``, read as the store's connection string is, never
 from the config file), every route but ``/healthz`` and ``/readyz`` (the probes) needs
 ``Authorization: Bearer KEY``, compared in constant time. Without one, the service listens on a
-loopback address only: binding any other refuses to start (``ServeRefused``)."""
+loopback address only: binding any other refuses to start (``ServeRefused``); and it answers only
+requests addressed to a loopback name (``Host``): a web page the user opens elsewhere can reach
+127.0.0.1 too, under its own name rebound to it (DNS rebinding), and read the answers.
+(A cross-site form post cannot send JSON: ``limits.read_json`` takes only
+``application/json``.)"""
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 from typing import Optional
@@ -47,6 +52,27 @@ def check_binding(host: str, key: Optional[str]) -> None:
             "who can reach it could use the model and read the corpus. Set the environment "
             "variable serve.api_key_env names (NEWSVEC_API_KEY by default), serve.api_key_file "
             "or serve.api_key_secret, or bind 127.0.0.1")
+
+
+def check_host(host: Optional[str], key: Optional[str]) -> None:
+    """``ApiError`` 403 for a keyless service called by a ``Host`` other than a loopback one."""
+    if key is not None:
+        return
+    if not _loopback_host(host or ""):
+        raise ApiError(403, "a service with no API key answers requests addressed to a loopback "
+                            "name only (Host: 127.0.0.1, localhost or [::1]), not to "
+                            f"{(host or '(none)')[:100]!r}: configure an API key to serve "
+                            "under another name", "forbidden_host", type_="permission_error")
+
+
+@functools.lru_cache(maxsize=64)  # a few names, each request: ipaddress parses slowly
+def _loopback_host(host: str) -> bool:
+    name = host.strip()
+    if name.startswith("["):  # [::1]:8080
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    return is_loopback(name.lower())
 
 
 def check_request(path: str, authorization: Optional[str], key: Optional[str]) -> None:

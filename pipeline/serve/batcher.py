@@ -14,8 +14,13 @@ latency unless a call costs much more than its inputs).
 
 The queue is bounded (``serve.max_queue`` inputs): a request that would pass it is refused at once
 (``QueueFull``: 429 with a ``Retry-After`` from the rate the engine has been embedding), so that
-an overload is answered instead of piling up. An input whose request gave up (timed out, or its
-client went away) is dropped if no call has taken it yet.
+an overload is answered instead of piling up; and so is one whose inputs would wait longer than
+``serve.request_timeout_s`` at the rate full engine calls have embedded (it would time out: a 503
+after 30 s, where a 429 now lets its client retry elsewhere or later). An input whose request
+gave up (timed out, or its client went away) is dropped if no call has taken it yet.
+
+On SIGTERM (``drain_by``) no call is begun that would end after the service goes; the inputs
+still waiting then are refused (``Draining``: a 503 their clients retry elsewhere).
 
 A call that fails with the engine broken (``EngineFailedError``) fails its inputs' requests (503);
 one that fails otherwise (the inputs to blame) is split in halves and tried again until the
@@ -49,6 +54,11 @@ class QueueFull(Exception):
         self.waiting, self.retry_after_s = waiting, retry_after_s
 
 
+class Draining(Exception):
+    """The service is going away (SIGTERM) and no engine call that would end before it goes can
+    take the input: its request is refused, to be sent again (to another instance)."""
+
+
 class InputFailed(Exception):
     """The engine failed on this input alone (its canary passing), or gave it a vector that is
     not finite."""
@@ -66,17 +76,21 @@ class Batcher:
     ``close`` on the event loop that ``embed`` is awaited on."""
 
     def __init__(self, embed: Embed, *, max_batch_tokens: int, max_wait_ms: float,
-                 max_queue: int, metrics: ServeMetrics,
+                 max_queue: int, metrics: ServeMetrics, timeout_s: Optional[float] = None,
                  clock: Callable[[], float] = time.perf_counter):
         self._embed, self._metrics, self._clock = embed, metrics, clock
         self.max_batch_tokens, self.max_queue = max_batch_tokens, max_queue
         self.max_wait_s = max_wait_ms / 1000
+        self.timeout_s = timeout_s
         self._queue: collections.deque[_Waiting] = collections.deque()
         self._tokens = 0  # of the inputs in the queue
         self._arrived: Optional[asyncio.Event] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
         self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._rate = 0.0  # inputs/s of the engine, smoothed: for Retry-After
+        self._rate = 0.0  # inputs/s of the engine in full calls, smoothed (0: none yet)
+        self._call_s = 0.0  # seconds an engine call takes, smoothed: for drain_by
+        self._deadline: Optional[float] = None  # drain_by's
 
     @property
     def waiting(self) -> int:
@@ -85,27 +99,45 @@ class Batcher:
 
     def start(self) -> None:
         self._arrived = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         self._thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="newsvec-engine")
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="newsvec-batcher")
+        self._task = self._loop.create_task(self._run(), name="newsvec-batcher")
 
     async def close(self) -> None:
         """Stop taking inputs from the queue; the call in flight ends first. Inputs still waiting
-        fail (``EngineFailedError``): the service is going away."""
+        fail (``Draining``): the service is going away."""
         if self._task is not None:
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        self._shed()
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+
+    def drain_by(self, deadline: float) -> None:
+        """From now on, begin no engine call that would not end by ``deadline`` (in the clock's
+        seconds), at the pace calls have taken; the inputs waiting then fail (``Draining``), so
+        that each request has its answer before the service goes. Safe from any thread and from
+        a signal handler."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._drain_by, deadline)
+
+    def _drain_by(self, deadline: float) -> None:
+        self._deadline = deadline
+        if self._arrived is not None:
+            self._arrived.set()
+
+    def _shed(self) -> None:
         while self._queue:
             waiting = self._queue.popleft()
             if not waiting.future.done():
-                waiting.future.set_exception(EngineFailedError("the service is shutting down"))
+                waiting.future.set_exception(Draining(
+                    "the service is shutting down and cannot embed it in time"))
         self._tokens = 0
         self._metrics.queue_depth.set(0)
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
 
     def retry_after_s(self) -> int:
         """Seconds until the queue has room again, at the rate the engine has been embedding."""
@@ -119,7 +151,9 @@ class Batcher:
         engine failed on, ``EngineFailedError`` when the engine broke."""
         if self._arrived is None:
             raise RuntimeError("Batcher.start() was not called")
-        if len(self._queue) + len(prompts) > self.max_queue:
+        waiting = len(self._queue) + len(prompts)
+        if waiting > self.max_queue or (self.timeout_s is not None and self._rate > 0
+                                        and waiting / self._rate > self.timeout_s):
             raise QueueFull(len(self._queue), self.retry_after_s())
         loop = asyncio.get_running_loop()
         now = self._clock()
@@ -146,12 +180,22 @@ class Batcher:
                 self._arrived.clear()
                 await self._arrived.wait()
                 continue
+            if self._deadline is not None and self._clock() + self._call_s > self._deadline:
+                self._shed()  # draining: a call begun now would end after the service
+                continue
             wait = self._queue[0].since + self.max_wait_s - self._clock()
             if self._tokens < self.max_batch_tokens and wait > 0:
                 await asyncio.sleep(wait)  # others may join the call meanwhile
             batch = self._take()
             if batch:
-                await self._call(loop, batch)
+                try:
+                    await self._call(loop, batch)
+                except Exception as exc:  # pylint: disable=broad-except  # never the task's end
+                    self._metrics.failed_batches.inc()
+                    for waiting in batch:
+                        if not waiting.future.done():
+                            waiting.future.set_exception(EngineFailedError(
+                                f"the engine call failed: {type(exc).__name__}: {exc}"[:500]))
 
     def _take(self) -> list[_Waiting]:
         """The inputs of the next call, in order: up to ``max_batch_tokens`` tokens (one input at
@@ -179,10 +223,14 @@ class Batcher:
         started = self._clock()
         outcomes = await loop.run_in_executor(self._thread, self._embed_isolating,
                                               [w.ids for w in batch])
+        if len(outcomes) != len(batch):  # never a vector handed to another input
+            raise ValueError(f"{len(outcomes)} vectors for {len(batch)} prompts")
         seconds = self._clock() - started
         self._metrics.engine_call(len(batch), tokens, seconds)
-        if seconds > 0:
-            rate = len(batch) / seconds
+        self._call_s = seconds if self._call_s <= 0 else max(seconds, 0.8 * self._call_s
+                                                                 + 0.2 * seconds)
+        if seconds > 0 and 2 * tokens >= self.max_batch_tokens:  # a full call: the pace of a
+            rate = len(batch) / seconds  # queue (one of a few inputs says little of it)
             self._rate = rate if self._rate <= 0 else 0.8 * self._rate + 0.2 * rate
         for waiting, outcome in zip(batch, outcomes, strict=True):
             if waiting.future.done():

@@ -5,17 +5,30 @@ publishes), or the store (``StoreCorpus``: its HNSW index, as ``newsvec search -
 The output is checked against the config when the service starts, as ``newsvec search`` checks it
 (``pipeline.search.check_output``: the prefixes, the embedding signature and the model's files
 its committed run recorded): a config that differs refuses to start, naming the difference. A run
-published later is checked again before it is searched; one that differs is not searched (a 503
-naming the difference) until the service is restarted with its config."""
+published later is checked before it is searched, and searched only once committed; one that
+differs is not searched (a 503 naming the difference) until the service is restarted with its
+config."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Callable, Optional, Protocol
 
 from pipeline.config import Config, ConfigError
-from pipeline.search import Filters, ParquetIndex, check_output, committed_summary, parquet_files
+from pipeline.search import (
+    Filters,
+    ParquetIndex,
+    check_against,
+    check_output,
+    committed_summary,
+    parquet_files,
+)
 from pipeline.serve.limits import ApiError
+from transforms.output.layout import join_path
+from transforms.output.manifest import COMMITTED, Manifest, read_manifest
+
+_LOG = logging.getLogger(__name__)
 
 
 class Corpus(Protocol):
@@ -29,9 +42,16 @@ class Corpus(Protocol):
 
 
 class ParquetCorpus:
-    """The output's Parquet (see the module). ``refresh_s``: how often a search first lists the
-    output's files, and reads them again when they changed (that search waits for the read; the
-    others meanwhile search what was read before)."""
+    """The output's Parquet (see the module). ``refresh_s``: how often a search first looks at the
+    output's manifest, and reads the output again when another run committed (that search waits
+    for the read; the others meanwhile search what was read before).
+
+    A batch output is read as its manifest names it: only a committed run, only the files the
+    manifest names, only once its summary is checked against the config, and kept only if the
+    manifest still names that run once its files are read. While a newer run publishes (its files
+    replacing the old ones in ``vectors/``, its summary not yet written), the run read before is
+    searched. An output without a manifest (streaming) is read whole, again when its files
+    change."""
 
     kind = "parquet"
 
@@ -41,37 +61,72 @@ class ParquetCorpus:
         self._refresh_s, self._clock = refresh_s, clock
         self._lock = threading.Lock()
         self._index: Optional[ParquetIndex] = None
+        self._run_id: Optional[str] = None  # the committed run read (or refused)
         self._problem: Optional[str] = None
         self._checked = clock()
-        self._load()
-
-    def _load(self) -> None:
-        try:
-            self._index = ParquetIndex(self.output, self._config.model.output_dim, details=True)
-            self._problem = None
-        except FileNotFoundError as exc:  # nothing published yet
-            self._index, self._problem = None, str(exc)
+        self._read()
 
     def _refresh(self) -> None:
-        """Read the output again if its files changed (a newer run), once it is checked against
-        the config; at most every ``refresh_s``."""
+        """``_read``, at most every ``refresh_s``, by one search at a time."""
         if self._clock() - self._checked < self._refresh_s:
             return
         if not self._lock.acquire(blocking=False):
             return  # another search is looking: this one searches what is read
         try:
             self._checked = self._clock()
-            files = parquet_files(self.output)
-            if self._index is not None and files == self._index.files:
-                return
-            try:
-                check_output(self._config, self.output)
-            except ConfigError as exc:
-                self._index, self._problem = None, f"a newer run of the output: {exc}"
-                return
-            self._load()
+            self._read()
         finally:
             self._lock.release()
+
+    def _read(self) -> None:
+        try:
+            manifest = read_manifest(self.output)
+        except (OSError, ValueError) as exc:  # torn, refused: what was read is kept
+            _LOG.warning("%s: the manifest cannot be read (%s); searching what was read before",
+                         self.output, exc)
+            return
+        if manifest is None:  # a streaming output
+            files = parquet_files(self.output)
+            if self._index is None or files != self._index.files:
+                self._load(files, None)
+            return
+        if manifest.state != COMMITTED:
+            if self._index is None:
+                self._problem = (f"run {manifest.run_id} is publishing into the output: it is "
+                                 "searched once it commits and is checked")
+            return
+        if manifest.run_id == self._run_id:
+            return
+        try:
+            summary = committed_summary(self.output)
+            if summary is None or summary.run_id != manifest.run_id:
+                return  # another run moved on meanwhile: the next refresh reads it
+            check_against(self._config, self.output, summary)
+        except ConfigError as exc:  # never searched with this service's queries
+            self._index, self._run_id = None, manifest.run_id
+            self._problem = f"run {manifest.run_id} of the output: {exc}"
+            return
+        self._load(tuple(join_path(self.output, path)
+                         for path in (*manifest.vectors, *manifest.chunks)), manifest)
+
+    def _load(self, files: tuple[str, ...], manifest: Optional[Manifest]) -> None:
+        """Read ``files``; kept only if ``manifest`` (None: none) is still the output's."""
+        try:
+            index: Optional[ParquetIndex] = ParquetIndex(
+                self.output, self._config.model.output_dim, details=True, files=files)
+            problem = None
+        except (OSError, ValueError) as exc:  # nothing published yet; a file gone meanwhile
+            index, problem = None, str(exc)
+        if manifest is not None:
+            try:
+                if read_manifest(self.output) != manifest:
+                    return  # another run began publishing while they were read: read again
+            except (OSError, ValueError):
+                return
+        if index is None and self._index is not None and manifest is None:
+            return  # a streaming file gone while listed: what was read is kept
+        self._index, self._problem = index, problem
+        self._run_id = manifest.run_id if manifest is not None else None
 
     def ready(self) -> Optional[str]:
         return self._problem

@@ -8,6 +8,7 @@ the limit. Then it must be a JSON object, and each field what the route takes
 (``embeddings_request``, ``search_request``)."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import json
@@ -40,9 +41,15 @@ def bad(message: str, code: str = "invalid_value", param: Optional[str] = None) 
     return ApiError(400, message, code, param=param)
 
 
-async def read_json(request, limit: int) -> dict[str, Any]:
+async def read_json(request, limit: int, timeout_s: float) -> dict[str, Any]:
     """The request's body as a JSON object, read only up to ``limit`` bytes (413 beyond: by its
-    ``Content-Length`` before reading, or as it streams in)."""
+    ``Content-Length`` before reading, or as it streams in) and within ``timeout_s`` (408
+    after), declared ``application/json`` (415
+    otherwise: what a cross-site form could post is never taken)."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, f"the body must be sent as Content-Type: application/json, not "
+                            f"{media[:100] or '(none)'!r}", "unsupported_media_type")
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -52,11 +59,16 @@ async def read_json(request, limit: int) -> dict[str, Any]:
         if length > limit:
             raise _too_large(length, limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(size, limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {timeout_s:g} s "
+                            "(serve.request_timeout_s)", "body_timeout") from None
     try:
         body = json.loads(b"".join(chunks))
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError

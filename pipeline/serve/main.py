@@ -14,6 +14,7 @@ import logging
 import math
 import socket
 import sys
+import time
 from typing import Optional, Sequence
 
 import uvicorn
@@ -72,7 +73,8 @@ def run(config: config_lib.Config, engine=None, sock: Optional[socket.socket] = 
     service = app.state.service
     server = DrainingServer(uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="on",
-        timeout_graceful_shutdown=math.ceil(config.serve.drain_s), backlog=4096), service)
+        timeout_graceful_shutdown=math.ceil(config.serve.drain_s), backlog=4096,
+        http=_http_protocol()), service)
     host, port = sock.getsockname()[:2]
     _LOG.info("serving %s on http://%s:%d (search: %s)", service.label,
               f"[{host}]" if ":" in host else host, port,
@@ -96,16 +98,78 @@ def _bound(host: str, port: int) -> socket.socket:
     return sock
 
 
+HEADER_TIMEOUT_S = 10.0
+"""How long a connection may take to send a request's headers, from its opening or the start of
+the request: uvicorn has no such limit, and a client that never finishes its headers (slowloris)
+would hold its connection for good."""
+
+
+def _http_protocol():
+    """uvicorn's httptools protocol, closing a connection whose request headers are not complete
+    within ``HEADER_TIMEOUT_S`` (a body that does not arrive is ``serve.request_timeout_s``'s:
+    ``limits.read_json``)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # no httptools (it comes with vLLM): uvicorn's h11, with no such limit
+        _LOG.warning("httptools is not installed: connections that never finish their request "
+                     "headers are not closed")
+        return "auto"
+
+    class HeaderDeadline(HttpToolsProtocol):
+        _deadline = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _too_slow(self) -> None:
+            self._deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderDeadline
+
+
+_WRITE_S = 0.5
+"""Of ``serve.drain_s``, what is kept for the last answers to be written."""
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, which marks the service draining (``/readyz`` fails) as soon as a
-    SIGTERM or SIGINT arrives; uvicorn then closes its sockets, lets the requests in flight finish
-    for ``timeout_graceful_shutdown`` and runs the lifespan's end, and the process exits 0."""
+    SIGTERM or SIGINT arrives, and has the batcher begin no engine call that would end after
+    ``serve.drain_s`` (the inputs still waiting then are answered 503, ``Batcher.drain_by``);
+    uvicorn closes its sockets, lets the requests in flight finish for
+    ``timeout_graceful_shutdown`` and runs the lifespan's end, and the process exits 0."""
 
     def __init__(self, config: uvicorn.Config, service) -> None:
         super().__init__(config)
         self.service = service
 
     def handle_exit(self, sig, frame) -> None:
+        if not self.service.draining:  # the answers written before uvicorn's limit
+            self.service.batcher.drain_by(
+                time.perf_counter() + max(0.0, self.service.settings.drain_s - _WRITE_S))
         self.service.draining = True
         super().handle_exit(sig, frame)
         # uvicorn raises the signal again once it has shut down, so that the process ends by it

@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import config as config_lib
+from pipeline.serve import main as serve_main
 from pipeline.serve.main import run
 
 CALL_S = 2.0
+serve_main.HEADER_TIMEOUT_S = 3.0  # the slowloris test waits for it
 
 
 class Slow:

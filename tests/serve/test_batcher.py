@@ -121,3 +121,39 @@ def test_a_failing_input_is_isolated_and_an_engine_failure_fails_all():
     broken = Engine(broken=True)
     outcomes = _run(broken, scenario, max_wait_ms=50)
     assert all(isinstance(o, EngineFailedError) for o in outcomes) and len(broken.calls) == 1
+
+
+class Paced(Engine):
+    """``Engine``, every call taking ``call_s``."""
+
+    def __init__(self, call_s: float):
+        super().__init__()
+        self.call_s = call_s
+
+    def embed(self, prompts):
+        time.sleep(self.call_s)
+        return super().embed(prompts)
+
+
+def test_a_request_that_would_outwait_its_timeout_is_refused_at_once():
+    """At the pace full calls have taken (10 inputs in 0.2 s: 50 a second), 200 inputs would wait
+    4 s, past the 1 s a request may: refused at once (a 429, not a 503 after waiting); 20 (0.4 s)
+    are taken. Calls of one input (the pace of a quiet service, not of a queue) set no pace."""
+    engine = Paced(0.2)
+    ten = [(i,) * 10 for i in range(10)]
+
+    async def scenario(batcher):
+        for i in range(3):  # quiet: one input a call
+            await batcher.embed([(i,) * 10])
+        quiet_full = len(await batcher.embed([(9,) * 10] * 60))  # no full call yet: taken
+        await batcher.embed(ten)  # a full call: 50 a second
+        started = time.perf_counter()
+        with pytest.raises(QueueFull):
+            await batcher.embed([(7,) * 10] * 200)
+        refused_in = time.perf_counter() - started
+        taken = len(await batcher.embed([(8,) * 10] * 20))
+        return quiet_full, refused_in, taken
+
+    quiet_full, refused_in, taken = _run(engine, scenario, timeout_s=1.0)
+    assert quiet_full == 60 and taken == 20
+    assert refused_in < 0.1, f"refused after {refused_in:.2f} s"
