@@ -36,6 +36,7 @@ from pipeline.serve.batcher import Batcher, InputFailed, QueueFull
 from pipeline.serve.corpus import Corpus, corpus_for, output_record
 from pipeline.serve.limits import ApiError, bad, embeddings_request, read_json, search_request
 from pipeline.serve.metrics import ServeMetrics
+from pipeline.serve.pages import status_routes
 from transforms.engines.base import EngineFailedError, ModelHandle, truncate_vector
 from transforms.engines.devices import resolved_dtype
 from transforms.engines.model import declared_matryoshka, model_folder
@@ -326,7 +327,8 @@ def create_app(config: Config, engine: Optional[ModelHandle] = None, *,
     app.state.service = service
     routes: dict[str, tuple[str, Handler]] = {
         "/v1/embeddings": ("POST", _embeddings(service)), "/v1/search": ("POST", _search(service)),
-        **{path: ("GET", handler) for path, handler in _probes(service).items()}}
+        **{path: ("GET", handler) for path, handler in _probes(service).items()},
+        **status_routes(service)}  # GET /status, /status.json (pipeline.serve.pages)
     for path, (method, handler) in routes.items():
         app.add_api_route(path, _answered(service, path, handler), methods=[method])
 
