@@ -152,8 +152,9 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
             windows.add(r.window_start)
             problems += _record_problems(r, where)
         problems += files.note(r, where, ours)
-    problems += files.check(verify)
-    problems += _listing_problems(output, partitions, files, window)
+    listed = _listing(output, partitions)
+    problems += files.check(verify, {path for paths in listed.values() for path in paths})
+    problems += _listing_problems(listed, files, window)
     store_totals: dict = {}
     loaded: frozenset = frozenset()
     if store is not None:
@@ -238,15 +239,16 @@ class _RecordFiles:
                 self.holders[kind].add(holder)
         return problems
 
-    def check(self, verify: bool) -> list[str]:
-        """Each in-range record's file is there and, ``verify``ing, holds the rows its records
-        say, and no Pub/Sub message is in two of them."""
+    def check(self, verify: bool, listed: set[str]) -> list[str]:
+        """Each in-range record's file is there (in the partitions' listing ``listed``, else
+        asked for: one request a file only for those not listed) and, ``verify``ing, holds the
+        rows its records say, and no Pub/Sub message is in two of them."""
         problems: list[str] = []
         written_in: dict[str, str] = {}  # Pub/Sub message id -> the file that holds it
         for holder, (kind, where, relative) in sorted(self.checked.items()):
             path = self.prefix + holder
             compacted = is_compacted(holder)
-            if not FileSystems.exists(path):
+            if path not in listed and not FileSystems.exists(path):
                 problems.append(f"{where}: its {kind} file {relative} is missing" + (
                     f" (compacted into {holder})" if compacted else ""))
                 continue
@@ -281,16 +283,23 @@ def _read_file(output: str, path: str, kind: str) -> tuple[int, list, list[str]]
                                      if ... in message_ids else [])
 
 
-def _listing_problems(output: str, partitions: Optional[list[str]], files: _RecordFiles,
-                      window: _Window) -> list[str]:
+_LISTED = ((VECTORS_DIR, ".parquet"), (CHUNKS_DIR, ".parquet"), (KEYS_DIR, ".parquet"),
+           (DEAD_LETTER_DIR, ".jsonl"), (LEDGER_DIR, (".json", ".jsonl")))
+
+
+def _listing(output: str, partitions: Optional[list[str]]) -> dict[str, list[str]]:
+    """{folder: the files of its partitions}: one listing per folder (and partition)."""
+    return {subdir: _list(output, subdir, suffix, partitions) for subdir, suffix in _LISTED}
+
+
+def _listing_problems(listed: dict[str, list[str]], files: _RecordFiles, window: _Window
+                      ) -> list[str]:
     """The files of the output that no record accounts for: a compacted file no compaction
     manifest names or that replaces no record's file, a micro-batch file a compaction replaced
     that is still there, and an in-range micro-batch file no record (or more than one) names."""
     problems = []
-    for subdir, suffix in ((VECTORS_DIR, ".parquet"), (CHUNKS_DIR, ".parquet"),
-                           (KEYS_DIR, ".parquet"), (DEAD_LETTER_DIR, ".jsonl"),
-                           (LEDGER_DIR, (".json", ".jsonl"))):
-        for path in _list(output, subdir, suffix, partitions):
+    for subdir, paths in listed.items():
+        for path in paths:
             problem = _listed_file_problem(path, subdir, files, window)
             if problem is not None:
                 problems.append(problem)
