@@ -392,8 +392,9 @@ def _mark_loaded(config: Config, runs: list[BatchRun], problems: list[str]) -> N
 
 
 class StatusCache:
-    """``collect``'s answers, each kept ``ttl_s``: one collection at a time (a reload loop, or
-    many tabs, waits for it and shares it), so the output is read at most that often."""
+    """``collect``'s answers, each kept ``ttl_s``, or twice as long as it took to collect where
+    that is longer (an output slow to read is read at most a third of the time): one collection
+    at a time (a reload loop, or many tabs, waits for it and shares it)."""
 
     def __init__(self, config: Config, ttl_s: float = CACHE_S,
                  clock: Callable[[], float] = time.monotonic,
@@ -401,15 +402,16 @@ class StatusCache:
         self._config, self._ttl_s, self._clock = config, ttl_s, clock
         self._collect = collector or collect
         self._lock = threading.Lock()
-        self._held: dict[int, tuple[float, dict]] = {}
+        self._held: dict[int, tuple[float, dict]] = {}  # hours -> (kept until, the status)
 
     def get(self, hours: int) -> dict:
         with self._lock:
             held = self._held.get(hours)
-            if held is not None and self._clock() - held[0] < self._ttl_s:
+            if held is not None and self._clock() < held[0]:
                 return held[1]
+            started = self._clock()
             status = self._collect(self._config, hours)
             now = self._clock()
-            self._held = {h: v for h, v in self._held.items() if now - v[0] < self._ttl_s}
-            self._held[hours] = (now, status)
+            self._held = {h: v for h, v in self._held.items() if now < v[0]}
+            self._held[hours] = (now + max(self._ttl_s, 2 * (now - started)), status)
             return status

@@ -243,6 +243,7 @@ def test_without_a_key_on_loopback_the_page_opens(healthy):
 
 
 def test_the_status_is_read_once_per_few_seconds():
+    """Kept ``ttl_s`` (a fake clock), or twice its collection's time where that is longer."""
     ticks = [0.0]
     calls = []
 
@@ -256,6 +257,18 @@ def test_the_status_is_read_once_per_few_seconds():
     assert cache.get(3)["read"] == 1 and cache.get(1)["read"] == 2
     ticks[0] = 5.1
     assert cache.get(3)["read"] == 3 and calls == [3, 1, 3]
+
+    def slow(config, hours):  # takes 4 s to read: kept 8 s from its end
+        ticks[0] += 4
+        return collector(config, hours)
+
+    cache = status_lib.StatusCache(None, ttl_s=5, clock=lambda: ticks[0], collector=slow)
+    ticks[0] = 100.0
+    assert cache.get(3)["read"] == 4
+    ticks[0] = 111.9
+    assert cache.get(3)["read"] == 4
+    ticks[0] = 112.0
+    assert cache.get(3)["read"] == 5
 
 
 def test_a_reload_loop_reads_the_output_once(healthy, monkeypatch):
