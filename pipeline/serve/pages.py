@@ -19,7 +19,6 @@ the problems of no one window in ``#problems``.
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import datetime as dt
 import hashlib
@@ -83,12 +82,12 @@ def status_routes(service: Any) -> dict[str, tuple[str, Handler]]:
     cache = StatusCache(service.config)
 
     async def status_page(request: Request) -> Response:
-        status = await asyncio.to_thread(cache.get, hours_asked(request))
+        status = await cache.get(hours_asked(request))
         return Response(render(status), media_type="text/html; charset=utf-8",
                         headers=HEADERS)
 
     async def status_json(request: Request) -> Response:
-        status = await asyncio.to_thread(cache.get, hours_asked(request))
+        status = await cache.get(hours_asked(request))
         return Response(json.dumps(status, ensure_ascii=False), media_type="application/json",
                         headers=HEADERS)
 

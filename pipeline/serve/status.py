@@ -17,11 +17,11 @@ so that a page reloaded in a loop reads the output (GCS) at most that often.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import datetime as dt
 import logging
-import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -186,6 +186,8 @@ def _streaming(config: Config, hours: int, now: dt.datetime, problems: list[str]
     store = None
     if config.store.enabled:
         store = _store_lag(config, report, store_error, by_window)
+    if store_error is not None:
+        problems.append(store_error)
     windows = sorted(by_window.values(),
                      key=lambda w: (_time(w.window_start) or now, w.window_start))
     return StreamingStatus(
@@ -393,24 +395,25 @@ def _mark_loaded(config: Config, runs: list[BatchRun], problems: list[str]) -> N
 
 class StatusCache:
     """``collect``'s answers, each kept ``ttl_s``, or twice as long as it took to collect where
-    that is longer (an output slow to read is read at most a third of the time): one collection
-    at a time (a reload loop, or many tabs, waits for it and shares it)."""
+    that is longer (an output slow to read is read at most a third of the time). One collection
+    at a time, in one thread: the requests that come meanwhile (a reload loop, many tabs) wait
+    for it on the event loop, holding no thread that the service's searches need, and share it."""
 
     def __init__(self, config: Config, ttl_s: float = CACHE_S,
                  clock: Callable[[], float] = time.monotonic,
                  collector: Optional[Callable[[Config, int], dict]] = None):
         self._config, self._ttl_s, self._clock = config, ttl_s, clock
         self._collect = collector or collect
-        self._lock = threading.Lock()
+        self._lock = asyncio.Lock()
         self._held: dict[int, tuple[float, dict]] = {}  # hours -> (kept until, the status)
 
-    def get(self, hours: int) -> dict:
-        with self._lock:
+    async def get(self, hours: int) -> dict:
+        async with self._lock:
             held = self._held.get(hours)
             if held is not None and self._clock() < held[0]:
                 return held[1]
             started = self._clock()
-            status = self._collect(self._config, hours)
+            status = await asyncio.to_thread(self._collect, self._config, hours)
             now = self._clock()
             self._held = {h: v for h, v in self._held.items() if now < v[0]}
             self._held[hours] = (now + max(self._ttl_s, 2 * (now - started)), status)

@@ -18,12 +18,14 @@ status is read once per few seconds however often it is asked.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import datetime as dt
 import hashlib
 import json
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -251,12 +253,15 @@ def test_the_status_is_read_once_per_few_seconds():
         calls.append(hours)
         return {"hours": hours, "read": len(calls)}
 
+    def get(cache, hours):
+        return asyncio.run(cache.get(hours))
+
     cache = status_lib.StatusCache(None, ttl_s=5, clock=lambda: ticks[0], collector=collector)
-    assert cache.get(3) == cache.get(3) == {"hours": 3, "read": 1}
+    assert get(cache, 3) == get(cache, 3) == {"hours": 3, "read": 1}
     ticks[0] = 4.9
-    assert cache.get(3)["read"] == 1 and cache.get(1)["read"] == 2
+    assert get(cache, 3)["read"] == 1 and get(cache, 1)["read"] == 2
     ticks[0] = 5.1
-    assert cache.get(3)["read"] == 3 and calls == [3, 1, 3]
+    assert get(cache, 3)["read"] == 3 and calls == [3, 1, 3]
 
     def slow(config, hours):  # takes 4 s to read: kept 8 s from its end
         ticks[0] += 4
@@ -264,11 +269,35 @@ def test_the_status_is_read_once_per_few_seconds():
 
     cache = status_lib.StatusCache(None, ttl_s=5, clock=lambda: ticks[0], collector=slow)
     ticks[0] = 100.0
-    assert cache.get(3)["read"] == 4
+    assert get(cache, 3)["read"] == 4
     ticks[0] = 111.9
-    assert cache.get(3)["read"] == 4
+    assert get(cache, 3)["read"] == 4
     ticks[0] = 112.0
-    assert cache.get(3)["read"] == 5
+    assert get(cache, 3)["read"] == 5
+
+
+def test_requests_that_come_during_a_collection_share_it():
+    """Ten requests at once while the output is slow to read: one collection, in one thread;
+    the others wait on the event loop."""
+    started = threading.Event()
+    release = threading.Event()
+    threads = set()
+
+    def collector(config, hours):
+        threads.add(threading.get_ident())
+        started.set()
+        release.wait(10)
+        return {"read": len(threads)}
+
+    async def burst():
+        cache = status_lib.StatusCache(None, collector=collector)
+        waiting = [asyncio.ensure_future(cache.get(3)) for _ in range(10)]
+        await asyncio.to_thread(started.wait, 10)
+        await asyncio.sleep(0.05)
+        release.set()
+        return await asyncio.gather(*waiting)
+
+    assert asyncio.run(burst()) == [{"read": 1}] * 10 and len(threads) == 1
 
 
 def test_a_reload_loop_reads_the_output_once(healthy, monkeypatch):
@@ -381,3 +410,18 @@ def test_a_micro_batch_the_store_lacks_is_flagged(tmp_path, store_settings):
     lag = streaming["store"]
     assert (lag["micro_batches"], lag["loaded"], lag["error"]) == (4, 3, None)
     assert lag["lag_s"] is not None and lag["lag_s"] >= 0
+
+
+def test_a_store_that_cannot_be_read_is_a_problem_and_the_ledger_is_still_shown(healthy,
+                                                                               monkeypatch):
+    from transforms.stores.pgvector import StoreSettings
+
+    out, _ = healthy
+    monkeypatch.delenv("NEWSVEC_TEST_STATUS_DSN", raising=False)
+    settings = StoreSettings(enabled=True, dsn_env="NEWSVEC_TEST_STATUS_DSN")
+    status = status_lib.collect(streaming_config(out, store=settings))
+    assert not status["ok"] and len(status["streaming"]["windows"]) == 3
+    assert status["streaming"]["flagged"] == []
+    lag = status["streaming"]["store"]
+    assert lag["loaded"] is None and "the store could not be read" in lag["error"]
+    assert any("the store could not be read" in p for p in status["problems"])
