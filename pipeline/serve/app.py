@@ -11,7 +11,9 @@ Routes:
 - ``GET /info``: what a client checks itself against (model, prefixes, signature, output);
 - ``GET /v1/models``: the one model, as OpenAI's clients list it;
 - ``GET /healthz`` (alive), ``GET /readyz`` (ready: not draining, the store reachable),
-  ``GET /metrics`` (``pipeline.serve.metrics``).
+  ``GET /metrics`` (``pipeline.serve.metrics``);
+- ``GET /status``, ``GET /status.json``: the operator's status of the output
+  (``pipeline.serve.pages``).
 """
 from __future__ import annotations
 
