@@ -415,3 +415,17 @@ def test_a_ledger_record_with_a_field_of_the_wrong_kind_is_named_not_a_traceback
     report = ledger.check(str(tmp_path))
     assert any("is not a ledger record" in p and field in p for p in report.problems), \
         report.problems
+
+
+def test_a_ledger_record_naming_a_file_outside_its_folder_is_named_and_the_rest_checked(
+        tmp_path):
+    """A record whose file is ``../../../etc/passwd`` is refused, never followed; before, the
+    refusal ended the whole check (a traceback), so no other window was checked."""
+    write(tmp_path)
+    path = sorted((tmp_path / "ledger").rglob("*.json"))[0]
+    path.write_text(json.dumps({**json.loads(path.read_text()),
+                                "vectors_file": "../../../etc/passwd"}))
+    report = ledger.check(str(tmp_path))
+    assert any("is not a ledger record" in p and "refused, not followed" in p
+               for p in report.problems), report.problems
+    assert report.records and all(r.vectors_file != "../../../etc/passwd" for r in report.records)

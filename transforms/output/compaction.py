@@ -336,8 +336,6 @@ def ledger_records(output: str, partitions: Optional[Iterable[str]] = None,
                 raise ValueError(why) from None
             unreadable.append(why)
             continue
-        for record in found:
-            record_files(record, partition_of(relative_to(output, path)), path)
         records += found
     return records, views
 
@@ -347,12 +345,17 @@ _READERS = 16  # ledger files read at once
 
 def _records_of(output: str, path: str) -> Union[list[LedgerRecord], Exception]:
     """The records of one ledger file (a compacted one holds one a line), or why it holds
-    none (a file that is not a ledger record)."""
+    none (a file that is not a ledger record, or a record naming a file outside its partition's
+    folders: ``record_files``, never followed)."""
     try:
         text = _read_record_file(output, path)
         if path.endswith(".jsonl"):  # compacted: one record a line
-            return [LedgerRecord.from_json(line) for line in text.splitlines() if line]
-        return [LedgerRecord.from_json(text)]
+            found = [LedgerRecord.from_json(line) for line in text.splitlines() if line]
+        else:
+            found = [LedgerRecord.from_json(text)]
+        for record in found:
+            record_files(record, partition_of(relative_to(output, path)), path)
+        return found
     except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
         return exc
 
