@@ -59,6 +59,16 @@ def hour_range(day: Optional[str], hour: Optional[str], start: Optional[str],
     return first, first + dt.timedelta(days=1)
 
 
+def default_closed_after_s(streaming: StreamingSettings) -> float:
+    """How long after its end an hour is closed: late panes may come until then."""
+    return streaming.allowed_lateness_s + GROUPING_GRACE_S + CLOSED_MARGIN_S
+
+
+def hour_closed(hour: dt.datetime, closed_after_s: float, now: dt.datetime) -> bool:
+    """Whether the hour that starts at ``hour`` is closed at ``now``: one a compaction takes."""
+    return hour + dt.timedelta(hours=1, seconds=closed_after_s) <= now
+
+
 def compact_range(output: str, start: dt.datetime, end: dt.datetime, row_group_rows: int,
                   lease_s: float = 600, closed_after_s: float = 0,
                   now: Optional[dt.datetime] = None, hook: Optional[Hook] = None
@@ -69,7 +79,7 @@ def compact_range(output: str, start: dt.datetime, end: dt.datetime, row_group_r
     with PublishLease(output, f"compact-{new_run_id()}", lease_s) as lease:
         for partition in partitions_between(start, end):
             hour = partition_hour(partition)
-            if hour + dt.timedelta(hours=1, seconds=closed_after_s) > now:
+            if not hour_closed(hour, closed_after_s, now):
                 out.append({"partition": partition, "skipped": "not closed yet"})
                 continue
             try:
@@ -149,7 +159,7 @@ def main(argv=None) -> int:
         print(f"newsvec compact: {exc}", file=sys.stderr)
         return 2
     closed_after_s = (args.closed_after_s if args.closed_after_s is not None
-                      else streaming.allowed_lateness_s + GROUPING_GRACE_S + CLOSED_MARGIN_S)
+                      else default_closed_after_s(streaming))
     results = compact_range(output, start, end, args.row_group_rows or sink.row_group_rows,
                             args.lease_s or sink.commit_lease_s, closed_after_s, now)
     for result in results:

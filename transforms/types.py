@@ -557,4 +557,56 @@ class LedgerRecord:
         """A record's fields; fields this release does not know (a newer release wrote the
         record: a job rolled back, or an older ``newsvec ledger``) are left out, not an error."""
         known = {field.name for field in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
+        record = cls(**{k: v for k, v in json.loads(text).items() if k in known})
+        record.check()
+        return record
+
+    def check(self) -> None:
+        """``ValueError`` naming the first field whose value no writer of a record gives (a
+        count that is not a non-negative integer, a window that is not an RFC 3339 time, a
+        file that is not a string...): such a record is not one, and every reader names it so
+        rather than failing on it later (``newsvec ledger``, ``/status``)."""
+        for name in _RECORD_COUNTS:
+            _require_count(name, getattr(self, name))
+        for name in ("run_id", "window_start", "window_end", "written_at"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} is {getattr(self, name)!r}, not a string")
+        for name in _RECORD_NAMES:
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} is {getattr(self, name)!r}, not a string or null")
+        for name in ("window_start", "window_end"):
+            try:
+                utc_time(getattr(self, name))
+            except ValueError:
+                raise ValueError(f"{name} is {getattr(self, name)[:40]!r}, not an RFC 3339 "
+                                 "time") from None
+        _require_by_reason("dead_lettered_by_reason", self.dead_lettered_by_reason)
+        if self.dead_lettered_by_language is not None:
+            if not isinstance(self.dead_lettered_by_language, dict):
+                raise ValueError("dead_lettered_by_language is not an object")
+            for language, by_reason in self.dead_lettered_by_language.items():
+                _require_by_reason(f"dead_lettered_by_language[{language!r}]", by_reason)
+        if not isinstance(self.store_rejected, list) or not all(
+                isinstance(item, dict) for item in self.store_rejected):
+            raise ValueError("store_rejected is not a list of objects")
+        if not isinstance(self.store_withdrawn, list):
+            raise ValueError("store_withdrawn is not a list")
+
+
+_RECORD_COUNTS = ("pane", "shard", "shards", "messages_in", "rows_written", "dead_lettered",
+                  "duplicates", "late_reassigned", "chunks_written", "keys_written", "store_rows",
+                  "near_duplicates")
+_RECORD_NAMES = ("vectors_file", "dead_letter_file", "chunks_file", "keys_file", "digest",
+                 "store_load_key")
+
+
+def _require_count(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} is {value!r}, not a count")
+
+
+def _require_by_reason(name: str, by_reason: Any) -> None:
+    if not isinstance(by_reason, dict):
+        raise ValueError(f"{name} is not an object")
+    for reason, count in by_reason.items():
+        _require_count(f"{name}[{reason!r}]", count)

@@ -11,7 +11,9 @@ Routes:
 - ``GET /info``: what a client checks itself against (model, prefixes, signature, output);
 - ``GET /v1/models``: the one model, as OpenAI's clients list it;
 - ``GET /healthz`` (alive), ``GET /readyz`` (ready: not draining, the store reachable),
-  ``GET /metrics`` (``pipeline.serve.metrics``).
+  ``GET /metrics`` (``pipeline.serve.metrics``);
+- ``GET /status``, ``GET /status.json``: the operator's status of the output
+  (``pipeline.serve.pages``).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from pipeline.serve.batcher import Batcher, Draining, InputFailed, QueueFull
 from pipeline.serve.corpus import Corpus, corpus_for, output_record
 from pipeline.serve.limits import ApiError, bad, embeddings_request, read_json, search_request
 from pipeline.serve.metrics import ServeMetrics
+from pipeline.serve.pages import status_routes
 from transforms.engines.base import EngineFailedError, ModelHandle, truncate_vector
 from transforms.engines.devices import resolved_dtype
 from transforms.engines.model import declared_matryoshka, model_folder
@@ -379,7 +382,8 @@ def create_app(config: Config, engine: Optional[ModelHandle] = None, *,
     app.state.service = service
     routes: dict[str, tuple[str, Handler]] = {
         "/v1/embeddings": ("POST", _embeddings(service)), "/v1/search": ("POST", _search(service)),
-        **{path: ("GET", handler) for path, handler in _probes(service).items()}}
+        **{path: ("GET", handler) for path, handler in _probes(service).items()},
+        **status_routes(service)}  # GET /status, /status.json (pipeline.serve.pages)
     for path, (method, handler) in routes.items():  # Starlette's routes: FastAPI's own
         # (add_api_route, its dependency machinery) answered 10% fewer requests a second in the
         # burst with a modeled engine, 28% fewer from 32 clients (docs/serving.md)

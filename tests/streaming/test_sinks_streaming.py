@@ -398,3 +398,34 @@ def test_a_ledger_record_of_a_newer_release_is_read_without_its_new_fields(tmp_p
     assert LedgerRecord.from_json(path.read_text()).rows_written == 1
     report = ledger.check(str(tmp_path))
     assert report.ok, report.problems
+
+
+@pytest.mark.parametrize("field, value", [
+    ("window_start", "not a time"), ("window_start", 5), ("messages_in", "5"), ("pane", None),
+    ("rows_written", -1), ("dead_lettered_by_reason", {"invalid_json": "1"}),
+    ("dead_lettered_by_language", {"en": []}), ("vectors_file", 7), ("store_rejected", "x")])
+def test_a_ledger_record_with_a_field_of_the_wrong_kind_is_named_not_a_traceback(
+        tmp_path, field, value):
+    """A record edited by hand or torn by a tool (a count as a string, a window that is no time)
+    is named as not a ledger record: before, the command failed with a traceback (a TypeError
+    summing it, a ValueError reading its window) and checked nothing else."""
+    write(tmp_path, [micro_batch(0, rows=[row("a")], letters=[letter("bad")])])
+    [path] = (tmp_path / "ledger").rglob("*.json")
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    report = ledger.check(str(tmp_path))
+    assert any("is not a ledger record" in p and field in p for p in report.problems), \
+        report.problems
+
+
+def test_a_ledger_record_naming_a_file_outside_its_folder_is_named_and_the_rest_checked(
+        tmp_path):
+    """A record whose file is ``../../../etc/passwd`` is refused, never followed; before, the
+    refusal ended the whole check (a traceback), so no other window was checked."""
+    write(tmp_path)
+    path = sorted((tmp_path / "ledger").rglob("*.json"))[0]
+    path.write_text(json.dumps({**json.loads(path.read_text()),
+                                "vectors_file": "../../../etc/passwd"}))
+    report = ledger.check(str(tmp_path))
+    assert any("is not a ledger record" in p and "refused, not followed" in p
+               for p in report.problems), report.problems
+    assert report.records and all(r.vectors_file != "../../../etc/passwd" for r in report.records)

@@ -56,7 +56,7 @@ import datetime as dt
 import json
 import logging
 import re
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -326,24 +326,38 @@ def ledger_records(output: str, partitions: Optional[Iterable[str]] = None,
     ``ValueError`` naming it, or, given ``unreadable``, is named there and skipped."""
     records = []
     paths, views = current_view(output, LEDGER_DIR, partitions)
-    for path in paths:
-        try:
-            text = _read_record_file(output, path)
-            if path.endswith(".jsonl"):  # compacted: one record a line
-                found = [LedgerRecord.from_json(line) for line in text.splitlines() if line]
-            else:
-                found = [LedgerRecord.from_json(text)]
-        except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+    with concurrent.futures.ThreadPoolExecutor(_READERS) as pool:  # a request each on GCS
+        read = list(pool.map(lambda path: _records_of(output, path), paths))
+    for path, found in zip(paths, read, strict=True):
+        if isinstance(found, Exception):
             why = (f"{relative_to(output, path)} is not a ledger record "
-                   f"({type(exc).__name__}: {exc})"[:500])
+                   f"({type(found).__name__}: {found})"[:500])
             if unreadable is None:
                 raise ValueError(why) from None
             unreadable.append(why)
             continue
-        for record in found:
-            record_files(record, partition_of(relative_to(output, path)), path)
         records += found
     return records, views
+
+
+_READERS = 16  # ledger files read at once
+
+
+def _records_of(output: str, path: str) -> Union[list[LedgerRecord], Exception]:
+    """The records of one ledger file (a compacted one holds one a line), or why it holds
+    none (a file that is not a ledger record, or a record naming a file outside its partition's
+    folders: ``record_files``, never followed)."""
+    try:
+        text = _read_record_file(output, path)
+        if path.endswith(".jsonl"):  # compacted: one record a line
+            found = [LedgerRecord.from_json(line) for line in text.splitlines() if line]
+        else:
+            found = [LedgerRecord.from_json(text)]
+        for record in found:
+            record_files(record, partition_of(relative_to(output, path)), path)
+        return found
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        return exc
 
 
 # Compaction.

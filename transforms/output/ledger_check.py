@@ -9,6 +9,7 @@ import collections
 import dataclasses
 import datetime as dt
 import json
+import re
 from typing import Any, Optional, Union
 
 import pyarrow as pa
@@ -43,11 +44,36 @@ from transforms.types import Counts, utc_time
 @dataclasses.dataclass
 class LedgerReport:
     totals: dict
-    problems: list  # "window <start>: what is wrong"
+    problems: list  # "window <start>: what is wrong" (``problem_window``), or of a partition...
+    # What the check read, for readers that show more than the totals (``/status``): the
+    # in-range records, the view of each compacted partition read, the store's load keys found.
+    records: list = dataclasses.field(default_factory=list)
+    views: dict = dataclasses.field(default_factory=dict)
+    store_loaded: frozenset = frozenset()
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+def _where(r) -> str:
+    """How a problem of record ``r`` begins: its window (``problem_window`` reads it back)."""
+    return f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
+
+
+def _window_where(start: dt.datetime) -> str:
+    """How a problem of a window's file without its record begins."""
+    return f"window {start:%Y-%m-%dT%H:%M:%SZ}"
+
+
+_PROBLEM_WINDOW = re.compile(r"window (\S+?)(?:: | \()")
+
+
+def problem_window(problem: str) -> Optional[str]:
+    """The window start (as its records write it) that a problem of ``check`` is of; None for
+    one of a partition, of the store as a whole, or of a file that is no record."""
+    found = _PROBLEM_WINDOW.match(problem)
+    return found.group(1) if found else None
 
 
 def _list(output: str, subdir: str, suffix: Union[str, tuple[str, ...]],
@@ -120,21 +146,23 @@ def check(output: str, start: Optional[dt.datetime] = None, end: Optional[dt.dat
     files = _RecordFiles(output, views)
     windows = set()
     for r in sorted(every, key=lambda r: (r.window_start, r.pane, r.shard)):
-        where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
+        where = _where(r)
         ours = window.holds(utc_time(r.window_start))
         if ours:
             windows.add(r.window_start)
             problems += _record_problems(r, where)
         problems += files.note(r, where, ours)
-    problems += files.check(verify)
-    problems += _listing_problems(output, partitions, files, window)
+    listed = _listing(output, partitions)
+    problems += files.check(verify, {path for paths in listed.values() for path in paths})
+    problems += _listing_problems(listed, files, window)
     store_totals: dict = {}
+    loaded: frozenset = frozenset()
     if store is not None:
-        store_problems, store_totals = _check_store(output, records, store, verify,
-                                                    files.holders)
+        store_problems, store_totals, loaded = _check_store(output, records, store, verify,
+                                                            files.holders)
         problems += store_problems
     return LedgerReport(totals=_totals(records, len(windows), store_totals, not problems),
-                        problems=problems)
+                        problems=problems, records=records, views=views, store_loaded=loaded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +184,7 @@ def _record_problems(r, where: str) -> list[str]:
     if not r.counts.balances():
         problems.append(f"{where}: does not balance: messages_in {r.messages_in} != rows "
                         f"{r.rows_written} + dead letters {r.dead_lettered} + duplicates "
-                        f"{r.duplicates}")
+                        f"{r.duplicates} + near duplicates {r.near_duplicates}")
     if not r.counts.reasons_add_up():
         problems.append(f"{where}: dead letters by reason do not add up to {r.dead_lettered}")
     if not r.counts.languages_add_up():
@@ -211,15 +239,16 @@ class _RecordFiles:
                 self.holders[kind].add(holder)
         return problems
 
-    def check(self, verify: bool) -> list[str]:
-        """Each in-range record's file is there and, ``verify``ing, holds the rows its records
-        say, and no Pub/Sub message is in two of them."""
+    def check(self, verify: bool, listed: set[str]) -> list[str]:
+        """Each in-range record's file is there (in the partitions' listing ``listed``, else
+        asked for: one request a file only for those not listed) and, ``verify``ing, holds the
+        rows its records say, and no Pub/Sub message is in two of them."""
         problems: list[str] = []
         written_in: dict[str, str] = {}  # Pub/Sub message id -> the file that holds it
         for holder, (kind, where, relative) in sorted(self.checked.items()):
             path = self.prefix + holder
             compacted = is_compacted(holder)
-            if not FileSystems.exists(path):
+            if path not in listed and not FileSystems.exists(path):
                 problems.append(f"{where}: its {kind} file {relative} is missing" + (
                     f" (compacted into {holder})" if compacted else ""))
                 continue
@@ -254,16 +283,23 @@ def _read_file(output: str, path: str, kind: str) -> tuple[int, list, list[str]]
                                      if ... in message_ids else [])
 
 
-def _listing_problems(output: str, partitions: Optional[list[str]], files: _RecordFiles,
-                      window: _Window) -> list[str]:
+_LISTED = ((VECTORS_DIR, ".parquet"), (CHUNKS_DIR, ".parquet"), (KEYS_DIR, ".parquet"),
+           (DEAD_LETTER_DIR, ".jsonl"), (LEDGER_DIR, (".json", ".jsonl")))
+
+
+def _listing(output: str, partitions: Optional[list[str]]) -> dict[str, list[str]]:
+    """{folder: the files of its partitions}: one listing per folder (and partition)."""
+    return {subdir: _list(output, subdir, suffix, partitions) for subdir, suffix in _LISTED}
+
+
+def _listing_problems(listed: dict[str, list[str]], files: _RecordFiles, window: _Window
+                      ) -> list[str]:
     """The files of the output that no record accounts for: a compacted file no compaction
     manifest names or that replaces no record's file, a micro-batch file a compaction replaced
     that is still there, and an in-range micro-batch file no record (or more than one) names."""
     problems = []
-    for subdir, suffix in ((VECTORS_DIR, ".parquet"), (CHUNKS_DIR, ".parquet"),
-                           (KEYS_DIR, ".parquet"), (DEAD_LETTER_DIR, ".jsonl"),
-                           (LEDGER_DIR, (".json", ".jsonl"))):
-        for path in _list(output, subdir, suffix, partitions):
+    for subdir, paths in listed.items():
+        for path in paths:
             problem = _listed_file_problem(path, subdir, files, window)
             if problem is not None:
                 problems.append(problem)
@@ -290,13 +326,13 @@ def _listed_file_problem(path: str, subdir: str, files: _RecordFiles,
         return None
     name = PartFileName.parse(path)
     start = name.window_start if name else None
-    if not window.holds(start) or (subdir == KEYS_DIR and name and name.digest is None):
+    if start is None or not window.holds(start) or (
+            subdir == KEYS_DIR and name and name.digest is None):
         return None  # out of range; or keys/ of a release whose records did not name them
     if files.named[path] == 0:
-        return f"window {start:%Y-%m-%dT%H:%M:%SZ}: {relative} has no ledger record"
+        return f"{_window_where(start)}: {relative} has no ledger record"
     if files.named[path] > 1:
-        return (f"window {start:%Y-%m-%dT%H:%M:%SZ}: {relative} is named by {files.named[path]} "
-                f"ledger records")
+        return f"{_window_where(start)}: {relative} is named by {files.named[path]} ledger records"
     return None
 
 
@@ -367,7 +403,7 @@ def _letter_ids(output: str, holders: set[str]) -> set[str]:
 
 
 def _check_store(output: str, records: list, settings: StoreSettings, verify: bool,
-                 holders: dict[str, set[str]]) -> tuple[list[str], dict]:
+                 holders: dict[str, set[str]]) -> tuple[list[str], dict, frozenset]:
     """The store against the records (``newsvec ledger --store``): each record with rows was loaded
     (its load key is in ``<table>_loads`` with its row count and its rejected rows), and its
     stored rows and rejected rows add up to its rows; verifying, every article version of the
@@ -377,7 +413,8 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
     and no article a micro-batch withdrew (``store_withdrawn``: a redo with another outcome) is
     without a row while a vectors file of the output holds it. The files are read one at a time,
     only the columns compared (never the embeddings), ``_CHUNK`` rows at a time. The store is
-    read through its contract (``transforms.stores.base.StoreReader``)."""
+    read through its contract (``transforms.stores.base.StoreReader``). Also the load keys of
+    the records that the store holds."""
     prefix = output.rstrip("/") + "/"
     found = _StoreCheck()
     problems = found.read_records(records)
@@ -407,7 +444,7 @@ def _check_store(output: str, records: list, settings: StoreSettings, verify: bo
     return problems, {"store_loads": len(found.keys), "store_articles": len(found.found),
                       "store_rejected": sum(found.by_reason.values()),
                       "store_rejected_by_reason": dict(sorted(found.by_reason.items())),
-                      "store_withdrawn": len(found.withdrawn)}
+                      "store_withdrawn": len(found.withdrawn)}, frozenset(loads)
 
 
 @dataclasses.dataclass
@@ -438,7 +475,7 @@ class _StoreCheck:
         """What the records say the store holds; a problem for each that does not add up."""
         problems = []
         for r in records:
-            where = f"window {r.window_start} (pane {r.pane}, shard {r.shard}, run {r.run_id})"
+            where = _where(r)
             key = _load_key(r)
             if key is not None:
                 self.batch_keys[key] = where
