@@ -12,7 +12,9 @@ setup(
     description="Turn a stream of news into vectors: Beam + vLLM + Parquet",
     python_requires=">=3.10,<3.13",
     packages=find_packages(include=["pipeline", "pipeline.*", "transforms", "transforms.*"]),
-    package_data={"pipeline": ["sample_data/*.jsonl"]},
+    # The sample news, and the search page's files that `newsvec serve` serves (pipeline/serve/).
+    package_data={"pipeline": ["sample_data/*.jsonl"],
+                  "pipeline.serve": ["static/*.html", "static/*.js", "static/*.css"]},
     install_requires=[
         "apache-beam[gcp]==2.77.0",
         "pyarrow==25.0.1",  # within Beam 2.77's bound (>=14.0.1,<26)
