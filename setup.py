@@ -50,6 +50,9 @@ setup(
             # tests/serve/: the service's clients, the real openai one and raw HTTP
             "openai==3.57.0",
             "httpx==0.28.1",
+            # the search page in Debian's headless Chromium (tests/browser.py; make browser);
+            # 4.52 and later need a certifi newer than constraints.txt's
+            "selenium==4.51.0",
         ],
         # The vector store beside the Parquet (transforms/stores/, docs/store.md): PostgreSQL +
         # pgvector through psycopg; tenacity retries a load while the database is down.
