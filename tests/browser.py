@@ -2,12 +2,12 @@
 driven through its ChromeDriver by Selenium (the W3C WebDriver protocol: real keyboard events,
 screenshots, the browser's console). Selenium is told both binaries, so its Selenium Manager
 downloads nothing. Missing Chromium, ChromeDriver or Selenium skips the test with what to
-install, and fails it under CI=true (``tests.emulators.skip_or_fail``); ``.ci/run`` installs
-them (apt-get) where they are missing.
+install, and fails it under CI=true (``tests.emulators.skip_or_fail``); ``make browser``
+(which ``.ci/run`` calls) installs Chromium and ChromeDriver with apt-get where they are missing.
 
 - ``chromium(log_dir)``: one browser, quit at the end of the ``with``; a module starts one
   (the ``browser`` fixture: ``from tests.browser import browser_fixture  # noqa: F401``);
-- ``desktop``/``narrow``: the viewport's width (CSS pixels), as a phone's is at 320;
+- ``resize``: the viewport's size in CSS pixels (``DESKTOP``, or a phone's 320 wide);
 - ``wait_for``: a condition on the page, polled;
 - ``screenshot``: a PNG into the test's folder, and into ``NEWSVEC_SCREENSHOTS`` when set (how
   docs/images/ is made: ``NEWSVEC_SCREENSHOTS=docs/images`` with
