@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run run-streaming test lint benchmark benchmark-streaming benchmark-feed benchmark-incremental retrieval soak clean
+.PHONY: setup browser run run-streaming test lint benchmark benchmark-streaming benchmark-feed benchmark-incremental retrieval soak clean
 
 $(VENV)/.installed: setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,15 @@ $(VENV)/.installed: setup.py constraints.txt
 	touch $@
 
 setup: $(VENV)/.installed
+
+# Debian's Chromium and ChromeDriver, which the browser tests drive (tests/browser.py; without them
+# those tests are skipped, and fail under CI=true). Installed only where missing; root or sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	fi
 
 run: setup
 	$(PY) -m pipeline --config configs/local.yaml

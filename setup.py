@@ -12,7 +12,9 @@ setup(
     description="Turn a stream of news into vectors: Beam + vLLM + Parquet",
     python_requires=">=3.10,<3.13",
     packages=find_packages(include=["pipeline", "pipeline.*", "transforms", "transforms.*"]),
-    package_data={"pipeline": ["sample_data/*.jsonl"]},
+    # The sample news, and the search page's files that `newsvec serve` serves (pipeline/serve/).
+    package_data={"pipeline": ["sample_data/*.jsonl"],
+                  "pipeline.serve": ["static/*.html", "static/*.js", "static/*.css"]},
     install_requires=[
         "apache-beam[gcp]==2.77.0",
         "pyarrow==25.0.1",  # within Beam 2.77's bound (>=14.0.1,<26)
@@ -48,6 +50,9 @@ setup(
             # tests/serve/: the service's clients, the real openai one and raw HTTP
             "openai==3.57.0",
             "httpx==0.28.1",
+            # the search page in Debian's headless Chromium (tests/browser.py; make browser);
+            # 4.52 and later need a certifi newer than constraints.txt's
+            "selenium==4.51.0",
         ],
         # The vector store beside the Parquet (transforms/stores/, docs/store.md): PostgreSQL +
         # pgvector through psycopg; tenacity retries a load while the database is down.

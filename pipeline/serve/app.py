@@ -13,7 +13,8 @@ Routes:
 - ``GET /healthz`` (alive), ``GET /readyz`` (ready: not draining, the store reachable),
   ``GET /metrics`` (``pipeline.serve.metrics``);
 - ``GET /status``, ``GET /status.json``: the operator's status of the output
-  (``pipeline.serve.pages``).
+  (``pipeline.serve.pages``);
+- ``GET /`` and its files: the search page (``pipeline.serve.search_page``).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from starlette.requests import ClientDisconnect
 
 from pipeline.config import Config, signature_of
 from pipeline.search import Filters
-from pipeline.serve import auth
+from pipeline.serve import auth, search_page
 from pipeline.serve.batcher import Batcher, Draining, InputFailed, QueueFull
 from pipeline.serve.corpus import Corpus, corpus_for, output_record
 from pipeline.serve.limits import ApiError, bad, embeddings_request, read_json, search_request
@@ -383,7 +384,8 @@ def create_app(config: Config, engine: Optional[ModelHandle] = None, *,
     routes: dict[str, tuple[str, Handler]] = {
         "/v1/embeddings": ("POST", _embeddings(service)), "/v1/search": ("POST", _search(service)),
         **{path: ("GET", handler) for path, handler in _probes(service).items()},
-        **status_routes(service)}  # GET /status, /status.json (pipeline.serve.pages)
+        **status_routes(service),  # GET /status, /status.json (pipeline.serve.pages)
+        **{path: ("GET", handler) for path, handler in search_page.routes().items()}}
     for path, (method, handler) in routes.items():  # Starlette's routes: FastAPI's own
         # (add_api_route, its dependency machinery) answered 10% fewer requests a second in the
         # burst with a modeled engine, 28% fewer from 32 clients (docs/serving.md)

@@ -1,10 +1,11 @@
 """Who may call the service: with an API key configured (``serve.api_key_secret``,
 ``serve.api_key_file`` or ``serve.api_key_env``, read as the store's connection string is, never
-from the config file), every route but ``/healthz`` and ``/readyz`` (the probes) needs
-``Authorization: Bearer KEY``, compared in constant time. Without one, the service listens on a
-loopback address only: binding any other refuses to start (``ServeRefused``); and it answers only
-requests addressed to a loopback name (``Host``): a web page the user opens elsewhere can reach
-127.0.0.1 too, under its own name rebound to it (DNS rebinding), and read the answers.
+from the config file), every route but ``/healthz`` and ``/readyz`` (the probes) and the search
+page's files (no data) needs ``Authorization: Bearer KEY``, compared in constant time. Without
+one, the service listens on a loopback address only: binding any other refuses to start
+(``ServeRefused``); and it answers only requests addressed to a loopback name (``Host``): a web
+page the user opens elsewhere can reach 127.0.0.1 too, under its own name rebound to it (DNS
+rebinding), and read the answers.
 (A cross-site form post cannot send JSON: ``limits.read_json`` takes only
 ``application/json``.)"""
 from __future__ import annotations
@@ -14,12 +15,14 @@ import hmac
 import ipaddress
 from typing import Optional
 
+from pipeline.serve import search_page
 from pipeline.serve.limits import ApiError
 from transforms.settings import ServeSettings
 from transforms.stores.secret import read_secret
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
-"""The routes a probe calls without a key."""
+OPEN_PATHS = frozenset({"/healthz", "/readyz", *search_page.PATHS})
+"""The routes called without a key: the probes, and the search page's files (which hold no data:
+what the page fetches needs the key)."""
 
 
 class ServeRefused(RuntimeError):
