@@ -62,7 +62,7 @@ setup(
         # `newsvec serve` (pipeline/serve/, docs/serving.md): the HTTP service. vLLM depends on
         # all of them already (so the worker image has them); uvloop and httptools are
         # uvicorn's fast loop and parser. Its /v1/search over Parquet also needs `search`.
-        "serve": ["fastapi==0.136.3", "uvicorn==0.54.0", "uvloop==0.23.0", "httptools==0.9.0",
+        "serve": ["starlette==1.10.0", "uvicorn==0.54.0", "uvloop==0.23.0", "httptools==0.9.0",
                   "prometheus_client==0.26.0", "orjson==3.13.0"],
         # The benchmarks' plots (benchmarks/plots.py).
         "bench": ["matplotlib==3.11.2"],

@@ -1,4 +1,4 @@
-"""The HTTP service of ``newsvec serve``: ``create_app(config, engine)`` makes it (a FastAPI app,
+"""The HTTP service of ``newsvec serve``: ``create_app(config, engine)`` makes it (a Starlette app,
 constructible in-process for tests and benchmarks), its routes read and answer JSON by hand
 (``orjson``; no model validation on the hot path).
 
@@ -27,10 +27,10 @@ from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 import numpy as np
 import orjson
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 
 from pipeline.config import Config, signature_of
 from pipeline.search import Filters
@@ -353,7 +353,7 @@ def _probes(service: Service) -> dict[str, Handler]:
 
 
 def create_app(config: Config, engine: Optional[ModelHandle] = None, *,
-               api_key: Optional[str] = READ_KEY) -> FastAPI:
+               api_key: Optional[str] = READ_KEY) -> Starlette:
     """The service for ``config``, ready to serve: its output checked (a ``ConfigError`` naming
     the difference where it was written otherwise: ``pipeline.search.check_output``), its corpus
     read, ``engine`` (default: the process's engine for ``model:``, loaded here) and the API key
@@ -371,29 +371,31 @@ def create_app(config: Config, engine: Optional[ModelHandle] = None, *,
     service = Service(config, engine, corpus, key, metrics)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: Starlette):
         service.batcher.start()
         try:
             yield
         finally:
             await service.batcher.close()
 
-    app = FastAPI(title="newsvec", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    # Starlette itself, with its own routes: FastAPI's app and routes (its dependency machinery,
+    # nothing the routes use) answered 10% fewer requests a second in the burst with a modeled
+    # engine, and FastAPI's routes 28% fewer from 32 clients (docs/serving.md)
+    app = Starlette(lifespan=lifespan)
     app.state.service = service
     routes: dict[str, tuple[str, Handler]] = {
         "/v1/embeddings": ("POST", _embeddings(service)), "/v1/search": ("POST", _search(service)),
         **{path: ("GET", handler) for path, handler in _probes(service).items()},
         **status_routes(service),  # GET /status, /status.json (pipeline.serve.pages)
         **{path: ("GET", handler) for path, handler in search_page.routes().items()}}
-    for path, (method, handler) in routes.items():  # Starlette's routes: FastAPI's own
-        # (add_api_route, its dependency machinery) answered 10% fewer requests a second in the
-        # burst with a modeled engine, 28% fewer from 32 clients (docs/serving.md)
+    for path, (method, handler) in routes.items():
         app.add_route(path, _answered(service, path, handler), methods=[method])
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return _error(ApiError(exc.status_code, str(exc.detail), code))
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, StarletteHTTPException) else 500
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
+        return _error(ApiError(status, str(getattr(exc, "detail", "")), code))
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
 
     return app

@@ -26,8 +26,8 @@ import html
 import json
 from typing import Any, Awaitable, Callable, Optional
 
-from fastapi import Request
-from fastapi.responses import Response
+from starlette.requests import Request
+from starlette.responses import Response
 
 from pipeline.serve.charts import line_chart, top_series
 from pipeline.serve.limits import bad

@@ -17,8 +17,8 @@ from __future__ import annotations
 from importlib import resources
 from typing import Awaitable, Callable
 
-from fastapi import Request
-from fastapi.responses import Response
+from starlette.requests import Request
+from starlette.responses import Response
 
 # path -> (file of static/, its media type)
 FILES: dict[str, tuple[str, str]] = {
