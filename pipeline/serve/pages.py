@@ -38,7 +38,8 @@ body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
 table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
 th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: right; vertical-align: top; }
 th { background: #f3f3f3; }
-td.text, td.reason { text-align: left; }
+td.text, td.reason { text-align: left; overflow-wrap: anywhere; min-width: 12em; }
+.scroll { overflow-x: auto; max-width: 100%; }
 td.when { white-space: nowrap; }
 tr.unbalanced td, li.problem, .problem { background: #fdd; color: #a00; }
 tr.open td:first-child::after { content: " (open)"; color: #888; }
@@ -147,8 +148,8 @@ def _row(cells: list, attributes: str) -> str:
 
 def _table(table_id: str, headings: list[str], rows: list[str]) -> str:
     head = "".join(f"<th>{_e(h)}</th>" for h in headings)
-    return (f'<table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}'
-            f"</tbody></table>")
+    return (f'<div class="scroll"><table id="{table_id}"><thead><tr>{head}</tr></thead><tbody>'
+            f'{"".join(rows)}</tbody></table></div>')
 
 
 def _epoch(text: Optional[str]) -> Optional[float]:
