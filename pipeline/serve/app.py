@@ -216,7 +216,7 @@ def _answered(service: Service, route: str, handler: Handler) -> Handler:
         kind = None
         try:
             auth.check_host(request.headers.get("host"), service.api_key)
-            auth.check_request(request.url.path, request.headers.get("authorization"),
+            auth.check_request(request.scope["path"], request.headers.get("authorization"),
                                service.api_key)
             response = await handler(request)
         except ApiError as exc:
