@@ -51,7 +51,8 @@ class ParquetCorpus:
     manifest still names that run once its files are read. While a newer run publishes (its files
     replacing the old ones in ``vectors/``, its summary not yet written), the run read before is
     searched. An output without a manifest (streaming) is read whole, again when its files
-    change."""
+    change. A read that fails (a transient storage error, a file gone meanwhile) keeps what was
+    read before and is tried again at the next refresh."""
 
     kind = "parquet"
 
@@ -123,8 +124,15 @@ class ParquetCorpus:
                     return  # another run began publishing while they were read: read again
             except (OSError, ValueError):
                 return
-        if index is None and self._index is not None and manifest is None:
-            return  # a streaming file gone while listed: what was read is kept
+        if index is None:  # nothing published yet; a read that failed (a transient error, a
+            # file gone while listed): what was read is kept, and read again at the next refresh
+            # (the run is not recorded as read: it would never be read again)
+            if self._index is None:
+                self._problem, self._run_id = problem, None
+            else:
+                _LOG.warning("%s: %s; searching what was read before until it can be read",
+                             self.output, problem)
+            return
         self._index, self._problem = index, problem
         self._run_id = manifest.run_id if manifest is not None else None
 
