@@ -97,3 +97,39 @@ def test_a_transient_error_at_start_does_not_end_the_search(tmp_path, monkeypatc
         now[0] = 61 * step
         later.append(_ids(corpus))
     assert later[-1] == ["a1"], f"one failed read at start, and the search answers {later}"
+
+
+def test_a_transient_error_reading_the_new_runs_summary_is_no_500(tmp_path, monkeypatch):
+    """The refresh reads the committed run's summary (``committed_summary``, which reads the
+    manifest again): a storage error there escaped ``_read`` (only a ``ConfigError`` is caught)
+    and the search that refreshed was answered 500 ``internal_error``, where the run read
+    before is searched while the next one cannot be read."""
+    now = [0.0]
+    config = _config(tmp_path)
+    ours = (config.model.query_prefix, config.model.document_prefix)
+    _vectors(tmp_path, "part-a.parquet", ["a1"])
+    _summary(tmp_path, RUN_A, *ours)
+    _manifest(tmp_path, RUN_A, "committed", ["vectors/part-a.parquet"])
+    config, corpus = corpus_lib.corpus_for(config)
+    corpus._clock = lambda: now[0]  # pylint: disable=protected-access
+    corpus._checked = 0.0  # pylint: disable=protected-access
+    _vectors(tmp_path, "part-b.parquet", ["b1"])
+    _summary(tmp_path, RUN_B, *ours)
+    _manifest(tmp_path, RUN_B, "committed", ["vectors/part-b.parquet"])
+    summary = corpus_lib.committed_summary
+    failures = [OSError("Connection reset by peer")]
+
+    def flaky(output):
+        if failures:
+            raise failures.pop()
+        return summary(output)
+
+    monkeypatch.setattr(corpus_lib, "committed_summary", flaky)
+    now[0] = 61
+    try:
+        during = _ids(corpus)
+    except Exception as exc:  # pylint: disable=broad-except  # what the route answers 500
+        during = f"{type(exc).__name__}: {exc}"
+    now[0] = 122
+    assert during == ["a1"], f"a search during a failed refresh: {during}"
+    assert _ids(corpus) == ["b1"]  # the refresh after reads run B
