@@ -107,6 +107,10 @@ class ParquetCorpus:
             self._index, self._run_id = None, manifest.run_id
             self._problem = f"run {manifest.run_id} of the output: {exc}"
             return
+        except (OSError, ValueError) as exc:  # a storage error, a manifest changed meanwhile:
+            _LOG.warning("%s: run %s cannot be read yet (%s); searching what was read before",
+                         self.output, manifest.run_id, exc)
+            return  # read again at the next refresh
         self._load(tuple(join_path(self.output, path)
                          for path in (*manifest.vectors, *manifest.chunks)), manifest)
 
