@@ -24,6 +24,7 @@ import datetime as dt
 import hashlib
 import html
 import json
+import math
 from typing import Any, Awaitable, Callable, Optional
 
 from fastapi import Request
@@ -169,12 +170,22 @@ def _date(epoch: float) -> str:
     return at.strftime("%Y-%m-%d" if at.time() == dt.time() else "%Y-%m-%d %H:%M")
 
 
+def _y(value: Any) -> float:
+    """A count or rate as a chart draws it: 0 for what is no finite number of a float's range
+    (the output's absurd values are named among the problems, never drawn)."""
+    try:
+        y = float(value or 0)
+    except (OverflowError, TypeError, ValueError):
+        return 0.0
+    return y if math.isfinite(y) else 0.0
+
+
 def _charts(points: list[tuple[Optional[float], dict]], rates: dict[str, str], rate_title: str,
             x_label: Callable[[float], str], per: str) -> str:
     """Two charts over ``points`` ((x, item) pairs): the ``rates`` (item key -> series name),
     and the dead letters by reason, each ``per`` x."""
     placed = [(x, item) for x, item in points if x is not None]
-    rate = {name: [(x, float(item.get(key) or 0)) for x, item in placed]
+    rate = {name: [(x, _y(item.get(key))) for x, item in placed]
             for key, name in rates.items()}
     reasons: dict[str, list[tuple[float, float]]] = {}
     for _, item in placed:
@@ -183,7 +194,7 @@ def _charts(points: list[tuple[Optional[float], dict]], rates: dict[str, str], r
     for x, item in placed:
         by_reason = item.get("dead_lettered_by_reason") or {}
         for reason, series in reasons.items():
-            series.append((x, float(by_reason.get(reason, 0))))
+            series.append((x, _y(by_reason.get(reason))))
     return (line_chart(f"{rate_title}, {per}", rate, chart_id="rate-chart", x_label=x_label)
             + line_chart(f"Dead letters by reason, {per}", top_series(reasons),
                          chart_id="dead-letters-chart", x_label=x_label))
