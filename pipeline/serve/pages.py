@@ -19,6 +19,7 @@ the problems of no one window in ``#problems``.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import hashlib
@@ -81,18 +82,35 @@ def status_routes(service: Any) -> dict[str, tuple[str, Handler]]:
     """``{path: (method, handler)}`` of ``/status`` and ``/status.json`` over ``service.config``,
     for ``create_app`` to add behind its wrapper."""
     cache = StatusCache(service.config)
+    drawn: dict[str, tuple[dict, bytes]] = {}  # per route: the status last drawn, its bytes
+    drawing = asyncio.Lock()
+
+    async def draw(route: str, status: dict, make: Callable[[dict], str]) -> bytes:
+        """``make(status)``, once per status the cache holds (a page reloaded in a loop is not
+        drawn again), in a thread: 48 hours of minute windows take 0.1 s, which the event loop
+        every request shares would be held for."""
+        async with drawing:
+            held = drawn.get(route)
+            if held is None or held[0] is not status:
+                drawn[route] = (status, (await asyncio.to_thread(make, status)).encode("utf-8"))
+            return drawn[route][1]
 
     async def status_page(request: Request) -> Response:
         status = await cache.get(hours_asked(request))
-        return Response(render(status), media_type="text/html; charset=utf-8",
-                        headers=HEADERS)
+        return Response(await draw("page", status, render),
+                        media_type="text/html; charset=utf-8", headers=HEADERS)
 
     async def status_json(request: Request) -> Response:
         status = await cache.get(hours_asked(request))
-        return Response(json.dumps(status, ensure_ascii=False), media_type="application/json",
-                        headers=HEADERS)
+        return Response(await draw("json", status, as_json),
+                        media_type="application/json", headers=HEADERS)
 
     return {"/status": ("GET", status_page), "/status.json": ("GET", status_json)}
+
+
+def as_json(status: dict) -> str:
+    """``/status.json``'s body."""
+    return json.dumps(status, ensure_ascii=False)
 
 
 def render(status: dict) -> str:
