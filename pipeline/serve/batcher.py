@@ -18,8 +18,8 @@ an overload is answered instead of piling up; and so is one whose inputs would w
 ``serve.request_timeout_s`` at the pace full engine calls have embedded, in tokens a second (a
 call costs its tokens: a pace in inputs taken from long documents would refuse short queries),
 as it would time out: a 503 after 30 s, where a 429 now lets its client retry elsewhere or
-later; one that alone would take longer is told to send fewer inputs a request. An input whose request
-gave up (timed out, or its client went away) is dropped if no call has taken it yet.
+later; one that alone would take longer is told to send fewer inputs a request. An input whose
+request gave up (timed out, or its client went away) is dropped if no call has taken it yet.
 
 On SIGTERM (``drain_by``) no call is begun that would end after the service goes; the inputs
 still waiting then are refused (``Draining``: a 503 their clients retry elsewhere).

@@ -17,7 +17,8 @@ from transforms.settings import ServeSettings
 
 need("fastapi")
 
-from pipeline.serve import pages, status as status_lib  # noqa: E402
+from pipeline.serve import pages  # noqa: E402
+from pipeline.serve import status as status_lib  # noqa: E402
 from tests.serve.test_status import client_of  # noqa: E402
 
 

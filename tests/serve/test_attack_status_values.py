@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.common import make_config
-from tests.serve.conftest import headers, need
+from tests.serve.conftest import headers
 from tests.serve.test_status import client_of, streaming_config
 from transforms.settings import ServeSettings
 
