@@ -208,8 +208,12 @@ def corpus_for(config: Config) -> tuple[Config, Optional[Corpus]]:
 
 def output_record(output: str) -> dict[str, Any]:
     """What the output's committed run recorded that a client checks itself against
-    (``GET /info``): empty for an output with none (streaming, nothing published)."""
-    summary = committed_summary(output)
+    (``GET /info``): empty for an output with none (streaming, nothing published); ``problem``
+    alone where it cannot be read now (a storage error, a summary not the committed run's)."""
+    try:
+        summary = committed_summary(output)
+    except (ConfigError, OSError, ValueError) as exc:
+        return {"problem": f"the output's committed run cannot be read: {exc}"[:1000]}
     if summary is None:
         return {}
     model = summary.model if isinstance(summary.model, dict) else {}
