@@ -106,10 +106,9 @@ a body a byte at a time (slowloris), would hold its connection for good."""
 
 
 def _http_protocol():
-    """uvicorn's httptools protocol, closing a connection whose request headers are not complete
-    within ``HEADER_TIMEOUT_S``, or whose request was answered before its body ended and the
-    body does not end within it (a body that does not arrive is ``serve.request_timeout_s``'s:
-    ``limits.read_json``)."""
+    """uvicorn's httptools protocol, closing a connection whose request headers, or the body of
+    a request answered before it ended, do not end within ``HEADER_TIMEOUT_S`` (a body that does
+    not arrive is ``serve.request_timeout_s``'s: ``limits.read_json``)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # no httptools (it comes with vLLM): uvicorn's h11, with no such limit
@@ -146,12 +145,9 @@ def _http_protocol():
             self._disarm()
             super().on_headers_complete()
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            cycle = self.cycle  # answered before its body ended (401, 413, 408): the rest of
-            # the body is dropped as it comes, and each byte resets uvicorn's keep-alive timer
-            if (cycle is not None and cycle.response_complete and cycle.more_body
-                    and not self.transport.is_closing()):
+        def on_response_complete(self) -> None:  # answered before its body ended: each byte
+            super().on_response_complete()  # of it would reset uvicorn's keep-alive timer
+            if self.cycle.response_complete and self.cycle.more_body:  # not a pipelined one's
                 self._arm()
 
         def connection_lost(self, exc) -> None:
