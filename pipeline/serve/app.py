@@ -144,8 +144,7 @@ class Service:
             return await asyncio.wait_for(self.batcher.embed(prompts),
                                           self.settings.request_timeout_s)
         except QueueFull as exc:
-            raise ApiError(429, f"the service is at capacity ({exc}); retry after "
-                                f"{exc.retry_after_s} s", "queue_full",
+            raise ApiError(429, f"{exc}; retry after {exc.retry_after_s} s", "queue_full",
                            type_="rate_limit_error",
                            headers={"Retry-After": str(exc.retry_after_s)}) from None
         except asyncio.TimeoutError:

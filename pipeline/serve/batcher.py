@@ -15,9 +15,11 @@ latency unless a call costs much more than its inputs).
 The queue is bounded (``serve.max_queue`` inputs): a request that would pass it is refused at once
 (``QueueFull``: 429 with a ``Retry-After`` from the rate the engine has been embedding), so that
 an overload is answered instead of piling up; and so is one whose inputs would wait longer than
-``serve.request_timeout_s`` at the rate full engine calls have embedded (it would time out: a 503
-after 30 s, where a 429 now lets its client retry elsewhere or later). An input whose request
-gave up (timed out, or its client went away) is dropped if no call has taken it yet.
+``serve.request_timeout_s`` at the pace full engine calls have embedded, in tokens a second (a
+call costs its tokens: a pace in inputs taken from long documents would refuse short queries),
+as it would time out: a 503 after 30 s, where a 429 now lets its client retry elsewhere or
+later; one that alone would take longer is told to send fewer inputs a request. An input whose
+request gave up (timed out, or its client went away) is dropped if no call has taken it yet.
 
 On SIGTERM (``drain_by``) no call is begun that would end after the service goes; the inputs
 still waiting then are refused (``Draining``: a 503 their clients retry elsewhere).
@@ -49,8 +51,9 @@ class QueueFull(Exception):
     """The queue holds ``serve.max_queue`` inputs: the request is refused, to be retried after
     ``retry_after_s``."""
 
-    def __init__(self, waiting: int, retry_after_s: int):
-        super().__init__(f"{waiting} inputs are waiting for the engine")
+    def __init__(self, waiting: int, retry_after_s: int, message: Optional[str] = None):
+        super().__init__(message or f"the service is at capacity: {waiting} inputs are waiting "
+                                    "for the engine")
         self.waiting, self.retry_after_s = waiting, retry_after_s
 
 
@@ -88,7 +91,9 @@ class Batcher:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
         self._thread: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self._rate = 0.0  # inputs/s of the engine in full calls, smoothed (0: none yet)
+        # tokens/s of the engine in full calls, smoothed (0: none yet): a call costs its tokens,
+        # so a pace in inputs taken from calls of long documents refuses short queries
+        self._rate = 0.0
         self._call_s = 0.0  # seconds an engine call takes, smoothed: for drain_by
         self._deadline: Optional[float] = None  # drain_by's
 
@@ -143,7 +148,7 @@ class Batcher:
         """Seconds until the queue has room again, at the rate the engine has been embedding."""
         if self._rate <= 0:
             return 1
-        return max(1, math.ceil(len(self._queue) / self._rate))
+        return max(1, math.ceil(self._tokens / self._rate))
 
     async def embed(self, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """A vector per prompt (token ids), once engine calls have embedded them all. Raises
@@ -152,9 +157,18 @@ class Batcher:
         if self._arrived is None:
             raise RuntimeError("Batcher.start() was not called")
         waiting = len(self._queue) + len(prompts)
-        if waiting > self.max_queue or (self.timeout_s is not None and self._rate > 0
-                                        and waiting / self._rate > self.timeout_s):
+        if waiting > self.max_queue:
             raise QueueFull(len(self._queue), self.retry_after_s())
+        if self.timeout_s is not None and self._rate > 0:
+            tokens = sum(len(ids) for ids in prompts)
+            if tokens / self._rate > self.timeout_s:  # never in time, whatever the load
+                raise QueueFull(len(self._queue), self.retry_after_s(), (
+                    f"this request alone ({len(prompts)} inputs, {tokens} tokens) would take "
+                    f"the engine about {tokens / self._rate:.0f} s at the pace it has embedded "
+                    f"({self._rate:.0f} tokens a second), over serve.request_timeout_s "
+                    f"({self.timeout_s:g} s): send fewer inputs a request"))
+            if (self._tokens + tokens) / self._rate > self.timeout_s:
+                raise QueueFull(len(self._queue), self.retry_after_s())
         loop = asyncio.get_running_loop()
         now = self._clock()
         futures = []
@@ -230,7 +244,7 @@ class Batcher:
         self._call_s = seconds if self._call_s <= 0 else max(seconds, 0.8 * self._call_s
                                                                  + 0.2 * seconds)
         if seconds > 0 and 2 * tokens >= self.max_batch_tokens:  # a full call: the pace of a
-            rate = len(batch) / seconds  # queue (one of a few inputs says little of it)
+            rate = tokens / seconds  # queue (one of a few inputs says little of it)
             self._rate = rate if self._rate <= 0 else 0.8 * self._rate + 0.2 * rate
         for waiting, outcome in zip(batch, outcomes, strict=True):
             if waiting.future.done():

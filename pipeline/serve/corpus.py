@@ -51,7 +51,8 @@ class ParquetCorpus:
     manifest still names that run once its files are read. While a newer run publishes (its files
     replacing the old ones in ``vectors/``, its summary not yet written), the run read before is
     searched. An output without a manifest (streaming) is read whole, again when its files
-    change."""
+    change. A read that fails (a transient storage error, a file gone meanwhile) keeps what was
+    read before and is tried again at the next refresh."""
 
     kind = "parquet"
 
@@ -106,6 +107,10 @@ class ParquetCorpus:
             self._index, self._run_id = None, manifest.run_id
             self._problem = f"run {manifest.run_id} of the output: {exc}"
             return
+        except (OSError, ValueError) as exc:  # a storage error, a manifest changed meanwhile:
+            _LOG.warning("%s: run %s cannot be read yet (%s); searching what was read before",
+                         self.output, manifest.run_id, exc)
+            return  # read again at the next refresh
         self._load(tuple(join_path(self.output, path)
                          for path in (*manifest.vectors, *manifest.chunks)), manifest)
 
@@ -123,8 +128,15 @@ class ParquetCorpus:
                     return  # another run began publishing while they were read: read again
             except (OSError, ValueError):
                 return
-        if index is None and self._index is not None and manifest is None:
-            return  # a streaming file gone while listed: what was read is kept
+        if index is None:  # nothing published yet; a read that failed (a transient error, a
+            # file gone while listed): what was read is kept, and read again at the next refresh
+            # (the run is not recorded as read: it would never be read again)
+            if self._index is None:
+                self._problem, self._run_id = problem, None
+            else:
+                _LOG.warning("%s: %s; searching what was read before until it can be read",
+                             self.output, problem)
+            return
         self._index, self._problem = index, problem
         self._run_id = manifest.run_id if manifest is not None else None
 
@@ -196,8 +208,12 @@ def corpus_for(config: Config) -> tuple[Config, Optional[Corpus]]:
 
 def output_record(output: str) -> dict[str, Any]:
     """What the output's committed run recorded that a client checks itself against
-    (``GET /info``): empty for an output with none (streaming, nothing published)."""
-    summary = committed_summary(output)
+    (``GET /info``): empty for an output with none (streaming, nothing published); ``problem``
+    alone where it cannot be read now (a storage error, a summary not the committed run's)."""
+    try:
+        summary = committed_summary(output)
+    except (ConfigError, OSError, ValueError) as exc:
+        return {"problem": f"the output's committed run cannot be read: {exc}"[:1000]}
     if summary is None:
         return {}
     model = summary.model if isinstance(summary.model, dict) else {}

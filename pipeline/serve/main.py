@@ -100,14 +100,15 @@ def _bound(host: str, port: int) -> socket.socket:
 
 HEADER_TIMEOUT_S = 10.0
 """How long a connection may take to send a request's headers, from its opening or the start of
-the request: uvicorn has no such limit, and a client that never finishes its headers (slowloris)
-would hold its connection for good."""
+the request, and to end the body of a request answered before its body was read (401, 413,
+408): uvicorn has no such limit, and a client that never finishes its headers, or trickles such
+a body a byte at a time (slowloris), would hold its connection for good."""
 
 
 def _http_protocol():
-    """uvicorn's httptools protocol, closing a connection whose request headers are not complete
-    within ``HEADER_TIMEOUT_S`` (a body that does not arrive is ``serve.request_timeout_s``'s:
-    ``limits.read_json``)."""
+    """uvicorn's httptools protocol, closing a connection whose request headers, or the body of
+    a request answered before it ended, do not end within ``HEADER_TIMEOUT_S`` (a body that does
+    not arrive is ``serve.request_timeout_s``'s: ``limits.read_json``)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # no httptools (it comes with vLLM): uvicorn's h11, with no such limit
@@ -143,6 +144,11 @@ def _http_protocol():
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
+
+        def on_response_complete(self) -> None:  # answered before its body ended: each byte
+            super().on_response_complete()  # of it would reset uvicorn's keep-alive timer
+            if self.cycle.response_complete and self.cycle.more_body:  # not a pipelined one's
+                self._arm()
 
         def connection_lost(self, exc) -> None:
             self._disarm()

@@ -19,11 +19,13 @@ the problems of no one window in ``#problems``.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import hashlib
 import html
 import json
+import math
 from typing import Any, Awaitable, Callable, Optional
 
 from starlette.requests import Request
@@ -81,18 +83,35 @@ def status_routes(service: Any) -> dict[str, tuple[str, Handler]]:
     """``{path: (method, handler)}`` of ``/status`` and ``/status.json`` over ``service.config``,
     for ``create_app`` to add behind its wrapper."""
     cache = StatusCache(service.config)
+    drawn: dict[str, tuple[dict, bytes]] = {}  # per route: the status last drawn, its bytes
+    drawing = asyncio.Lock()
+
+    async def draw(route: str, status: dict, make: Callable[[dict], str]) -> bytes:
+        """``make(status)``, once per status the cache holds (a page reloaded in a loop is not
+        drawn again), in a thread: 48 hours of minute windows take 0.1 s, which the event loop
+        every request shares would be held for."""
+        async with drawing:
+            held = drawn.get(route)
+            if held is None or held[0] is not status:
+                drawn[route] = (status, (await asyncio.to_thread(make, status)).encode("utf-8"))
+            return drawn[route][1]
 
     async def status_page(request: Request) -> Response:
         status = await cache.get(hours_asked(request))
-        return Response(render(status), media_type="text/html; charset=utf-8",
-                        headers=HEADERS)
+        return Response(await draw("page", status, render),
+                        media_type="text/html; charset=utf-8", headers=HEADERS)
 
     async def status_json(request: Request) -> Response:
         status = await cache.get(hours_asked(request))
-        return Response(json.dumps(status, ensure_ascii=False), media_type="application/json",
-                        headers=HEADERS)
+        return Response(await draw("json", status, as_json),
+                        media_type="application/json", headers=HEADERS)
 
     return {"/status": ("GET", status_page), "/status.json": ("GET", status_json)}
+
+
+def as_json(status: dict) -> str:
+    """``/status.json``'s body."""
+    return json.dumps(status, ensure_ascii=False)
 
 
 def render(status: dict) -> str:
@@ -170,12 +189,22 @@ def _date(epoch: float) -> str:
     return at.strftime("%Y-%m-%d" if at.time() == dt.time() else "%Y-%m-%d %H:%M")
 
 
+def _y(value: Any) -> float:
+    """A count or rate as a chart draws it: 0 for what is no finite number of a float's range
+    (the output's absurd values are named among the problems, never drawn)."""
+    try:
+        y = float(value or 0)
+    except (OverflowError, TypeError, ValueError):
+        return 0.0
+    return y if math.isfinite(y) else 0.0
+
+
 def _charts(points: list[tuple[Optional[float], dict]], rates: dict[str, str], rate_title: str,
             x_label: Callable[[float], str], per: str) -> str:
     """Two charts over ``points`` ((x, item) pairs): the ``rates`` (item key -> series name),
     and the dead letters by reason, each ``per`` x."""
     placed = [(x, item) for x, item in points if x is not None]
-    rate = {name: [(x, float(item.get(key) or 0)) for x, item in placed]
+    rate = {name: [(x, _y(item.get(key))) for x, item in placed]
             for key, name in rates.items()}
     reasons: dict[str, list[tuple[float, float]]] = {}
     for _, item in placed:
@@ -184,7 +213,7 @@ def _charts(points: list[tuple[Optional[float], dict]], rates: dict[str, str], r
     for x, item in placed:
         by_reason = item.get("dead_lettered_by_reason") or {}
         for reason, series in reasons.items():
-            series.append((x, float(by_reason.get(reason, 0))))
+            series.append((x, _y(by_reason.get(reason))))
     return (line_chart(f"{rate_title}, {per}", rate, chart_id="rate-chart", x_label=x_label)
             + line_chart(f"Dead letters by reason, {per}", top_series(reasons),
                          chart_id="dead-letters-chart", x_label=x_label))

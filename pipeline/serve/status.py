@@ -141,12 +141,16 @@ def collect(config: Config, hours: int = DEFAULT_HOURS,
     now = now or dt.datetime.now(dt.timezone.utc)
     kind = "streaming" if config.streaming.subscription else "batch"
     status = Status(output=config.output, kind=kind, generated_at=_iso(now), hours=hours)
-    if kind == "streaming":
-        status.streaming = _streaming(config, hours, now, status.problems)
-        status.ok = not status.problems and not status.streaming.flagged
-    else:
-        status.runs = _batch_runs(config, now, status.problems)
-        status.ok = not status.problems and not any(r.problems for r in status.runs)
+    try:
+        if kind == "streaming":
+            status.streaming = _streaming(config, hours, now, status.problems)
+            status.ok = not status.problems and not status.streaming.flagged
+        else:
+            status.runs = _batch_runs(config, now, status.problems)
+            status.ok = not status.problems and not any(r.problems for r in status.runs)
+    except Exception as exc:  # pylint: disable=broad-except  # a status page, never a 500
+        status.streaming, status.runs, status.ok = None, [], False
+        status.problems.append(_unexpected("the output's status could not be made", exc))
     return status.to_dict()
 
 
@@ -226,26 +230,39 @@ def _windows(records: list[LedgerRecord], now: dt.datetime, lateness_s: float
         grouped[r.window_start].append(r)
     out = {}
     for start, group in grouped.items():
-        counts = Counts.total(r.counts for r in group)
-        first, last = _time(start), _time(group[0].window_end)
-        minutes = (last - first).total_seconds() / 60 if first and last and last > first else 1
-        written = [t for t in (_time(r.written_at) for r in group) if t is not None]
-        newest = max(written, default=None)
-        out[start] = WindowStatus(
-            window_start=start, window_end=group[0].window_end, micro_batches=len(group),
-            messages_in=counts.articles_in, rows_written=counts.written,
-            rows_per_minute=round(counts.written / minutes, 3),
-            messages_per_minute=round(counts.articles_in / minutes, 3),
-            dead_lettered=counts.dead_lettered,
-            dead_lettered_by_reason=dict(counts.dead_lettered_by_reason),
-            duplicates=counts.duplicates, near_duplicates=counts.near_duplicates,
-            late_reassigned=sum(r.late_reassigned for r in group),
-            last_written_at=_iso(newest) if newest else None,
-            written_after_end_s=(round((newest - last).total_seconds(), 3)
-                                 if newest and last else None),
-            settled=bool(last and last + dt.timedelta(seconds=lateness_s + CLOSED_MARGIN_S)
-                         <= now))
+        try:
+            out[start] = _window(start, group, now, lateness_s)
+        except (OverflowError, ValueError) as exc:  # 10**400 rows, a window ending in 9999
+            out[start] = WindowStatus(window_start=start, micro_batches=len(group),
+                                      balanced=False, problems=[
+                                          f"window {start}: its ledger records hold values no "
+                                          f"newsvec run writes ({type(exc).__name__}: "
+                                          f"{exc})"[:1000]])
     return out
+
+
+def _window(start: str, group: list[LedgerRecord], now: dt.datetime, lateness_s: float
+            ) -> WindowStatus:
+    """A window's status, from its records."""
+    counts = Counts.total(r.counts for r in group)
+    first, last = _time(start), _time(group[0].window_end)
+    minutes = (last - first).total_seconds() / 60 if first and last and last > first else 1
+    written = [t for t in (_time(r.written_at) for r in group) if t is not None]
+    newest = max(written, default=None)
+    return WindowStatus(
+        window_start=start, window_end=group[0].window_end, micro_batches=len(group),
+        messages_in=counts.articles_in, rows_written=counts.written,
+        rows_per_minute=round(counts.written / minutes, 3),
+        messages_per_minute=round(counts.articles_in / minutes, 3),
+        dead_lettered=counts.dead_lettered,
+        dead_lettered_by_reason=dict(counts.dead_lettered_by_reason),
+        duplicates=counts.duplicates, near_duplicates=counts.near_duplicates,
+        late_reassigned=sum(r.late_reassigned for r in group),
+        last_written_at=_iso(newest) if newest else None,
+        written_after_end_s=(round((newest - last).total_seconds(), 3)
+                             if newest and last else None),
+        settled=bool(last and last + dt.timedelta(seconds=lateness_s + CLOSED_MARGIN_S)
+                     <= now))
 
 
 def _compaction(report: LedgerReport, start: dt.datetime, end: dt.datetime, now: dt.datetime,
@@ -360,6 +377,10 @@ def _counted(run: BatchRun, counts: Any) -> None:
     if not isinstance(counts, dict):
         run.problems.append("no counts recorded")
         return
+    wrong = _not_counts(counts)
+    if wrong:
+        run.problems.append(f"its counts hold what no newsvec run writes: {wrong}"[:1000])
+        return
     found = Counts.from_summary(counts)
     run.counts = found.to_summary()
     run.balanced = found.balances() and found.reasons_add_up()
@@ -369,6 +390,21 @@ def _counted(run: BatchRun, counts: Any) -> None:
             f"letters {found.dead_lettered} + duplicates {found.duplicates} + unchanged "
             f"{found.unchanged} + near duplicates {found.near_duplicates}, or its dead "
             "letters by reason do not add up")
+
+
+def _not_counts(counts: dict) -> Optional[str]:
+    """What in a summary's or manifest's ``counts`` is not a count (a non-negative integer, by
+    reason and by language alike): Infinity, NaN, a string...; None when all are."""
+    def wrong(value: Any, depth: int) -> bool:
+        if isinstance(value, dict):
+            return depth == 0 or any(wrong(v, depth - 1) for v in value.values())
+        return isinstance(value, bool) or not isinstance(value, int) or value < 0
+
+    for key, value in counts.items():
+        if wrong(value, {"dead_lettered_by_reason": 1,
+                         "dead_lettered_by_language": 2}.get(key, 0)):
+            return f"{str(key)[:100]} is {str(value)[:100]}"
+    return None
 
 
 def _mark_loaded(config: Config, runs: list[BatchRun], problems: list[str]) -> None:
