@@ -34,6 +34,10 @@ KEY_INDEX_WAIT_MS = Metrics.distribution(NAMESPACE, "key_index_wait_ms")  # the 
 SKIP_NS = Metrics.counter(NAMESPACE, "skip_ns")  # CPU time of the key and lookup, summed
 SKIP_LOOKUPS = Metrics.counter(NAMESPACE, "skip_lookups")
 END_TO_END_MS = Metrics.distribution(NAMESPACE, "end_to_end_ms")  # publish -> Parquet (streaming)
+MICRO_BATCH_ROWS = Metrics.distribution(NAMESPACE, "micro_batch_rows")  # rows per micro-batch
+STORE_LOADS = Metrics.counter(NAMESPACE, "store_loads")  # a micro-batch or a run, loaded
+STORE_ROWS_LOADED = Metrics.counter(NAMESPACE, "store_rows_loaded")
+STORE_LOAD_FAILURES = Metrics.counter(NAMESPACE, "store_load_failures")  # given up on (retried)
 
 
 def dead_letter_counter(reason: str):

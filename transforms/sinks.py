@@ -34,7 +34,11 @@ from transforms.incremental import KeysTable
 from transforms.metrics import (
     DEAD_LETTERED,
     END_TO_END_MS,
+    MICRO_BATCH_ROWS,
     ROWS_WRITTEN,
+    STORE_LOAD_FAILURES,
+    STORE_LOADS,
+    STORE_ROWS_LOADED,
     TRUNCATED,
     dead_letter_counter,
 )
@@ -58,7 +62,7 @@ from transforms.output.parquet import chunk_schema, key_schema, vector_schema
 from transforms.settings import VectorDtype
 from transforms.stores import Settings as StoreSettings
 from transforms.stores import store_for
-from transforms.stores.base import LoadRows, VectorStore, streaming_load_key
+from transforms.stores.base import LoadRows, StoreLoadFailed, VectorStore, streaming_load_key
 from transforms.types import ChunkRow, Counts, DeadLetter, EmbeddedDoc, LedgerRecord, MicroBatch
 
 
@@ -324,11 +328,17 @@ class _WriteStreamingFn(beam.DoFn):
             return 0, None, [], []
         window = micro_batch_window(batch)
         key = micro_batch_load_key(batch, digest)
-        loaded = self._store.load(LoadRows(
-            vectors=vectors_table(rows, self._schema),
-            chunks=chunks_table(chunk_rows, self._chunk_schema) if chunk_rows else None,
-            dt=window.start.to_utc_datetime().date()), key,
-            ids=sorted({row.id for row in rows} | maybe_stored))
+        try:
+            loaded = self._store.load(LoadRows(
+                vectors=vectors_table(rows, self._schema),
+                chunks=chunks_table(chunk_rows, self._chunk_schema) if chunk_rows else None,
+                dt=window.start.to_utc_datetime().date()), key,
+                ids=sorted({row.id for row in rows} | maybe_stored))
+        except StoreLoadFailed:
+            STORE_LOAD_FAILURES.inc()
+            raise
+        STORE_LOADS.inc()
+        STORE_ROWS_LOADED.inc(loaded.rows)
         return loaded.rows, key, list(loaded.rejected), list(loaded.withdrawn)
 
     def _path(self, subdir: str, batch: MicroBatch, digest: str, suffix: str) -> str:
@@ -378,6 +388,7 @@ class _WriteStreamingFn(beam.DoFn):
             list(batch.dead_letters), map(_count_dead_letter, batch.dead_letters))
         store_rows, store_key, store_rejected, store_withdrawn = self._load(
             batch, digest, rows, chunk_rows)
+        MICRO_BATCH_ROWS.update(len(rows))
         window = micro_batch_window(batch)
         record = LedgerRecord(
             run_id=self._run_id, window_start=_rfc3339(window.start),

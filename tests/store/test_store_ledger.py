@@ -417,3 +417,32 @@ def test_the_ledger_reads_no_embeddings_from_the_vectors_files(tmp_path, store_s
         conn.execute("DELETE FROM news_vectors WHERE id = 'y'")
     assert any("1 articles of the vectors files are not in the store (first: y)" in p
                for p in ledger.check(str(out), store=store_settings).problems)
+
+
+def test_a_micro_batch_loaded_into_the_store_is_counted_for_the_dashboard(
+        tmp_path, store_settings, pg):
+    """``store_loads``, ``store_rows_loaded`` and ``micro_batch_rows``: the Beam metrics that
+    configs/monitoring/dashboard.json charts, emitted by a real (local) pipeline's writer."""
+    import apache_beam as beam
+    from apache_beam.metrics.metric import MetricsFilter
+    from apache_beam.testing.test_pipeline import TestPipeline
+
+    from transforms.metrics import NAMESPACE
+
+    fn = _WriteStreamingFn(str(tmp_path / "out"), RUN_ID, DIM, 16, None, "float32",
+                           store_settings)
+    pipeline = TestPipeline(runner="DirectRunner")
+    _ = (pipeline | beam.Create([micro_batch([doc("a", "m1"), doc("b", "m2")])])
+         | beam.ParDo(fn))
+    result = pipeline.run()
+    result.wait_until_finish()
+
+    def query(name: str) -> dict:
+        return result.metrics().query(MetricsFilter().with_namespace(NAMESPACE).with_name(name))
+
+    assert sum(c.committed for c in query("store_loads")["counters"]) == 1
+    assert sum(c.committed for c in query("store_rows_loaded")["counters"]) == 2
+    assert sum(c.committed for c in query("store_load_failures")["counters"]) == 0
+    (sizes,) = query("micro_batch_rows")["distributions"]
+    assert (sizes.committed.count, sizes.committed.max) == (1, 2)
+    assert set(stored(pg)) == {"a", "b"}

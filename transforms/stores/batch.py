@@ -34,6 +34,7 @@ from typing import Any, Optional
 import apache_beam as beam
 import pyarrow as pa
 
+from transforms.metrics import STORE_LOAD_FAILURES, STORE_LOADS, STORE_ROWS_LOADED
 from transforms.output.layout import day_of_path, join_path, open_output_file, read_parquet
 from transforms.output.manifest import COMMITTED, read_manifest
 from transforms.output.summary import RunSummary
@@ -207,15 +208,20 @@ class _LoadCommittedRunFn(beam.DoFn):
         if summary.run_id == self._run_id and summary.is_published:
             try:
                 rows = run_rows(self._output, self._run_id)
-                yield load_run(self._store, self._output, self._run_id, rows).to_json()
-                return
+                loaded = load_run(self._store, self._output, self._run_id, rows)
             except StoreLoadFailed as exc:
+                STORE_LOAD_FAILURES.inc()
                 newer = _newer_run(self._output, self._run_id)
                 if newer is None:
                     _LOG.error("run %s is committed in %s, but its store load failed: %s. Load "
                                "it alone with: %s", self._run_id, self._output, exc,
                                load_command(self._output, self._run_id))
                     raise
+            else:
+                STORE_LOADS.inc()
+                STORE_ROWS_LOADED.inc(loaded.rows)
+                yield loaded.to_json()
+                return
         beam.metrics.Metrics.counter("newsvec", "store_loads_skipped").inc()
         _LOG.warning("run %s: not loaded into the store: the newer run %s holds %s, and its own "
                      "load stores it", self._run_id, newer, self._output)
