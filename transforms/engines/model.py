@@ -160,6 +160,27 @@ def declared_matryoshka(local_path: str) -> Optional[Matryoshka]:
     return Matryoshka.of_hf_config(json.loads(config.read_text(encoding="utf-8")))
 
 
+def model_matryoshka(settings: ModelSettings, local_path: Optional[str] = None
+                     ) -> Optional[Matryoshka]:
+    """The Matryoshka sizes the model is served at: ``model.matryoshka_dimensions`` where the
+    config sets them (vLLM is told the same: ``vllm_hf_overrides``), else what its
+    ``config.json`` in ``local_path`` declares (``declared_matryoshka``; None without one). The
+    pipeline (``truncation``) and ``newsvec serve`` (a request's ``dimensions``) both ask this."""
+    if settings.matryoshka_dimensions is not None:
+        return Matryoshka(True, tuple(settings.matryoshka_dimensions))
+    return declared_matryoshka(local_path) if local_path is not None else None
+
+
+def vllm_hf_overrides(settings: ModelSettings) -> dict[str, Any]:
+    """What vLLM's ``LLM(hf_overrides=...)`` sets over the model's ``config.json``: the
+    Matryoshka sizes of ``model.matryoshka_dimensions`` (vLLM refuses ``PoolingParams(
+    dimensions=...)`` for a model whose config declares none: ``is_matryoshka`` or
+    ``matryoshka_dimensions``, read in ``vllm/pooling_params.py``); {} for nothing."""
+    if settings.matryoshka_dimensions is None:
+        return {}
+    return {"matryoshka_dimensions": list(settings.matryoshka_dimensions)}
+
+
 def truncation(settings: ModelSettings, matryoshka: Matryoshka) -> Literal[
         "none", "vllm", "newsvec"]:
     """Who cuts the vectors to ``settings.dimensions``: nobody (full vectors), vLLM
@@ -175,21 +196,24 @@ def truncation(settings: ModelSettings, matryoshka: Matryoshka) -> Literal[
     what = (f"declares only the Matryoshka dimensions {list(matryoshka.dimensions)}"
             if matryoshka.declared and matryoshka.dimensions else
             "does not declare Matryoshka embeddings (is_matryoshka / matryoshka_dimensions in "
-            "its config.json)")
+            "its config.json, or model.matryoshka_dimensions in the config)")
     raise ValueError(f"model.dimensions is {settings.dimensions}, but the model {settings.path} "
-                     f"{what}: the head of its vectors is not trained to stand alone. Set "
+                     f"{what}: the head of its vectors is not trained to stand alone. Where its "
+                     "model card says it was trained for that size, list its sizes in "
+                     "model.matryoshka_dimensions (vLLM then cuts the vectors); else set "
                      "model.truncate_dimensions_knowingly: true to truncate and L2-normalize "
                      "anyway (retrieval loses quality: docs/benchmarks.md), or leave "
                      "model.dimensions unset")
 
 
 def check_dimensions(settings: ModelSettings) -> None:
-    """When a run starts: ``truncation`` against the model's local ``config.json`` (nothing to
-    check without ``dimensions``, or for a model that is not a local folder yet). A ``pypackage:``
-    model is imported to find its folder (``resolve_model_path``)."""
+    """When a run starts: ``truncation`` against ``model.matryoshka_dimensions`` where set, else
+    the model's local ``config.json`` (nothing to check without ``dimensions``, or for a model
+    that is not a local folder yet). A ``pypackage:`` model is imported to find its folder
+    (``resolve_model_path``)."""
     if settings.dimensions is None:
         return
-    matryoshka = declared_matryoshka(model_folder(settings))
+    matryoshka = model_matryoshka(settings) or declared_matryoshka(model_folder(settings))
     if matryoshka is not None:
         truncation(settings, matryoshka)
 
@@ -212,7 +236,7 @@ def check_without_running_code(settings: ModelSettings) -> list[str]:
     where = locate_pypackage(settings.path)
     deferred = [f"model.path {settings.path}: found ({where}), not imported (importing runs the "
                 "package's code); its model folder is resolved at run time"]
-    if settings.dimensions is not None:
+    if settings.dimensions is not None and settings.matryoshka_dimensions is None:
         deferred.append(f"model.dimensions {settings.dimensions}: checked against the model's "
                         "config.json at run time (newsvec run, backfill), and by the engine when "
                         "it loads")

@@ -22,6 +22,7 @@ from transforms.engines.model import (
     model_label,
     pooling_modes,
     truncation,
+    vllm_hf_overrides,
 )
 from transforms.engines.model_files import module_configs
 from transforms.settings import ModelSettings
@@ -169,6 +170,9 @@ def _new_llm(s: ModelSettings):
         model=path, runner="pooling", dtype=resolved_dtype(s), revision=s.revision,
         max_model_len=s.max_tokens, trust_remote_code=s.trust_remote_code,
         enforce_eager=s.enforce_eager, seed=0)
+    overrides = vllm_hf_overrides(s)  # over the model's config.json (model.matryoshka_dimensions)
+    if overrides:
+        kwargs["hf_overrides"] = overrides
     if s.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
     if s.max_num_seqs is not None:
