@@ -218,19 +218,81 @@ def check_dimensions(settings: ModelSettings) -> None:
         truncation(settings, matryoshka)
 
 
+class CustomCodeRefused(ValueError):
+    """The model needs Python code of its own, which newsvec does not run."""
+
+
+def check_custom_code(local_path: str, trust_remote_code: bool) -> None:
+    """Refuse (``CustomCodeRefused``, a ValueError) a model folder whose ``config.json`` points at
+    code of its own (``auto_map``: PLaMo-Embedding's ``PlamoBiModel``) for an architecture that
+    neither vLLM (its model registry, as ``LLM`` resolves a name) nor ``transformers``
+    implements: it runs only with ``trust_remote_code``, which stays off unless the operator
+    turns it on, so vLLM would fail on it later, with an error that does not say why. Nothing to
+    check for a folder without ``config.json`` (a Hugging Face id), a config without
+    ``auto_map`` (an unknown architecture is vLLM's to name), with ``trust_remote_code`` on, or
+    where vLLM is not installed (the engine's machine checks when it loads)."""
+    config = Path(local_path) / "config.json"
+    if trust_remote_code or not config.is_file():
+        return
+    try:
+        hf_config = json.loads(config.read_text(encoding="utf-8"))
+    except ValueError:
+        return  # not this check's to judge: vLLM names a config it cannot read
+    auto_map = hf_config.get("auto_map") if isinstance(hf_config, dict) else None
+    if not auto_map or not isinstance(auto_map, dict):
+        return
+    architectures = [str(a) for a in hf_config.get("architectures") or []]
+    runnable = _runnable_architectures(architectures)
+    if runnable is None or any(runnable):
+        return
+    code = ", ".join(f"{name}: {module}" for name, module in auto_map.items())
+    raise CustomCodeRefused(
+        f"the model {local_path} needs Python code of its own: its config.json names the "
+        f"architecture {', '.join(architectures) or '(none)'}, which neither vLLM nor "
+        f"transformers implements, and points at the model's own code for it (auto_map: "
+        f"{code}). newsvec does not run a model's own code (model.trust_remote_code stays off: "
+        "it would run on every worker, unreviewed). Convert the model to an architecture vLLM "
+        "runs (its weights saved as a BertModel, XLMRobertaModel, LlamaModel, Qwen3Model..., "
+        "where its layers are those), or pick a supported model (docs/languages.md)")
+
+
+def _runnable_architectures(architectures: list[str]) -> Optional[list[bool]]:
+    """Per architecture, whether vLLM runs it without the model's own code: a name in its model
+    registry, directly or as the pooling runner converts it (``FooModel`` from
+    ``FooForCausalLM``), or a class of ``transformers`` (vLLM's Transformers backend). None where
+    vLLM is not installed."""
+    try:
+        import transformers
+        from vllm.config.model import iter_architecture_defaults
+        from vllm.model_executor.models.registry import ModelRegistry
+    except ImportError:
+        return None
+    known = set(ModelRegistry.get_supported_archs())
+    suffixes = [suffix for suffix, _ in iter_architecture_defaults()]
+
+    def runnable(name: str) -> bool:
+        if name in known or getattr(transformers, name, None) is not None:
+            return True
+        return any(name.endswith(suffix) and name.replace(suffix, other) in known
+                   for suffix in suffixes for other in suffixes)
+
+    return [runnable(name) for name in architectures]
+
+
 def check_without_running_code(settings: ModelSettings) -> list[str]:
     """At config time (``newsvec config``, every config load): what can be checked of the model
     without running any of its code, and a line for each check left to the run. A ``pypackage:``
     model is looked for (``locate_pypackage``), not imported: its folder, which only its
     ``get_model_path()`` can tell, and so ``model.dimensions`` against its ``config.json``, are
     checked when the run starts (``check_dimensions``) and when the engine loads. Any other model:
-    ``check_dimensions`` (a local folder's ``config.json`` is read, nothing run). ValueError for a
-    problem."""
+    ``check_custom_code`` and ``check_dimensions`` (a local folder's ``config.json`` is read,
+    nothing run). ValueError for a problem."""
     if is_gcs(settings.path):
         return [f"model.path {settings.path}: fetched from GCS, hashed and checked when the run "
                 "starts (its content hash is pinned into the job as model.sha256"
                 + (f", and must be {settings.sha256}" if settings.sha256 else "") + ")"]
     if not settings.path.startswith(PYPACKAGE):
+        check_custom_code(settings.path, settings.trust_remote_code)
         check_dimensions(settings)
         return []
     where = locate_pypackage(settings.path)
