@@ -31,6 +31,7 @@ from pydantic import (
 from transforms.engines.fetch import is_gcs
 from transforms.engines.model import (
     PYPACKAGE,
+    check_custom_code,
     check_dimensions,
     check_without_running_code,
     model_folder,
@@ -199,7 +200,8 @@ def checks_left_to_the_run(config: Config) -> list[str]:
 def check_model(config: Config, source: str = "config") -> Config:
     """What ``validate`` left to the run (``checks_left_to_the_run``): a ``pypackage:`` model
     imported to find its folder (its code runs, as it does for the run itself), a ``gs://`` model
-    fetched and hashed, and ``model.dimensions`` checked against its ``config.json``. Returns the
+    fetched and hashed, either refused if it needs code of its own (``check_custom_code``), and
+    ``model.dimensions`` checked against its ``config.json``. Returns the
     config with a ``gs://`` model's content hash pinned (``model.sha256``, unless the file pins
     one, which the files must then match): the job's workers fetch the folder when they start,
     at different times, and each refuses files that hash otherwise, so no two workers of a job
@@ -216,6 +218,10 @@ def check_model(config: Config, source: str = "config") -> Config:
         if is_gcs(model.path) and model.sha256 is None:
             config = config.model_copy(update={"model": model.model_copy(
                 update={"sha256": model_content_hash(folder)})})
+        try:  # a local folder's: validate's (check_without_running_code)
+            check_custom_code(folder, model.trust_remote_code)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
     try:
         check_dimensions(config.model)
     except (ValueError, ImportError) as exc:

@@ -61,8 +61,18 @@ class ModelSettings(BaseModel):
                                 "head of each (Matryoshka): through vLLM's "
                                 "`PoolingParams(dimensions=...)` where the model declares "
                                 "Matryoshka support (`is_matryoshka` or `matryoshka_dimensions` "
-                                "in its config.json); for any other model refused unless "
+                                "in its config.json, or the config's "
+                                "`matryoshka_dimensions`); for any other model refused unless "
                                 "`truncate_dimensions_knowingly`. null: `dim`")
+    matryoshka_dimensions: Optional[list[int]] = Field(
+        None, min_length=1,
+        description="the Matryoshka sizes the model was trained to give (its model card says "
+                    "so) where its config.json does not declare them (Qwen3-Embedding): "
+                    "vLLM is told (`hf_overrides`: "
+                    "`matryoshka_dimensions`), then cuts each vector to `dimensions` and "
+                    "normalizes it itself, and `newsvec serve` accepts these sizes as a "
+                    "request's `dimensions`; `dimensions` must be one of them. null: what "
+                    "the model's config.json declares")
     truncate_dimensions_knowingly: bool = Field(
         False, description="with `dimensions`, for a model that does not declare Matryoshka "
                            "support (MiniLM): newsvec keeps the head of each vector and "
@@ -165,6 +175,7 @@ class ModelSettings(BaseModel):
         if self.dimensions is not None and self.dimensions > self.dim:
             raise ValueError(f"dimensions ({self.dimensions}) must be at most the model's dim "
                              f"({self.dim})")
+        self._check_matryoshka_dimensions()
         if (self.share_across_processes
                 and self.engine_env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0"):
             raise ValueError("engine_env sets VLLM_ENABLE_V1_MULTIPROCESSING to "
@@ -175,6 +186,19 @@ class ModelSettings(BaseModel):
             raise ValueError(f"gpus_per_worker ({self.gpus_per_worker}) must be `auto` or a "
                              "number of GPUs from 1 to 64")
         return self
+
+    def _check_matryoshka_dimensions(self) -> None:
+        sizes = self.matryoshka_dimensions
+        if sizes is None:
+            return
+        wrong = [d for d in sizes if not 1 <= d <= self.dim]
+        if wrong:
+            raise ValueError(f"matryoshka_dimensions: {wrong[0]} is not a size of the model's "
+                             f"{self.dim}-dimensional vectors (from 1 to dim)")
+        if self.dimensions not in (None, self.dim, *sizes):
+            raise ValueError(f"dimensions ({self.dimensions}) is not one of "
+                             f"matryoshka_dimensions {sizes}: the model was trained to give "
+                             "only those sizes (its model card)")
 
     @property
     def output_dim(self) -> int:

@@ -42,7 +42,7 @@ from pipeline.serve.metrics import ServeMetrics
 from pipeline.serve.pages import status_routes
 from transforms.engines.base import EngineFailedError, ModelHandle, truncate_vector
 from transforms.engines.devices import resolved_dtype
-from transforms.engines.model import declared_matryoshka, model_folder
+from transforms.engines.model import model_folder, model_matryoshka
 from transforms.engines.model_files import model_content_hash
 
 _LOG = logging.getLogger("newsvec.serve")
@@ -78,7 +78,7 @@ class Service:
         self.tokenizer = HeadTokenizer(config.model)
         self.prepare = prepare_text(config)
         folder = model_folder(config.model)
-        self.matryoshka = declared_matryoshka(folder)
+        self.matryoshka = model_matryoshka(config.model, folder)  # as the pipeline's engine
         self.content_sha256 = config.model.sha256 or model_content_hash(folder) or None
         self.draining = False
         self.batcher = Batcher(engine.embed, max_batch_tokens=self.settings.max_batch_tokens,
@@ -169,7 +169,8 @@ class Service:
                 dimensions):
             raise bad(f"dimensions {dimensions}: this model gives {full}-dimensional vectors and "
                       "declares no Matryoshka size "
-                      f"{dimensions} (is_matryoshka, matryoshka_dimensions)",
+                      f"{dimensions} (is_matryoshka, matryoshka_dimensions in its config.json, "
+                      "or model.matryoshka_dimensions)",
                       "unsupported_dimensions", "dimensions")
         return [truncate_vector(v, dimensions, self.config.model.normalize) for v in vectors]
 

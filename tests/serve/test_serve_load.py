@@ -169,3 +169,28 @@ def test_dimensions_cut_a_matryoshka_models_vectors(serve_config, engine, tmp_pa
     assert cosine(cut["data"][0]["embedding"], head) >= FLOAT32_COSINE
     assert abs(np.linalg.norm(cut["data"][0]["embedding"]) - 1) < 1e-5
     assert other.status_code == 400 and other.json()["error"]["code"] == "unsupported_dimensions"
+
+
+def test_dimensions_cut_to_the_sizes_the_config_declares(serve_config, engine, tmp_path):
+    """A model whose config.json declares no Matryoshka sizes (the packaged MiniLM's, as it
+    ships) and a config that lists them (``model.matryoshka_dimensions``, as for
+    Qwen3-Embedding): serve accepts those sizes as the pipeline's engine does (vLLM, told them),
+    and refuses the others."""
+    httpx = need("httpx")
+
+    config = serve_config.model_copy(update={
+        "output": str(tmp_path / "no-output"),
+        "model": serve_config.model.model_copy(update={"matryoshka_dimensions": [128, 256]})})
+    with serving(_app(config, engine)) as url:
+        full = httpx.post(f"{url}/v1/embeddings", json={"input": "ferry"}, timeout=30).json()
+        cut = httpx.post(f"{url}/v1/embeddings", json={"input": "ferry", "dimensions": 128},
+                         timeout=30).json()
+        other = httpx.post(f"{url}/v1/embeddings", json={"input": "ferry", "dimensions": 64},
+                           timeout=30)
+        info = httpx.get(f"{url}/info", timeout=30).json()
+    assert len(cut["data"][0]["embedding"]) == 128
+    assert cosine(cut["data"][0]["embedding"], full["data"][0]["embedding"][:128]) >= \
+        FLOAT32_COSINE
+    assert abs(np.linalg.norm(cut["data"][0]["embedding"]) - 1) < 1e-5
+    assert other.status_code == 400 and other.json()["error"]["code"] == "unsupported_dimensions"
+    assert info["model"]["matryoshka_dimensions"] == [128, 256]

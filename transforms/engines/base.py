@@ -274,4 +274,4 @@ def _engine_is_dead(exc: BaseException) -> bool:
 
 _LLM_FIELDS = ("name", "path", "revision", "sha256", "dim", "dtype", "max_tokens",
                "pooling_task", "trust_remote_code", "enforce_eager", "gpu_memory_utilization",
-               "max_num_seqs", "max_num_batched_tokens", "engine_env")
+               "max_num_seqs", "max_num_batched_tokens", "engine_env", "matryoshka_dimensions")

@@ -160,6 +160,27 @@ def declared_matryoshka(local_path: str) -> Optional[Matryoshka]:
     return Matryoshka.of_hf_config(json.loads(config.read_text(encoding="utf-8")))
 
 
+def model_matryoshka(settings: ModelSettings, local_path: Optional[str] = None
+                     ) -> Optional[Matryoshka]:
+    """The Matryoshka sizes the model is served at: ``model.matryoshka_dimensions`` where the
+    config sets them (vLLM is told the same: ``vllm_hf_overrides``), else what its
+    ``config.json`` in ``local_path`` declares (``declared_matryoshka``; None without one). The
+    pipeline (``truncation``) and ``newsvec serve`` (a request's ``dimensions``) both ask this."""
+    if settings.matryoshka_dimensions is not None:
+        return Matryoshka(True, tuple(settings.matryoshka_dimensions))
+    return declared_matryoshka(local_path) if local_path is not None else None
+
+
+def vllm_hf_overrides(settings: ModelSettings) -> dict[str, Any]:
+    """What vLLM's ``LLM(hf_overrides=...)`` sets over the model's ``config.json``: the
+    Matryoshka sizes of ``model.matryoshka_dimensions`` (vLLM refuses ``PoolingParams(
+    dimensions=...)`` for a model whose config declares none: ``is_matryoshka`` or
+    ``matryoshka_dimensions``, read in ``vllm/pooling_params.py``); {} for nothing."""
+    if settings.matryoshka_dimensions is None:
+        return {}
+    return {"matryoshka_dimensions": list(settings.matryoshka_dimensions)}
+
+
 def truncation(settings: ModelSettings, matryoshka: Matryoshka) -> Literal[
         "none", "vllm", "newsvec"]:
     """Who cuts the vectors to ``settings.dimensions``: nobody (full vectors), vLLM
@@ -175,23 +196,87 @@ def truncation(settings: ModelSettings, matryoshka: Matryoshka) -> Literal[
     what = (f"declares only the Matryoshka dimensions {list(matryoshka.dimensions)}"
             if matryoshka.declared and matryoshka.dimensions else
             "does not declare Matryoshka embeddings (is_matryoshka / matryoshka_dimensions in "
-            "its config.json)")
+            "its config.json, or model.matryoshka_dimensions in the config)")
     raise ValueError(f"model.dimensions is {settings.dimensions}, but the model {settings.path} "
-                     f"{what}: the head of its vectors is not trained to stand alone. Set "
+                     f"{what}: the head of its vectors is not trained to stand alone. Where its "
+                     "model card says it was trained for that size, list its sizes in "
+                     "model.matryoshka_dimensions (vLLM then cuts the vectors); else set "
                      "model.truncate_dimensions_knowingly: true to truncate and L2-normalize "
                      "anyway (retrieval loses quality: docs/benchmarks.md), or leave "
                      "model.dimensions unset")
 
 
 def check_dimensions(settings: ModelSettings) -> None:
-    """When a run starts: ``truncation`` against the model's local ``config.json`` (nothing to
-    check without ``dimensions``, or for a model that is not a local folder yet). A ``pypackage:``
-    model is imported to find its folder (``resolve_model_path``)."""
+    """When a run starts: ``truncation`` against ``model.matryoshka_dimensions`` where set, else
+    the model's local ``config.json`` (nothing to check without ``dimensions``, or for a model
+    that is not a local folder yet). A ``pypackage:`` model is imported to find its folder
+    (``resolve_model_path``)."""
     if settings.dimensions is None:
         return
-    matryoshka = declared_matryoshka(model_folder(settings))
+    matryoshka = model_matryoshka(settings) or declared_matryoshka(model_folder(settings))
     if matryoshka is not None:
         truncation(settings, matryoshka)
+
+
+class CustomCodeRefused(ValueError):
+    """The model needs Python code of its own, which newsvec does not run."""
+
+
+def check_custom_code(local_path: str, trust_remote_code: bool) -> None:
+    """Refuse (``CustomCodeRefused``, a ValueError) a model folder whose ``config.json`` points at
+    code of its own (``auto_map``: PLaMo-Embedding's ``PlamoBiModel``) for an architecture that
+    neither vLLM (its model registry, as ``LLM`` resolves a name) nor ``transformers``
+    implements: it runs only with ``trust_remote_code``, which stays off unless the operator
+    turns it on, so vLLM would fail on it later, with an error that does not say why. Nothing to
+    check for a folder without ``config.json`` (a Hugging Face id), a config without
+    ``auto_map`` (an unknown architecture is vLLM's to name), with ``trust_remote_code`` on, or
+    where vLLM is not installed (the engine's machine checks when it loads)."""
+    config = Path(local_path) / "config.json"
+    if trust_remote_code or not config.is_file():
+        return
+    try:
+        hf_config = json.loads(config.read_text(encoding="utf-8"))
+    except ValueError:
+        return  # not this check's to judge: vLLM names a config it cannot read
+    auto_map = hf_config.get("auto_map") if isinstance(hf_config, dict) else None
+    if not auto_map or not isinstance(auto_map, dict):
+        return
+    architectures = [str(a) for a in hf_config.get("architectures") or []]
+    runnable = _runnable_architectures(architectures)
+    if runnable is None or any(runnable):
+        return
+    code = ", ".join(f"{name}: {module}" for name, module in auto_map.items())
+    raise CustomCodeRefused(
+        f"the model {local_path} needs Python code of its own: its config.json names the "
+        f"architecture {', '.join(architectures) or '(none)'}, which neither vLLM nor "
+        f"transformers implements, and points at the model's own code for it (auto_map: "
+        f"{code}). newsvec does not run a model's own code (model.trust_remote_code stays off: "
+        "it would run on every worker, unreviewed). Convert the model to an architecture vLLM "
+        "runs (its weights saved as a BertModel, XLMRobertaModel, LlamaModel, Qwen3Model..., "
+        "where its layers are those), or pick a supported model (docs/languages.md)")
+
+
+def _runnable_architectures(architectures: list[str]) -> Optional[list[bool]]:
+    """Per architecture, whether vLLM runs it without the model's own code: a name in its model
+    registry, directly or as the pooling runner converts it (``FooModel`` from
+    ``FooForCausalLM``), or a class of ``transformers`` (vLLM's Transformers backend). None where
+    vLLM is not installed."""
+    try:
+        import transformers
+        from vllm.config.model import iter_architecture_defaults
+        from vllm.model_executor.models.registry import ModelRegistry
+    except ImportError:
+        return None
+    known = set(ModelRegistry.get_supported_archs())
+    suffixes = [suffix for suffix, _ in iter_architecture_defaults()]
+
+    def runnable(name: str) -> bool:
+        if name in known or getattr(transformers, name, None) is not None:
+            return True
+        return any(name.endswith(suffix) and name.replace(suffix, other) in known
+                   for suffix in suffixes for other in suffixes)
+
+    return [runnable(name) for name in architectures]
 
 
 def check_without_running_code(settings: ModelSettings) -> list[str]:
@@ -200,19 +285,20 @@ def check_without_running_code(settings: ModelSettings) -> list[str]:
     model is looked for (``locate_pypackage``), not imported: its folder, which only its
     ``get_model_path()`` can tell, and so ``model.dimensions`` against its ``config.json``, are
     checked when the run starts (``check_dimensions``) and when the engine loads. Any other model:
-    ``check_dimensions`` (a local folder's ``config.json`` is read, nothing run). ValueError for a
-    problem."""
+    ``check_custom_code`` and ``check_dimensions`` (a local folder's ``config.json`` is read,
+    nothing run). ValueError for a problem."""
     if is_gcs(settings.path):
         return [f"model.path {settings.path}: fetched from GCS, hashed and checked when the run "
                 "starts (its content hash is pinned into the job as model.sha256"
                 + (f", and must be {settings.sha256}" if settings.sha256 else "") + ")"]
     if not settings.path.startswith(PYPACKAGE):
+        check_custom_code(settings.path, settings.trust_remote_code)
         check_dimensions(settings)
         return []
     where = locate_pypackage(settings.path)
     deferred = [f"model.path {settings.path}: found ({where}), not imported (importing runs the "
                 "package's code); its model folder is resolved at run time"]
-    if settings.dimensions is not None:
+    if settings.dimensions is not None and settings.matryoshka_dimensions is None:
         deferred.append(f"model.dimensions {settings.dimensions}: checked against the model's "
                         "config.json at run time (newsvec run, backfill), and by the engine when "
                         "it loads")

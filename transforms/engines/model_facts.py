@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from transforms.engines.devices import resolved_dtype
-from transforms.engines.model import Matryoshka
+from transforms.engines.model import Matryoshka, model_matryoshka
 from transforms.engines.model_files import module_configs
 from transforms.engines.vllm import sentence_transformers_pooling
 from transforms.settings import ModelSettings
@@ -35,7 +35,7 @@ class ModelFacts:
     normalize_reference: bool  # the modules hold a Normalize
     normalize_config: bool  # model.normalize
     dim: int  # the reference's vectors
-    matryoshka_dimensions: Optional[list[int]]  # declared sizes; [] declared, any size; None: not
+    matryoshka_dimensions: Optional[list[int]]  # served sizes; [] declared, any size; None: not
     max_positions: Optional[int]  # config.json's max_position_embeddings
     max_seq_length: Optional[int]  # sentence-transformers' (sentence_bert_config.json)
     max_tokens: int  # the config's
@@ -131,7 +131,7 @@ def model_facts(settings: ModelSettings, folder: Path, pooling_engine: str, dim:
     modules (``reference_folder``, default the model's) have them."""
     config = read_json(folder / "config.json") or {}
     pooling, normalize = pooling_and_normalization(reference_folder or folder)
-    matryoshka = Matryoshka.of_hf_config(config)
+    matryoshka = model_matryoshka(settings) or Matryoshka.of_hf_config(config)  # as served
     window, reach, local = local_attention(config)
     st_config = read_json(folder / "sentence_bert_config.json") or {}
     prompts = model_prompts(folder)

@@ -18,10 +18,12 @@ from transforms.engines.base import _LLM_FIELDS, truncate_vector
 from transforms.engines.devices import resolved_dtype
 from transforms.engines.model import (
     Matryoshka,
+    check_custom_code,
     model_folder,
     model_label,
     pooling_modes,
     truncation,
+    vllm_hf_overrides,
 )
 from transforms.engines.model_files import module_configs
 from transforms.settings import ModelSettings
@@ -169,6 +171,9 @@ def _new_llm(s: ModelSettings):
         model=path, runner="pooling", dtype=resolved_dtype(s), revision=s.revision,
         max_model_len=s.max_tokens, trust_remote_code=s.trust_remote_code,
         enforce_eager=s.enforce_eager, seed=0)
+    overrides = vllm_hf_overrides(s)  # over the model's config.json (model.matryoshka_dimensions)
+    if overrides:
+        kwargs["hf_overrides"] = overrides
     if s.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = s.gpu_memory_utilization
     if s.max_num_seqs is not None:
@@ -186,9 +191,10 @@ def _new_llm(s: ModelSettings):
 def load_vllm(s: ModelSettings) -> Engine:
     """A real vLLM engine for these settings (the default ``EngineFactory``), on the process's
     ``LLM`` for them (``_shared_llm``). Refused: a model whose declared pooling vLLM does not
-    compute (``check_pooling``, before anything loads), or whose pooler output is not
-    ``model.dim``."""
+    compute (``check_pooling``, before anything loads) or that needs code of its own
+    (``check_custom_code``), or whose pooler output is not ``model.dim``."""
     folder = model_folder(s)  # once: a gs:// model is listed again at each call
+    check_custom_code(folder, s.trust_remote_code)
     check_pooling(folder, s.normalize)
     if s.pooling_task == "token_embed":
         check_late_projection(folder)
