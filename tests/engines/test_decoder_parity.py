@@ -5,11 +5,9 @@ head of each article (head mode), and the head and every chunk (chunks mode), ar
 about 300 tokens in one call, so that the engine and the reference (which pads a batch: the
 Llama's tokenizer on the right, the Qwen3's on the left) see batches of mixed lengths.
 
-float32: cosine >= 0.999 against the reference in float32. bfloat16 (the dtype newsvec runs at
-on a CPU with bfloat16): the figure is printed against the reference in float32, and the bound
-asserted is the one measured with room (``BF16_BOUND``): random weights lose more to bfloat16's
-8-bit mantissa than a trained model does (test_model_parity.py: up to about 0.005 of cosine for
-``transformers`` itself in bfloat16 against float32)."""
+float32: cosine >= 0.999 against the reference in float32 (measured: 1.000000). bfloat16 (the
+dtype newsvec runs at on a CPU with bfloat16): the figure is printed against the reference in
+float32, and the bound asserted is the one measured with room (``BF16_BOUND``)."""
 from __future__ import annotations
 
 import json
@@ -30,8 +28,10 @@ from transforms.embed import EmbedFailure, embedder_for, model_inputs
 MAX_TOKENS = 128
 CHUNK_TOKENS = 48
 # bfloat16 engine against the float32 reference: the lowest cosine measured on these texts was
-# 0.99 (Llama) and 0.99 (Qwen3): asserted with room, at 0.98 (the figure is printed).
-BF16_BOUND = 0.98
+# 0.99967 (Llama) and 0.99982 (Qwen3), head and chunks alike (AMD EPYC, AVX512_BF16). Asserted at
+# 0.998: bfloat16 kernels differ between CPUs (AVX512_BF16, AMX, emulated), and random weights
+# lose up to about 0.005 to bfloat16 itself (test_model_parity.py); the figure is printed.
+BF16_BOUND = 0.998
 _REFERENCES: dict = {}
 
 
@@ -74,7 +74,7 @@ def _parity(folder: Path, dtype: str, mode: str, events_path: Path) -> dict[str,
     docs = [d for d in prepare_text(config).prepare(events)
             if not isinstance(d, pvalue.TaggedOutput)]
     assert len(docs) == len(events)
-    embedder = embedder_for(config.model, config.chunking)
+    embedder = embedder_for(config.model, config.chunking, None)
     results = embedder.embed_docs(embedder.load_engine(), docs)  # one call: mixed lengths
     labels, texts, vectors = [], [], []
     for doc, result in zip(docs, results, strict=True):
@@ -94,7 +94,7 @@ def _parity(folder: Path, dtype: str, mode: str, events_path: Path) -> dict[str,
                                              * np.linalg.norm(reference, axis=1))
     lengths = [len(ids) for ids in st.tokenizer(texts, truncation=True,
                                                 max_length=MAX_TOKENS)["input_ids"]]
-    assert min(lengths) <= 8 and max(lengths) >= MAX_TOKENS - 8, lengths  # mixed lengths
+    assert min(lengths) <= 12 and max(lengths) >= MAX_TOKENS - 8, lengths  # mixed lengths
     if mode == "chunks":
         assert len(texts) > len(docs), "no article was long enough to be chunked"
     return dict(zip([f"{label} ({n} tokens)" for label, n in zip(labels, lengths, strict=True)],
