@@ -20,7 +20,8 @@ that a mean over the tokens barely depends on what each token attends to: a test
 the attention window still passes. ``build_modernbert`` uses a large ``initializer_range`` and CLS
 pooling, where the window visibly changes the vector (tests/engines/test_model_parity.py shows it).
 
-Used by the tests (tests/engines/test_model_parity.py, tests/engines/test_check_model.py); run as a
+Used by the tests (tests/engines/test_model_parity.py, tests/engines/test_decoder_parity.py,
+tests/engines/test_check_model.py) and ``benchmarks.batch --tiny``; run as a
 script it builds them all into a folder: ``python -m tools.tiny_models OUT``.
 """
 from __future__ import annotations
