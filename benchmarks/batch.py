@@ -8,6 +8,11 @@ On the BBC articles in ../shared/data/bbc-news (2,225), in one run of this comma
      separate process (as a home-made server would run it).
 Raw and pipeline runs alternate, and medians are taken, because this machine is shared and noisy.
 Prints the ratios and writes everything to ``bench-results/batch-<time>.json``.
+
+``--tiny bert|llama|qwen3`` runs it on a tiny model built on the spot (tools/tiny_models.py: random
+weights, nothing downloaded) instead of the config's: a decoder (causal attention, byte-level BPE,
+last-token pooling) beside the BERT of the same machinery. Such a model costs the engine little,
+so the ratio weighs the pipeline's CPU side more than a real model's would.
 """
 from __future__ import annotations
 
@@ -47,6 +52,25 @@ class OneEngine:
         if OneEngine.engine is None:
             OneEngine.engine = load_vllm(settings)
         return OneEngine.engine
+
+
+TINY_MODELS = {"bert": ("build_bert", 128), "llama": ("build_llama", 64),
+               "qwen3": ("build_qwen3", 64)}  # builder in tools.tiny_models, its dimensions
+
+
+def tiny_model_config(config, kind: str, folder: Path):
+    """``config`` with its model replaced by the tiny ``kind`` built in ``folder``: the same
+    dtype and ``max_tokens``, no prefixes (the Qwen3's query prompt is left out: no query here)."""
+    from tools import tiny_models
+
+    builder, dim = TINY_MODELS[kind]
+    path = getattr(tiny_models, builder)(folder / kind, seed=1,
+                                         max_length=max(512, config.model.max_tokens))
+    model = config.model.model_copy(update={
+        "name": f"tiny/{kind}", "path": str(path), "dim": dim, "sha256": None, "revision": None,
+        "document_prefix": "", "query_prefix": "", "dimensions": None,
+        "unused_prompts": ["query", "document"] if kind == "qwen3" else []})
+    return config.model_copy(update={"model": model})
 
 
 def bbc_texts(limit: int | None) -> list[str]:
@@ -116,6 +140,9 @@ def main(argv=None) -> int:
     parser.add_argument("--results", default=str(REPO_ROOT / "bench-results"))
     parser.add_argument("--skip-st", action="store_true", help="skip sentence-transformers")
     parser.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+    parser.add_argument("--tiny", choices=sorted(TINY_MODELS),
+                        help="run on a tiny model built on the spot (random weights): a decoder "
+                        "(llama, qwen3) or the BERT, instead of the config's")
     parser.add_argument("--st-only", choices=("float32", "bfloat16"), help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, default=256, help=argparse.SUPPRESS)
@@ -132,10 +159,13 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     config = load(args.config)
+    if args.tiny:
+        config = tiny_model_config(config, args.tiny,
+                                   Path(tempfile.mkdtemp(prefix="newsvec-bench-tiny-")))
     model_path = resolve_model_path(config.model.path)
     results: dict = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                      "docs": len(texts), "runs": args.runs, "cpus": os.cpu_count(),
-                     "model": config.model.model_dump()}
+                     "model": config.model.model_dump(), "tiny": args.tiny}
 
     st = {}
     if not args.skip_st:  # first, while vLLM is not loaded in this process

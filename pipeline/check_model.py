@@ -456,7 +456,9 @@ def _notes(compared: _Compared, facts: ModelFacts, settings: ModelSettings, ref:
                      f"{facts.max_positions} positions")
     if ref.prefix and pooling_config(reference_folder).get("include_prompt") is False:
         notes.append("the model's pooling leaves the prompt's tokens out (include_prompt: "
-                     "false in its pooling config); vLLM pools over them")
+                     "false in its pooling config); " + (
+                         "it pools by the last token, after the prompt, as vLLM does"
+                         if facts.pooling_reference == "lasttoken" else "vLLM pools over them"))
     if compared.late_chunks:
         notes.append(f"chunking.mode late: {compared.late_chunks} chunk vectors (each its span's "
                      "mean over one pass over the head) have no sentence-transformers reference "

@@ -8,14 +8,21 @@ prompts), so that sentence-transformers loads the folder as the reference and vL
 - ``build_modernbert``: a ``ModernBertModel`` as ruri-v3 is built: several layers, local attention
   in a window smaller than the test texts, a global layer every few, a Unigram tokenizer with
   Metaspace (SentencePiece-like).
+- ``build_llama`` and ``build_qwen3``: decoders as the embedders built on them are (e5-mistral,
+  gte-Qwen, Qwen3-Embedding): causal attention, a byte-level BPE tokenizer that appends an end
+  token, last-token pooling. The Llama is saved as ``LlamaModel`` (grouped-query attention, its
+  tokenizer padding on the right); the Qwen3 as Qwen3-Embedding ships (``Qwen3ForCausalLM``, the
+  query prompt ``Instruct: ...\nQuery:``, its tokenizer padding on the left). sentence-transformers'
+  last-token pooling takes the last token of the attention mask, on either side.
 
 Random weights of the usual scale (``initializer_range`` 0.02) make attention nearly uniform, so
 that a mean over the tokens barely depends on what each token attends to: a test that ignores
 the attention window still passes. ``build_modernbert`` uses a large ``initializer_range`` and CLS
 pooling, where the window visibly changes the vector (tests/engines/test_model_parity.py shows it).
 
-Used by the tests (tests/engines/test_model_parity.py, tests/engines/test_check_model.py); run as a
-script it builds both into a folder: ``python -m tools.tiny_models OUT``.
+Used by the tests (tests/engines/test_model_parity.py, tests/engines/test_decoder_parity.py,
+tests/engines/test_check_model.py) and ``benchmarks.batch --tiny``; run as a
+script it builds them all into a folder: ``python -m tools.tiny_models OUT``.
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ import sys
 from pathlib import Path
 from typing import Literal, Optional
 
-Pooling = Literal["cls", "mean", "weightedmean"]
+Pooling = Literal["cls", "mean", "weightedmean", "lasttoken"]
 _SYLLABLES = ("ka", "ki", "ku", "ke", "ko", "sa", "shi", "su", "ta", "to", "na", "ni", "ma", "mo",
               "ra", "ri", "ru", "ya", "yo", "n", "ba", "de", "go", "zu", "fu", "po", "wa", "hi")
 
@@ -65,7 +72,8 @@ def _save_tokenizer(tok, folder: Path, max_length: int, specials: list[str]) -> 
 
 def _write_sentence_transformers(folder: Path, pooling: Pooling, normalize: bool,
                                  max_length: int, hidden: int,
-                                 prompts: Optional[dict[str, str]]) -> None:
+                                 prompts: Optional[dict[str, str]],
+                                 include_prompt: bool = True) -> None:
     modules = [{"idx": 0, "name": "0", "path": "",
                 "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling",
@@ -75,23 +83,27 @@ def _write_sentence_transformers(folder: Path, pooling: Pooling, normalize: bool
                         "type": "sentence_transformers.models.Normalize"})
         (folder / "2_Normalize").mkdir(exist_ok=True)
     (folder / "modules.json").write_text(json.dumps(modules, indent=2))
-    write_pooling(folder, pooling, hidden)
+    write_pooling(folder, pooling, hidden, include_prompt)
     (folder / "sentence_bert_config.json").write_text(
         json.dumps({"max_seq_length": max_length, "do_lower_case": False}))
     (folder / "config_sentence_transformers.json").write_text(json.dumps(
         {"prompts": prompts or {}, "default_prompt_name": None, "similarity_fn_name": "cosine"}))
 
 
-def write_pooling(folder: Path, pooling: Pooling, hidden: int) -> None:
-    """The sentence-transformers pooling module's config (``1_Pooling/config.json``)."""
+def write_pooling(folder: Path, pooling: Pooling, hidden: int,
+                  include_prompt: bool = True) -> None:
+    """The sentence-transformers pooling module's config (``1_Pooling/config.json``);
+    ``include_prompt`` False: the pooling leaves the prompt's tokens out."""
     (folder / "1_Pooling").mkdir(exist_ok=True)
     modes = {f"pooling_mode_{m}": False for m in (
         "cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens",
         "lasttoken")}
     modes[{"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens",
-           "weightedmean": "pooling_mode_weightedmean_tokens"}[pooling]] = True
+           "weightedmean": "pooling_mode_weightedmean_tokens",
+           "lasttoken": "pooling_mode_lasttoken"}[pooling]] = True
     (folder / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": hidden, **modes, "include_prompt": True},
+        json.dumps({"word_embedding_dimension": hidden, **modes,
+                    "include_prompt": include_prompt},
                    indent=2))
 
 
@@ -163,6 +175,95 @@ def build_modernbert(folder: str | Path, *, pooling: Pooling = "cls", normalize:
     return folder
 
 
+# Qwen3-Embedding's query prompt (its config_sentence_transformers.json); documents get none.
+QWEN3_QUERY_PROMPT = ("Instruct: Given a web search query, retrieve relevant passages that "
+                      "answer the query\nQuery:")
+
+
+def _decoder_tokenizer(folder: Path, seed: int, max_length: int, bos: Optional[str], eos: str,
+                       padding_side: str) -> tuple[int, int, int]:
+    """A byte-level BPE tokenizer (as Llama 3 and Qwen have) that appends ``eos`` (and starts
+    with ``bos``), saved in ``folder``; (pad id, bos id or eos id, eos id). The pad token is the
+    end token, as these models' tokenizers have it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.trainers import BpeTrainer
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [t for t in (bos, eos) if t]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_corpus(seed), BpeTrainer(
+        vocab_size=500, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    eos_id = tok.token_to_id(eos)
+    bos_id = tok.token_to_id(bos) if bos else eos_id
+    single = f"{bos} $A {eos}" if bos else f"$A {eos}"
+    tok.post_processor = processors.TemplateProcessing(
+        single=single, pair=f"{single} $B:1 {eos}:1",
+        special_tokens=[(t, tok.token_to_id(t)) for t in specials])
+    PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=max_length, eos_token=eos,
+                            pad_token=eos, padding_side=padding_side,
+                            **({"bos_token": bos} if bos else {})).save_pretrained(folder)
+    return eos_id, bos_id, eos_id
+
+
+def build_llama(folder: str | Path, *, pooling: Pooling = "lasttoken", normalize: bool = True,
+                seed: int = 0, prompts: Optional[dict[str, str]] = None,
+                include_prompt: bool = True, hidden: int = 64, layers: int = 2,
+                max_length: int = 512, initializer_range: float = 0.2) -> Path:
+    """A tiny ``LlamaModel`` embedder (2 query heads of 32 sharing 1 key/value head: vLLM's CPU
+    attention takes a head size of 32, not 16), a byte-level BPE tokenizer ``<s> ... </s>``
+    padding on the right, last-token pooling, in ``folder``."""
+    import torch
+    from transformers import LlamaConfig, LlamaModel
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    pad, bos, eos = _decoder_tokenizer(folder, seed, max_length, "<s>", "</s>", "right")
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]),
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=2 * hidden, max_position_embeddings=max_length,
+        initializer_range=initializer_range, pad_token_id=pad, bos_token_id=bos,
+        eos_token_id=eos, tie_word_embeddings=False)
+    LlamaModel(config).eval().save_pretrained(folder)
+    _write_sentence_transformers(folder, pooling, normalize, max_length, hidden, prompts,
+                                 include_prompt)
+    return folder
+
+
+def build_qwen3(folder: str | Path, *, pooling: Pooling = "lasttoken", normalize: bool = True,
+                seed: int = 0, prompts: Optional[dict[str, str]] = None,
+                include_prompt: bool = True, hidden: int = 64, layers: int = 2,
+                max_length: int = 512, initializer_range: float = 0.2) -> Path:
+    """A tiny Qwen3 embedder as Qwen3-Embedding ships (``Qwen3ForCausalLM``: 4 query heads of 32,
+    2 key/value heads, RMS-normed queries and keys; a byte-level BPE tokenizer appending
+    ``<|endoftext|>``, padding on the left; last-token pooling; the query prompt
+    ``QWEN3_QUERY_PROMPT`` and an empty document prompt unless ``prompts`` says otherwise), in
+    ``folder``."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    pad, bos, eos = _decoder_tokenizer(folder, seed, max_length, None, "<|endoftext|>", "left")
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]),
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=2 * hidden,
+        max_position_embeddings=max_length, initializer_range=initializer_range,
+        pad_token_id=pad, bos_token_id=bos, eos_token_id=eos, tie_word_embeddings=True)
+    Qwen3ForCausalLM(config).eval().save_pretrained(folder)
+    _write_sentence_transformers(
+        folder, pooling, normalize, max_length, hidden,
+        {"query": QWEN3_QUERY_PROMPT, "document": ""} if prompts is None else prompts,
+        include_prompt)
+    return folder
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 1:
@@ -170,6 +271,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     print(build_bert(Path(argv[0]) / "bert"))
     print(build_modernbert(Path(argv[0]) / "modernbert"))
+    print(build_llama(Path(argv[0]) / "llama"))
+    print(build_qwen3(Path(argv[0]) / "qwen3"))
     return 0
 
 

@@ -20,3 +20,17 @@ def tiny_modernbert(tmp_path_factory) -> Path:
     from tools.tiny_models import build_modernbert
 
     return build_modernbert(tmp_path_factory.mktemp("tiny-modernbert"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    from tools.tiny_models import build_llama
+
+    return build_llama(tmp_path_factory.mktemp("tiny-llama"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    from tools.tiny_models import build_qwen3
+
+    return build_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), seed=1)

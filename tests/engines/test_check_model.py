@@ -171,10 +171,10 @@ def test_json_alone_on_standard_output_in_a_fresh_process(tiny_bert, tmp_path, e
 
 def test_it_fails_on_a_model_that_pools_without_its_prompt(tiny_bert, tmp_path, events, capsys):
     """The model's mean leaves its prompt's tokens out (``include_prompt: false``, as
-    sentence-transformers computes it); vLLM averages over them too. The config puts the prompt
-    right, and still the short texts, where the prompt weighs most, are the worst. (On this
-    random BERT, whose tokens' states are alike, it costs 0.008 of cosine at most: the test asks
-    for 0.999, which the model served as it is passes at float32.)"""
+    sentence-transformers computes it); vLLM would average over them too. The config puts the
+    prompt right, and the engine refuses the model when it loads, saying why. (Before the refusal
+    the check failed only by its cosines: on this random BERT, whose tokens' states are alike,
+    0.008 at most, and a run served the model's wrong vectors silently.)"""
     folder = tmp_path / "without-prompt"
     shutil.copytree(tiny_bert, folder)
     pooling = json.loads((folder / "1_Pooling" / "config.json").read_text())
@@ -184,9 +184,10 @@ def test_it_fails_on_a_model_that_pools_without_its_prompt(tiny_bert, tmp_path, 
         {"prompts": {"document": "Kasa toki: "}}))
     code, report = _check(capsys, _config(tmp_path, folder, document_prefix="Kasa toki: "),
                           events, "--min-cosine", "0.999")
-    _fails_naming(report, code, {i for i, _ in _TEXTS}, below=0.999)
-    assert report["worst"][0]["id"].startswith("short-"), report["worst"]
-    assert any("include_prompt: false" in n for n in report["notes"]), report["notes"]
+    assert code == 1 and not report["passed"]
+    (problem,) = report["problems"]
+    assert "include_prompt: false" in problem and "model.document_prefix 'Kasa toki: '" in problem
+    assert report["model"]["pooling_engine"] == "refused"
 
 
 # ---- what newsvec search does with the model: its queries, and every prompt the model declares
@@ -304,3 +305,75 @@ def test_it_names_a_tokenizer_json_normalizer_transformers_does_not_build(tmp_pa
     assert code == 1 and not report["passed"]
     assert any("tokenizer.json" in p and "lowercase" in p for p in report["problems"]), \
         report["problems"]
+
+
+# ---- decoders (tools/tiny_models.py: build_llama, build_qwen3): last-token pooling, and
+# Qwen3-Embedding's instruction before queries and none before documents ------------------------
+
+
+def _decoder_config(tmp_path: Path, folder: Path, **model) -> Path:
+    return _config(tmp_path, folder, dim=64, **model)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
+def test_it_passes_on_a_decoder_served_as_it_is(model, request, tmp_path, events, capsys):
+    """The Qwen3 declares its query instruction (``Instruct: ...\\nQuery:``) and an empty
+    document prompt: the config puts the instruction before queries, nothing before documents."""
+    from tools.tiny_models import QWEN3_QUERY_PROMPT
+
+    folder = request.getfixturevalue(model)
+    prefixes = {"query_prefix": QWEN3_QUERY_PROMPT} if model == "tiny_qwen3" else {}
+    code, report = _check(capsys, _decoder_config(tmp_path, folder, **prefixes), events)
+    assert code == 0 and report["passed"], report["problems"]
+    assert report["summaries"][0]["min"] >= 0.999 and report["queries"]["min"] >= 0.999
+    facts = report["model"]
+    assert facts["pooling_reference"] == "lasttoken" and facts["pooling_engine"] == "LAST"
+    if model == "tiny_qwen3":
+        assert facts["query_reference_prefix"] == QWEN3_QUERY_PROMPT
+        assert {p["name"]: p["use"] for p in report["prompts"]} == {
+            "query": "model.query_prefix", "document": "model.document_prefix"}
+
+
+def test_it_fails_on_a_decoder_served_with_the_mean(tiny_llama, tmp_path, events, capsys):
+    """A served copy whose sentence-transformers modules say mean where the model (the
+    reference) pools by the last token: vLLM reads MEAN from the copy, and every text fails."""
+    served = tmp_path / "llama-mean"
+    shutil.copytree(tiny_llama, served)
+    write_pooling(served, "mean", 64)
+    code, report = _check(capsys, _decoder_config(tmp_path, served), events,
+                          "--reference", str(tiny_llama))
+    _fails_naming(report, code, {i for i, _ in _TEXTS})
+    assert report["model"]["pooling_engine"] == "MEAN"
+    assert report["model"]["pooling_reference"] == "lasttoken"
+
+
+def test_it_fails_on_qwen3_prompts_the_config_gets_wrong(tiny_qwen3, tmp_path, events, capsys):
+    """No instruction before queries: the declared query prompt is named and the queries fail.
+    The instruction put before documents instead: the documents fail (the model declares an
+    empty document prompt)."""
+    from tools.tiny_models import QWEN3_QUERY_PROMPT
+
+    code, report = _check(capsys, _decoder_config(tmp_path, tiny_qwen3), events)
+    assert code == 1 and report["queries"]["min"] < 0.99, report["queries"]
+    assert any("'query'" in p and "model.query_prefix" in p for p in report["problems"])
+    code, report = _check(capsys, _decoder_config(
+        tmp_path, tiny_qwen3, document_prefix=QWEN3_QUERY_PROMPT), events)
+    assert code == 1 and report["summaries"][0]["min"] < 0.99, report["summaries"]
+    assert any("below --min-cosine" in p for p in report["problems"]), report["problems"]
+
+
+def test_a_decoder_that_pools_the_last_token_without_its_prompt_passes(tiny_qwen3, tmp_path,
+                                                                        events, capsys):
+    """``include_prompt: false`` with last-token pooling: the last token follows the prompt, so
+    vLLM computes what sentence-transformers does (which masks the prompt out), and the check
+    passes at 0.999 with the instruction before every query."""
+    from tools.tiny_models import QWEN3_QUERY_PROMPT
+
+    folder = tmp_path / "qwen3-without-prompt"
+    shutil.copytree(tiny_qwen3, folder)
+    write_pooling(folder, "lasttoken", 64, include_prompt=False)
+    code, report = _check(capsys, _decoder_config(tmp_path, folder,
+                                                  query_prefix=QWEN3_QUERY_PROMPT), events,
+                          "--min-cosine", "0.999")
+    assert code == 0, report["problems"]
+    assert report["queries"]["min"] >= 0.999

@@ -191,11 +191,12 @@ def _new_llm(s: ModelSettings):
 def load_vllm(s: ModelSettings) -> Engine:
     """A real vLLM engine for these settings (the default ``EngineFactory``), on the process's
     ``LLM`` for them (``_shared_llm``). Refused: a model whose declared pooling vLLM does not
-    compute (``check_pooling``, before anything loads) or that needs code of its own
-    (``check_custom_code``), or whose pooler output is not ``model.dim``."""
+    compute (``check_pooling``, before anything loads: a pooling mode, or a prompt its pooling
+    leaves out) or that needs code of its own (``check_custom_code``), or whose pooler output is
+    not ``model.dim``."""
     folder = model_folder(s)  # once: a gs:// model is listed again at each call
     check_custom_code(folder, s.trust_remote_code)
-    check_pooling(folder, s.normalize)
+    check_pooling(folder, s.normalize, prompted_prefixes(s))
     if s.pooling_task == "token_embed":
         check_late_projection(folder)
     llm = _shared_llm(s)
@@ -248,27 +249,50 @@ def check_late_projection(folder: str | Path) -> None:
                 "chunking.mode chunks for this model")
 
 
-def check_pooling(folder: str | Path, normalize: bool) -> None:
+def prompted_prefixes(s: ModelSettings) -> dict[str, str]:
+    """The prefixes the config puts before texts the engine embeds (``model.document_prefix``,
+    ``model.query_prefix``), by setting name; empty ones left out."""
+    return {name: prefix for name, prefix in (("model.document_prefix", s.document_prefix),
+                                              ("model.query_prefix", s.query_prefix)) if prefix}
+
+
+def check_pooling(folder: str | Path, normalize: bool,
+                  prefixes: Optional[dict[str, str]] = None) -> None:
     """Refuse (ValueError) a model whose sentence-transformers modules pool in a way vLLM does
     not compute: vLLM 0.32 reads only ``cls_token``, ``mean_tokens`` and ``lasttoken`` and
     falls back to the architecture's default pooling for any other (``max_tokens``,
     ``weightedmean_tokens``, several modes at once), which would give other vectors than the
     model's, silently. ``mean_sqrt_len_tokens`` is the mean's direction: accepted when the
-    vectors are normalized. Checked before the model loads: a vLLM engine shut down in a process
-    takes the others of that process with it."""
+    vectors are normalized. A pooling that leaves the prompt's tokens out (``include_prompt:
+    false``) with a prefix in ``prefixes`` (``prompted_prefixes``) is refused for the mean and
+    CLS, which vLLM computes over every token (the mean over the prompt too, CLS on its first
+    token, where sentence-transformers takes the first after the prompt); last-token pooling
+    takes a token after the prompt either way (Qwen3-Embedding, e5-mistral), so it is
+    computed as the model does. Checked before the model loads: a vLLM engine shut down in a
+    process takes the others of that process with it."""
     modes = sentence_transformers_pooling(folder)
     if not modes:
         return
     computes = dict(_POOLING_VLLM_COMPUTES)
     if normalize:
         computes["mean_sqrt_len_tokens"] = "MEAN"
-    if len(modes) == 1 and modes[0] in computes:
-        return
-    raise ValueError(
-        f"the model {folder} pools by {'+'.join(modes)} (its sentence-transformers "
-        "1_Pooling/config.json), which vLLM does not compute: it would pool by the "
-        "architecture's default instead, and its vectors would not be the model's. vLLM "
-        "computes cls_token, mean_tokens and lasttoken pooling"
-        f"{' (mean_sqrt_len_tokens with model.normalize)' if not normalize else ''}; serve a "
-        "model that pools by one of them (newsvec check-model compares a model with its "
-        "sentence-transformers reference)")
+    if len(modes) != 1 or modes[0] not in computes:
+        raise ValueError(
+            f"the model {folder} pools by {'+'.join(modes)} (its sentence-transformers "
+            "1_Pooling/config.json), which vLLM does not compute: it would pool by the "
+            "architecture's default instead, and its vectors would not be the model's. vLLM "
+            "computes cls_token, mean_tokens and lasttoken pooling"
+            f"{' (mean_sqrt_len_tokens with model.normalize)' if not normalize else ''}; serve "
+            "a model that pools by one of them (newsvec check-model compares a model with its "
+            "sentence-transformers reference)")
+    configs = module_configs(folder, "Pooling")
+    if (prefixes and modes[0] != "lasttoken" and configs and configs[0] is not None
+            and configs[0].get("include_prompt") is False):
+        given = ", ".join(f"{name} {prefix!r}" for name, prefix in prefixes.items())
+        raise ValueError(
+            f"the model {folder} pools by {modes[0]} leaving the prompt's tokens out "
+            "(include_prompt: false in its sentence-transformers 1_Pooling/config.json), and "
+            f"the config puts a prompt before its texts ({given}): vLLM pools over every token "
+            "of its input, the prompt's too, and its vectors would not be the model's. Serve a "
+            "model whose pooling includes the prompt, or one that pools by the last token "
+            "(newsvec check-model compares a model with its sentence-transformers reference)")
