@@ -236,12 +236,15 @@ def check_custom_code(local_path: str, trust_remote_code: bool) -> None:
         return
     try:
         hf_config = json.loads(config.read_text(encoding="utf-8"))
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep for json
         return  # not this check's to judge: vLLM names a config it cannot read
     auto_map = hf_config.get("auto_map") if isinstance(hf_config, dict) else None
     if not auto_map or not isinstance(auto_map, dict):
         return
-    architectures = [str(a) for a in hf_config.get("architectures") or []]
+    architectures = hf_config.get("architectures") or []
+    if isinstance(architectures, str):  # one name, as vLLM's registry also takes it
+        architectures = [architectures]
+    architectures = [str(a) for a in architectures]
     runnable = _runnable_architectures(architectures)
     if runnable is None or any(runnable):
         return
