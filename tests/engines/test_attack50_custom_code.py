@@ -44,3 +44,18 @@ def test_a_deeply_nested_config_json_is_no_traceback_at_config_load(tmp_path):
         config_lib.load(path)
     except config_lib.ConfigError:
         pass  # named, as any config problem is
+
+
+def test_a_deeply_nested_config_json_with_dimensions_is_a_config_error(tmp_path):
+    """With ``model.dimensions`` the config.json is read for its Matryoshka sizes too
+    (``declared_matryoshka``): a config error naming it, as for any JSON it cannot read."""
+    import pytest
+
+    folder = _folder(tmp_path, "nested", '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "extends": str(REPO / "configs" / "local.yaml"),
+        "model": {"name": "x/nested", "path": str(folder), "dim": 128, "dimensions": 64,
+                  "matryoshka_dimensions": [64]}}))
+    with pytest.raises(config_lib.ConfigError, match="nested too deeply"):
+        config_lib.load(path)
