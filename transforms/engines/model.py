@@ -157,7 +157,11 @@ def declared_matryoshka(local_path: str) -> Optional[Matryoshka]:
     config = Path(local_path) / "config.json"
     if not config.is_file():
         return None
-    return Matryoshka.of_hf_config(json.loads(config.read_text(encoding="utf-8")))
+    try:
+        hf_config = json.loads(config.read_text(encoding="utf-8"))
+    except RecursionError:  # a ValueError as any JSON the json module cannot read
+        raise ValueError(f"{config}: nested too deeply to read as JSON") from None
+    return Matryoshka.of_hf_config(hf_config)
 
 
 def model_matryoshka(settings: ModelSettings, local_path: Optional[str] = None
