@@ -157,7 +157,11 @@ def declared_matryoshka(local_path: str) -> Optional[Matryoshka]:
     config = Path(local_path) / "config.json"
     if not config.is_file():
         return None
-    return Matryoshka.of_hf_config(json.loads(config.read_text(encoding="utf-8")))
+    try:
+        hf_config = json.loads(config.read_text(encoding="utf-8"))
+    except RecursionError:  # a ValueError as any JSON the json module cannot read
+        raise ValueError(f"{config}: nested too deeply to read as JSON") from None
+    return Matryoshka.of_hf_config(hf_config)
 
 
 def model_matryoshka(settings: ModelSettings, local_path: Optional[str] = None
@@ -197,11 +201,14 @@ def truncation(settings: ModelSettings, matryoshka: Matryoshka) -> Literal[
             if matryoshka.declared and matryoshka.dimensions else
             "does not declare Matryoshka embeddings (is_matryoshka / matryoshka_dimensions in "
             "its config.json, or model.matryoshka_dimensions in the config)")
+    listed = matryoshka.declared and matryoshka.dimensions  # its own list: not overridden
     raise ValueError(f"model.dimensions is {settings.dimensions}, but the model {settings.path} "
-                     f"{what}: the head of its vectors is not trained to stand alone. Where its "
-                     "model card says it was trained for that size, list its sizes in "
-                     "model.matryoshka_dimensions (vLLM then cuts the vectors); else set "
-                     "model.truncate_dimensions_knowingly: true to truncate and L2-normalize "
+                     f"{what}: the head of its vectors is not trained to stand alone. "
+                     + ("" if listed else "Where its model card says it was trained for that "
+                        "size, list its sizes in model.matryoshka_dimensions (vLLM then cuts the "
+                        "vectors); else set ")
+                     + ("Set " if listed else "")
+                     + "model.truncate_dimensions_knowingly: true to truncate and L2-normalize "
                      "anyway (retrieval loses quality: docs/benchmarks.md), or leave "
                      "model.dimensions unset")
 
@@ -210,13 +217,35 @@ def check_dimensions(settings: ModelSettings) -> None:
     """When a run starts: ``truncation`` against ``model.matryoshka_dimensions`` where set, else
     the model's local ``config.json`` (nothing to check without ``dimensions``, or for a model
     that is not a local folder yet). A ``pypackage:`` model is imported to find its folder
-    (``resolve_model_path``)."""
+    (``resolve_model_path``). ``model.matryoshka_dimensions`` must not list a size the
+    model's ``config.json`` leaves out of the sizes it declares (``check_matryoshka_sizes``)."""
+    if settings.matryoshka_dimensions is not None:
+        check_matryoshka_sizes(settings, model_folder(settings))
     if settings.dimensions is None:
         return
     matryoshka = model_matryoshka(settings) or declared_matryoshka(model_folder(settings))
     if matryoshka is not None:
         truncation(settings, matryoshka)
 
+
+
+def check_matryoshka_sizes(settings: ModelSettings, local_path: str) -> None:
+    """Refuse (ValueError) ``model.matryoshka_dimensions`` listing a size that the model's
+    ``config.json`` in ``local_path`` leaves out where it lists its own sizes: the setting is for
+    sizes a config.json does not declare, and vLLM, told it (``hf_overrides``), would replace
+    the model's list and cut its vectors to a size it was not trained for. A config.json without
+    a list (none, or ``is_matryoshka``: any size), or no local folder: nothing to check."""
+    declared = declared_matryoshka(local_path)
+    if declared is None or not declared.dimensions or settings.matryoshka_dimensions is None:
+        return
+    extra = [d for d in settings.matryoshka_dimensions if d not in declared.dimensions]
+    if extra:
+        raise ValueError(
+            f"model.matryoshka_dimensions lists {extra}, but the model {settings.path} declares "
+            f"only the Matryoshka dimensions {list(declared.dimensions)} in its config.json: "
+            "model.matryoshka_dimensions is for sizes a model's config.json does not declare, "
+            "and would override the model's own. List only sizes among the model's, or leave "
+            "model.matryoshka_dimensions unset")
 
 class CustomCodeRefused(ValueError):
     """The model needs Python code of its own, which newsvec does not run."""
@@ -236,12 +265,15 @@ def check_custom_code(local_path: str, trust_remote_code: bool) -> None:
         return
     try:
         hf_config = json.loads(config.read_text(encoding="utf-8"))
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep for json
         return  # not this check's to judge: vLLM names a config it cannot read
     auto_map = hf_config.get("auto_map") if isinstance(hf_config, dict) else None
     if not auto_map or not isinstance(auto_map, dict):
         return
-    architectures = [str(a) for a in hf_config.get("architectures") or []]
+    architectures = hf_config.get("architectures") or []
+    if isinstance(architectures, str):  # one name, as vLLM's registry also takes it
+        architectures = [architectures]
+    architectures = [str(a) for a in architectures]
     runnable = _runnable_architectures(architectures)
     if runnable is None or any(runnable):
         return
