@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,7 +19,7 @@ import numpy as np
 import pytest
 
 from pipeline.config import Config
-from tests.common import SAMPLE_EVENTS, make_config
+from tests.common import REPO, SAMPLE_EVENTS, make_config
 from tests.emulators import skip_or_fail
 
 API_KEY = "test-key-1f0c"
@@ -56,6 +59,39 @@ def serving(app) -> Iterator[str]:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+@contextlib.contextmanager
+def slow_service(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``tests.serve.slow_server`` (the real command's ``run``, with a stand-in engine whose
+    calls take 2 s, no API key) in a process of its own over no output: (the process, its base
+    URL) once ``/healthz`` answers; killed after, if it still runs."""
+    httpx = need("httpx")
+    need("uvicorn")
+    port_file = tmp_path / "port"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.serve.slow_server", str(tmp_path / "no-output"),
+         str(port_file)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "NEWSVEC_API_KEY": ""})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline, "the service did not start in 120 s"
+            assert process.poll() is None, (process.stdout.read().decode()
+                                            if process.stdout else "")
+            if port_file.is_file() and port_file.read_text():
+                url = f"http://127.0.0.1:{port_file.read_text()}"
+                try:
+                    if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.2)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 class Delayed:

@@ -5,13 +5,10 @@ commits with another model's settings its vectors must never be searched with th
 queries (no model: the output, its manifest and summaries written by hand)."""
 from __future__ import annotations
 
-import datetime as dt
 import json
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from pipeline.search import Filters
@@ -22,24 +19,11 @@ need("fastapi")
 
 from pipeline.serve.corpus import corpus_for  # noqa: E402
 from pipeline.serve.limits import ApiError  # noqa: E402
+from tests.serve.test_corpus import DIM  # noqa: E402
+from tests.serve.test_corpus import _write as _vectors  # noqa: E402
 from transforms.output import manifest as manifest_lib  # noqa: E402
-from transforms.output.parquet import vector_schema  # noqa: E402
 
-DIM = 384
-T0 = dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc)
 RUN_A, RUN_B = "20261201T000000Z-0000000a", "20261202T000000Z-0000000b"
-
-
-def _vectors(out: Path, name: str, ids: list[str]) -> None:
-    schema = vector_schema(DIM)
-    vector = np.eye(DIM, dtype=np.float32)[0].tolist()
-    defaults = {"model": "m", "dim": DIM, "embedding": vector, "text_sha256": "x",
-                "token_count": 3, "truncated": False, "embedded_at": T0, "doc_vector": "head",
-                "chunk_count": 0, "published_at": T0, "source": "s", "language": "en"}
-    rows = [{**defaults, "id": i, "title": f"title {i}"} for i in ids]
-    (out / "vectors").mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({f.name: [r.get(f.name) for r in rows] for f in schema},
-                            schema=schema), out / "vectors" / name)
 
 
 def _manifest(out: Path, run_id: str, state: str, vectors: list[str]) -> None:

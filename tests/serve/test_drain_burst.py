@@ -5,28 +5,16 @@ with ``Retry-After`` in the service's JSON error body, never a bare connection r
 uvicorn's plain-text 500."""
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
-from tests.common import REPO
-from tests.serve.conftest import need
-from tests.serve.test_drain import _started
+from tests.serve.conftest import need, slow_service
 
 
 def test_sigterm_answers_every_queued_request_it_cannot_finish_with_a_503(tmp_path):
     httpx = need("httpx")
-    need("uvicorn")
-    port_file = tmp_path / "port"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.serve.slow_server", str(tmp_path / "no-output"),
-         str(port_file)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**os.environ, "NEWSVEC_API_KEY": ""})
-    try:
-        url = _started(process, port_file, httpx)
+    with slow_service(tmp_path) as (process, url):
         answers: dict[int, object] = {}
 
         def send(i: int, inputs: list[str]) -> None:
@@ -51,10 +39,6 @@ def test_sigterm_answers_every_queued_request_it_cannot_finish_with_a_503(tmp_pa
         for sender in senders:
             sender.join(60)
         assert process.wait(30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
     def shown(answer) -> str:
         if isinstance(answer, Exception):

@@ -10,17 +10,14 @@
 """
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 
-from tests.common import REPO, make_config
-from tests.serve.conftest import API_KEY, headers, need, serving
+from tests.common import make_config
+from tests.serve.conftest import API_KEY, headers, need, serving, slow_service
 
 need("fastapi")
 httpx = need("httpx")
@@ -116,15 +113,7 @@ def test_a_flood_of_unauthenticated_readyz_probes_does_not_stall_the_service(tmp
 
 
 def test_a_connection_that_never_finishes_its_headers_is_closed(tmp_path):
-    port_file = tmp_path / "port"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.serve.slow_server", str(tmp_path / "no-output"),
-         str(port_file)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**os.environ, "NEWSVEC_API_KEY": ""})
-    try:
-        from tests.serve.test_drain import _started
-
-        url = _started(process, port_file, httpx)
+    with slow_service(tmp_path) as (_, url):
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port)) as slow:
             slow.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n")  # and no more
@@ -136,9 +125,6 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(tmp_path):
                 closed = False
             waited = time.monotonic() - started
         assert closed, f"a connection that never sent its headers was held for {waited:.0f} s"
-    finally:
-        process.kill()
-        process.wait()
 
 
 def test_readyz_tells_a_client_without_the_key_nothing_of_the_deployment(tmp_path):
