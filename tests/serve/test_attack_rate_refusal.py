@@ -21,8 +21,8 @@ from tests.serve.conftest import need
 
 need("prometheus_client")
 
-from pipeline.serve.batcher import Batcher, QueueFull  # noqa: E402
-from pipeline.serve.metrics import ServeMetrics  # noqa: E402
+from pipeline.serve.batcher import QueueFull  # noqa: E402
+from tests.serve.test_batcher import _run  # noqa: E402
 
 TOKEN_S = 0.0002  # the engine's cost of one token: a full call of 1,000 tokens takes 0.2 s
 
@@ -37,18 +37,6 @@ class TokenPaced:
         time.sleep(TOKEN_S * sum(len(p) for p in prompts))
         self.calls.append(len(prompts))
         return [np.array([float(len(p))], np.float32) for p in prompts]
-
-
-def _run(scenario, **settings):
-    async def main():
-        batcher = Batcher(TokenPaced().embed, metrics=ServeMetrics(), **settings)
-        batcher.start()
-        try:
-            return await scenario(batcher)
-        finally:
-            await batcher.close()
-
-    return asyncio.run(main())
 
 
 def test_short_queries_after_long_documents_are_not_refused():
@@ -66,7 +54,7 @@ def test_short_queries_after_long_documents_are_not_refused():
             return f"refused ({exc}; retry after {exc.retry_after_s} s)"
         return len(vectors), time.perf_counter() - started
 
-    outcome = _run(scenario, max_batch_tokens=1000, max_wait_ms=0, max_queue=10_000,
+    outcome = _run(TokenPaced(), scenario, max_batch_tokens=1000, max_wait_ms=0, max_queue=10_000,
                    timeout_s=1.0)
     assert not isinstance(outcome, str), (
         f"200 short queries (one call of {TOKEN_S * 1000:.1f} s) {outcome}: the pace was taken "
@@ -86,7 +74,7 @@ def test_a_request_that_alone_would_outwait_the_timeout_is_told_so():
             await batcher.embed([(4,) * 100] * 200)  # 20,000 tokens: 4 s of engine
         return refused.value
 
-    refused = _run(scenario, max_batch_tokens=1000, max_wait_ms=0, max_queue=10_000,
+    refused = _run(TokenPaced(), scenario, max_batch_tokens=1000, max_wait_ms=0, max_queue=10_000,
                    timeout_s=1.0)
     message = str(refused).lower()
     assert "0 inputs are waiting" not in message and (

@@ -12,8 +12,7 @@ from tests.serve.conftest import need
 
 need("prometheus_client")
 
-from pipeline.serve.batcher import Batcher  # noqa: E402
-from pipeline.serve.metrics import ServeMetrics  # noqa: E402
+from tests.serve.test_batcher import _run  # noqa: E402
 
 
 class ShortEngine:
@@ -25,23 +24,17 @@ class ShortEngine:
 
 
 def test_a_call_that_answers_too_few_vectors_does_not_stop_the_batcher():
-    async def main():
-        batcher = Batcher(ShortEngine().embed, max_batch_tokens=100, max_wait_ms=0,
-                          max_queue=100, metrics=ServeMetrics())
-        batcher.start()
-        try:
-            outcomes = []
-            for prompts in ([[13], [14]], [[7]]):
-                try:
-                    outcomes.append(await asyncio.wait_for(batcher.embed(prompts), 5))
-                except asyncio.TimeoutError:
-                    outcomes.append("hung")
-                except Exception as exc:  # pylint: disable=broad-except
-                    outcomes.append(exc)
-            return outcomes
-        finally:
-            await batcher.close()
+    async def scenario(batcher):
+        outcomes = []
+        for prompts in ([[13], [14]], [[7]]):
+            try:
+                outcomes.append(await asyncio.wait_for(batcher.embed(prompts), 5))
+            except asyncio.TimeoutError:
+                outcomes.append("hung")
+            except Exception as exc:  # pylint: disable=broad-except
+                outcomes.append(exc)
+        return outcomes
 
-    first, later = asyncio.run(main())
+    first, later = _run(ShortEngine(), scenario, max_queue=100)
     assert isinstance(first, Exception), first  # that call's request fails, and is answered
     assert later != "hung" and later[0][0] == 7.0, later
